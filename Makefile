@@ -1,0 +1,38 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv/ themselves.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck pytest bench clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip setuptools wheel
+	# torch first and pinned: an unpinned torch would pull GBs of CUDA packages.
+	$(BIN)/python -m pip install "torch==2.13.0"
+	$(BIN)/python -m pip install -e ".[train,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/hotload demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/pytest
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_arc.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,59 @@
+"""The `hotload` command: one sub-command module per area, each with a `register` function."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from hotload.errors import HotloadError
+
+# Exit codes scripts can rely on.
+EXIT_OK = 0
+EXIT_ERROR = 1  # the operation failed (bad input, verification failure, ...)
+EXIT_USAGE = 2  # wrong command line (argparse's own code)
+EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the full `hotload` argument parser with every sub-command registered."""
+    from hotload.cli import demo, snapshot
+
+    parser = argparse.ArgumentParser(
+        prog="hotload",
+        description="Publish RL policy snapshots and arc_v2 deltas, and hot-load them into a fleet.",
+        epilog="Exit codes: 0 success, 1 operation failed (message on stderr), 2 bad usage, "
+        "130 interrupted.",
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    snapshot.register(sub)
+    demo.register(sub)
+    for optional in ("ledger", "publish"):
+        try:
+            module = __import__(f"hotload.cli.{optional}", fromlist=["register"])
+        except ModuleNotFoundError:
+            continue
+        module.register(sub)
+    return parser
+
+
+def _version() -> str:
+    from hotload import __version__
+
+    return f"hotload {__version__}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the `hotload` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except HotloadError as exc:
+        print(f"hotload: error: {exc}", file=sys.stderr)
+        code = EXIT_ERROR
+    except KeyboardInterrupt:
+        print("hotload: interrupted", file=sys.stderr)
+        code = EXIT_INTERRUPTED
+    sys.exit(code or EXIT_OK)

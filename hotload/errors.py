@@ -1,0 +1,143 @@
+"""The one error hierarchy of hotload: every failure a user can see derives from `HotloadError`."""
+
+from __future__ import annotations
+
+
+class HotloadError(Exception):
+    """Base class of every error hotload raises on purpose."""
+
+
+# --- snapshots -------------------------------------------------------------------------------
+
+
+class SnapshotError(HotloadError):
+    """A snapshot folder or file is unusable; `path` and `field` say where."""
+
+    def __init__(self, message: str, *, path: str | None = None, field: str | None = None) -> None:
+        self.path = path
+        self.field = field
+        where = ""
+        if path and field:
+            where = f"{path}: {field}: "
+        elif path:
+            where = f"{path}: "
+        elif field:
+            where = f"{field}: "
+        super().__init__(where + message)
+        self.message = message
+
+
+class InvalidIdentityError(SnapshotError):
+    """A snapshot identity is not a single, safe path segment."""
+
+
+class ValidationProblem:
+    """One problem found while validating: the file, the field inside it, and what is wrong."""
+
+    __slots__ = ("field", "message", "path")
+
+    def __init__(self, path: str, field: str | None, message: str) -> None:
+        self.path = path
+        self.field = field
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.field}: {self.message}" if self.field else f"{self.path}: {self.message}"
+
+    def __repr__(self) -> str:
+        return f"ValidationProblem({self.path!r}, {self.field!r}, {self.message!r})"
+
+
+class SnapshotValidationError(SnapshotError):
+    """A snapshot (or a parent -> child transition) failed validation; `problems` lists every finding."""
+
+    def __init__(self, problems: list[ValidationProblem]) -> None:
+        self.problems = problems
+        first = problems[0] if problems else ValidationProblem("?", None, "invalid snapshot")
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        super().__init__(first.message + more, path=first.path, field=first.field)
+
+    def __str__(self) -> str:
+        if len(self.problems) <= 1:
+            return super().__str__()
+        return "snapshot is invalid:\n" + "\n".join(f"  - {p}" for p in self.problems)
+
+
+# --- arc_v2 codec ----------------------------------------------------------------------------
+
+
+class ArcError(HotloadError):
+    """An arc_v2 delta could not be encoded, decoded or verified; `shard` and `tensor` say where."""
+
+    def __init__(self, message: str, *, shard: str | None = None, tensor: str | None = None) -> None:
+        self.shard = shard
+        self.tensor = tensor
+        parts = [p for p in (shard, f"tensor {tensor!r}" if tensor else None) if p]
+        super().__init__((": ".join(parts) + ": " if parts else "") + message)
+
+
+class CorruptDeltaError(ArcError):
+    """The delta's bytes are truncated, malformed or fail to decompress."""
+
+
+class ChecksumMismatchError(ArcError):
+    """A reconstructed tensor does not match the checksum the delta promised."""
+
+
+class WrongParentError(ArcError):
+    """The delta was made against another snapshot than the one offered as its parent."""
+
+
+class PayloadTooLargeError(CorruptDeltaError):
+    """A payload decompresses past the size its header promises (a decompression bomb)."""
+
+
+# --- buckets and the ledger ------------------------------------------------------------------
+
+
+class BucketError(HotloadError):
+    """An object-store operation failed; `url` and `key` say which object, `reason` why."""
+
+    reason = "failed"
+
+    def __init__(self, message: str, *, url: str, key: str | None = None) -> None:
+        self.url = url
+        self.key = key
+        target = f"{url.rstrip('/')}/{key}" if key else url
+        super().__init__(f"{target}: {self.reason}: {message}")
+
+
+class ObjectNotFoundError(BucketError):
+    """The object does not exist."""
+
+    reason = "not found"
+
+
+class AccessDeniedError(BucketError):
+    """The credentials were refused."""
+
+    reason = "access denied"
+
+
+class PreconditionFailedError(BucketError):
+    """A conditional write or read did not hold (the object changed, or already exists)."""
+
+    reason = "precondition failed"
+
+
+class BucketUnreachableError(BucketError):
+    """The store could not be reached after retries."""
+
+    reason = "unreachable"
+
+
+class LedgerError(HotloadError):
+    """The ledger refused an operation or is malformed."""
+
+
+class LedgerConflictError(LedgerError):
+    """Another writer appended first; re-read the ledger and try again."""
+
+
+class LedgerRejectedError(LedgerError):
+    """An entry breaks a ledger rule (wrong parent, a delta right after a reset, ...)."""
