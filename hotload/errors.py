@@ -131,6 +131,18 @@ class BucketUnreachableError(BucketError):
     reason = "unreachable"
 
 
+class ObjectExistsError(PreconditionFailedError):
+    """A create-only write found the object already there."""
+
+    reason = "already exists"
+
+
+class InvalidBucketURLError(BucketError):
+    """A bucket URL has an unsupported form or scheme, or its configuration is incomplete."""
+
+    reason = "invalid bucket URL"
+
+
 class LedgerError(HotloadError):
     """The ledger refused an operation or is malformed."""
 

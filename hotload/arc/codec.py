@@ -1,0 +1,667 @@
+"""arc_v2 encode, decode and verify, shard by shard and for whole snapshot folders.
+
+Shards stream one at a time; inside a shard, chunks are coded on a thread pool (numpy, zlib
+and zstd release the GIL). Decoding copies the parent's bytes with copy_file_range, patches
+only the changed elements through a memory map, and checks every tensor's adler32: the parent's
+against the delta's base checksum (wrong parent) and the result against the target checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import struct
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hotload.arc import chunk as ck
+from hotload.arc.checksum import (
+    ADLER32,
+    adler32,
+    adler32_combine,
+    format_checksum,
+    normalize_checksum_format,
+    parse_checksum,
+)
+from hotload.arc.container import FORMAT, LAYOUT_VERSION, ArcHeader, read_header, write_prefix
+from hotload.errors import (
+    ArcError,
+    ChecksumMismatchError,
+    CorruptDeltaError,
+    HotloadError,
+    SnapshotError,
+    WrongParentError,
+)
+from hotload.snapshot import layout
+from hotload.snapshot.dtypes import uint_view_dtype
+from hotload.snapshot.safetensors_io import SafetensorsFile, TensorInfo, parse_header
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 23
+
+ProgressFn = Callable[[int], None]
+
+
+@dataclass
+class ShardStats:
+    """What coding one shard did: sizes, changed elements and the encodings chosen."""
+
+    name: str
+    full_bytes: int = 0
+    delta_bytes: int = 0
+    elements: int = 0
+    changed: int = 0
+    encodings: Counter[str] = field(default_factory=Counter)
+    hardlinked: bool = False
+    seconds: float = 0.0
+
+
+@dataclass
+class CodecStats:
+    """Totals over the shards of one snapshot encode or decode."""
+
+    shards: list[ShardStats] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the full shards."""
+        return sum(s.full_bytes for s in self.shards)
+
+    @property
+    def delta_bytes(self) -> int:
+        """Bytes of the delta shards."""
+        return sum(s.delta_bytes for s in self.shards)
+
+    @property
+    def elements(self) -> int:
+        """Elements in all tensors."""
+        return sum(s.elements for s in self.shards)
+
+    @property
+    def changed(self) -> int:
+        """Elements that differ from the parent (known when encoding and when decoding)."""
+        return sum(s.changed for s in self.shards)
+
+
+def default_threads() -> int:
+    """Worker threads used when a caller does not say: every core."""
+    return max(1, os.cpu_count() or 1)
+
+
+@contextmanager
+def _pool(threads: int | None) -> Iterator[Executor]:
+    with ThreadPoolExecutor(max_workers=threads or default_threads()) as pool:
+        yield pool
+
+
+def _chunk_bounds(n: int, chunk_elements: int) -> list[tuple[int, int]]:
+    return [(s, min(n, s + chunk_elements)) for s in range(0, n, chunk_elements)]
+
+
+def _combine(parts: list[tuple[int, int]]) -> int:
+    """Combine (checksum, byte length) pairs of consecutive chunks into one adler32."""
+    total = 1
+    for value, length in parts:
+        total = adler32_combine(total, value, length)
+    return total
+
+
+def _elements(f: SafetensorsFile, info: TensorInfo) -> np.ndarray:
+    return f.raw(info.name).view(uint_view_dtype(info.dtype))
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+def encode_shard(
+    previous: Path,
+    current: Path,
+    out: Path,
+    *,
+    parent: str | None,
+    identity: str | None = None,
+    pool: Executor,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    sparse_level: int = 1,
+    dense_level: int = 3,
+    progress: ProgressFn | None = None,
+) -> ShardStats:
+    """Encode `current` (a full shard) as an arc_v2 delta against `previous`, written to `out`."""
+    started = time.perf_counter()
+    name = current.name
+    stats = ShardStats(name)
+    with SafetensorsFile(previous) as prev, SafetensorsFile(current) as cur:
+        for tname, info in cur.tensors.items():
+            p = prev.tensors.get(tname)
+            if p is None:
+                raise ArcError("tensor is not in the parent shard", shard=name, tensor=tname)
+            if (p.dtype, p.shape) != (info.dtype, info.shape):
+                raise ArcError(
+                    f"parent has {p.dtype}{list(p.shape)}, current has {info.dtype}"
+                    f"{list(info.shape)}: a delta cannot change dtype or shape",
+                    shard=name,
+                    tensor=tname,
+                )
+        extra = set(prev.tensors) - set(cur.tensors)
+        if extra:
+            raise ArcError(f"tensors {sorted(extra)} of the parent are missing", shard=name)
+        ordered = sorted(cur.tensors.values(), key=lambda i: i.begin)
+        tasks: list[tuple[TensorInfo, int, int]] = [
+            (info, s, e) for info in ordered for s, e in _chunk_bounds(info.numel, chunk_elements)
+        ]
+
+        def run(task: tuple[TensorInfo, int, int]) -> ck.EncodedChunk:
+            info, s, e = task
+            res = ck.encode_chunk(
+                _elements(prev, prev.tensors[info.name])[s:e],
+                _elements(cur, info)[s:e],
+                sparse_level=sparse_level,
+                dense_level=dense_level,
+            )
+            if progress:
+                progress((e - s) * (info.nbytes // max(1, info.numel)))
+            return res
+
+        results = list(pool.map(run, tasks))
+        entries: list[dict[str, Any]] = []
+        payload: list[bytes] = []
+        offset = 0
+        by_tensor: dict[str, list[tuple[tuple[TensorInfo, int, int], ck.EncodedChunk]]] = {}
+        for task, res in zip(tasks, results, strict=True):
+            by_tensor.setdefault(task[0].name, []).append((task, res))
+        for info in ordered:
+            chunks_meta = []
+            targets: list[tuple[int, int]] = []
+            bases: list[tuple[int, int]] = []
+            width = info.nbytes // max(1, info.numel)
+            for (_, s, e), res in by_tensor.get(info.name, []):
+                meta = dict(res.meta)
+                meta["offset"] = offset
+                meta["length"] = res.size
+                chunks_meta.append(meta)
+                payload.extend(res.payload)
+                offset += res.size
+                targets.append((res.target_checksum, (e - s) * width))
+                bases.append((res.base_checksum, (e - s) * width))
+                stats.encodings[meta["encoding"]] += 1
+                if meta["encoding"] == ck.SPARSE:
+                    stats.changed += int(meta["count"])
+                elif meta["encoding"] != ck.SAME:
+                    stats.changed += e - s  # dense forms: counted as all changed
+            entries.append(
+                {
+                    "name": info.name,
+                    "checksum": format_checksum(_combine(targets)),
+                    "base_checksum": format_checksum(_combine(bases)),
+                    "chunks": chunks_meta,
+                }
+            )
+            stats.elements += info.numel
+        header = {
+            "format": FORMAT,
+            "version": LAYOUT_VERSION,
+            "parent": parent,
+            "identity": identity,
+            "checksum": ADLER32,
+            "chunk_elements": chunk_elements,
+            "target_header": cur.header_bytes.decode(),
+            "tensors": entries,
+        }
+        stats.full_bytes = cur.file_size
+    prefix = write_prefix(header)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(prefix)
+            for part in payload:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    stats.delta_bytes = len(prefix) + offset
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+
+def _target(header: ArcHeader, shard: str) -> tuple[bytes, dict[str, TensorInfo], int]:
+    text = header.fields.get("target_header")
+    if not isinstance(text, str):
+        raise CorruptDeltaError("header has no target_header", shard=shard)
+    raw = text.encode()
+    try:
+        infos, _ = parse_header(raw, None, shard)
+    except SnapshotError as exc:
+        raise CorruptDeltaError(f"target_header is invalid: {exc.message}", shard=shard) from None
+    data_len = max((i.end for i in infos.values()), default=0)
+    return raw, infos, data_len
+
+
+def target_tensors(path: Path) -> dict[str, TensorInfo]:
+    """Tensors (dtype, shape, offsets) of the full shard a delta shard rebuilds."""
+    return _target(read_header(path), path.name)[1]
+
+
+def _copy_range(src: int, dst: int, count: int, src_off: int, dst_off: int) -> None:
+    while count > 0:
+        try:
+            done = os.copy_file_range(src, dst, count, src_off, dst_off)
+        except OSError:
+            done = 0
+        if done <= 0:  # unsupported here: plain reads and writes
+            os.lseek(src, src_off, os.SEEK_SET)
+            data = os.read(src, min(count, 1 << 24))
+            if not data:
+                raise OSError("unexpected end of parent shard")
+            done = os.pwrite(dst, data, dst_off)
+        count -= done
+        src_off += done
+        dst_off += done
+
+
+def decode_shard(
+    previous: Path,
+    delta: Path,
+    out: Path | None,
+    *,
+    expected_parent: str | None = None,
+    pool: Executor,
+    progress: ProgressFn | None = None,
+) -> ShardStats:
+    """Rebuild a full shard from its parent and an arc_v2 delta, verifying every tensor.
+
+    With `out=None` nothing is written: the shard is only verified. The output appears under
+    its final name only after every checksum matched.
+    """
+    started = time.perf_counter()
+    shard = delta.name
+    stats = ShardStats(shard)
+    header = read_header(delta)
+    if expected_parent is not None and header.parent != expected_parent:
+        raise WrongParentError(
+            f"delta was made against {header.parent!r}, not {expected_parent!r}", shard=shard
+        )
+    fmt = header.fields.get("checksum")
+    normalize_checksum_format(str(fmt))
+    chunk_elements = header.fields.get("chunk_elements")
+    if not isinstance(chunk_elements, int) or chunk_elements <= 0:
+        raise CorruptDeltaError(f"bad chunk_elements {chunk_elements!r}", shard=shard)
+    target_raw, infos, data_len = _target(header, shard)
+    entries = header.fields.get("tensors")
+    if not isinstance(entries, list):
+        raise CorruptDeltaError("header has no tensor list", shard=shard)
+    names = [e.get("name") if isinstance(e, dict) else None for e in entries]
+    if sorted(map(str, names)) != sorted(infos) or len(set(names)) != len(names):
+        raise CorruptDeltaError("tensor list does not match target_header", shard=shard)
+    payload_len = header.file_size - header.payload_offset
+    with SafetensorsFile(previous) as prev:
+        for tname, info in infos.items():
+            p = prev.tensors.get(tname)
+            if p is None:
+                raise WrongParentError("tensor is not in the parent shard", shard=shard, tensor=tname)
+            if (p.dtype, p.shape) != (info.dtype, info.shape):
+                raise ArcError(
+                    f"delta rebuilds {info.dtype}{list(info.shape)} but the parent holds "
+                    f"{p.dtype}{list(p.shape)}: a delta cannot change dtype or shape",
+                    shard=shard,
+                    tensor=tname,
+                )
+        # Validate every chunk's placement before touching any output.
+        plan: list[tuple[TensorInfo, int, int, dict[str, Any]]] = []
+        all_same = True
+        for entry in entries:
+            info = infos[entry["name"]]
+            bounds = _chunk_bounds(info.numel, chunk_elements)
+            chunks = entry.get("chunks")
+            if not isinstance(chunks, list) or len(chunks) != len(bounds):
+                raise CorruptDeltaError(
+                    f"expected {len(bounds)} chunks", shard=shard, tensor=info.name
+                )
+            for (s, e), meta in zip(bounds, chunks, strict=True):
+                if not isinstance(meta, dict):
+                    raise CorruptDeltaError("chunk entry is not an object", shard=shard, tensor=info.name)
+                off, length = meta.get("offset"), meta.get("length")
+                if (
+                    not isinstance(off, int)
+                    or not isinstance(length, int)
+                    or off < 0
+                    or length < 0
+                    or off + length > payload_len
+                ):
+                    raise CorruptDeltaError(
+                        f"chunk at elements {s}..{e} points outside the payload "
+                        f"({payload_len} bytes): the file is truncated or corrupted",
+                        shard=shard,
+                        tensor=info.name,
+                    )
+                all_same = all_same and meta.get("encoding") == ck.SAME
+                plan.append((info, s, e, meta))
+        stats.full_bytes = 8 + len(target_raw) + data_len
+        stats.delta_bytes = header.file_size
+        stats.elements = sum(i.numel for i in infos.values())
+        link = (
+            out is not None
+            and all_same
+            and target_raw == prev.header_bytes
+            and prev.file_size == stats.full_bytes
+        )
+        tmp = out.with_name(out.name + ".tmp") if out is not None else None
+        out_fd: int | None = None
+        out_map: mmap.mmap | None = None
+        delta_file = delta.open("rb")
+        delta_map = mmap.mmap(delta_file.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            if tmp is not None and not link:
+                out_fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                prefix = struct.pack("<Q", len(target_raw)) + target_raw
+                os.pwrite(out_fd, prefix, 0)
+                os.ftruncate(out_fd, stats.full_bytes)
+                prev_fd = os.open(previous, os.O_RDONLY)
+                try:
+                    for tname, info in infos.items():
+                        p = prev.tensors[tname]
+                        _copy_range(
+                            prev_fd, out_fd, info.nbytes, prev.data_start + p.begin, len(prefix) + info.begin
+                        )
+                finally:
+                    os.close(prev_fd)
+                if stats.full_bytes > 0:
+                    out_map = mmap.mmap(out_fd, 0, access=mmap.ACCESS_WRITE)
+            data_start = 8 + len(target_raw)
+
+            def run(item: tuple[TensorInfo, int, int, dict[str, Any]]) -> tuple[int, int, int]:
+                info, s, e, meta = item
+                udtype = uint_view_dtype(info.dtype)
+                old = _elements(prev, prev.tensors[info.name])[s:e]
+                begin = header.payload_offset + meta["offset"]
+                data = memoryview(delta_map)[begin : begin + meta["length"]]
+                what = f"{shard}: tensor {info.name!r}: elements {s}..{e}"
+                res = ck.decode_chunk(meta, data, old, what)
+                if out_map is not None:
+                    view = np.frombuffer(
+                        out_map, dtype=udtype, count=e - s, offset=data_start + info.begin + s * udtype.itemsize
+                    )
+                    if res.dense is not None:
+                        view[:] = res.dense
+                    elif res.positions is not None and res.values is not None:
+                        view[res.positions] = res.values
+                if progress:
+                    progress((e - s) * udtype.itemsize)
+                changed = int(meta["count"]) if meta.get("encoding") == ck.SPARSE else (
+                    0 if meta.get("encoding") == ck.SAME else e - s
+                )
+                return res.base_checksum, res.target_checksum, changed
+
+            results = list(pool.map(run, plan))
+            per_tensor: dict[str, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
+            for (info, s, e, meta), (base, target, changed) in zip(plan, results, strict=True):
+                width = info.nbytes // max(1, info.numel)
+                bases, targets = per_tensor.setdefault(info.name, ([], []))
+                bases.append((base, (e - s) * width))
+                targets.append((target, (e - s) * width))
+                stats.changed += changed
+                stats.encodings[str(meta.get("encoding"))] += 1
+            for entry in entries:
+                tname = entry["name"]
+                bases, targets = per_tensor.get(tname, ([], []))
+                want_base = parse_checksum(entry.get("base_checksum"), shard=shard, tensor=tname)
+                want = parse_checksum(entry.get("checksum"), shard=shard, tensor=tname)
+                got_base, got = _combine(bases), _combine(targets)
+                if got_base != want_base:
+                    raise WrongParentError(
+                        f"the parent's data differ from the delta's base (checksum "
+                        f"{format_checksum(got_base)}, delta expects {format_checksum(want_base)}):"
+                        " this delta was made against another snapshot",
+                        shard=shard,
+                        tensor=tname,
+                    )
+                if got != want:
+                    raise ChecksumMismatchError(
+                        f"rebuilt tensor has checksum {format_checksum(got)}, the delta promises "
+                        f"{format_checksum(want)}: the payload is corrupted",
+                        shard=shard,
+                        tensor=tname,
+                    )
+            if tmp is not None and out is not None:
+                if link:
+                    try:
+                        os.link(previous, tmp)
+                    except OSError:
+                        shutil.copyfile(previous, tmp)
+                    stats.hardlinked = True
+                else:
+                    assert out_fd is not None
+                    if out_map is not None:
+                        out_map.flush()
+                    os.fsync(out_fd)
+                os.replace(tmp, out)
+        finally:
+            if out_map is not None:
+                out_map.close()
+            if out_fd is not None:
+                os.close(out_fd)
+            delta_map.close()
+            delta_file.close()
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+# --- snapshot folders -------------------------------------------------------------------------
+
+
+def _side_files(root: Path, shards: list[str]) -> list[str]:
+    skip = set(shards) | set(layout.MANIFEST_FILES)
+    return sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if p.is_file() and str(p.relative_to(root)) not in skip and not p.name.startswith(".")
+    )
+
+
+@contextmanager
+def _staging(out: Path, overwrite: bool) -> Iterator[Path]:
+    if out.exists() and not overwrite:
+        raise SnapshotError("output folder already exists", path=str(out))
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def encode(
+    previous: str | Path,
+    current: str | Path,
+    out: str | Path,
+    *,
+    parent_identity: str | None = None,
+    identity: str | None = None,
+    threads: int | None = None,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    sparse_level: int = 1,
+    dense_level: int = 3,
+    overwrite: bool = False,
+    progress: ProgressFn | None = None,
+) -> CodecStats:
+    """Write an incremental snapshot at `out` that rebuilds `current` from `previous`.
+
+    Both inputs must be valid full snapshots with the same weight map and dtypes. The parent
+    identity recorded in every shard defaults to the name of the `previous` folder.
+    """
+    from hotload.snapshot.validate import validate_snapshot, validate_transition
+
+    started = time.perf_counter()
+    prev_path, cur_path, out_path = Path(previous), Path(current), Path(out)
+    parent_identity = layout.validate_identity(parent_identity or prev_path.name)
+    if identity is not None:
+        layout.validate_identity(identity)
+    prev = validate_snapshot(prev_path)
+    cur = validate_snapshot(cur_path)
+    for snap, role in ((prev, "previous"), (cur, "current")):
+        if snap.kind != "full":
+            raise SnapshotError(f"the {role} snapshot must be full, it is {snap.kind}", path=str(snap.path))
+    validate_transition(prev, cur)
+    stats = CodecStats()
+    with _staging(out_path, overwrite) as tmp, _pool(threads) as pool:
+        for name in _side_files(cur_path, cur.shard_files):
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(cur_path / name, tmp / name)
+        for shard in cur.shard_files:
+            stats.shards.append(
+                encode_shard(
+                    prev_path / shard,
+                    cur_path / shard,
+                    tmp / shard,
+                    parent=parent_identity,
+                    identity=identity,
+                    pool=pool,
+                    chunk_elements=chunk_elements,
+                    sparse_level=sparse_level,
+                    dense_level=dense_level,
+                    progress=progress,
+                )
+            )
+        for name in layout.MANIFEST_FILES:  # manifests last
+            shutil.copyfile(cur_path / name, tmp / name)
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+def decode(
+    previous: str | Path,
+    delta: str | Path,
+    out: str | Path | None,
+    *,
+    expected_parent: str | None = None,
+    threads: int | None = None,
+    overwrite: bool = False,
+    progress: ProgressFn | None = None,
+) -> CodecStats:
+    """Rebuild the full snapshot of `delta` from `previous` into `out`, verifying every tensor.
+
+    With `out=None` the delta is only verified. Nothing appears at `out` unless every shard
+    rebuilt and verified.
+    """
+    from hotload.snapshot.validate import validate_snapshot, validate_transition
+
+    started = time.perf_counter()
+    prev_path, delta_path = Path(previous), Path(delta)
+    prev = validate_snapshot(prev_path)
+    if prev.kind != "full":
+        raise SnapshotError(f"the previous snapshot must be full, it is {prev.kind}", path=str(prev_path))
+    dsnap = validate_snapshot(delta_path)
+    if dsnap.kind != "incremental":
+        raise SnapshotError(f"expected an incremental snapshot, found {dsnap.kind}", path=str(delta_path))
+    validate_transition(prev, dsnap)
+    stats = CodecStats()
+    with _pool(threads) as pool:
+        if out is None:
+            for shard in dsnap.shard_files:
+                stats.shards.append(
+                    decode_shard(
+                        prev_path / shard, delta_path / shard, None,
+                        expected_parent=expected_parent, pool=pool, progress=progress,
+                    )
+                )
+        else:
+            with _staging(Path(out), overwrite) as tmp:
+                for name in _side_files(delta_path, dsnap.shard_files):
+                    (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(delta_path / name, tmp / name)
+                for shard in dsnap.shard_files:
+                    stats.shards.append(
+                        decode_shard(
+                            prev_path / shard, delta_path / shard, tmp / shard,
+                            expected_parent=expected_parent, pool=pool, progress=progress,
+                        )
+                    )
+                for name in layout.MANIFEST_FILES:
+                    shutil.copyfile(delta_path / name, tmp / name)
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+@dataclass
+class VerifyReport:
+    """Result of `verify`: what was checked."""
+
+    kind: str
+    tensors_checked: int = 0
+    shards_checked: int = 0
+    parent: str | None = None
+
+
+def verify(path: str | Path, previous: str | Path | None = None, *, threads: int | None = None) -> VerifyReport:
+    """Verify a snapshot: structure always; tensor checksums of a full snapshot, or a delta
+    rebuilt (in memory, nothing written) against `previous`."""
+    from hotload.snapshot.validate import validate_snapshot
+    from hotload.snapshot.writer import META_CHECKSUMS
+
+    snap = validate_snapshot(path)
+    report = VerifyReport(snap.kind, parent=snap.parent)
+    if snap.kind == "incremental":
+        if previous is not None:
+            stats = decode(previous, path, None, threads=threads)
+            report.shards_checked = len(stats.shards)
+            report.tensors_checked = len(snap.tensor_map)
+        return report
+    if snap.kind == "lora":
+        return report
+    for shard in snap.shard_files:
+        with snap.open_shard(shard) as f:
+            raw = f.metadata.get(META_CHECKSUMS)
+            if raw is None:
+                continue
+            try:
+                sums = json.loads(raw)
+            except json.JSONDecodeError:
+                raise SnapshotError("checksum metadata is not JSON", path=str(snap.path / shard)) from None
+            for tname, info in f.tensors.items():
+                want = parse_checksum(sums.get(tname), shard=shard, tensor=tname)
+                got = adler32(f.raw(info.name))
+                if got != want:
+                    raise ChecksumMismatchError(
+                        f"tensor data has checksum {format_checksum(got)}, the shard records "
+                        f"{format_checksum(want)}",
+                        shard=shard,
+                        tensor=tname,
+                    )
+                report.tensors_checked += 1
+            report.shards_checked += 1
+    return report
+
+
+__all__ = [
+    "DEFAULT_CHUNK_ELEMENTS",
+    "CodecStats",
+    "HotloadError",
+    "ShardStats",
+    "VerifyReport",
+    "decode",
+    "decode_shard",
+    "encode",
+    "encode_shard",
+    "target_tensors",
+    "verify",
+]

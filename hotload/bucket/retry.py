@@ -1,0 +1,173 @@
+"""Turning object-store failures into hotload errors, and retrying only the transient ones."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import random
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, TypeVar
+
+from obstore.exceptions import (
+    AlreadyExistsError,
+    GenericError,
+    InvalidPathError,
+    NotSupportedError,
+    PermissionDeniedError,
+    PreconditionError,
+    UnauthenticatedError,
+)
+
+from hotload.errors import (
+    AccessDeniedError,
+    BucketError,
+    BucketUnreachableError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+)
+
+if TYPE_CHECKING:
+    from obstore.store import RetryConfig
+
+T = TypeVar("T")
+
+_STATUS = re.compile(r"status code: (\d{3})")
+_S3_CODE = re.compile(r"<Code>([^<]+)</Code>")
+_S3_MESSAGE = re.compile(r"<Message>([^<]+)</Message>")
+# Failures without an HTTP status that still mean "the network or server had a hiccup".
+_NETWORK_HINTS = (
+    "error sending request",
+    "connect",
+    "connection",
+    "timed out",
+    "timeout",
+    "broken pipe",
+    "reset by peer",
+    "body",
+    "decode",
+    "incomplete",
+    "unexpected eof",
+    "dns",
+)
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently to retry transient failures (exponential backoff, full jitter)."""
+
+    attempts: int = 4
+    initial_backoff: float = 0.25
+    max_backoff: float = 4.0
+    multiplier: float = 2.0
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to sleep before retry number `attempt` (1-based): full jitter over the cap."""
+        cap = min(self.max_backoff, self.initial_backoff * self.multiplier ** (attempt - 1))
+        return random.uniform(0, cap)
+
+    def obstore_config(self) -> RetryConfig:
+        """The per-request retry settings handed to obstore (kept short: we retry around it)."""
+        return {
+            "max_retries": 2,
+            "retry_timeout": timedelta(seconds=max(5.0, self.max_backoff * 4)),
+            "backoff": {
+                "init_backoff": timedelta(milliseconds=50),
+                "max_backoff": timedelta(seconds=1),
+                "base": 2,
+            },
+        }
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line summary of a store error: S3 error code and message when present."""
+    text = str(exc)
+    code = _S3_CODE.search(text)
+    message = _S3_MESSAGE.search(text)
+    status = _STATUS.search(text)
+    if code:
+        detail = code.group(1) + (f" ({message.group(1)})" if message else "")
+        return f"HTTP {status.group(1)} {detail}" if status else detail
+    first = text.split("\n", 1)[0].strip()
+    first = first.split("Debug source:", 1)[0].strip()
+    if len(first) > 300:
+        first = first[:297] + "..."
+    return first or type(exc).__name__
+
+
+def translate(exc: BaseException, *, url: str, key: str | None, op: str) -> BucketError:
+    """Map an obstore or OS exception onto the hotload error that names `url`/`key` and why.
+
+    The result is a `BucketUnreachableError` (the only kind `retrying` retries) exactly for
+    failures that may go away on their own: connection trouble, 5xx, throttling, timeouts.
+    """
+    if isinstance(exc, BucketError):
+        return exc
+    what = f"{op}: {describe(exc)}"
+    if isinstance(exc, FileNotFoundError):
+        return ObjectNotFoundError(what, url=url, key=key)
+    if isinstance(exc, PermissionDeniedError | UnauthenticatedError | PermissionError):
+        return AccessDeniedError(what, url=url, key=key)
+    if isinstance(exc, AlreadyExistsError):
+        return ObjectExistsError(what, url=url, key=key)
+    if isinstance(exc, PreconditionError):
+        return PreconditionFailedError(what, url=url, key=key)
+    if isinstance(exc, InvalidPathError | ValueError):
+        return BucketError(f"{op}: invalid object key: {describe(exc)}", url=url, key=key)
+    if isinstance(exc, NotSupportedError | NotImplementedError):
+        return BucketError(f"{op}: not supported by this store: {describe(exc)}", url=url, key=key)
+    if isinstance(exc, OSError):
+        if exc.errno == errno.ENOENT:
+            return ObjectNotFoundError(what, url=url, key=key)
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return AccessDeniedError(what, url=url, key=key)
+        return BucketError(what, url=url, key=key)
+    status_match = _STATUS.search(str(exc))
+    status = int(status_match.group(1)) if status_match else None
+    if status == 404:
+        return ObjectNotFoundError(what, url=url, key=key)
+    if status in (401, 403):
+        return AccessDeniedError(what, url=url, key=key)
+    if status == 412:
+        return PreconditionFailedError(what, url=url, key=key)
+    if status in _TRANSIENT_STATUS:
+        return BucketUnreachableError(what, url=url, key=key)
+    if status is None and isinstance(exc, GenericError):
+        lowered = str(exc).lower()
+        if any(hint in lowered for hint in _NETWORK_HINTS):
+            return BucketUnreachableError(what, url=url, key=key)
+    return BucketError(what, url=url, key=key)
+
+
+async def retrying(
+    policy: RetryPolicy,
+    operation: Callable[[], Awaitable[T]],
+    *,
+    url: str,
+    key: str | None,
+    op: str,
+) -> T:
+    """Run `operation`, retrying transient failures with backoff; raise a hotload `BucketError`.
+
+    `operation` is a factory so that every attempt starts afresh (new request, new body).
+    """
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await operation()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            error = translate(exc, url=url, key=key, op=op)
+            if not isinstance(error, BucketUnreachableError):
+                raise error from exc
+            if attempt >= policy.attempts:
+                raise BucketUnreachableError(
+                    f"{op}: gave up after {attempt} attempt(s): {describe(exc)}", url=url, key=key
+                ) from exc
+            await asyncio.sleep(policy.delay(attempt))

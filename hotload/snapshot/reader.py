@@ -1,0 +1,201 @@
+"""Open a snapshot folder lazily: manifests parsed up front, shards memory-mapped on demand."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from hotload.errors import SnapshotError
+from hotload.snapshot import layout
+from hotload.snapshot.dtypes import ELEMENT_SIZE
+from hotload.snapshot.safetensors_io import RawTensor, SafetensorsFile
+
+SnapshotKind = Literal["full", "incremental", "lora"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor, as `model.weight.spec.json` records it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
+        n = ELEMENT_SIZE[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def load_json(path: Path) -> Any:
+    """Read a JSON file, raising `SnapshotError` that names the file when it is missing or bad."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SnapshotError("required file is missing", path=str(path)) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SnapshotError(f"not valid JSON ({exc})", path=str(path)) from None
+
+
+def parse_weight_map(path: Path) -> dict[str, str]:
+    """Parse `model.safetensors.index.json` and return its `weight_map` (tensor -> shard file)."""
+    doc = load_json(path)
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise SnapshotError("must be a non-empty object", path=str(path), field="weight_map")
+    for name, file in wm.items():
+        if not isinstance(file, str) or "/" in file or file in {"", ".", ".."}:
+            raise SnapshotError(
+                f"tensor {name!r} maps to {file!r}, not a file name in this folder",
+                path=str(path),
+                field="weight_map",
+            )
+    return dict(wm)
+
+
+def parse_tensor_map(path: Path) -> dict[str, TensorSpec]:
+    """Parse `model.weight.spec.json` and return its `tensor_map` (tensor -> shape and dtype)."""
+    doc = load_json(path)
+    tm = doc.get("tensor_map") if isinstance(doc, dict) else None
+    if not isinstance(tm, dict) or not tm:
+        raise SnapshotError("must be a non-empty object", path=str(path), field="tensor_map")
+    out: dict[str, TensorSpec] = {}
+    for name, spec in tm.items():
+        field = f"tensor_map.{name}"
+        if not isinstance(spec, dict):
+            raise SnapshotError("must be an object with shape and dtype", path=str(path), field=field)
+        shape, dtype = spec.get("shape"), spec.get("dtype")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise SnapshotError(f"bad shape {shape!r}", path=str(path), field=field + ".shape")
+        if dtype not in ELEMENT_SIZE:
+            raise SnapshotError(f"unknown dtype {dtype!r}", path=str(path), field=field + ".dtype")
+        out[name] = TensorSpec(tuple(shape), dtype)
+    return out
+
+
+class Snapshot:
+    """A snapshot folder on disk: manifests in memory, shards opened one at a time when asked."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise SnapshotError("snapshot folder does not exist", path=str(self.path))
+        self.is_adapter = (self.path / layout.ADAPTER_CONFIG_FILE).exists()
+        self.weight_map: dict[str, str] = {}
+        self.tensor_map: dict[str, TensorSpec] = {}
+        if not self.is_adapter:
+            self.weight_map = parse_weight_map(self.path / layout.INDEX_FILE)
+            self.tensor_map = parse_tensor_map(self.path / layout.SPEC_FILE)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The parsed `config.json` (or `adapter_config.json` for an adapter)."""
+        name = layout.ADAPTER_CONFIG_FILE if self.is_adapter else layout.CONFIG_FILE
+        doc = load_json(self.path / name)
+        if not isinstance(doc, dict):
+            raise SnapshotError("must be a JSON object", path=str(self.path / name))
+        return doc
+
+    @property
+    def shard_files(self) -> list[str]:
+        """Shard file names named by the weight map, sorted."""
+        return sorted(set(self.weight_map.values()))
+
+    def tensors_of(self, shard: str) -> list[str]:
+        """Names of the tensors the weight map assigns to `shard`."""
+        return [n for n, f in self.weight_map.items() if f == shard]
+
+    @property
+    def kind(self) -> SnapshotKind:
+        """`lora` for an adapter folder, `incremental` when shards are arc_v2 deltas, else `full`."""
+        if self.is_adapter:
+            return "lora"
+        from hotload.arc.container import is_arc_file
+
+        files = self.shard_files
+        return "incremental" if files and is_arc_file(self.path / files[0]) else "full"
+
+    @property
+    def parent(self) -> str | None:
+        """Identity of the parent snapshot of an incremental snapshot, else None."""
+        if self.kind != "incremental":
+            return None
+        from hotload.arc.container import read_header
+
+        return read_header(self.path / self.shard_files[0]).parent
+
+    def open_shard(self, shard: str) -> SafetensorsFile:
+        """Memory-map one full shard."""
+        return SafetensorsFile(self.path / shard)
+
+    def iter_tensors(self) -> Iterator[tuple[str, RawTensor]]:
+        """Yield every tensor of a full snapshot, shard by shard, as zero-copy views."""
+        for shard in self.shard_files:
+            f = self.open_shard(shard)
+            for info in sorted(f.tensors.values(), key=lambda i: i.begin):
+                yield info.name, RawTensor(info.dtype, info.shape, f.raw(info.name))
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the tensors of the full snapshot this folder holds or rebuilds."""
+        return sum(spec.nbytes for spec in self.tensor_map.values())
+
+    def files(self) -> list[str]:
+        """Every regular file in the folder, relative and sorted (manifests included)."""
+        return sorted(
+            str(p.relative_to(self.path)) for p in self.path.rglob("*") if p.is_file()
+        )
+
+
+@dataclass(frozen=True)
+class SnapshotDescription:
+    """What a publisher needs to know about a snapshot folder before uploading it."""
+
+    kind: SnapshotKind
+    parent: str | None
+    files: list[str]
+    manifest_files: list[str]
+    manifest_digest: str
+    shipped_bytes: int
+    full_bytes: int
+
+
+def manifest_digest(path: Path, files: list[str]) -> str:
+    """Return "sha256:<hex>" over the named manifest files (name and bytes, in order)."""
+    h = hashlib.sha256()
+    for name in files:
+        h.update(name.encode() + b"\0")
+        h.update((path / name).read_bytes())
+        h.update(b"\0")
+    return "sha256:" + h.hexdigest()
+
+
+def describe_snapshot(path: str | Path) -> SnapshotDescription:
+    """Describe a snapshot folder: kind, parent, files, manifests (uploaded last) and sizes."""
+    snap = Snapshot(path)
+    files = snap.files()
+    if snap.is_adapter:
+        manifests = [layout.ADAPTER_CONFIG_FILE]
+        full = sum((snap.path / f).stat().st_size for f in files)
+    else:
+        manifests = list(layout.MANIFEST_FILES)
+        others = sum(
+            (snap.path / f).stat().st_size for f in files if f not in snap.weight_map.values()
+        )
+        full = snap.full_bytes + others
+    shipped = sum((snap.path / f).stat().st_size for f in files)
+    return SnapshotDescription(
+        kind=snap.kind,
+        parent=snap.parent,
+        files=files,
+        manifest_files=manifests,
+        manifest_digest=manifest_digest(snap.path, manifests),
+        shipped_bytes=shipped,
+        full_bytes=full,
+    )
