@@ -42,14 +42,18 @@ class ValidationProblem:
         self.message = message
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.field}: {self.message}" if self.field else f"{self.path}: {self.message}"
+        return (
+            f"{self.path}: {self.field}: {self.message}"
+            if self.field
+            else f"{self.path}: {self.message}"
+        )
 
     def __repr__(self) -> str:
         return f"ValidationProblem({self.path!r}, {self.field!r}, {self.message!r})"
 
 
 class SnapshotValidationError(SnapshotError):
-    """A snapshot (or a parent -> child transition) failed validation; `problems` lists every finding."""
+    """A snapshot or a parent -> child transition failed validation; `problems` lists all."""
 
     def __init__(self, problems: list[ValidationProblem]) -> None:
         self.problems = problems
@@ -69,7 +73,9 @@ class SnapshotValidationError(SnapshotError):
 class ArcError(HotloadError):
     """An arc_v2 delta could not be encoded, decoded or verified; `shard` and `tensor` say where."""
 
-    def __init__(self, message: str, *, shard: str | None = None, tensor: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, shard: str | None = None, tensor: str | None = None
+    ) -> None:
         self.shard = shard
         self.tensor = tensor
         parts = [p for p in (shard, f"tensor {tensor!r}" if tensor else None) if p]

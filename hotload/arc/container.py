@@ -77,7 +77,9 @@ def read_header(path: Path) -> ArcHeader:
             f.seek(0, 2)
             size = f.tell()
             if PREFIX_LEN + frame_len > size:
-                raise CorruptDeltaError("header runs past the end of the file (truncated)", shard=name)
+                raise CorruptDeltaError(
+                    "header runs past the end of the file (truncated)", shard=name
+                )
             f.seek(PREFIX_LEN)
             frame = f.read(frame_len)
     except FileNotFoundError:
@@ -98,7 +100,9 @@ def read_header(path: Path) -> ArcHeader:
     if not isinstance(fields, dict):
         raise CorruptDeltaError("header is not a JSON object", shard=name)
     if fields.get("format") != FORMAT:
-        raise CorruptDeltaError(f"format is {fields.get('format')!r}, expected {FORMAT!r}", shard=name)
+        raise CorruptDeltaError(
+            f"format is {fields.get('format')!r}, expected {FORMAT!r}", shard=name
+        )
     if fields.get("version") != LAYOUT_VERSION:
         raise CorruptDeltaError(
             f"layout version {fields.get('version')!r} is not supported (this build reads "

@@ -49,7 +49,9 @@ def decompress_stream(codec: str, data: bytes | memoryview, expected: int, what:
     """Decode one stream to exactly `expected` bytes, refusing anything larger or shorter."""
     if codec == CODEC_RAW:
         if len(data) != expected:
-            raise CorruptDeltaError(f"{what}: raw stream has {len(data)} bytes, expected {expected}")
+            raise CorruptDeltaError(
+                f"{what}: raw stream has {len(data)} bytes, expected {expected}"
+            )
         return bytes(data)
     if codec != CODEC_ZSTD:
         raise CorruptDeltaError(f"{what}: unknown stream codec {codec!r}")
@@ -62,7 +64,9 @@ def decompress_stream(codec: str, data: bytes | memoryview, expected: int, what:
             raise PayloadTooLargeError(
                 f"{what}: zstd frame declares {declared} bytes, the header allows {expected}"
             )
-        raise CorruptDeltaError(f"{what}: zstd frame declares {declared} bytes, expected {expected}")
+        raise CorruptDeltaError(
+            f"{what}: zstd frame declares {declared} bytes, expected {expected}"
+        )
     try:
         out = _decompressor().decompress(data, max_output_size=expected)
     except zstandard.ZstdError as exc:
@@ -151,7 +155,8 @@ def zigzag(diff: np.ndarray) -> np.ndarray:
 def unzigzag(z: np.ndarray) -> np.ndarray:
     """Invert `zigzag`: recover the wrapping difference as an unsigned integer."""
     one = z.dtype.type(1)
-    return (z >> one) ^ (np.zeros_like(z) - (z & one))
+    out: np.ndarray = (z >> one) ^ (np.zeros_like(z) - (z & one))
+    return out
 
 
 def split_at_bit(gaps: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray]:
@@ -167,7 +172,7 @@ def remainder_planes(shift: int) -> int:
 
 
 def estimate_rice_bits(gaps: np.ndarray, shift: int) -> float:
-    """Estimate the coded size in bits of gaps split at `shift`: remainder bits + quotient entropy."""
+    """Estimate the coded bits of gaps split at `shift`: remainder bits + quotient entropy."""
     q = gaps >> np.uint64(shift)
     counts = np.bincount(np.minimum(q, 255).astype(np.int64))
     p = counts[counts > 0] / gaps.size

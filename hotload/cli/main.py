@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="hotload",
-        description="Publish RL policy snapshots and arc_v2 deltas, and hot-load them into a fleet.",
+        description="Publish RL policy snapshots and arc_v2 deltas, and hot-load them "
+        "into a fleet.",
         epilog="Exit codes: 0 success, 1 operation failed (message on stderr), 2 bad usage, "
         "130 interrupted.",
     )

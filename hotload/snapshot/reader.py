@@ -69,7 +69,9 @@ def parse_tensor_map(path: Path) -> dict[str, TensorSpec]:
     for name, spec in tm.items():
         field = f"tensor_map.{name}"
         if not isinstance(spec, dict):
-            raise SnapshotError("must be an object with shape and dtype", path=str(path), field=field)
+            raise SnapshotError(
+                "must be an object with shape and dtype", path=str(path), field=field
+            )
         shape, dtype = spec.get("shape"), spec.get("dtype")
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise SnapshotError(f"bad shape {shape!r}", path=str(path), field=field + ".shape")
@@ -113,7 +115,7 @@ class Snapshot:
 
     @property
     def kind(self) -> SnapshotKind:
-        """`lora` for an adapter folder, `incremental` when shards are arc_v2 deltas, else `full`."""
+        """`lora` for an adapter folder, `incremental` for arc_v2 delta shards, else `full`."""
         if self.is_adapter:
             return "lora"
         from hotload.arc.container import is_arc_file
@@ -148,9 +150,7 @@ class Snapshot:
 
     def files(self) -> list[str]:
         """Every regular file in the folder, relative and sorted (manifests included)."""
-        return sorted(
-            str(p.relative_to(self.path)) for p in self.path.rglob("*") if p.is_file()
-        )
+        return sorted(str(p.relative_to(self.path)) for p in self.path.rglob("*") if p.is_file())
 
 
 @dataclass(frozen=True)

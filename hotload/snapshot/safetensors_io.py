@@ -7,6 +7,7 @@ tensors of one shard, and torch is not needed to touch a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -156,11 +157,9 @@ class SafetensorsFile:
     def close(self) -> None:
         """Release the memory map (views taken earlier must not be used afterwards)."""
         if self._mmap is not None:
-            try:
+            # A caller may still hold a view; the map is then freed when that view goes away.
+            with contextlib.suppress(BufferError):
                 self._mmap.close()
-            except BufferError:
-                # A caller still holds a view; the map is freed when that view goes away.
-                pass
             self._mmap = None
         self._file.close()
 
@@ -194,13 +193,17 @@ def build_header(
     entries: Sequence[tuple[str, str, Sequence[int], int]],
     metadata: Mapping[str, str] | None = None,
 ) -> bytes:
-    """Encode a safetensors header (8-byte length + JSON, padded to 8 bytes) for (name, dtype, shape, nbytes)."""
+    """Encode a safetensors header (u64 length + JSON padded to 8 bytes) for entries."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
     for name, dtype, shape, nbytes in entries:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
@@ -216,7 +219,7 @@ def write_safetensors(
     with tmp.open("wb") as f:
         f.write(header)
         for _, t in tensors:
-            f.write(memoryview(np.ascontiguousarray(t.data)))
+            f.write(np.ascontiguousarray(t.data).data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

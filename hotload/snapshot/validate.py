@@ -61,7 +61,7 @@ def check_config(
     path: str = layout.CONFIG_FILE,
     ignore_fields: Iterable[str] = (),
 ) -> list[ValidationProblem]:
-    """Compare a config with the deployment's base config; return one problem per differing field."""
+    """Compare a config with the deployment's base config; one problem per differing field."""
     ignored = DEFAULT_IGNORED_CONFIG_FIELDS | set(ignore_fields)
     problems = []
     for key in sorted((set(config) | set(base_config)) - ignored):
@@ -72,8 +72,10 @@ def check_config(
         elif config[key] != base_config[key]:
             problems.append(
                 ValidationProblem(
-                    path, key, f"{json.dumps(config[key])} differs from the base config's "
-                    f"{json.dumps(base_config[key])}"
+                    path,
+                    key,
+                    f"{json.dumps(config[key])} differs from the base config's "
+                    f"{json.dumps(base_config[key])}",
                 )
             )
     return problems
@@ -126,12 +128,18 @@ def validate_snapshot(
     for shard in shards:
         m = layout.SHARD_RE.match(shard)
         if not m:
-            problems.add(index_path, "weight_map", f"shard file {shard!r} is not named model-XXXXX-of-YYYYY.safetensors")
+            problems.add(
+                index_path,
+                "weight_map",
+                f"shard file {shard!r} is not named model-XXXXX-of-YYYYY.safetensors",
+            )
             continue
         numbers.append(int(m.group(1)))
         totals.add(int(m.group(2)))
     if numbers and (totals != {len(shards)} or sorted(numbers) != list(range(1, len(shards) + 1))):
-        problems.add(index_path, "weight_map", f"shard names do not count 1..{len(shards)} of {len(shards)}")
+        problems.add(
+            index_path, "weight_map", f"shard names do not count 1..{len(shards)} of {len(shards)}"
+        )
     on_disk = {p.name for p in root.glob("model-*.safetensors")}
     for stray in sorted(on_disk - set(shards)):
         problems.add(root / stray, None, "shard file is not named in weight_map")
@@ -142,7 +150,10 @@ def validate_snapshot(
         config = None
     if config is not None and base_config is not None:
         problems.items += check_config(
-            config, base_config, path=str(root / layout.CONFIG_FILE), ignore_fields=ignore_config_fields
+            config,
+            base_config,
+            path=str(root / layout.CONFIG_FILE),
+            ignore_fields=ignore_config_fields,
         )
     kinds = set()
     from hotload.arc.container import is_arc_file
@@ -175,7 +186,9 @@ def validate_snapshot(
         groups = {layout.layer_of(n) for n in stored}
         if len(groups) > 1:
             labels = sorted(g or "<non-layer>" for g in groups)
-            problems.add(shard_path, None, f"shard mixes weights of several layers: {', '.join(labels)}")
+            problems.add(
+                shard_path, None, f"shard mixes weights of several layers: {', '.join(labels)}"
+            )
     if len(kinds) > 1:
         problems.add(root, None, "some shards are arc_v2 deltas and others full tensors")
     problems.raise_if_any()
@@ -189,7 +202,11 @@ def validate_transition(parent: str | Path | Snapshot, child: str | Path | Snaps
     problems = _Problems()
     index = c.path / layout.INDEX_FILE
     if len(p.shard_files) != len(c.shard_files):
-        problems.add(index, "weight_map", f"{len(c.shard_files)} shard files, the parent has {len(p.shard_files)}")
+        problems.add(
+            index,
+            "weight_map",
+            f"{len(c.shard_files)} shard files, the parent has {len(p.shard_files)}",
+        )
     for name in sorted(set(p.weight_map) | set(c.weight_map)):
         pf, cf = p.weight_map.get(name), c.weight_map.get(name)
         if pf is None:
@@ -202,9 +219,17 @@ def validate_transition(parent: str | Path | Snapshot, child: str | Path | Snaps
     for name in sorted(set(p.tensor_map) & set(c.tensor_map)):
         ps, cs = p.tensor_map[name], c.tensor_map[name]
         if ps.dtype != cs.dtype:
-            problems.add(spec, f"tensor_map.{name}.dtype", f"changed from {ps.dtype} to {cs.dtype} (a delta cannot change dtypes)")
+            problems.add(
+                spec,
+                f"tensor_map.{name}.dtype",
+                f"changed from {ps.dtype} to {cs.dtype} (a delta cannot change dtypes)",
+            )
         if ps.shape != cs.shape:
-            problems.add(spec, f"tensor_map.{name}.shape", f"changed from {list(ps.shape)} to {list(cs.shape)}")
+            problems.add(
+                spec,
+                f"tensor_map.{name}.shape",
+                f"changed from {list(ps.shape)} to {list(cs.shape)}",
+            )
     problems.raise_if_any()
 
 
@@ -233,9 +258,12 @@ def validate_adapter(path: str | Path, *, base_model: str | None = None) -> Snap
         problems.add(
             cfg_path,
             "base_model_name_or_path",
-            f"{cfg.get('base_model_name_or_path')!r} is not the deployment's base model {base_model!r}",
+            f"{cfg.get('base_model_name_or_path')!r} is not the deployment's base model "
+            f"{base_model!r}",
         )
-    weights = sorted(p for p in root.glob("adapter_model*.safetensors") if layout.ADAPTER_SHARD_RE.match(p.name))
+    weights = sorted(
+        p for p in root.glob("adapter_model*.safetensors") if layout.ADAPTER_SHARD_RE.match(p.name)
+    )
     if not weights:
         problems.add(root / layout.ADAPTER_WEIGHTS_FILE, None, "adapter weights are missing")
     from hotload.arc.container import is_arc_file

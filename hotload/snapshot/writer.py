@@ -73,7 +73,9 @@ def cast_tensor(name: str, raw: RawTensor, dtype: str) -> RawTensor:
     f32 = raw.data.view(src).astype(np.float32)
     bits = f32.view(np.uint32)
     # Round to nearest even on the 16 dropped bits; NaNs keep a quiet-NaN payload.
-    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(
+        16
+    )
     nan = np.isnan(f32)
     out = rounded.astype(np.uint16)
     out[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
