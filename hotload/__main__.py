@@ -1,0 +1,5 @@
+"""`python -m hotload` runs the CLI."""
+
+from hotload.cli.main import main
+
+main()
