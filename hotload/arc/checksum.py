@@ -7,6 +7,7 @@ pass over the parent instead of two passes over both versions.
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import numpy as np
@@ -22,6 +23,7 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency; stay correct 
 from hotload.errors import ArcError
 
 MOD_ADLER = 65521
+_HEX8 = re.compile(r"[0-9a-f]{8}")
 
 ADLER32 = "adler32"
 # Fireworks' hot-load API spells it this way; accept it wherever a checksum format is named.
@@ -107,9 +109,6 @@ def format_checksum(value: int) -> str:
 
 def parse_checksum(text: object, *, shard: str, tensor: str) -> int:
     """Parse an 8-hex-digit checksum from a header, naming the tensor when it is malformed."""
-    if not isinstance(text, str) or len(text) != 8:
+    if not isinstance(text, str) or not _HEX8.fullmatch(text):
         raise ArcError(f"malformed checksum {text!r}", shard=shard, tensor=tensor)
-    try:
-        return int(text, 16)
-    except ValueError:
-        raise ArcError(f"malformed checksum {text!r}", shard=shard, tensor=tensor) from None
+    return int(text, 16)

@@ -3,14 +3,16 @@
 Layout (all integers little-endian), specified byte for byte in docs/arc_v2.md:
     0   8 bytes  magic b"\\x89ARCv2\\r\\n"
     8   u64      H, the length of the header frame
-    16  H bytes  a zstd frame holding the UTF-8 JSON header
-    16+H ...     payload: chunk streams, addressed by offsets relative to this point
+    16  u32      CRC-32 (zlib) of the H header-frame bytes
+    20  H bytes  a zstd frame holding the UTF-8 JSON header
+    20+H ...     payload: chunk streams, addressed by offsets relative to this point
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,12 +20,12 @@ from typing import Any
 import zstandard
 
 from hotload.arc import streams as st
-from hotload.errors import CorruptDeltaError
+from hotload.errors import CorruptDeltaError, PayloadTooLargeError
 
 MAGIC = b"\x89ARCv2\r\n"
 FORMAT = "arc_v2"
 LAYOUT_VERSION = 1
-PREFIX_LEN = len(MAGIC) + 8
+PREFIX_LEN = len(MAGIC) + 8 + 4
 # A header that claims more than this is refused before it is decompressed.
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 
@@ -62,7 +64,7 @@ def write_prefix(header: dict[str, Any]) -> bytes:
     """Serialize magic + header length + compressed header for `header`."""
     body = json.dumps(header, separators=(",", ":")).encode()
     frame = zstandard.ZstdCompressor(level=9, write_content_size=True).compress(body)
-    return MAGIC + struct.pack("<Q", len(frame)) + frame
+    return MAGIC + struct.pack("<QI", len(frame), zlib.crc32(frame)) + frame
 
 
 def read_header(path: Path) -> ArcHeader:
@@ -73,7 +75,7 @@ def read_header(path: Path) -> ArcHeader:
             prefix = f.read(PREFIX_LEN)
             if len(prefix) < PREFIX_LEN or prefix[: len(MAGIC)] != MAGIC:
                 raise CorruptDeltaError("not an arc_v2 delta (bad magic or truncated)", shard=name)
-            (frame_len,) = struct.unpack("<Q", prefix[len(MAGIC) :])
+            frame_len, frame_crc = struct.unpack("<QI", prefix[len(MAGIC) :])
             f.seek(0, 2)
             size = f.tell()
             if PREFIX_LEN + frame_len > size:
@@ -84,12 +86,16 @@ def read_header(path: Path) -> ArcHeader:
             frame = f.read(frame_len)
     except FileNotFoundError:
         raise CorruptDeltaError("file not found", shard=name) from None
+    if zlib.crc32(frame) != frame_crc:
+        raise CorruptDeltaError("header is corrupted (CRC-32 mismatch)", shard=name)
     try:
         declared = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as exc:
         raise CorruptDeltaError(f"header is not a zstd frame ({exc})", shard=name) from None
-    if declared < 0 or declared > MAX_HEADER_BYTES:
-        raise CorruptDeltaError(
+    if declared < 0:
+        raise CorruptDeltaError("header frame does not declare its size", shard=name)
+    if declared > MAX_HEADER_BYTES:
+        raise PayloadTooLargeError(
             f"header declares {declared} bytes (limit {MAX_HEADER_BYTES})", shard=name
         )
     raw = st.decompress_stream(st.CODEC_ZSTD, frame, declared, f"{name}: header")
@@ -103,7 +109,8 @@ def read_header(path: Path) -> ArcHeader:
         raise CorruptDeltaError(
             f"format is {fields.get('format')!r}, expected {FORMAT!r}", shard=name
         )
-    if fields.get("version") != LAYOUT_VERSION:
+    version = fields.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version != LAYOUT_VERSION:
         raise CorruptDeltaError(
             f"layout version {fields.get('version')!r} is not supported (this build reads "
             f"{LAYOUT_VERSION}); upgrade hotload",

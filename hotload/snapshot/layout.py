@@ -58,7 +58,11 @@ def validate_identity(identity: object) -> str:
     """Return `identity` if it is one safe path segment, else raise `InvalidIdentityError`."""
     from hotload.errors import InvalidIdentityError
 
-    if not isinstance(identity, str) or not IDENTITY_RE.match(identity) or identity in {".", ".."}:
+    if (
+        not isinstance(identity, str)
+        or not IDENTITY_RE.fullmatch(identity)
+        or identity in {".", ".."}
+    ):
         raise InvalidIdentityError(
             f"{identity!r} is not a valid snapshot identity: use 1-128 characters from "
             "A-Z a-z 0-9 . _ - starting with a letter or digit (one path segment, no '/')",

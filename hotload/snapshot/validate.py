@@ -104,12 +104,21 @@ def validate_snapshot(
         problems.add(root, None, "snapshot folder does not exist")
         problems.raise_if_any()
     if (root / layout.ADAPTER_CONFIG_FILE).exists():
+        try:
+            adapter = validate_adapter(root)
+        except SnapshotValidationError as exc:
+            problems.items += exc.problems
         problems.raise_if_any()
-        return validate_adapter(root)
-    for name in (layout.CONFIG_FILE, layout.INDEX_FILE, layout.SPEC_FILE):
-        if not (root / name).is_file():
-            problems.add(root / name, None, "required file is missing")
-    problems.raise_if_any()
+        return adapter
+    missing = [
+        n
+        for n in (layout.CONFIG_FILE, layout.INDEX_FILE, layout.SPEC_FILE)
+        if not (root / n).is_file()
+    ]
+    for name in missing:
+        problems.add(root / name, None, "required file is missing")
+    if missing:  # an identity problem alone does not stop the checks below
+        problems.raise_if_any()
     try:
         snap = Snapshot(root)
     except SnapshotError as exc:
@@ -126,7 +135,7 @@ def validate_snapshot(
     totals = set()
     numbers = []
     for shard in shards:
-        m = layout.SHARD_RE.match(shard)
+        m = layout.SHARD_RE.fullmatch(shard)
         if not m:
             problems.add(
                 index_path,
@@ -156,6 +165,7 @@ def validate_snapshot(
             ignore_fields=ignore_config_fields,
         )
     kinds = set()
+    parents: dict[str, str | None] = {}
     from hotload.arc.container import is_arc_file
 
     for shard in shards:
@@ -163,7 +173,16 @@ def validate_snapshot(
         if not shard_path.is_file():
             problems.add(shard_path, None, "shard named in weight_map is missing")
             continue
-        kinds.add(is_arc_file(shard_path))
+        is_delta = is_arc_file(shard_path)
+        kinds.add(is_delta)
+        if is_delta:
+            from hotload.arc.container import read_header as read_arc_header
+
+            try:
+                parents[shard] = read_arc_header(shard_path).parent
+            except HotloadError as exc:
+                problems.add(shard_path, None, f"unreadable: {exc}")
+                continue
         try:
             stored = _shard_tensors(shard_path)
         except HotloadError as exc:
@@ -191,6 +210,9 @@ def validate_snapshot(
             )
     if len(kinds) > 1:
         problems.add(root, None, "some shards are arc_v2 deltas and others full tensors")
+    if len(set(parents.values())) > 1:
+        listed = ", ".join(f"{s}: {p!r}" for s, p in sorted(parents.items()))
+        problems.add(root, "parent", f"delta shards name different parents ({listed})")
     problems.raise_if_any()
     return snap
 
@@ -262,7 +284,9 @@ def validate_adapter(path: str | Path, *, base_model: str | None = None) -> Snap
             f"{base_model!r}",
         )
     weights = sorted(
-        p for p in root.glob("adapter_model*.safetensors") if layout.ADAPTER_SHARD_RE.match(p.name)
+        p
+        for p in root.glob("adapter_model*.safetensors")
+        if layout.ADAPTER_SHARD_RE.fullmatch(p.name)
     )
     if not weights:
         problems.add(root / layout.ADAPTER_WEIGHTS_FILE, None, "adapter weights are missing")

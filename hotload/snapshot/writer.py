@@ -45,12 +45,16 @@ def to_raw(name: str, tensor: Any, cast: str | None = None) -> RawTensor:
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         raw = RawTensor(NUMPY_TO_SAFETENSORS[key], tuple(arr.shape), arr.reshape(-1).view(np.uint8))
     elif type(tensor).__module__.startswith("torch"):
-        t = tensor.detach().to("cpu").contiguous()
+        import torch
+
+        t = tensor.detach().to("cpu")
+        if cast == "BF16" and t.dtype in (torch.float32, torch.float16, torch.float64):
+            # torch's own conversion: bit for bit what `.to(torch.bfloat16)` gives, NaNs included.
+            t = t.to(torch.bfloat16)
+        t = t.contiguous()
         key = str(t.dtype)
         if key not in TORCH_TO_SAFETENSORS:
             raise SnapshotError(f"torch dtype {key} has no safetensors equivalent", field=name)
-        import torch
-
         data = t.reshape(-1).view(torch.uint8).numpy()
         raw = RawTensor(TORCH_TO_SAFETENSORS[key], tuple(t.shape), data)
     else:
