@@ -17,7 +17,7 @@ import numpy as np
 import zstandard
 
 from hotload.snapshot.dtypes import uint_view_dtype
-from hotload.snapshot.safetensors_io import SafetensorsFile, build_header
+from hotload.snapshot.safetensors_io import SafetensorsFile
 
 LEVEL = 3
 
@@ -37,7 +37,7 @@ def zstd_full(cur: Path) -> int:
 
 
 def xor_zstd_encode(prev: Path, cur: Path, out: Path) -> int:
-    """Write one zstd frame of child XOR parent per shard (tensor by tensor); return bytes."""
+    """Write per shard: the child's header, then per tensor one zstd frame of child XOR parent."""
     cctx = zstandard.ZstdCompressor(level=LEVEL)
     out.mkdir(parents=True, exist_ok=True)
     total = 0
@@ -47,9 +47,10 @@ def xor_zstd_encode(prev: Path, cur: Path, out: Path) -> int:
             SafetensorsFile(cur / shard) as b,
             (out / shard).open("wb") as f,
         ):
+            frames = [cctx.compress(b.header_bytes)]
             for name in sorted(b.tensors, key=lambda n: b.tensors[n].begin):
-                x = np.bitwise_xor(a.raw(name), b.raw(name))
-                frame = cctx.compress(x.tobytes())
+                frames.append(cctx.compress(np.bitwise_xor(a.raw(name), b.raw(name)).tobytes()))
+            for frame in frames:
                 f.write(len(frame).to_bytes(8, "little"))
                 f.write(frame)
                 total += len(frame) + 8
@@ -66,13 +67,15 @@ def xor_zstd_decode(prev: Path, delta: Path, out: Path) -> None:
             (delta / shard).open("rb") as src,
             (out / shard).open("wb") as f,
         ):
-            ordered = sorted(a.tensors.values(), key=lambda i: i.begin)
-            f.write(build_header([(i.name, i.dtype, i.shape, i.nbytes) for i in ordered]))
-            for info in ordered:
+
+            def frame() -> bytes:
                 n = int.from_bytes(src.read(8), "little")
-                x = np.frombuffer(
-                    dctx.decompress(src.read(n), max_output_size=info.nbytes), dtype=np.uint8
-                )
+                return dctx.decompress(src.read(n))
+
+            header = frame()
+            f.write(len(header).to_bytes(8, "little") + header)
+            for info in sorted(a.tensors.values(), key=lambda i: i.begin):
+                x = np.frombuffer(frame(), dtype=np.uint8)
                 f.write(np.bitwise_xor(x, a.raw(info.name)).tobytes())
 
 

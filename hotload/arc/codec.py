@@ -140,6 +140,7 @@ def encode_shard(
     sparse_level: int = 1,
     dense_level: int = 3,
     progress: ProgressFn | None = None,
+    durable: bool = True,
 ) -> ShardStats:
     """Encode `current` (a full shard) as an arc_v2 delta against `previous`, written to `out`."""
     started = time.perf_counter()
@@ -233,7 +234,8 @@ def encode_shard(
             for part in payload:
                 f.write(part)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
@@ -560,6 +562,7 @@ def encode(
     dense_level: int = 3,
     overwrite: bool = False,
     progress: ProgressFn | None = None,
+    durable: bool = True,
 ) -> CodecStats:
     """Write an incremental snapshot at `out` that rebuilds `current` from `previous`.
 
@@ -602,6 +605,7 @@ def encode(
                     sparse_level=sparse_level,
                     dense_level=dense_level,
                     progress=progress,
+                    durable=durable,
                 )
             )
         for name in layout.MANIFEST_FILES:  # manifests last
