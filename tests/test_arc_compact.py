@@ -126,3 +126,17 @@ def test_sparse_exp_every_threshold_round_trips(dtype: str, threshold_at: float)
     rebuilt = old.copy()
     rebuilt[out.positions] = out.values
     assert np.array_equal(rebuilt, new)
+
+
+def test_compact_delta_on_the_wrong_parent_says_so(tmp_path: Path) -> None:
+    from hotload.errors import WrongParentError
+
+    a0, a1 = _adam_like(200_000, 5)
+    other, _ = _adam_like(200_000, 6)
+    _write(tmp_path / "s0", {"layers.0.w": a0})
+    _write(tmp_path / "s1", {"layers.0.w": a1})
+    _write(tmp_path / "x", {"layers.0.w": other})
+    encode(tmp_path / "s0", tmp_path / "s1", tmp_path / "d", compact=True)
+    with pytest.raises(WrongParentError, match="another snapshot"):
+        decode(tmp_path / "x", tmp_path / "d", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

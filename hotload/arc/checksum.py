@@ -20,7 +20,7 @@ try:
 except ImportError:  # pragma: no cover - zlib-ng is a dependency; stay correct without it
     _adler32 = zlib.adler32
 
-from hotload.errors import ArcError
+from hotload.errors import ArcError, CorruptDeltaError
 
 MOD_ADLER = 65521
 _HEX8 = re.compile(r"[0-9a-f]{8}")
@@ -110,5 +110,5 @@ def format_checksum(value: int) -> str:
 def parse_checksum(text: object, *, shard: str, tensor: str) -> int:
     """Parse an 8-hex-digit checksum from a header, naming the tensor when it is malformed."""
     if not isinstance(text, str) or not _HEX8.fullmatch(text):
-        raise ArcError(f"malformed checksum {text!r}", shard=shard, tensor=tensor)
+        raise CorruptDeltaError(f"malformed checksum {text!r}", shard=shard, tensor=tensor)
     return int(text, 16)

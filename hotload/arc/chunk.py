@@ -269,13 +269,13 @@ def encode_chunk(
         layout = FLOAT_LAYOUTS.get(dtype or "") if exponent_context else None
         threshold = choose_threshold(old, idx, layout) if layout is not None else None
         if layout is not None and threshold is not None:
+            # The threshold comes from an estimate: keep plain sparse if it turns out smaller.
             options.append(
                 encode_sparse_exp(
                     old, new, idx, threshold=threshold, layout=layout, level=sparse_level
                 )
             )
-        else:
-            options.append(encode_sparse(old, new, idx, sparse_level))
+        options.append(encode_sparse(old, new, idx, sparse_level))
         base = adler32_sparse_update(target, length, idx, new[idx], old[idx])
     if k >= n * DENSE_MIN_FRACTION:
         options.append(encode_dense(old, new, dense_level))
@@ -329,6 +329,8 @@ def _run_shape(run: object, m: int, width: int, what: str) -> tuple[int, int, in
         raise CorruptDeltaError(f"{what}: run fields must be an object")
     k = _int_field(run, "count", 0, m, what)
     if k == 0:
+        if any(run.get(f) != 0 for f in ("shift", "quotient_planes", "value_planes")):
+            raise CorruptDeltaError(f"{what}: an empty run must have all fields 0")
         return 0, 0, 0, 0
     shift = _int_field(run, "shift", 0, 56, what)
     qp = _int_field(run, "quotient_planes", 1, 8, what)
@@ -357,6 +359,8 @@ def _decode_run(
     q = st.join_planes(planes[rp : rp + qp], k, np.dtype(np.uint64))
     if shift and int(r.max()) >= 1 << shift:
         raise CorruptDeltaError(f"{what}: a gap remainder does not fit its {shift} bits")
+    if shift and int(q.max()) >= 1 << (64 - shift):
+        raise CorruptDeltaError(f"{what}: a gap quotient overflows 64 bits")
     gaps = (q << np.uint64(shift)) | r
     if int(gaps.max()) >= m:
         raise CorruptDeltaError(f"{what}: a gap between changed positions exceeds the chunk")
@@ -368,14 +372,24 @@ def _decode_run(
 
 
 def decode_chunk(
-    meta: dict[str, Any], data: memoryview, old: np.ndarray, what: str, dtype: str | None = None
+    meta: dict[str, Any],
+    data: memoryview,
+    old: np.ndarray,
+    what: str,
+    dtype: str | None = None,
+    *,
+    base: int | None = None,
 ) -> DecodedChunk:
-    """Decode one chunk against the parent's elements `old`; never reads past `data`."""
+    """Decode one chunk against the parent's elements `old`; never reads past `data`.
+
+    `base` is adler32(old) when the caller computed it already.
+    """
     encoding = meta.get("encoding")
     n = int(old.size)
     width = old.dtype.itemsize
     udtype = old.dtype
-    base = adler32(old)
+    if base is None:
+        base = adler32(old)
     if encoding == SAME:
         if len(data):
             raise CorruptDeltaError(f"{what}: a 'same' chunk must have no payload")

@@ -404,10 +404,36 @@ def decode_shard(
                 if stats.full_bytes > 0:
                     out_map = mmap.mmap(out_fd, 0, access=mmap.ACCESS_WRITE)
             data_start = 8 + len(target_raw)
+
+            # The parent is checked before any chunk is decoded, so a delta applied to the
+            # wrong parent reports that, not the corruption decoding it would look like.
+            def parent_sum(item: tuple[TensorInfo, int, int, dict[str, Any]]) -> int:
+                info, s, e, _ = item
+                return adler32(_elements(prev, prev.tensors[info.name])[s:e])
+
+            chunk_bases = list(pool.map(parent_sum, plan))
+            parent_parts: dict[str, list[tuple[int, int]]] = {}
+            for (info, s, e, _), value in zip(plan, chunk_bases, strict=True):
+                width = info.nbytes // max(1, info.numel)
+                parent_parts.setdefault(info.name, []).append((value, (e - s) * width))
+            for entry in entries:
+                tname = entry["name"]
+                want_base = parse_checksum(entry.get("base_checksum"), shard=shard, tensor=tname)
+                got_base = _combine(parent_parts.get(tname, []))
+                if got_base != want_base:
+                    raise WrongParentError(
+                        f"the parent's data differ from the delta's base (checksum "
+                        f"{format_checksum(got_base)}, delta expects {format_checksum(want_base)}):"
+                        " this delta was made against another snapshot",
+                        shard=shard,
+                        tensor=tname,
+                    )
             prev_fd = os.open(previous, os.O_RDONLY)
 
-            def run(item: tuple[TensorInfo, int, int, dict[str, Any]]) -> tuple[int, int, int]:
-                info, s, e, meta = item
+            def run(
+                item: tuple[TensorInfo, int, int, dict[str, Any], int],
+            ) -> tuple[int, int, int]:
+                info, s, e, meta, chunk_base = item
                 udtype = uint_view_dtype(info.dtype)
                 width = udtype.itemsize
                 ptensor = prev.tensors[info.name]
@@ -425,7 +451,7 @@ def decode_shard(
                         tensor=info.name,
                     )
                 try:
-                    res = ck.decode_chunk(meta, data, old, what, info.dtype)
+                    res = ck.decode_chunk(meta, data, old, what, info.dtype, base=chunk_base)
                 except ArcError as exc:
                     # Chunk decoders know no shard or tensor: attach them for callers.
                     exc.shard, exc.tensor = exc.shard or shard, exc.tensor or info.name
@@ -458,31 +484,21 @@ def decode_shard(
                 return res.base_checksum, res.target_checksum, changed
 
             try:
-                results = list(pool.map(run, plan))
+                results = list(
+                    pool.map(run, [(*item, b) for item, b in zip(plan, chunk_bases, strict=True)])
+                )
             finally:
                 os.close(prev_fd)
-            per_tensor: dict[str, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
-            for (info, s, e, meta), (base, target, changed) in zip(plan, results, strict=True):
+            per_tensor: dict[str, list[tuple[int, int]]] = {}
+            for (info, s, e, meta), (_, target, changed) in zip(plan, results, strict=True):
                 width = info.nbytes // max(1, info.numel)
-                bases, targets = per_tensor.setdefault(info.name, ([], []))
-                bases.append((base, (e - s) * width))
-                targets.append((target, (e - s) * width))
+                per_tensor.setdefault(info.name, []).append((target, (e - s) * width))
                 stats.changed += changed
                 stats.encodings[str(meta.get("encoding"))] += 1
             for entry in entries:
                 tname = entry["name"]
-                bases, targets = per_tensor.get(tname, ([], []))
-                want_base = parse_checksum(entry.get("base_checksum"), shard=shard, tensor=tname)
                 want = parse_checksum(entry.get("checksum"), shard=shard, tensor=tname)
-                got_base, got = _combine(bases), _combine(targets)
-                if got_base != want_base:
-                    raise WrongParentError(
-                        f"the parent's data differ from the delta's base (checksum "
-                        f"{format_checksum(got_base)}, delta expects {format_checksum(want_base)}):"
-                        " this delta was made against another snapshot",
-                        shard=shard,
-                        tensor=tname,
-                    )
+                got = _combine(per_tensor.get(tname, []))
                 if got != want:
                     raise ChecksumMismatchError(
                         f"rebuilt tensor has checksum {format_checksum(got)}, the delta promises "

@@ -59,8 +59,10 @@ def decompress_stream(codec: str, data: bytes | memoryview, expected: int, what:
         declared = zstandard.frame_content_size(data)
     except zstandard.ZstdError as exc:
         raise CorruptDeltaError(f"{what}: not a zstd frame ({exc})") from None
+    if declared < 0:
+        raise CorruptDeltaError(f"{what}: zstd frame does not declare its size")
     if declared != expected:
-        if declared > expected or declared < 0:
+        if declared > expected:
             raise PayloadTooLargeError(
                 f"{what}: zstd frame declares {declared} bytes, the header allows {expected}"
             )
@@ -68,9 +70,15 @@ def decompress_stream(codec: str, data: bytes | memoryview, expected: int, what:
             f"{what}: zstd frame declares {declared} bytes, expected {expected}"
         )
     try:
-        out = _decompressor().decompress(data, max_output_size=expected)
+        # A decompressobj reports bytes left after the frame, which must not be ignored.
+        dobj = _decompressor().decompressobj()
+        out = dobj.decompress(data)
     except zstandard.ZstdError as exc:
         raise CorruptDeltaError(f"{what}: zstd payload is corrupted ({exc})") from None
+    if not dobj.eof:
+        raise CorruptDeltaError(f"{what}: zstd frame is truncated")
+    if dobj.unused_data:
+        raise CorruptDeltaError(f"{what}: {len(dobj.unused_data)} stray bytes after the frame")
     if len(out) != expected:
         raise CorruptDeltaError(f"{what}: decoded {len(out)} bytes, expected {expected}")
     return out
