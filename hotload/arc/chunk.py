@@ -83,8 +83,9 @@ def _encode_run(
     k = int(indices.size)
     if k == 0:
         return {"count": 0, "shift": 0, "quotient_planes": 0, "value_planes": 0}, []
-    gaps = np.diff(indices.astype(np.uint64), prepend=np.uint64(0))
-    gaps[1:] -= np.uint64(1)  # g0 = i0, gj = ij - i(j-1) - 1
+    # Chunks hold at most 2**24 elements, so gaps fit 32 bits: half the memory traffic of 64.
+    gaps = np.diff(indices.astype(np.uint32), prepend=np.uint32(0))
+    gaps[1:] -= np.uint32(1)  # g0 = i0, gj = ij - i(j-1) - 1
     shift = _best_shift(gaps)
     q, r = st.split_at_bit(gaps, shift)
     q_planes = st.bytes_needed(int(q.max()))

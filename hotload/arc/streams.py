@@ -137,9 +137,10 @@ def bytes_needed(max_value: int) -> int:
 
 def split_planes(values: np.ndarray, planes: int) -> list[np.ndarray]:
     """Split unsigned integers into `planes` byte planes, least significant first."""
-    width = values.dtype.itemsize
-    as_bytes = np.ascontiguousarray(values).view(np.uint8).reshape(-1, width)
-    return [np.ascontiguousarray(as_bytes[:, j]) for j in range(planes)]
+    if values.dtype.itemsize == 1:
+        return [values] if planes else []
+    t = values.dtype.type
+    return [(values >> t(8 * j)).astype(np.uint8) for j in range(planes)]
 
 
 def join_planes(
@@ -169,8 +170,9 @@ def unzigzag(z: np.ndarray) -> np.ndarray:
 
 def split_at_bit(gaps: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray]:
     """Split gaps into quotients (gap >> shift) and remainders (the low `shift` bits)."""
-    q = gaps >> np.uint64(shift)
-    r = gaps & np.uint64((1 << shift) - 1)
+    t = gaps.dtype.type
+    q = gaps >> t(shift)
+    r = gaps & t((1 << shift) - 1)
     return q, r
 
 
@@ -181,7 +183,7 @@ def remainder_planes(shift: int) -> int:
 
 def estimate_rice_bits(gaps: np.ndarray, shift: int) -> float:
     """Estimate the coded bits of gaps split at `shift`: remainder bits + quotient entropy."""
-    q = gaps >> np.uint64(shift)
+    q = gaps >> gaps.dtype.type(shift)
     counts = np.bincount(np.minimum(q, 255).astype(np.int64))
     p = counts[counts > 0] / gaps.size
     # Huffman cannot code a symbol in under one bit: model that floor.
