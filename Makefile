@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench clean venv
+.PHONY: demo test lint typecheck pytest bench clean venv vllm
 
 venv: $(STAMP)
 
@@ -26,7 +26,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+# The real vLLM CPU engine lives in its own venv (.venv-vllm/, ~3.5 GB, a few minutes once).
+vllm:
+	bash scripts/install_vllm.sh
+
+pytest: $(STAMP) vllm
 	HF_HUB_OFFLINE=1 $(BIN)/pytest
 
 test: lint typecheck pytest

@@ -159,3 +159,56 @@ class LedgerConflictError(LedgerError):
 
 class LedgerRejectedError(LedgerError):
     """An entry breaks a ledger rule (wrong parent, a delta right after a reset, ...)."""
+
+
+# --- inference engines -----------------------------------------------------------------------
+
+
+class EngineError(HotloadError):
+    """A call to an inference engine failed; `engine`, `url` and `step` say which and where."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        engine: str,
+        url: str,
+        step: str | None = None,
+        status: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.url = url
+        self.step = step
+        self.status = status
+        self.message = message
+        where = f"{engine} engine at {url}" + (f": {step}" if step else "")
+        super().__init__(f"{where}: {message}")
+
+
+class EngineUnavailableError(EngineError):
+    """The engine could not be reached, or did not answer within its timeout."""
+
+
+class EngineLoadError(EngineError):
+    """Loading a snapshot failed; `serving` says what the engine serves now.
+
+    `serving` is "previous" when the old weights were confirmed to keep serving, "unknown" when
+    that could not be confirmed (treat the replica as broken until a load succeeds).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        engine: str,
+        url: str,
+        step: str | None = None,
+        status: int | None = None,
+        serving: str = "previous",
+    ) -> None:
+        self.serving = serving
+        super().__init__(message, engine=engine, url=url, step=step, status=status)
+
+
+class EngineBusyError(EngineLoadError):
+    """The engine is already loading other weights; try again when that load is done."""

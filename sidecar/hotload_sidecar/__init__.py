@@ -1,0 +1,1 @@
+"""The loader sidecar: follow the ledger, fetch, reconstruct, verify, hot-load, report."""

@@ -1,0 +1,382 @@
+"""The engine adapter interface: load a snapshot into a running engine, say what it serves.
+
+Every adapter talks HTTP (aiohttp) to one engine at `url`. `load` returns only after the engine
+serves the new weights and that was confirmed; on any failure it raises `EngineLoadError`, whose
+`serving` attribute says whether the old weights were confirmed to keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, ClassVar, Final, Literal, get_args
+
+import aiohttp
+
+from hotload.errors import EngineError, EngineLoadError, EngineUnavailableError, SnapshotError
+
+log = logging.getLogger("hotload_sidecar.engines")
+
+Mode = Literal["async", "sync"]
+CachePolicy = Literal["all", "none", "new_session"]
+EngineKind = Literal["reference", "vllm", "sglang"]
+MODES: Final[tuple[str, ...]] = get_args(Mode)
+CACHE_POLICIES: Final[tuple[str, ...]] = get_args(CachePolicy)
+ENGINE_KINDS: Final[tuple[str, ...]] = get_args(EngineKind)
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """Load the snapshot folder `path` (its ledger `identity` and `sequence`) into the engine.
+
+    `mode` is the deployment's transition mode and `cache_policy` the snapshot's prompt-cache
+    policy; each adapter maps them to its engine's calls (see docs/engines.md).
+    """
+
+    path: str
+    identity: str
+    sequence: int
+    mode: Mode = "async"
+    cache_policy: CachePolicy = "all"
+
+    def __post_init__(self) -> None:
+        from hotload.snapshot import validate_identity
+
+        if not self.path:
+            raise ValueError("LoadRequest.path must not be empty")
+        validate_identity(self.identity)
+        if isinstance(self.sequence, bool) or not isinstance(self.sequence, int):
+            raise ValueError(f"LoadRequest.sequence must be an int, not {self.sequence!r}")
+        if self.sequence < 0:
+            raise ValueError(f"LoadRequest.sequence must be >= 0, not {self.sequence}")
+        if self.mode not in MODES:
+            raise ValueError(f"LoadRequest.mode must be one of {MODES}, not {self.mode!r}")
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ValueError(
+                f"LoadRequest.cache_policy must be one of {CACHE_POLICIES}, "
+                f"not {self.cache_policy!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ServedSnapshot:
+    """The snapshot an engine serves.
+
+    `sequence` is None when the engine names an identity this adapter did not load itself
+    (e.g. after a sidecar restart); the caller resolves it from the ledger.
+    """
+
+    identity: str
+    sequence: int | None
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What a successful load did: the snapshot now served and how long it took.
+
+    `load_seconds` is the adapter's end-to-end time (first request to confirmation);
+    `pause_seconds` is how long the engine did not schedule generation (for the reference
+    engine, as it reports it); `steps` times each engine call in order.
+    """
+
+    engine: str
+    served: ServedSnapshot
+    load_seconds: float
+    pause_seconds: float
+    steps: dict[str, float] = field(default_factory=dict)
+    cache_reset: bool = False
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """Whether the engine process answers (`live`) and can take requests (`ready`), and why not."""
+
+    engine: str
+    url: str
+    live: bool
+    ready: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds allowed per kind of call (aiohttp total timeouts)."""
+
+    #: Quick calls: health, status, pause in async mode, resume, cache reset, version.
+    request: float = 30.0
+    #: The weight load itself (vLLM reload_weights, SGLang update, reference load).
+    load: float = 900.0
+    #: A SYNC pause that waits for in-flight requests to finish.
+    drain: float = 600.0
+    #: The confirming 1-token completion.
+    probe: float = 120.0
+    #: Establishing a TCP connection.
+    connect: float = 5.0
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer: status, parsed JSON body (None when not JSON) and raw text."""
+
+    status: int
+    body: Any
+    text: str
+
+    def error_message(self) -> str:
+        """The engine's own error message, whichever of the usual shapes it came in."""
+        b = self.body
+        if isinstance(b, dict):
+            err = b.get("error")
+            if isinstance(err, dict) and err.get("message"):
+                kind = err.get("type")
+                return f"{kind}: {err['message']}" if kind else str(err["message"])
+            if isinstance(err, str):
+                return err
+            for key in ("message", "detail"):
+                if b.get(key):
+                    return str(b[key])
+        text = self.text.strip()
+        return text[:500] if text else f"HTTP {self.status}"
+
+
+class EngineHTTP:
+    """A small aiohttp client for one engine: per-call timeouts, errors that name URL and step."""
+
+    def __init__(self, engine: str, url: str, timeouts: Timeouts) -> None:
+        self.engine = engine
+        self.url = url.rstrip("/")
+        self.timeouts = timeouts
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # One connection per call: vLLM closes a connection after a 500 from collective_rpc,
+            # and the next call on a pooled one fails with "Can not write request body" —
+            # exactly the rollback call that must not fail. A few calls per load cost nothing.
+            # No session-wide timeout: every call passes its own.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True),
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
+        return self._session
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        step: str,
+        json_body: Any = None,
+        params: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Answer:
+        """Send one request and return its answer; raise `EngineUnavailableError` if none came."""
+        limit = self.timeouts.request if timeout is None else timeout
+        client_timeout = aiohttp.ClientTimeout(
+            total=limit, connect=min(self.timeouts.connect, limit)
+        )
+        try:
+            async with self._get_session().request(
+                method, self.url + path, json=json_body, params=params, timeout=client_timeout
+            ) as resp:
+                text = await resp.text(errors="replace")
+                try:
+                    body: Any = json.loads(text) if text else None
+                except ValueError:
+                    body = None
+                return Answer(resp.status, body, text)
+        except TimeoutError as err:
+            raise EngineUnavailableError(
+                f"{method} {path} got no answer within {limit:g} s",
+                engine=self.engine,
+                url=self.url,
+                step=step,
+            ) from err
+        except aiohttp.ClientError as err:
+            raise EngineUnavailableError(
+                f"{method} {path} failed: {type(err).__name__}: {err}",
+                engine=self.engine,
+                url=self.url,
+                step=step,
+            ) from err
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class EngineAdapter(ABC):
+    """One running engine: load snapshots into it, ask what it serves, check its health."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, url: str, *, timeouts: Timeouts | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.timeouts = timeouts or Timeouts()
+        self.http = EngineHTTP(self.kind, self.url, self.timeouts)
+        # One load at a time: a second caller waits rather than interleaving engine calls.
+        self._lock = asyncio.Lock()
+
+    @abstractmethod
+    async def load(self, req: LoadRequest) -> LoadResult:
+        """Load `req.path` and return once the engine serves it (confirmed); else raise."""
+
+    @abstractmethod
+    async def current(self) -> ServedSnapshot | None:
+        """The snapshot the engine serves now, or None when unknown (e.g. its start-up weights)."""
+
+    @abstractmethod
+    async def health(self) -> EngineHealth:
+        """Liveness and readiness of the engine; never raises."""
+
+    async def aclose(self) -> None:
+        """Release the HTTP connection pool."""
+        await self.http.close()
+
+    async def __aenter__(self) -> EngineAdapter:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # --- helpers for implementations ---------------------------------------------------------
+
+    def load_error(
+        self,
+        message: str,
+        *,
+        step: str,
+        status: int | None = None,
+        serving: str = "previous",
+    ) -> EngineLoadError:
+        """An `EngineLoadError` for this engine."""
+        return EngineLoadError(
+            message, engine=self.kind, url=self.url, step=step, status=status, serving=serving
+        )
+
+    def unexpected(self, answer: Answer, *, step: str, what: str) -> EngineError:
+        """An `EngineError` for an answer that is not what the engine's API promises."""
+        return EngineError(
+            f"{what}: HTTP {answer.status}: {answer.error_message()}",
+            engine=self.kind,
+            url=self.url,
+            step=step,
+            status=answer.status,
+        )
+
+
+class StepTimer:
+    """Times named steps of one load, in order."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.steps: dict[str, float] = {}
+
+    async def run(self, name: str, coro: Any) -> Any:
+        """Await `coro` and record how long it took under `name`."""
+        t = time.monotonic()
+        try:
+            return await coro
+        finally:
+            self.steps[name] = round(time.monotonic() - t, 6)
+
+    def elapsed(self) -> float:
+        """Seconds since the timer started."""
+        return time.monotonic() - self.t0
+
+
+# --- what a weight-loading engine can take -----------------------------------------------------
+
+
+def weight_specs(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor name -> (shape, dtype) of a model folder, from its spec manifest or shard headers."""
+    from hotload.snapshot import SPEC_FILE
+    from hotload.snapshot.reader import parse_tensor_map
+    from hotload.snapshot.safetensors_io import read_header
+
+    folder = Path(path)
+    if (folder / SPEC_FILE).is_file():
+        return {n: (s.shape, s.dtype) for n, s in parse_tensor_map(folder / SPEC_FILE).items()}
+    specs: dict[str, tuple[tuple[int, ...], str]] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors, _, _ = read_header(shard)
+        for name, info in tensors.items():
+            specs[name] = (tuple(info.shape), info.dtype)
+    return specs
+
+
+def check_loadable(path: str, previous: str | None) -> None:
+    """Refuse, before the engine sees it, a folder an in-place reload cannot take.
+
+    The folder must be a full snapshot (config, weights; not an arc_v2 delta or a LoRA adapter)
+    and, when the folder the engine loaded last is known and readable, have the same tensor
+    names, shapes and dtypes: vLLM's in-place reload leaves a half-loaded model on a mismatch.
+    Raises `SnapshotError` naming the file and tensor.
+    """
+    from hotload.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise SnapshotError("snapshot folder does not exist (or is not visible here)", path=path)
+    if not (folder / CONFIG_FILE).is_file():
+        raise SnapshotError("no config.json: not a model folder", path=path)
+    if (folder / INDEX_FILE).is_file():
+        kind = Snapshot(folder).kind
+        if kind != "full":
+            raise SnapshotError(
+                f"is a {kind} snapshot; engines load full snapshots (reconstruct it first)",
+                path=path,
+            )
+    elif not any(folder.glob("*.safetensors")):
+        raise SnapshotError("no safetensors weights", path=path)
+    if previous is None or not Path(previous).is_dir():
+        return
+    new, old = weight_specs(folder), weight_specs(previous)
+    missing, extra = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
+    if missing:
+        raise SnapshotError(
+            f"{len(missing)} tensor(s) of the loaded model are missing, e.g. {missing[0]!r}",
+            path=path,
+        )
+    if extra:
+        raise SnapshotError(
+            f"{len(extra)} tensor(s) the loaded model does not have, e.g. {extra[0]!r}",
+            path=path,
+        )
+    for name in sorted(new):
+        if new[name] != old[name]:
+            raise SnapshotError(
+                f"shape/dtype {new[name]} differs from the loaded model's {old[name]}",
+                path=path,
+                field=name,
+            )
+
+
+def make_adapter(kind: str, url: str, **options: Any) -> EngineAdapter:
+    """Build the adapter for engine `kind` ("reference", "vllm" or "sglang") at `url`."""
+    if kind == "reference":
+        from hotload_sidecar.engines.reference import ReferenceAdapter
+
+        return ReferenceAdapter(url, **options)
+    if kind == "vllm":
+        from hotload_sidecar.engines.vllm import VLLMAdapter
+
+        return VLLMAdapter(url, **options)
+    if kind == "sglang":
+        from hotload_sidecar.engines.sglang import SGLangAdapter
+
+        return SGLangAdapter(url, **options)
+    raise ValueError(f"unknown engine kind {kind!r}: use one of {ENGINE_KINDS}")

@@ -1,0 +1,81 @@
+"""Small real snapshots for bucket, ledger and publish tests (full, arc_v2 delta, LoRA)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from hotload.arc import encode
+from hotload.snapshot import write_snapshot
+
+CONFIG = {"model_type": "toy", "hidden_size": 64}
+
+
+def weights(seed: int, layers: int = 3, width: int = 64) -> dict[str, np.ndarray]:
+    """A toy state dict: one weight per layer plus an embedding."""
+    rng = np.random.default_rng(seed)
+    w = {
+        f"model.layers.{i}.mlp.weight": rng.standard_normal((width, width), dtype=np.float32)
+        for i in range(layers)
+    }
+    w["model.embed_tokens.weight"] = rng.standard_normal((100, width), dtype=np.float32)
+    return w
+
+
+def nudged(base: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
+    """A copy of `base` with a few values changed, like one training step."""
+    out = {k: v.copy() for k, v in base.items()}
+    out["model.layers.1.mlp.weight"][step % 64, :8] += 0.5
+    return out
+
+
+def full(path: Path, w: dict[str, np.ndarray]) -> Path:
+    """Write a full snapshot folder at `path`."""
+    write_snapshot(path, w, config=CONFIG, overwrite=True)
+    return path
+
+
+def delta(parent: Path, current_full: Path, out: Path) -> Path:
+    """Write an incremental snapshot at `out` (identity: its folder name) against `parent`."""
+    encode(parent, current_full, out, parent_identity=parent.name, overwrite=True, threads=1)
+    return out
+
+
+def lora(path: Path, seed: int) -> Path:
+    """Write a minimal LoRA adapter folder."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    save_file(
+        {
+            "base_model.model.layers.0.q_proj.lora_A.weight": rng.standard_normal(
+                (8, 64), dtype=np.float32
+            ),
+            "base_model.model.layers.0.q_proj.lora_B.weight": rng.standard_normal(
+                (64, 8), dtype=np.float32
+            ),
+        },
+        str(path / "adapter_model.safetensors"),
+    )
+    (path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
+    )
+    return path
+
+
+def chain(root: Path, steps: int) -> list[Path]:
+    """A full snapshot `s0` then `steps` deltas `s1..sN`, each against the one before."""
+    base = weights(0)
+    folders = [full(root / "s0", base)]
+    fulls = root / "_fulls"
+    previous_full = folders[0]
+    current = base
+    for i in range(1, steps + 1):
+        current = nudged(current, i)
+        cur_full = full(fulls / f"s{i}", current)
+        folders.append(delta(previous_full, cur_full, root / f"s{i}"))
+        previous_full = cur_full
+    return folders

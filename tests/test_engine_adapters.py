@@ -1,0 +1,789 @@
+"""Engine adapters against stub servers that implement each engine's HTTP contract.
+
+* reference: the hot-load contract of `hotload.engine` (load, status, health, ready);
+* SGLang: its documented `/update_weights_from_disk` request and response shapes (plus
+  `/pause_generation`, `/continue_generation`, `/get_weight_version`, `/health`) — SGLang cannot
+  run on these machines, so this is all that is tested of it;
+* vLLM: the dev-mode call sequence per mode and policy, and its failure paths (the real vLLM
+  runs in test_engine_vllm.py).
+
+Error paths: engine down, timeout, rejected load — the old snapshot is still reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from hotload.errors import (
+    EngineBusyError,
+    EngineError,
+    EngineLoadError,
+    EngineUnavailableError,
+    HotloadError,
+)
+from hotload_sidecar.engines import (
+    LoadRequest,
+    ReferenceAdapter,
+    ServedSnapshot,
+    SGLangAdapter,
+    Timeouts,
+    VLLMAdapter,
+    check_loadable,
+    make_adapter,
+)
+from support.snapshots import full, weights
+
+FAST = Timeouts(request=2.0, load=2.0, drain=2.0, probe=2.0, connect=1.0)
+
+
+# --- a tiny stub-server harness ------------------------------------------------------------------
+
+
+@dataclass
+class Stub:
+    """An aiohttp app on a loopback port that records every call it gets."""
+
+    calls: list[tuple[str, str, Any]] = field(default_factory=list)
+    url: str = ""
+    runner: web.AppRunner | None = None
+
+    def record(self, request: web.Request, body: Any) -> None:
+        query = f"?{request.query_string}" if request.query_string else ""
+        self.calls.append((request.method, request.path + query, body))
+
+    def paths(self) -> list[str]:
+        """The calls as 'METHOD /path?query', in order (GETs included)."""
+        return [f"{m} {p}" for m, p, _ in self.calls]
+
+    def posts(self) -> list[str]:
+        """The POST calls only."""
+        return [f"{m} {p}" for m, p, _ in self.calls if m == "POST"]
+
+
+async def start(stub: Stub, routes: list[web.RouteDef]) -> Stub:
+    app = web.Application()
+    app.add_routes(routes)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    stub.url = f"http://127.0.0.1:{port}"
+    stub.runner = runner
+    return stub
+
+
+async def body_of(request: web.Request) -> Any:
+    text = await request.text()
+    return json.loads(text) if text else None
+
+
+def error(status: int, kind: str, message: str) -> web.Response:
+    return web.json_response({"error": {"type": kind, "message": message}}, status=status)
+
+
+@pytest.fixture
+def snap_a(tmp_path: Path) -> Path:
+    return full(tmp_path / "step-a", weights(1))
+
+
+@pytest.fixture
+def snap_b(tmp_path: Path) -> Path:
+    return full(tmp_path / "step-b", weights(2))
+
+
+def req(path: Path | str, identity: str, sequence: int, **kw: Any) -> LoadRequest:
+    return LoadRequest(str(path), identity, sequence, **kw)
+
+
+# --- the interface -------------------------------------------------------------------------------
+
+
+def test_load_request_validates_its_fields() -> None:
+    LoadRequest("/w/a", "step-1", 1, mode="sync", cache_policy="new_session")
+    with pytest.raises(HotloadError, match="identity"):
+        LoadRequest("/w/a", "bad/identity", 1)
+    with pytest.raises(ValueError, match="mode"):
+        LoadRequest("/w/a", "a", 1, mode="later")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cache_policy"):
+        LoadRequest("/w/a", "a", 1, cache_policy="some")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sequence"):
+        LoadRequest("/w/a", "a", -1)
+    with pytest.raises(ValueError, match="path"):
+        LoadRequest("", "a", 1)
+
+
+def test_make_adapter_builds_each_kind() -> None:
+    assert isinstance(make_adapter("reference", "http://h:1/"), ReferenceAdapter)
+    assert isinstance(make_adapter("vllm", "http://h:1", sync_in_flight="abort"), VLLMAdapter)
+    assert isinstance(make_adapter("sglang", "http://h:1"), SGLangAdapter)
+    assert make_adapter("vllm", "http://h:1/").url == "http://h:1"
+    with pytest.raises(ValueError, match="unknown engine kind 'tgi'"):
+        make_adapter("tgi", "http://h:1")
+
+
+def test_engine_errors_are_hotload_errors_naming_engine_url_and_step() -> None:
+    err = EngineLoadError("boom", engine="vllm", url="http://e:8000", step="reload", serving="x")
+    assert isinstance(err, EngineError) and isinstance(err, HotloadError)
+    assert str(err) == "vllm engine at http://e:8000: reload: boom"
+    assert err.serving == "x"
+    assert issubclass(EngineBusyError, EngineLoadError)
+    assert issubclass(EngineUnavailableError, EngineError)
+
+
+def test_check_loadable_refuses_what_an_in_place_reload_cannot_take(
+    tmp_path: Path, snap_a: Path, snap_b: Path
+) -> None:
+    check_loadable(str(snap_b), str(snap_a))
+    with pytest.raises(HotloadError, match="does not exist"):
+        check_loadable(str(tmp_path / "nope"), None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HotloadError, match=r"no config\.json"):
+        check_loadable(str(tmp_path / "empty"), None)
+    other = weights(3)
+    other["model.layers.0.mlp.weight"] = other["model.layers.0.mlp.weight"][:, :32].copy()
+    wrong = full(tmp_path / "wrong-shape", other)
+    with pytest.raises(HotloadError, match=r"model\.layers\.0\.mlp\.weight.*differs"):
+        check_loadable(str(wrong), str(snap_a))
+    fewer = weights(3)
+    del fewer["model.layers.2.mlp.weight"]
+    with pytest.raises(HotloadError, match="missing"):
+        check_loadable(str(full(tmp_path / "fewer", fewer)), str(snap_a))
+
+
+def test_check_loadable_refuses_a_delta(tmp_path: Path, snap_a: Path) -> None:
+    from support.snapshots import delta, nudged
+
+    child = full(tmp_path / "child-full", nudged(weights(1), 1))
+    d = delta(snap_a, child, tmp_path / "step-d")
+    with pytest.raises(HotloadError, match="incremental snapshot"):
+        check_loadable(str(d), str(snap_a))
+
+
+# --- reference engine ----------------------------------------------------------------------------
+
+LOAD_FIELDS = {"path", "identity", "sequence", "mode", "cache_policy"}
+
+
+@dataclass
+class ReferenceStub(Stub):
+    """The reference engine's hot-load contract, with switches for its failure answers."""
+
+    identity: str | None = None
+    sequence: int | None = None
+    refuse: tuple[int, str, str] | None = None
+    hang: bool = False
+    busy: bool = False
+    loads: int = 0
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/hotload/v1/load", self.load),
+            web.get("/hotload/v1/status", self.status),
+            web.get("/health", self.ok),
+            web.get("/ready", self.ok),
+        ]
+
+    async def load(self, request: web.Request) -> web.Response:
+        body = await body_of(request)
+        self.record(request, body)
+        if not isinstance(body, dict) or set(body) != LOAD_FIELDS:
+            return error(422, "invalid_request", f"fields must be {sorted(LOAD_FIELDS)}")
+        if body["mode"] not in ("async", "sync") or body["cache_policy"] not in (
+            "all",
+            "none",
+            "new_session",
+        ):
+            return error(422, "invalid_request", "bad mode or cache_policy")
+        if self.busy:
+            return error(409, "load_in_progress", "a load of step-x is in progress")
+        while self.hang:  # until the test's teardown lets go
+            await asyncio.sleep(0.05)
+        if self.refuse is not None:
+            status, kind, message = self.refuse
+            return error(status, kind, message)
+        self.identity, self.sequence = body["identity"], body["sequence"]
+        self.loads += 1
+        return web.json_response(
+            {
+                "identity": self.identity,
+                "sequence": self.sequence,
+                "load_seconds": 0.25,
+                "pause_seconds": 0.01,
+            }
+        )
+
+    async def status(self, request: web.Request) -> web.Response:
+        self.record(request, None)
+        return web.json_response(
+            {
+                "model": "tiny",
+                "identity": self.identity,
+                "sequence": self.sequence,
+                "loading": False,
+                "loads": self.loads,
+                "last_load_seconds": 0.25,
+                "last_error": None,
+            }
+        )
+
+    async def ok(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+
+@pytest_asyncio.fixture
+async def reference() -> AsyncIterator[ReferenceStub]:
+    stub = ReferenceStub()
+    await start(stub, stub.routes())
+    try:
+        yield stub
+    finally:
+        stub.hang = False
+        assert stub.runner is not None
+        await stub.runner.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_reference_load_sends_the_contract_and_confirms(reference: ReferenceStub) -> None:
+    async with ReferenceAdapter(reference.url, timeouts=FAST) as adapter:
+        assert await adapter.current() is None
+        reference.calls.clear()
+        result = await adapter.load(req("/w/step-1", "step-1", 1, mode="sync", cache_policy="none"))
+        assert result.served == ServedSnapshot("step-1", 1)
+        assert result.pause_seconds == 0.01 and result.load_seconds > 0
+        assert list(result.steps) == ["load", "confirm"]
+        assert not result.cache_reset
+        _, _, body = reference.calls[0]
+        assert body == {
+            "path": "/w/step-1",
+            "identity": "step-1",
+            "sequence": 1,
+            "mode": "sync",
+            "cache_policy": "none",
+        }
+        assert reference.paths() == ["POST /hotload/v1/load", "GET /hotload/v1/status"]
+        assert await adapter.current() == ServedSnapshot("step-1", 1)
+        health = await adapter.health()
+        assert health.live and health.ready
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("status", [400, 422, 500])
+async def test_reference_rejected_load_keeps_the_old_snapshot(
+    reference: ReferenceStub, status: int
+) -> None:
+    async with ReferenceAdapter(reference.url, timeouts=FAST) as adapter:
+        await adapter.load(req("/w/step-1", "step-1", 1))
+        reference.refuse = (status, "checksum_mismatch", "shard 2: tensor 'w' checksum mismatch")
+        with pytest.raises(EngineLoadError) as info:
+            await adapter.load(req("/w/step-2", "step-2", 2))
+        err = info.value
+        assert err.serving == "previous" and err.step == "load" and err.status == status
+        assert reference.url in str(err)
+        assert "checksum_mismatch: shard 2" in str(err)
+        assert await adapter.current() == ServedSnapshot("step-1", 1)
+
+
+@pytest.mark.asyncio
+async def test_reference_busy_is_its_own_error(reference: ReferenceStub) -> None:
+    reference.busy = True
+    async with ReferenceAdapter(reference.url, timeouts=FAST) as adapter:
+        with pytest.raises(EngineBusyError, match="load_in_progress"):
+            await adapter.load(req("/w/step-2", "step-2", 2))
+
+
+@pytest.mark.asyncio
+async def test_reference_timeout_reports_unknown_then_status_tells(
+    reference: ReferenceStub,
+) -> None:
+    async with ReferenceAdapter(reference.url, timeouts=FAST) as adapter:
+        await adapter.load(req("/w/step-1", "step-1", 1))
+        reference.hang = True
+        quick = ReferenceAdapter(reference.url, timeouts=Timeouts(load=0.3))
+        with pytest.raises(EngineLoadError, match=r"no answer within 0\.3 s") as info:
+            await quick.load(req("/w/step-2", "step-2", 2))
+        await quick.aclose()
+        assert info.value.serving == "unknown" and info.value.step == "load"
+        assert await adapter.current() == ServedSnapshot("step-1", 1)
+
+
+@pytest.mark.asyncio
+async def test_reference_engine_down(unused_tcp_port: int) -> None:
+    url = f"http://127.0.0.1:{unused_tcp_port}"
+    async with ReferenceAdapter(url, timeouts=FAST) as adapter:
+        with pytest.raises(EngineLoadError, match=r"reference engine at .*: load: POST") as info:
+            await adapter.load(req("/w/step-1", "step-1", 1))
+        assert isinstance(info.value.__cause__, EngineUnavailableError)
+        with pytest.raises(EngineUnavailableError, match=url):
+            await adapter.current()
+        health = await adapter.health()
+        assert not health.live and not health.ready and url in health.detail
+
+
+@pytest.mark.asyncio
+async def test_reference_answer_for_other_snapshot_is_not_confirmed(
+    reference: ReferenceStub,
+) -> None:
+    async with ReferenceAdapter(reference.url, timeouts=FAST) as adapter:
+        await adapter.load(req("/w/step-1", "step-1", 1))
+
+        async def lying_status(request: web.Request) -> web.Response:
+            return web.json_response({"identity": "step-0", "sequence": 0, "loading": False})
+
+        reference.status = lying_status  # type: ignore[method-assign]
+        await reference.runner.cleanup()  # type: ignore[union-attr]
+        await start(reference, reference.routes())
+        adapter2 = ReferenceAdapter(reference.url, timeouts=FAST)
+        with pytest.raises(EngineLoadError, match="status shows 'step-0'") as info:
+            await adapter2.load(req("/w/step-2", "step-2", 2))
+        await adapter2.aclose()
+        assert info.value.serving == "unknown" and info.value.step == "confirm"
+
+
+# --- SGLang --------------------------------------------------------------------------------------
+
+#: UpdateWeightFromDiskReqInput's documented fields and their JSON types.
+SGLANG_UPDATE_FIELDS: dict[str, tuple[type, ...]] = {
+    "model_path": (str,),
+    "load_format": (str, type(None)),
+    "abort_all_requests": (bool,),
+    "weight_version": (str, type(None)),
+    "is_async": (bool,),
+    "torch_empty_cache": (bool,),
+    "keep_pause": (bool,),
+    "recapture_cuda_graph": (bool,),
+    "token_step": (int,),
+    "flush_cache": (bool,),
+}
+
+
+@dataclass
+class SGLangStub(Stub):
+    """SGLang's documented weight-update API: request validation, answers, weight version."""
+
+    weight_version: str = "default"
+    model_path: str = "/models/base"
+    paused: bool = False
+    fail_paths: set[str] = field(default_factory=set)
+    healthy: bool = True
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/update_weights_from_disk", self.update),
+            web.post("/pause_generation", self.pause),
+            web.post("/continue_generation", self.resume),
+            web.get("/get_weight_version", self.version),
+            web.get("/health", self.health),
+        ]
+
+    async def update(self, request: web.Request) -> web.Response:
+        body = await body_of(request)
+        self.record(request, body)
+        # FastAPI validation errors: SGLang answers 400 (it overrides the default 422).
+        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+            return web.json_response({"object": "error", "message": "model_path"}, status=400)
+        for name, value in body.items():
+            if name not in SGLANG_UPDATE_FIELDS:
+                return web.json_response({"message": f"unknown field {name}"}, status=400)
+            if not isinstance(value, SGLANG_UPDATE_FIELDS[name]):
+                return web.json_response({"message": f"bad type for {name}"}, status=400)
+        if body["model_path"] in self.fail_paths:
+            # SGLang reloads its previous weights and says so.
+            return web.json_response(
+                {
+                    "success": False,
+                    "message": "Failed to update weights: shape mismatch.\n"
+                    "Rolling back to original weights.",
+                    "num_paused_requests": 0,
+                },
+                status=400,
+            )
+        self.model_path = body["model_path"]
+        message = "Succeeded to update model weights."
+        if body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+            message += f" Weight version updated to {self.weight_version}."
+        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        body = await body_of(request)
+        self.record(request, body)
+        if (body or {}).get("mode", "abort") not in ("abort", "retract", "in_place"):
+            return web.json_response({"message": "Invalid mode"}, status=400)
+        self.paused = True
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.record(request, await body_of(request))
+        self.paused = False
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        self.record(request, None)
+        return web.json_response({"weight_version": self.weight_version})
+
+    async def health(self, request: web.Request) -> web.Response:
+        self.record(request, None)
+        return web.Response(status=200 if self.healthy else 503)
+
+
+@pytest_asyncio.fixture
+async def sglang() -> AsyncIterator[SGLangStub]:
+    stub = SGLangStub()
+    await start(stub, stub.routes())
+    try:
+        yield stub
+    finally:
+        assert stub.runner is not None
+        await stub.runner.cleanup()
+
+
+def update_bodies(stub: Stub) -> list[dict[str, Any]]:
+    return [b for m, p, b in stub.calls if p == "/update_weights_from_disk"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("mode", "policy", "in_flight", "pause_body", "flush", "abort"),
+    [
+        ("sync", "all", "wait", None, True, False),
+        ("sync", "none", "wait", None, False, False),
+        ("sync", "new_session", "wait", None, True, False),
+        ("sync", "all", "abort", None, True, True),
+        ("async", "all", "wait", {"mode": "retract"}, True, False),
+        ("async", "new_session", "wait", {"mode": "retract"}, True, False),
+        ("async", "none", "wait", {"mode": "in_place"}, False, False),
+        ("async", "none", "abort", {"mode": "in_place"}, False, False),
+    ],
+)
+async def test_sglang_request_per_mode_and_policy(
+    *,
+    sglang: SGLangStub,
+    snap_b: Path,
+    mode: str,
+    policy: str,
+    in_flight: str,
+    pause_body: dict[str, str] | None,
+    flush: bool,
+    abort: bool,
+) -> None:
+    adapter = SGLangAdapter(sglang.url, timeouts=FAST, sync_in_flight=in_flight)  # type: ignore[arg-type]
+    async with adapter:
+        result = await adapter.load(req(snap_b, "step-b", 7, mode=mode, cache_policy=policy))
+        assert result.served == ServedSnapshot("step-b", 7)
+        assert result.cache_reset is flush
+        assert update_bodies(sglang) == [
+            {
+                "model_path": str(snap_b),
+                "weight_version": "step-b",
+                "flush_cache": flush,
+                "abort_all_requests": abort,
+            }
+        ]
+        expected = ["POST /update_weights_from_disk"]
+        if pause_body is not None:
+            expected = ["POST /pause_generation", *expected, "POST /continue_generation"]
+            assert sglang.calls[0][2] == pause_body
+        assert sglang.posts() == expected
+        assert not sglang.paused
+        # Confirmation: the weight version names the identity, and /health generated a token.
+        assert sglang.paths()[-2:] == ["GET /get_weight_version", "GET /health"]
+        assert await adapter.current() == ServedSnapshot("step-b", 7)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_sglang_failed_update_keeps_old_snapshot_and_resumes(
+    sglang: SGLangStub, snap_a: Path, snap_b: Path, mode: str
+) -> None:
+    async with SGLangAdapter(sglang.url, timeouts=FAST) as adapter:
+        await adapter.load(req(snap_a, "step-a", 1))
+        sglang.fail_paths.add(str(snap_b))
+        with pytest.raises(EngineLoadError, match="Rolling back to original weights") as info:
+            await adapter.load(req(snap_b, "step-b", 2, mode=mode))
+        assert info.value.serving == "previous" and info.value.step == "update"
+        assert info.value.status == 400 and sglang.url in str(info.value)
+        assert not sglang.paused, "continue_generation must follow a failed ASYNC update"
+        assert await adapter.current() == ServedSnapshot("step-a", 1)
+        assert (await adapter.health()).ready
+
+
+@pytest.mark.asyncio
+async def test_sglang_unconfirmed_version_is_unknown(sglang: SGLangStub, snap_b: Path) -> None:
+    async def stale(request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": "default"})
+
+    sglang.version = stale  # type: ignore[method-assign]
+    await sglang.runner.cleanup()  # type: ignore[union-attr]
+    await start(sglang, sglang.routes())
+    async with SGLangAdapter(sglang.url, timeouts=FAST) as adapter:
+        with pytest.raises(EngineLoadError, match="weight_version is 'default'") as info:
+            await adapter.load(req(snap_b, "step-b", 2))
+        assert info.value.serving == "unknown" and info.value.step == "confirm"
+        assert await adapter.current() is None
+        assert not (await adapter.health()).ready
+
+
+@pytest.mark.asyncio
+async def test_sglang_refuses_a_missing_folder_without_calling(
+    sglang: SGLangStub, tmp_path: Path
+) -> None:
+    async with SGLangAdapter(sglang.url, timeouts=FAST) as adapter:
+        with pytest.raises(EngineLoadError, match="does not exist") as info:
+            await adapter.load(req(tmp_path / "gone", "step-x", 3))
+        assert info.value.serving == "previous" and info.value.step == "check"
+        assert sglang.calls == []
+
+
+@pytest.mark.asyncio
+async def test_sglang_engine_down(unused_tcp_port: int, snap_b: Path) -> None:
+    url = f"http://127.0.0.1:{unused_tcp_port}"
+    async with SGLangAdapter(url, timeouts=FAST) as adapter:
+        with pytest.raises(EngineLoadError, match=r"sglang engine at .*: update: POST"):
+            await adapter.load(req(snap_b, "step-b", 2, mode="sync"))
+        assert not (await adapter.health()).live
+
+
+# --- vLLM call sequences (the real engine: test_engine_vllm.py) -----------------------------------
+
+
+@dataclass
+class VLLMStub(Stub):
+    """vLLM 0.32's dev-mode endpoints as the adapter uses them; `on` injects failures."""
+
+    root: str = ""
+    version: str = "default"
+    paused: bool = False
+    loaded: str = ""
+    on: dict[str, Callable[[], web.Response]] = field(default_factory=dict)
+    pause_delay: float = 0.0
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/weight_info", self.weight_info),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/is_paused", self.is_paused),
+            web.post("/pause", self.pause),
+            web.post("/resume", self.resume),
+            web.post("/collective_rpc", self.rpc),
+            web.post("/reset_prefix_cache", self.reset),
+            web.post("/update_weight_version", self.set_version),
+            web.post("/v1/completions", self.completions),
+        ]
+
+    async def _call(self, request: web.Request, name: str) -> tuple[Any, web.Response | None]:
+        body = await body_of(request)
+        self.record(request, body)
+        hook = self.on.get(name)
+        return body, (hook() if hook else None)
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        _, hooked = await self._call(request, "weight_info")
+        return hooked or web.json_response({"weight_version": self.version})
+
+    async def models(self, request: web.Request) -> web.Response:
+        _, hooked = await self._call(request, "models")
+        return hooked or web.json_response({"data": [{"id": "tiny", "root": self.root}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        _, hooked = await self._call(request, "health")
+        return hooked or web.Response()
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        _, hooked = await self._call(request, "is_paused")
+        return hooked or web.json_response({"is_paused": self.paused})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        _, hooked = await self._call(request, "pause")
+        self.paused = True
+        await asyncio.sleep(self.pause_delay)
+        return hooked or web.json_response({"status": "paused"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        _, hooked = await self._call(request, "resume")
+        if hooked:
+            return hooked
+        self.paused = False
+        return web.json_response({"status": "resumed"})
+
+    async def rpc(self, request: web.Request) -> web.Response:
+        body, hooked = await self._call(request, "rpc")
+        if hooked and body["kwargs"]["weights_path"] != self.root:
+            return hooked
+        self.loaded = body["kwargs"]["weights_path"]
+        return web.json_response({"results": [None]})
+
+    async def reset(self, request: web.Request) -> web.Response:
+        _, hooked = await self._call(request, "reset")
+        return hooked or web.json_response({"success": True})
+
+    async def set_version(self, request: web.Request) -> web.Response:
+        body, hooked = await self._call(request, "set_version")
+        if hooked:
+            return hooked
+        self.version = body["new_version"]
+        return web.json_response({"success": True, "new_version": self.version})
+
+    async def completions(self, request: web.Request) -> web.Response:
+        _, hooked = await self._call(request, "completions")
+        return hooked or web.json_response({"choices": [{"text": "x", "index": 0}]})
+
+
+@pytest_asyncio.fixture
+async def vllm(snap_a: Path) -> AsyncIterator[VLLMStub]:
+    stub = VLLMStub(root=str(snap_a))
+    await start(stub, stub.routes())
+    try:
+        yield stub
+    finally:
+        assert stub.runner is not None
+        await stub.runner.cleanup()
+
+
+def crash() -> web.Response:
+    return error(500, "InternalServerError", "Worker failed with error 'boom'")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("mode", "policy", "in_flight", "pause_mode", "reset"),
+    [
+        ("async", "all", "wait", "keep", True),
+        ("async", "none", "wait", "keep", False),
+        ("async", "new_session", "wait", "keep", True),
+        ("sync", "all", "wait", "wait", True),
+        ("sync", "none", "abort", "abort", False),
+    ],
+)
+async def test_vllm_calls_per_mode_and_policy(
+    *,
+    vllm: VLLMStub,
+    snap_b: Path,
+    mode: str,
+    policy: str,
+    in_flight: str,
+    pause_mode: str,
+    reset: bool,
+) -> None:
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST, sync_in_flight=in_flight)  # type: ignore[arg-type]
+    async with adapter:
+        result = await adapter.load(req(snap_b, "step-b", 2, mode=mode, cache_policy=policy))
+        expected = [
+            f"POST /pause?mode={pause_mode}&clear_cache=false",
+            "POST /collective_rpc",
+            *(["POST /reset_prefix_cache?reset_running_requests=true"] if reset else []),
+            "POST /update_weight_version",
+            "POST /resume",
+            "POST /v1/completions",
+        ]
+        assert vllm.posts() == expected
+        rpc = next(b for m, p, b in vllm.calls if p == "/collective_rpc")
+        assert rpc == {"method": "reload_weights", "kwargs": {"weights_path": str(snap_b)}}
+        assert result.served == ServedSnapshot("step-b", 2) and result.cache_reset is reset
+        assert vllm.version == "step-b" and not vllm.paused
+        assert await adapter.current() == ServedSnapshot("step-b", 2)
+        # A sidecar restarted: the identity is known from the engine, the sequence is not.
+        async with VLLMAdapter(vllm.url, timeouts=FAST) as fresh:
+            assert await fresh.current() == ServedSnapshot("step-b", None)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("failing", ["rpc", "reset", "set_version"])
+async def test_vllm_failure_after_pause_rolls_back_and_resumes(
+    vllm: VLLMStub, snap_a: Path, snap_b: Path, failing: str
+) -> None:
+    vllm.on[failing] = crash
+    async with VLLMAdapter(vllm.url, timeouts=FAST) as adapter:
+        with pytest.raises(EngineLoadError, match="Worker failed with error 'boom'") as info:
+            await adapter.load(req(snap_b, "step-b", 2))
+        assert info.value.serving == "previous"
+        # The start-up folder (from /v1/models) was loaded back before resuming.
+        assert vllm.loaded == str(snap_a) and not vllm.paused
+        posts = vllm.posts()
+        assert posts[-2:] == ["POST /resume", "POST /v1/completions"]
+        assert posts.count("POST /collective_rpc") == 2
+        assert await adapter.current() is None  # still the start-up weights
+        assert (await adapter.health()).ready
+
+
+@pytest.mark.asyncio
+async def test_vllm_pause_timeout_still_resumes(vllm: VLLMStub, snap_b: Path) -> None:
+    vllm.pause_delay = 0.6
+    slow = Timeouts(request=0.3, drain=0.3, load=2.0, probe=2.0)
+    async with VLLMAdapter(vllm.url, timeouts=slow) as adapter:
+        with pytest.raises(EngineLoadError, match=r"pause: POST /pause got no answer") as info:
+            await adapter.load(req(snap_b, "step-b", 2, mode="sync"))
+        assert info.value.serving == "previous"
+        assert "POST /resume" in vllm.posts() and "POST /collective_rpc" not in vllm.posts()
+
+
+@pytest.mark.asyncio
+async def test_vllm_unrecoverable_failure_is_unknown(vllm: VLLMStub, snap_b: Path) -> None:
+    vllm.on["rpc"] = crash
+    vllm.on["completions"] = crash
+    async with VLLMAdapter(vllm.url, timeouts=FAST) as adapter:
+        with pytest.raises(EngineLoadError) as info:
+            await adapter.load(req(snap_b, "step-b", 2))
+        assert info.value.serving == "unknown"
+        assert await adapter.current() is None
+        health = await adapter.health()
+        assert health.live and not health.ready and "does not generate" in health.detail
+
+
+@pytest.mark.asyncio
+async def test_vllm_refuses_a_mismatched_snapshot_before_pausing(
+    vllm: VLLMStub, tmp_path: Path
+) -> None:
+    other = weights(3)
+    other["model.embed_tokens.weight"] = other["model.embed_tokens.weight"][:50].copy()
+    wrong = full(tmp_path / "step-w", other)
+    async with VLLMAdapter(vllm.url, timeouts=FAST) as adapter:
+        with pytest.raises(EngineLoadError, match="refused before pausing") as info:
+            await adapter.load(req(wrong, "step-w", 3))
+        assert info.value.serving == "previous" and info.value.step == "check"
+        assert vllm.posts() == []
+
+
+@pytest.mark.asyncio
+async def test_vllm_engine_down(unused_tcp_port: int, snap_b: Path) -> None:
+    url = f"http://127.0.0.1:{unused_tcp_port}"
+    async with VLLMAdapter(url, timeouts=FAST) as adapter:
+        with pytest.raises(EngineLoadError, match=r"vllm engine at .*: prepare: GET /weight_info"):
+            await adapter.load(req(snap_b, "step-b", 2))
+        with pytest.raises(EngineUnavailableError):
+            await adapter.current()
+        assert not (await adapter.health()).live
+
+
+@pytest.mark.asyncio
+async def test_vllm_rollback_target_after_a_sidecar_restart(
+    vllm: VLLMStub, tmp_path: Path, snap_b: Path
+) -> None:
+    # The engine serves step-b (loaded by an earlier sidecar); the stub fails any other reload.
+    vllm.version, vllm.root = "step-b", str(snap_b)
+    vllm.on["rpc"] = crash
+    snap_c = full(tmp_path / "step-c", weights(3))
+    async with VLLMAdapter(vllm.url, timeouts=FAST) as adapter:
+        assert await adapter.current() == ServedSnapshot("step-b", None)
+        with pytest.raises(EngineLoadError) as info:
+            await adapter.load(req(snap_c, "step-c", 3))
+        # Not knowing step-b's folder, the adapter cannot roll back: state unknown.
+        assert info.value.serving == "unknown"
+    vllm.calls.clear()
+    async with VLLMAdapter(vllm.url, timeouts=FAST) as adapter:
+        adapter.adopt(ServedSnapshot("step-b", 2), str(snap_b))
+        with pytest.raises(EngineLoadError) as info:
+            await adapter.load(req(snap_c, "step-c", 3))
+        assert info.value.serving == "previous"
+        assert vllm.loaded == str(snap_b)
+        assert await adapter.current() == ServedSnapshot("step-b", 2)
