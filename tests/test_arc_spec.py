@@ -17,6 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 import zstandard
+
+from hotload.arc import encode
+from hotload.arc.chunk import FLOAT_LAYOUTS as REFERENCE_FLOAT_LAYOUTS
+from hotload.arc.chunk import encode_sparse_exp
+from hotload.snapshot import RawTensor, write_snapshot
 from support.arc_spec_decoder import (
     FLOAT_LAYOUTS,
     ChecksumError,
@@ -27,11 +32,6 @@ from support.arc_spec_decoder import (
     parse_delta,
     read_delta_header,
 )
-
-from hotload.arc import encode
-from hotload.arc.chunk import FLOAT_LAYOUTS as REFERENCE_FLOAT_LAYOUTS
-from hotload.arc.chunk import encode_sparse_exp
-from hotload.snapshot import RawTensor, write_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "arc_v2.md"

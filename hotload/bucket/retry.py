@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from obstore.exceptions import (
     AlreadyExistsError,
+    BaseError,
     GenericError,
     InvalidPathError,
     NotSupportedError,
@@ -54,11 +55,13 @@ _NETWORK_HINTS = (
     "dns",
 )
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+# obstore reports a key it cannot use as a ValueError with one of these phrases.
+_PATH_ERRORS = ("Could not parse path", "illegal character", "path segment")
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How often and how patiently to retry transient failures (exponential backoff, full jitter)."""
+    """How often and how patiently to retry transient failures: exponential backoff, full jitter."""
 
     attempts: int = 4
     initial_backoff: float = 0.25
@@ -85,6 +88,8 @@ class RetryPolicy:
 
 def describe(exc: BaseException) -> str:
     """A one-line summary of a store error: S3 error code and message when present."""
+    if isinstance(exc, OSError) and not isinstance(exc, BaseError) and exc.strerror:
+        return exc.strerror.lower()
     text = str(exc)
     code = _S3_CODE.search(text)
     message = _S3_MESSAGE.search(text)
@@ -99,14 +104,20 @@ def describe(exc: BaseException) -> str:
     return first or type(exc).__name__
 
 
-def translate(exc: BaseException, *, url: str, key: str | None, op: str) -> BucketError:
+def translate(exc: BaseException, *, url: str, key: str | None, op: str) -> BucketError | None:
     """Map an obstore or OS exception onto the hotload error that names `url`/`key` and why.
 
     The result is a `BucketUnreachableError` (the only kind `retrying` retries) exactly for
     failures that may go away on their own: connection trouble, 5xx, throttling, timeouts.
+    Anything that is not a store failure (a bug, or an exception raised by the caller's own
+    progress callback) gives None: it should travel on unchanged.
     """
     if isinstance(exc, BucketError):
         return exc
+    if isinstance(exc, ValueError) and not any(m in str(exc) for m in _PATH_ERRORS):
+        return None
+    if not isinstance(exc, BaseError | OSError | ValueError | NotImplementedError):
+        return None
     what = f"{op}: {describe(exc)}"
     if isinstance(exc, FileNotFoundError):
         return ObjectNotFoundError(what, url=url, key=key)
@@ -164,6 +175,8 @@ async def retrying(
             raise
         except Exception as exc:
             error = translate(exc, url=url, key=key, op=op)
+            if error is None:
+                raise
             if not isinstance(error, BucketUnreachableError):
                 raise error from exc
             if attempt >= policy.attempts:

@@ -103,12 +103,16 @@ def parse_bucket_url(url: str) -> BucketURL:
     if scheme in ("s3", "gs"):
         bucket = parts.netloc
         if not bucket:
-            raise InvalidBucketURLError(f"missing bucket name: expected {scheme}://BUCKET/PREFIX", url=url)
+            raise InvalidBucketURLError(
+                f"missing bucket name: expected {scheme}://BUCKET/PREFIX", url=url
+            )
         segments = [s for s in unquote(parts.path).split("/") if s]
         for seg in segments:
             if seg in (".", ".."):
                 raise InvalidBucketURLError(f"prefix segment {seg!r} is not allowed", url=url)
-        return BucketURL(scheme="s3" if scheme == "s3" else "gs", bucket=bucket, prefix="/".join(segments))
+        return BucketURL(
+            scheme="s3" if scheme == "s3" else "gs", bucket=bucket, prefix="/".join(segments)
+        )
     raise InvalidBucketURLError(
         f"unsupported scheme {parts.scheme!r}: use a folder path, file:///path, s3://bucket/prefix "
         "or gs://bucket/prefix",

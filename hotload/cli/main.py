@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     snapshot.register(sub)
     demo.register(sub)
-    for optional in ("ledger", "publish"):
+    for optional in ("ledger", "publish", "serve"):
         try:
             module = __import__(f"hotload.cli.{optional}", fromlist=["register"])
         except ModuleNotFoundError:
@@ -57,4 +58,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("hotload: interrupted", file=sys.stderr)
         code = EXIT_INTERRUPTED
-    sys.exit(code or EXIT_OK)
+    exit_now(code or EXIT_OK)
+
+
+def exit_now(code: int) -> None:
+    """Flush and leave without interpreter finalisation.
+
+    obstore's Rust runtime occasionally aborts (SIGABRT, no Python frame) while the interpreter
+    tears down after all work has finished; skipping teardown keeps exit codes truthful.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

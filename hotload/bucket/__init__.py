@@ -1,0 +1,81 @@
+"""Object-store access for hotload: a local folder (default), S3-compatible stores and GCS.
+
+`open_bucket(url)` returns a `Bucket` with plain, ranged, parallel and conditional reads and
+writes; `upload_snapshot`/`download_snapshot` move whole snapshot folders in publishing order.
+"""
+
+from hotload.bucket.core import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_PART_SIZE,
+    Bucket,
+    NotModified,
+    ObjectData,
+    ObjectInfo,
+    Progress,
+    SecretFileCredentials,
+    check_key,
+    gcs_config,
+    local_etag,
+    open_bucket,
+    run_sync,
+    s3_config,
+)
+from hotload.bucket.retry import RetryPolicy
+from hotload.bucket.transfer import (
+    COMMIT_FILES,
+    MANIFEST_NAMES,
+    TransferResult,
+    commit_file,
+    download_snapshot,
+    download_snapshot_async,
+    manifest_order,
+    snapshot_files_async,
+    snapshot_present,
+    snapshot_present_async,
+    upload_snapshot,
+    upload_snapshot_async,
+)
+from hotload.bucket.url import (
+    CREDENTIALS_DIR_ENV,
+    BucketURL,
+    StoreSettings,
+    load_settings,
+    parse_bucket_url,
+    split_ledger_url,
+)
+
+__all__ = [
+    "COMMIT_FILES",
+    "CREDENTIALS_DIR_ENV",
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_PART_SIZE",
+    "MANIFEST_NAMES",
+    "Bucket",
+    "BucketURL",
+    "NotModified",
+    "ObjectData",
+    "ObjectInfo",
+    "Progress",
+    "RetryPolicy",
+    "SecretFileCredentials",
+    "StoreSettings",
+    "TransferResult",
+    "check_key",
+    "commit_file",
+    "download_snapshot",
+    "download_snapshot_async",
+    "gcs_config",
+    "load_settings",
+    "local_etag",
+    "manifest_order",
+    "open_bucket",
+    "parse_bucket_url",
+    "run_sync",
+    "s3_config",
+    "snapshot_files_async",
+    "snapshot_present",
+    "snapshot_present_async",
+    "split_ledger_url",
+    "upload_snapshot",
+    "upload_snapshot_async",
+]

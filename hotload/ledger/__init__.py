@@ -1,0 +1,47 @@
+"""The ledger: a versioned JSON document per policy in the bucket, changed only by compare-and-swap.
+
+It lives at `<bucket>/.hotload/ledgers/<name>.json`; writers append entries (full, incremental,
+lora) and resets, followers poll it cheaply and resolve which snapshots to fetch.
+"""
+
+from hotload.ledger.ledger import (
+    DEFAULT_HISTORY,
+    LEDGER_PREFIX,
+    Ledger,
+    LedgerState,
+    ledger_key,
+    open_ledger,
+)
+from hotload.ledger.model import (
+    ENTRY_KINDS,
+    FORMAT_VERSION,
+    PROMPT_CACHE_POLICIES,
+    SELF_CONTAINED,
+    EntryKind,
+    LedgerDocument,
+    LedgerEntry,
+    NewEntry,
+    PromptCachePolicy,
+    ResetRecord,
+    validate_ledger_name,
+)
+
+__all__ = [
+    "DEFAULT_HISTORY",
+    "ENTRY_KINDS",
+    "FORMAT_VERSION",
+    "LEDGER_PREFIX",
+    "PROMPT_CACHE_POLICIES",
+    "SELF_CONTAINED",
+    "EntryKind",
+    "Ledger",
+    "LedgerDocument",
+    "LedgerEntry",
+    "LedgerState",
+    "NewEntry",
+    "PromptCachePolicy",
+    "ResetRecord",
+    "ledger_key",
+    "open_ledger",
+    "validate_ledger_name",
+]

@@ -1,0 +1,528 @@
+"""The ledger document: entries, resets, the rules an append must obey, and chain resolution.
+
+Everything here is pure (no I/O), so the rules can be tested and reused by any writer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any, Final, Literal, get_args
+
+from hotload.errors import LedgerError, LedgerRejectedError
+from hotload.snapshot.layout import validate_identity
+
+FORMAT_VERSION: Final = 1
+
+EntryKind = Literal["full", "incremental", "lora"]
+PromptCachePolicy = Literal["all", "none", "new_session"]
+
+ENTRY_KINDS: Final[tuple[str, ...]] = get_args(EntryKind)
+PROMPT_CACHE_POLICIES: Final[tuple[str, ...]] = get_args(PromptCachePolicy)
+#: Kinds that need nothing before them: a full snapshot, or a complete LoRA adapter.
+SELF_CONTAINED: Final = ("full", "lora")
+#: Longest reset reason kept (a reason is for humans, not a log dump).
+MAX_REASON = 1000
+
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def validate_ledger_name(name: str) -> str:
+    """Return `name` if it is a valid ledger name (one safe path segment), else raise."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise LedgerError(
+            f"{name!r} is not a valid ledger name: use 1-128 characters from A-Z a-z 0-9 . _ - "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def utc_now() -> datetime:
+    """The current time in UTC, to the microsecond."""
+    return datetime.now(UTC)
+
+
+def format_time(value: datetime) -> str:
+    """RFC 3339 in UTC with a `Z` suffix, as every time in the ledger is written."""
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class NewEntry:
+    """What a publisher appends; the ledger assigns the sequence (and the time, unless given).
+
+    `previous` is required for an incremental (its parent, which must be the head). For a full
+    or LoRA snapshot leave it None and the ledger records the head it follows.
+    """
+
+    identity: str
+    kind: EntryKind
+    manifest_digest: str
+    shipped_bytes: int
+    full_bytes: int
+    previous: str | None = None
+    prompt_cache: PromptCachePolicy = "all"
+    published_time: datetime | None = None
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One published snapshot in the ledger."""
+
+    sequence: int
+    identity: str
+    kind: EntryKind
+    previous: str | None
+    published_time: datetime
+    prompt_cache: PromptCachePolicy
+    manifest_digest: str
+    shipped_bytes: int
+    full_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry as the ledger stores it (camelCase keys)."""
+        return {
+            "sequence": self.sequence,
+            "identity": self.identity,
+            "kind": self.kind,
+            "previous": self.previous,
+            "publishedTime": format_time(self.published_time),
+            "promptCache": self.prompt_cache,
+            "manifestDigest": self.manifest_digest,
+            "shippedBytes": self.shipped_bytes,
+            "fullBytes": self.full_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, doc: object, where: str) -> LedgerEntry:
+        """Parse one stored entry; `where` names it in error messages."""
+        d = _object(doc, where)
+        return cls(
+            sequence=_int(d, "sequence", where, minimum=1),
+            identity=_identity(d, "identity", where),
+            kind=_choice(d, "kind", where, ENTRY_KINDS),  # type: ignore[arg-type]
+            previous=_optional_identity(d, "previous", where),
+            published_time=_time(d, "publishedTime", where),
+            prompt_cache=_choice(d, "promptCache", where, PROMPT_CACHE_POLICIES),  # type: ignore[arg-type]
+            manifest_digest=_digest(d, "manifestDigest", where),
+            shipped_bytes=_int(d, "shippedBytes", where, minimum=0),
+            full_bytes=_int(d, "fullBytes", where, minimum=0),
+        )
+
+
+@dataclass(frozen=True)
+class ResetRecord:
+    """An explicit reset: when, why, and what the head was; the next entry must be full."""
+
+    sequence: int
+    time: datetime
+    reason: str
+    previous_head: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The reset as the ledger stores it."""
+        return {
+            "sequence": self.sequence,
+            "time": format_time(self.time),
+            "reason": self.reason,
+            "previousHead": self.previous_head,
+        }
+
+    @classmethod
+    def from_json(cls, doc: object, where: str) -> ResetRecord:
+        """Parse one stored reset record."""
+        d = _object(doc, where)
+        reason = d.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            raise LedgerError(f"{where}.reason: must be a non-empty string")
+        return cls(
+            sequence=_int(d, "sequence", where, minimum=1),
+            time=_time(d, "time", where),
+            reason=reason,
+            previous_head=_optional_identity(d, "previousHead", where),
+        )
+
+
+@dataclass(frozen=True)
+class LedgerDocument:
+    """The whole ledger: retained entries (oldest first), resets, and the sequence counter.
+
+    `sequence` is the last sequence number handed out (to an entry or a reset); it only grows.
+    `compacted_through` is the highest sequence dropped by compaction (0 if none).
+    """
+
+    name: str
+    sequence: int = 0
+    entries: tuple[LedgerEntry, ...] = ()
+    resets: tuple[ResetRecord, ...] = ()
+    compacted_through: int = 0
+    updated_time: datetime | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    # --- queries ------------------------------------------------------------------------------
+
+    @property
+    def head(self) -> LedgerEntry | None:
+        """The newest entry, or None for an empty ledger."""
+        return self.entries[-1] if self.entries else None
+
+    @property
+    def pending_reset(self) -> ResetRecord | None:
+        """The reset that forces the next entry to be full, if no entry has followed it yet."""
+        if not self.resets:
+            return None
+        last = self.resets[-1]
+        head = self.head
+        return last if head is None or last.sequence > head.sequence else None
+
+    def find(self, identity: str) -> LedgerEntry | None:
+        """The retained entry with this identity, if any."""
+        for entry in reversed(self.entries):
+            if entry.identity == identity:
+                return entry
+        return None
+
+    def latest_root(self) -> LedgerEntry | None:
+        """The newest self-contained entry (full snapshot or LoRA adapter)."""
+        for entry in reversed(self.entries):
+            if entry.kind in SELF_CONTAINED:
+                return entry
+        return None
+
+    # --- rules --------------------------------------------------------------------------------
+
+    def check(self, new: NewEntry) -> None:
+        """Raise `LedgerRejectedError` (saying why) unless `new` may be appended now."""
+        validate_identity(new.identity)
+        where = f"ledger {self.name!r}"
+        if new.kind not in ENTRY_KINDS:
+            raise LedgerRejectedError(f"{where}: kind {new.kind!r} is not one of {ENTRY_KINDS}")
+        if new.prompt_cache not in PROMPT_CACHE_POLICIES:
+            raise LedgerRejectedError(
+                f"{where}: prompt-cache policy {new.prompt_cache!r} is not one of "
+                f"{PROMPT_CACHE_POLICIES}"
+            )
+        if not isinstance(new.manifest_digest, str) or not _DIGEST.match(new.manifest_digest):
+            raise LedgerRejectedError(
+                f"{where}: manifest digest {new.manifest_digest!r} is not 'sha256:' + 64 hex digits"
+            )
+        for label, value in (("shipped", new.shipped_bytes), ("full", new.full_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise LedgerRejectedError(f"{where}: {label} bytes must be a non-negative integer")
+        existing = self.find(new.identity)
+        if existing is not None:
+            raise LedgerRejectedError(
+                f"{where}: snapshot {new.identity!r} is already in the ledger at sequence "
+                f"{existing.sequence}; identities are unique"
+            )
+        head = self.head
+        pending = self.pending_reset
+        if new.kind == "incremental":
+            if pending is not None:
+                raise LedgerRejectedError(
+                    f"{where}: was reset at sequence {pending.sequence} ({pending.reason!r}); the "
+                    f"next entry must be a full snapshot, but {new.identity!r} is incremental"
+                )
+            if head is None:
+                raise LedgerRejectedError(
+                    f"{where}: is empty, so incremental {new.identity!r} has no parent to apply "
+                    "to; publish a full snapshot first"
+                )
+            if new.previous is None:
+                raise LedgerRejectedError(
+                    f"{where}: incremental {new.identity!r} does not name its parent snapshot"
+                )
+        expected = None if pending is not None else (head.identity if head else None)
+        if new.previous is not None and new.previous != expected:
+            raise LedgerRejectedError(
+                f"{where}: {new.identity!r} was made on top of {new.previous!r}, but the head is "
+                f"{expected!r}; a {new.kind} entry must follow the current head"
+            )
+
+    def appended(
+        self, new: NewEntry, now: datetime | None = None
+    ) -> tuple[LedgerDocument, LedgerEntry]:
+        """Return the document with `new` appended (after `check`) and the stored entry."""
+        self.check(new)
+        when = now or utc_now()
+        pending = self.pending_reset
+        head = self.head
+        previous = new.previous
+        if previous is None and new.kind in SELF_CONTAINED and pending is None and head is not None:
+            previous = head.identity
+        entry = LedgerEntry(
+            sequence=self.sequence + 1,
+            identity=new.identity,
+            kind=new.kind,
+            previous=previous,
+            published_time=new.published_time or when,
+            prompt_cache=new.prompt_cache,
+            manifest_digest=new.manifest_digest,
+            shipped_bytes=new.shipped_bytes,
+            full_bytes=new.full_bytes,
+        )
+        doc = replace(
+            self, sequence=entry.sequence, entries=(*self.entries, entry), updated_time=when
+        )
+        return doc, entry
+
+    def with_reset(
+        self, reason: str, now: datetime | None = None
+    ) -> tuple[LedgerDocument, ResetRecord]:
+        """Return the document with a reset recorded; the next entry will have to be full."""
+        text = reason.strip() if isinstance(reason, str) else ""
+        if not text:
+            raise LedgerRejectedError(f"ledger {self.name!r}: a reset needs a reason")
+        if len(text) > MAX_REASON:
+            raise LedgerRejectedError(
+                f"ledger {self.name!r}: reset reason is {len(text)} characters; "
+                f"keep it under {MAX_REASON}"
+            )
+        when = now or utc_now()
+        head = self.head
+        record = ResetRecord(self.sequence + 1, when, text, head.identity if head else None)
+        doc = replace(
+            self, sequence=record.sequence, resets=(*self.resets, record), updated_time=when
+        )
+        return doc, record
+
+    def compacted(self, keep: int, now: datetime | None = None) -> LedgerDocument:
+        """Drop old history, keeping the last `keep` entries and always the chain from the latest
+        full snapshot (so every retained head stays resolvable). The sequence is unchanged."""
+        keep = max(1, keep)
+        if len(self.entries) <= keep:
+            return self
+        start = len(self.entries) - keep
+        root = self.latest_root()
+        if root is not None:
+            start = min(start, self.entries.index(root))
+        if start <= 0:
+            return self
+        dropped = self.entries[:start]
+        through = max(self.compacted_through, dropped[-1].sequence)
+        first_kept = self.entries[start].sequence
+        pending = self.pending_reset
+        resets = tuple(r for r in self.resets if r.sequence > first_kept or r is pending)
+        through = max([through, *(r.sequence for r in self.resets if r not in resets)])
+        return replace(
+            self,
+            entries=self.entries[start:],
+            resets=resets,
+            compacted_through=through,
+            updated_time=now or utc_now(),
+        )
+
+    # --- chain resolution ---------------------------------------------------------------------
+
+    def chain_to(self, target: str | None = None) -> list[LedgerEntry]:
+        """The entries needed to build `target` (default: the head) from nothing: the latest
+        self-contained entry before it, then every delta up to it."""
+        if not self.entries:
+            return []
+        index = {e.identity: i for i, e in enumerate(self.entries)}
+        if target is None:
+            i = len(self.entries) - 1
+        elif target in index:
+            i = index[target]
+        else:
+            raise LedgerError(f"ledger {self.name!r}: snapshot {target!r} is not in the ledger")
+        chain: list[LedgerEntry] = []
+        while True:
+            entry = self.entries[i]
+            chain.append(entry)
+            if entry.kind in SELF_CONTAINED:
+                break
+            parent = entry.previous
+            if parent is None or parent not in index or index[parent] >= i:
+                raise LedgerError(
+                    f"ledger {self.name!r}: the chain to {chain[0].identity!r} is broken: parent "
+                    f"{parent!r} of {entry.identity!r} is not in the retained history"
+                )
+            i = index[parent]
+        chain.reverse()
+        return chain
+
+    def resolve_chain(self, current: str | None, target: str | None = None) -> list[LedgerEntry]:
+        """The cheapest list of snapshots to fetch and apply, in order, to go from `current`
+        (what a replica serves now, or None) to `target` (default: the head).
+
+        Empty when `current` is already the target; only the deltas after `current` when it is on
+        the target's chain; otherwise the latest full snapshot plus every delta after it.
+        """
+        chain = self.chain_to(target)
+        if current is not None:
+            for i, entry in enumerate(chain):
+                if entry.identity == current:
+                    return chain[i + 1 :]
+        return chain
+
+    # --- JSON ---------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        """The document as stored (`formatVersion` first, camelCase keys)."""
+        doc: dict[str, Any] = {
+            "formatVersion": FORMAT_VERSION,
+            "name": self.name,
+            "sequence": self.sequence,
+            "head": self.head.identity if self.head else None,
+            "resetPending": self.pending_reset is not None,
+            "compactedThrough": self.compacted_through,
+            "updatedTime": format_time(self.updated_time) if self.updated_time else None,
+            "entries": [e.to_json() for e in self.entries],
+            "resets": [r.to_json() for r in self.resets],
+        }
+        # Fields written by a newer minor revision survive a round trip through this one.
+        for key, value in self.extra.items():
+            doc.setdefault(key, value)
+        return doc
+
+    def dumps(self) -> bytes:
+        """Serialize to the bytes stored in the bucket."""
+        return (json.dumps(self.to_json(), indent=2) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, doc: object, where: str) -> LedgerDocument:
+        """Parse and check a stored document; errors name `where` and the offending field."""
+        d = _object(doc, where)
+        version = d.get("formatVersion")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise LedgerError(f"{where}: formatVersion: missing or not an integer")
+        if version > FORMAT_VERSION:
+            raise LedgerError(
+                f"{where}: formatVersion {version} is newer than this hotload understands "
+                f"({FORMAT_VERSION}); upgrade hotload"
+            )
+        if version < 1:
+            raise LedgerError(f"{where}: formatVersion {version} is not valid")
+        name = d.get("name")
+        if not isinstance(name, str):
+            raise LedgerError(f"{where}: name: must be a string")
+        raw_entries = d.get("entries", [])
+        raw_resets = d.get("resets", [])
+        if not isinstance(raw_entries, list):
+            raise LedgerError(f"{where}: entries: must be a list")
+        if not isinstance(raw_resets, list):
+            raise LedgerError(f"{where}: resets: must be a list")
+        entries = tuple(
+            LedgerEntry.from_json(e, f"{where}: entries[{i}]") for i, e in enumerate(raw_entries)
+        )
+        resets = tuple(
+            ResetRecord.from_json(r, f"{where}: resets[{i}]") for i, r in enumerate(raw_resets)
+        )
+        sequence = _int(d, "sequence", where, minimum=0)
+        compacted = _int(d, "compactedThrough", where, minimum=0, default=0)
+        _check_increasing(entries, f"{where}: entries", compacted, sequence)
+        _check_increasing(resets, f"{where}: resets", 0, sequence)
+        seen: set[str] = set()
+        for i, e in enumerate(entries):
+            if e.identity in seen:
+                raise LedgerError(f"{where}: entries[{i}].identity: {e.identity!r} appears twice")
+            seen.add(e.identity)
+        updated = d.get("updatedTime")
+        known = {
+            "formatVersion",
+            "name",
+            "sequence",
+            "head",
+            "resetPending",
+            "compactedThrough",
+            "updatedTime",
+            "entries",
+            "resets",
+        }
+        return cls(
+            name=name,
+            sequence=sequence,
+            entries=entries,
+            resets=resets,
+            compacted_through=compacted,
+            updated_time=_time(d, "updatedTime", where) if updated is not None else None,
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+    @classmethod
+    def loads(cls, data: bytes, where: str) -> LedgerDocument:
+        """Parse stored bytes; a malformed ledger raises `LedgerError` naming `where`."""
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise LedgerError(f"{where}: not valid JSON: {exc}") from None
+        return cls.from_json(doc, where)
+
+
+# --- field parsing helpers ---------------------------------------------------------------------
+
+
+def _object(doc: object, where: str) -> dict[str, Any]:
+    if not isinstance(doc, dict):
+        raise LedgerError(f"{where}: must be a JSON object")
+    return doc
+
+
+def _int(
+    d: Mapping[str, Any], key: str, where: str, *, minimum: int, default: int | None = None
+) -> int:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise LedgerError(f"{where}.{key}: must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _choice(d: Mapping[str, Any], key: str, where: str, choices: Sequence[str]) -> str:
+    value = d.get(key)
+    if value not in choices:
+        raise LedgerError(f"{where}.{key}: must be one of {', '.join(choices)}, got {value!r}")
+    assert isinstance(value, str)
+    return value
+
+
+def _identity(d: Mapping[str, Any], key: str, where: str) -> str:
+    value = d.get(key)
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise LedgerError(f"{where}.{key}: not a valid snapshot identity: {value!r}")
+    return value
+
+
+def _optional_identity(d: Mapping[str, Any], key: str, where: str) -> str | None:
+    return None if d.get(key) is None else _identity(d, key, where)
+
+
+def _digest(d: Mapping[str, Any], key: str, where: str) -> str:
+    value = d.get(key)
+    if not isinstance(value, str) or not _DIGEST.match(value):
+        raise LedgerError(f"{where}.{key}: must be 'sha256:' + 64 hex digits, got {value!r}")
+    return value
+
+
+def _time(d: Mapping[str, Any], key: str, where: str) -> datetime:
+    value = d.get(key)
+    if not isinstance(value, str):
+        raise LedgerError(f"{where}.{key}: must be an RFC 3339 time string")
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise LedgerError(f"{where}.{key}: {value!r} is not an RFC 3339 time") from None
+    if parsed.tzinfo is None:
+        raise LedgerError(f"{where}.{key}: {value!r} has no time zone")
+    return parsed.astimezone(UTC)
+
+
+def _check_increasing(
+    items: Sequence[LedgerEntry | ResetRecord], where: str, floor: int, ceiling: int
+) -> None:
+    last = floor
+    for i, item in enumerate(items):
+        if item.sequence <= last:
+            raise LedgerError(
+                f"{where}[{i}].sequence: {item.sequence} does not increase (previous {last}); "
+                "the sequence never rewinds"
+            )
+        if item.sequence > ceiling:
+            raise LedgerError(
+                f"{where}[{i}].sequence: {item.sequence} is beyond the ledger's sequence {ceiling}"
+            )
+        last = item.sequence

@@ -1,0 +1,408 @@
+"""Buckets on a real local folder and a real S3 server (SeaweedFS): reads, writes, conditions,
+parallel transfers, snapshot upload order, error messages and configuration."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from hotload.bucket import (
+    NotModified,
+    ObjectData,
+    RetryPolicy,
+    download_snapshot,
+    load_settings,
+    open_bucket,
+    parse_bucket_url,
+    s3_config,
+    snapshot_present,
+    split_ledger_url,
+    upload_snapshot,
+)
+from hotload.bucket.core import gcs_config
+from hotload.errors import (
+    AccessDeniedError,
+    BucketError,
+    BucketUnreachableError,
+    InvalidBucketURLError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+)
+from support import snapshots
+from support.seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedFS
+
+
+class SimulatedCrashError(Exception):
+    """Raised from a progress callback to stop an upload half-way."""
+
+
+FAST_RETRY = RetryPolicy(attempts=2, initial_backoff=0.05, max_backoff=0.1)
+
+
+# --- plain objects -------------------------------------------------------------------------------
+
+
+def test_put_get_head_list_delete(bucket_url: str) -> None:
+    bucket = open_bucket(bucket_url)
+    etag = bucket.put("snap/a.json", b'{"a": 1}')
+    bucket.put("snap/sub/b.bin", b"x" * 1000)
+    bucket.put("snapshot-other/c", b"c")
+
+    got = bucket.get("snap/a.json")
+    assert got.data == b'{"a": 1}'
+    assert got.etag == etag
+    info = bucket.head("snap/a.json")
+    assert (info.key, info.size, info.etag) == ("snap/a.json", 8, etag)
+    # A prefix is a folder: "snap" does not list "snapshot-other".
+    assert [(i.key, i.size) for i in bucket.list("snap")] == [
+        ("snap/a.json", 8),
+        ("snap/sub/b.bin", 1000),
+    ]
+    assert {i.key for i in bucket.list()} == {"snap/a.json", "snap/sub/b.bin", "snapshot-other/c"}
+    assert bucket.get_range("snap/sub/b.bin", 10, 20) == b"x" * 10
+
+    bucket.delete("snap/a.json")
+    bucket.delete("snap/a.json")  # deleting what is gone is fine
+    assert not bucket.exists("snap/a.json")
+    with pytest.raises(ObjectNotFoundError) as err:
+        bucket.get("snap/a.json")
+    message = str(err.value)
+    assert bucket.url in message and "snap/a.json" in message and "not found" in message
+
+
+def test_list_of_missing_prefix_is_empty(bucket_url: str) -> None:
+    assert open_bucket(bucket_url).list("nothing/here") == []
+
+
+def test_conditional_get_returns_not_modified(bucket_url: str) -> None:
+    bucket = open_bucket(bucket_url)
+    etag = bucket.put("ledger.json", b"v1")
+    assert etag is not None
+    unchanged = bucket.get_if_changed("ledger.json", etag)
+    assert unchanged == NotModified("ledger.json", etag)
+
+    new_etag = bucket.put("ledger.json", b"v2")
+    changed = bucket.get_if_changed("ledger.json", etag)
+    assert isinstance(changed, ObjectData)
+    assert changed.data == b"v2"
+    assert changed.etag == new_etag != etag
+
+
+def test_create_only_and_if_match(bucket_url: str) -> None:
+    bucket = open_bucket(bucket_url)
+    first = bucket.put("doc", b"one", create_only=True)
+    with pytest.raises(ObjectExistsError) as err:
+        bucket.put("doc", b"two", create_only=True)
+    assert isinstance(err.value, PreconditionFailedError)
+    assert "doc" in str(err.value) and "already exists" in str(err.value)
+    assert bucket.get("doc").data == b"one"
+
+    assert first is not None
+    second = bucket.put("doc", b"two", if_match=first)
+    assert bucket.get("doc").data == b"two"
+    with pytest.raises(PreconditionFailedError):
+        bucket.put("doc", b"three", if_match=first)  # stale ETag
+    assert bucket.get("doc").data == b"two"
+    assert bucket.head("doc").etag == second
+    with pytest.raises(PreconditionFailedError):
+        bucket.put("missing", b"x", if_match=first)
+
+
+def test_create_only_race_has_exactly_one_winner(bucket_url: str) -> None:
+    bucket = open_bucket(bucket_url)
+    barrier = threading.Barrier(6)
+    outcomes: list[str] = []
+
+    def contender(i: int) -> None:
+        barrier.wait()
+        try:
+            bucket.put("claim", f"writer {i}".encode(), create_only=True)
+            outcomes.append(f"won {i}")
+        except ObjectExistsError:
+            outcomes.append("lost")
+
+    threads = [threading.Thread(target=contender, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [o for o in outcomes if o.startswith("won")]
+    assert len(winners) == 1 and len(outcomes) == 6
+    assert bucket.get("claim").data == f"writer {winners[0].split()[1]}".encode()
+
+
+def test_invalid_keys_are_refused(bucket_url: str) -> None:
+    bucket = open_bucket(bucket_url)
+    for key in ("../escape", "/absolute", "a//b", "a/./b", ""):
+        with pytest.raises(BucketError):
+            bucket.put(key, b"x")
+
+
+# --- large files ---------------------------------------------------------------------------------
+
+
+def test_large_file_multipart_upload_and_parallel_download(bucket_url: str, tmp_path: Path) -> None:
+    part = 1 << 20
+    bucket = open_bucket(bucket_url, part_size=part, concurrency=4)
+    src = tmp_path / "shard.bin"
+    payload = os.urandom(9 * part + 12345)  # not a multiple of the part size
+    src.write_bytes(payload)
+
+    sent: list[int] = []
+    bucket.upload_file(src, "big/shard.bin", progress=sent.append)
+    assert sum(sent) == len(payload)
+    assert bucket.head("big/shard.bin").size == len(payload)
+
+    got: list[int] = []
+    dest = tmp_path / "out" / "shard.bin"
+    assert bucket.download_file("big/shard.bin", dest, progress=got.append) == len(payload)
+    assert dest.read_bytes() == payload
+    assert sum(got) == len(payload)
+    if not bucket.is_local:
+        assert len(got) == 10  # ten ranged reads
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["shard.bin"]  # no temp files left
+
+
+def test_local_download_to_another_filesystem(tmp_path: Path) -> None:
+    # /dev/shm is a tmpfs: the copy cannot stay inside one filesystem there.
+    shm = Path("/dev/shm")
+    dest_root = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() else tmp_path / "elsewhere"
+    try:
+        bucket = open_bucket(str(tmp_path / "bucket"))
+        payload = os.urandom(20 * 1024 * 1024 + 7)
+        bucket.put("s/shard", payload)
+        seen: list[int] = []
+        assert bucket.download_file("s/shard", dest_root / "shard", progress=seen.append) == len(
+            payload
+        )
+        assert (dest_root / "shard").read_bytes() == payload and sum(seen) == len(payload)
+    finally:
+        shutil.rmtree(dest_root, ignore_errors=True)
+
+
+def test_failed_download_leaves_no_file(bucket_url: str, tmp_path: Path) -> None:
+    bucket = open_bucket(bucket_url)
+    dest = tmp_path / "out" / "missing.bin"
+    with pytest.raises(ObjectNotFoundError):
+        bucket.download_file("nope/missing.bin", dest)
+    assert not dest.exists()
+    assert list(dest.parent.iterdir()) == []
+
+
+# --- snapshots -----------------------------------------------------------------------------------
+
+
+def test_snapshot_upload_then_download(bucket_url: str, tmp_path: Path) -> None:
+    s0, s1 = snapshots.chain(tmp_path / "src", 1)
+    bucket = open_bucket(bucket_url)
+    assert not snapshot_present(bucket, "s1")
+    result = upload_snapshot(s1, bucket, "s1")
+    assert not result.already_present
+    assert snapshot_present(bucket, "s1")
+    files = sorted(p.name for p in s1.iterdir())
+    assert [i.key for i in bucket.list("s1")] == [f"s1/{n}" for n in files]
+
+    out = tmp_path / "fetched" / "s1"
+    fetched = download_snapshot(bucket, "s1", out)
+    assert fetched.files == len(files)
+    for name in files:
+        assert (out / name).read_bytes() == (s1 / name).read_bytes()
+
+    # Re-running the same upload is a no-op; another snapshot under the same identity is refused.
+    assert upload_snapshot(s1, bucket, "s1").already_present
+    with pytest.raises(ObjectExistsError, match="immutable"):
+        upload_snapshot(s0, bucket, "s1")
+
+
+def test_lora_adapter_roundtrip(bucket_url: str, tmp_path: Path) -> None:
+    adapter = snapshots.lora(tmp_path / "adapter-1", seed=3)
+    bucket = open_bucket(bucket_url)
+    upload_snapshot(adapter, bucket, "adapter-1")
+    assert snapshot_present(bucket, "adapter-1")
+    out = tmp_path / "fetched"
+    download_snapshot(bucket, "adapter-1", out)
+    assert (out / "adapter_config.json").read_bytes() == (
+        adapter / "adapter_config.json"
+    ).read_bytes()
+
+
+def test_interrupted_upload_is_never_visible(bucket_url: str, tmp_path: Path) -> None:
+    (s0,) = snapshots.chain(tmp_path / "src", 0)
+    bucket = open_bucket(bucket_url, retry=FAST_RETRY)
+    total = sum(p.stat().st_size for p in s0.iterdir())
+    seen = 0
+
+    def crash_halfway(n: int) -> None:
+        nonlocal seen
+        seen += n
+        if seen > total // 3:
+            raise SimulatedCrashError("simulated crash mid-upload")
+
+    with pytest.raises(SimulatedCrashError) as err:
+        upload_snapshot(s0, bucket, "s0", progress=crash_halfway)
+    assert "simulated crash" in str(err.value)
+    assert not snapshot_present(bucket, "s0")
+    names = {i.key.split("/", 1)[1] for i in bucket.list("s0")}
+    assert not names & {"model.safetensors.index.json", "model.weight.spec.json"}
+    with pytest.raises(ObjectNotFoundError, match="not present"):
+        download_snapshot(bucket, "s0", tmp_path / "dl")
+
+    upload_snapshot(s0, bucket, "s0")  # the retry finishes the job
+    assert snapshot_present(bucket, "s0")
+
+
+# --- S3 specifics --------------------------------------------------------------------------------
+
+
+def test_wrong_credentials_are_access_denied(
+    s3_env: SeaweedFS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    bucket = open_bucket(s3_env.url("denied"), retry=FAST_RETRY)
+    with pytest.raises(AccessDeniedError) as err:
+        bucket.get("some/object")
+    assert "access denied" in str(err.value) and "some/object" in str(err.value)
+
+
+def test_missing_bucket_is_not_found(s3_env: SeaweedFS) -> None:
+    bucket = open_bucket("s3://no-such-bucket-here/x", retry=FAST_RETRY)
+    with pytest.raises(ObjectNotFoundError, match="NoSuchBucket"):
+        bucket.get("a")
+
+
+def test_unreachable_endpoint_retries_then_says_unreachable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    bucket = open_bucket("s3://b/p", retry=FAST_RETRY)
+    with pytest.raises(BucketUnreachableError) as err:
+        bucket.get("ledger.json")
+    text = str(err.value)
+    assert "s3://b/p/ledger.json" in text and "unreachable" in text and "2 attempt" in text
+
+
+def test_credentials_from_a_mounted_secret(
+    seaweedfs: SeaweedFS, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    # Kubernetes mounts each key as a file, through a hidden ..data symlink farm.
+    (secret / "..data").mkdir()
+    (secret / "AWS_ACCESS_KEY_ID").write_text(ACCESS_KEY + "\n")
+    (secret / "AWS_SECRET_ACCESS_KEY").write_text(SECRET_KEY)
+    (secret / "AWS_ENDPOINT_URL").write_text(seaweedfs.endpoint)
+    (secret / "aws_region").write_text("us-east-1")
+
+    bucket = open_bucket(seaweedfs.url("secret"), credentials_dir=secret)
+    bucket.put("hello", b"from a secret")
+    monkeypatch.setenv("HOTLOAD_BUCKET_CREDENTIALS_DIR", str(secret))
+    assert open_bucket(seaweedfs.url("secret")).get("hello").data == b"from a secret"
+
+    (secret / "AWS_SECRET_ACCESS_KEY").write_text("rotated-wrong")
+    with pytest.raises(AccessDeniedError):
+        open_bucket(seaweedfs.url("secret"), retry=FAST_RETRY).get("hello")
+    (secret / "AWS_SECRET_ACCESS_KEY").unlink()
+    with pytest.raises(InvalidBucketURLError, match="AWS_SECRET_ACCESS_KEY"):
+        open_bucket(seaweedfs.url("secret"))
+
+
+# --- URLs and configuration (no server) ----------------------------------------------------------
+
+
+def test_parse_bucket_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    local = parse_bucket_url("buckets/main")
+    assert local.scheme == "file" and local.root == tmp_path / "buckets" / "main"
+    assert str(local) == f"file://{tmp_path}/buckets/main"
+    assert parse_bucket_url(f"file://{tmp_path}/b").root == tmp_path / "b"
+    s3 = parse_bucket_url("s3://rl-weights/policies/llama/")
+    assert (s3.scheme, s3.bucket, s3.prefix, str(s3)) == (
+        "s3",
+        "rl-weights",
+        "policies/llama",
+        "s3://rl-weights/policies/llama",
+    )
+    gs = parse_bucket_url("gs://bkt")
+    assert (gs.scheme, gs.bucket, gs.prefix) == ("gs", "bkt", "")
+    for bad in ("", "http://host/x", "s3://", "s3://b/../x", "file://host/x", "s3://b/p?x=1"):
+        with pytest.raises(InvalidBucketURLError):
+            parse_bucket_url(bad)
+
+
+def test_split_ledger_urls() -> None:
+    assert split_ledger_url("s3://b/prefix/policy") == ("s3://b/prefix", "policy")
+    assert split_ledger_url("s3://b/policy/") == ("s3://b", "policy")
+    assert split_ledger_url("./bucket/policy") == ("./bucket", "policy")
+    assert split_ledger_url("/data/policy") == ("/data", "policy")
+    for bad in ("policy", "s3://policy", "s3://b/"):
+        with pytest.raises(InvalidBucketURLError):
+            split_ledger_url(bad)
+
+
+def test_s3_settings_env_and_secret(tmp_path: Path) -> None:
+    env = {
+        "AWS_ENDPOINT_URL": "http://minio:9000",
+        "AWS_ACCESS_KEY_ID": "env-key",
+        "AWS_REGION": "eu-north1",
+    }
+    settings = load_settings(("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_REGION"), environ=env)
+    config, allow_http = s3_config(settings)
+    assert config == {"endpoint": "http://minio:9000", "region": "eu-north1"}
+    assert allow_http  # an explicit http:// endpoint
+    (tmp_path / "AWS_ACCESS_KEY_ID").write_text("file-key")
+    (tmp_path / "unrelated").write_text("ignored")
+    merged = load_settings(
+        ("AWS_ACCESS_KEY_ID", "AWS_REGION"), credentials_dir=tmp_path, environ=env
+    )
+    assert merged.get("AWS_ACCESS_KEY_ID") == "file-key"  # the Secret wins
+    assert merged.get("AWS_REGION") == "eu-north1"
+    assert merged.from_files == {"AWS_ACCESS_KEY_ID"}
+    https, allow = s3_config(
+        load_settings(
+            ("AWS_ENDPOINT_URL",),
+            environ={"AWS_ENDPOINT_URL": "https://storage.eu-north1.nebius.cloud"},
+        )
+    )
+    assert https["region"] == "us-east-1" and not allow
+    with pytest.raises(InvalidBucketURLError, match="does not exist"):
+        load_settings(("AWS_REGION",), credentials_dir=tmp_path / "missing", environ={})
+
+
+def test_gcs_is_configured_without_contacting_google(tmp_path: Path) -> None:
+    # No GCS server is available here: only configuration and construction are tested.
+    key = tmp_path / "GOOGLE_SERVICE_ACCOUNT_KEY"
+    key.write_text('{"type": "service_account"}')
+    settings = load_settings(
+        ("GOOGLE_SERVICE_ACCOUNT_KEY", "GOOGLE_BASE_URL"),
+        credentials_dir=tmp_path,
+        environ={"GOOGLE_BASE_URL": "http://fake-gcs:4443"},
+    )
+    assert gcs_config(settings) == {
+        "service_account_key": '{"type": "service_account"}',
+        "base_url": "http://fake-gcs:4443",
+    }
+    opened = open_bucket("gs://my-bucket/policies")
+    assert opened.url == "gs://my-bucket/policies" and not opened.is_local
+
+
+def test_local_bucket_hides_its_lock_and_temp_files(tmp_path: Path) -> None:
+    bucket = open_bucket(str(tmp_path / "b"))
+    bucket.put("x/doc", b"1", create_only=True)
+    assert (tmp_path / "b" / "x" / ".doc.hotload-lock").exists()
+    assert [i.key for i in bucket.list()] == ["x/doc"]
