@@ -30,8 +30,11 @@ typecheck: $(STAMP)
 vllm:
 	bash scripts/install_vllm.sh
 
+# The report file proves pytest reached its end (a test that killed the runner leaves none).
 pytest: $(STAMP) vllm
-	HF_HUB_OFFLINE=1 $(BIN)/pytest
+	rm -f .pytest-report.xml
+	HF_HUB_OFFLINE=1 $(BIN)/pytest --junitxml=.pytest-report.xml
+	@test -s .pytest-report.xml || { echo "pytest ended without its report: the runner was killed"; exit 1; }
 
 test: lint typecheck pytest
 

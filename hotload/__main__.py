@@ -1,5 +1,5 @@
 """`python -m hotload` runs the CLI."""
 
-from hotload.cli.main import main
+from hotload.cli.main import console
 
-main()
+console()

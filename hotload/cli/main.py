@@ -46,8 +46,8 @@ def _version() -> str:
     return f"hotload {__version__}"
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the `hotload` console script."""
+def run(argv: Sequence[str] | None = None) -> int:
+    """Run one `hotload` command and return its exit code (argparse exits 2 on bad usage)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -58,7 +58,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("hotload: interrupted", file=sys.stderr)
         code = EXIT_INTERRUPTED
-    exit_now(code or EXIT_OK)
+    return int(code or EXIT_OK)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run a command and raise SystemExit with its code (for callers inside Python)."""
+    sys.exit(run(argv))
+
+
+def console() -> None:
+    """Entry point of the `hotload` console script and `python -m hotload`."""
+    try:
+        code = run()
+    except SystemExit as exc:  # argparse: --help, --version, bad usage
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    exit_now(code)
 
 
 def exit_now(code: int) -> None:
