@@ -18,7 +18,7 @@ EXIT_INTERRUPTED = 130
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the full `hotload` argument parser with every sub-command registered."""
-    from hotload.cli import demo, snapshot
+    from hotload.cli import demo, ledger, publish, serve, snapshot
 
     parser = argparse.ArgumentParser(
         prog="hotload",
@@ -31,11 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     snapshot.register(sub)
     demo.register(sub)
-    for optional in ("ledger", "publish", "serve"):
-        try:
-            module = __import__(f"hotload.cli.{optional}", fromlist=["register"])
-        except ModuleNotFoundError:
-            continue
+    for module in (ledger, publish, serve):
         module.register(sub)
     return parser
 

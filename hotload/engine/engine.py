@@ -1,0 +1,428 @@
+"""The engine as the HTTP layer sees it: admission rules, hot loads and status.
+
+`Engine` lives on the asyncio event loop. It owns the model runner (built in a thread at start),
+the scheduler's worker thread, the metrics and the load state machine:
+
+    idle --POST load--> staging (old weights serve) --> [SYNC: gate closed, 425s, drain]
+         --> swap at a pause point --> idle (new identity)     any failure --> idle (old identity)
+
+Staging (verify, check, read) runs in a thread while generation continues; only the swap itself
+touches the model, on the worker thread, between two decode steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hotload.engine.batch import KVCache
+from hotload.engine.metrics import EngineMetrics
+from hotload.engine.model import ModelRunner, Numerics, TextCodec, WeightsMismatchError
+from hotload.engine.protocol import (
+    RETRY_AFTER_SECONDS,
+    ApiError,
+    GenerationRequest,
+    LoadRequest,
+    ServedSnapshot,
+    bad_request,
+    check_constraint,
+)
+from hotload.engine.scheduler import ErrorEvent, Event, Job, Scheduler, SwapOrder
+from hotload.engine.sessions import SessionCache
+from hotload.errors import ChecksumMismatchError, HotloadError, SnapshotValidationError
+from hotload.snapshot.layout import validate_identity
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to start an engine (the `hotload serve` options)."""
+
+    model_path: Path
+    name: str = "model"
+    identity: str | None = None  # default: the model folder's name
+    sequence: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch: int = 8
+    numerics: Numerics = "auto"
+    session_max: int = 1024
+    session_tokens: int = 1 << 18
+    # Niceness of the thread that stages a hot load: generation keeps the CPU while the old
+    # weights serve, and staging takes what is left (0: same priority as generation).
+    stage_nice: int = 10
+
+    @property
+    def initial_identity(self) -> str:
+        """The identity of the snapshot the engine starts with."""
+        return self.identity or Path(self.model_path).resolve().name
+
+
+class GenerationStream:
+    """The asyncio end of one generation: events in order, and cancellation."""
+
+    def __init__(self, job: Job, queue: asyncio.Queue[Event], scheduler: Scheduler) -> None:
+        self.job = job
+        self._queue = queue
+        self._scheduler = scheduler
+
+    async def next(self) -> Event:
+        """The next event (token, done or error)."""
+        return await self._queue.get()
+
+    def cancel(self) -> None:
+        """Stop generating (the client went away); harmless after the end."""
+        if not self.job.cancelled:
+            self.job.cancelled = True
+            self._scheduler.wake()
+
+
+async def run_in_thread(fn: Callable[[], T], *, nice: int = 0, name: str = "hotload-stage") -> T:
+    """Run `fn` in a fresh thread, its niceness raised by `nice` (Linux only), and await it.
+
+    A fresh thread rather than the loop's executor: an unprivileged thread cannot lower its
+    niceness again, so a pooled thread would stay slow for whatever runs on it next.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def deliver(ok: bool, value: Any) -> None:
+        if not future.done():
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+    def run() -> None:
+        if nice:
+            with contextlib.suppress(AttributeError, OSError):
+                tid = threading.get_native_id()
+                current = os.getpriority(os.PRIO_PROCESS, tid)
+                os.setpriority(os.PRIO_PROCESS, tid, min(current + nice, 19))
+        try:
+            result = fn()
+        except BaseException as exc:
+            loop.call_soon_threadsafe(deliver, False, exc)
+        else:
+            loop.call_soon_threadsafe(deliver, True, result)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await future
+
+
+def _load_error(exc: BaseException) -> ApiError:
+    """Map a staging failure to the hot-load API's error (422 unusable snapshot, else 500)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, WeightsMismatchError):
+        return ApiError(422, "weights_mismatch", str(exc))
+    if isinstance(exc, ChecksumMismatchError):
+        return ApiError(422, "checksum_mismatch", str(exc))
+    if isinstance(exc, SnapshotValidationError):
+        return ApiError(422, "snapshot_invalid", str(exc))
+    if isinstance(exc, HotloadError):
+        return ApiError(422, "snapshot_unusable", str(exc))
+    return ApiError(500, "load_failed", f"{type(exc).__name__}: {exc}")
+
+
+class Engine:
+    """One served model with hot loads; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None) -> None:
+        validate_identity(config.initial_identity)
+        self.config = config
+        self.name = config.name
+        self.metrics = metrics if metrics is not None else EngineMetrics()
+        self.runner: ModelRunner | None = None
+        self.scheduler: Scheduler | None = None
+        self.codec: TextCodec | None = None  # the event loop's tokenizer (the worker has its own)
+        self.sessions: SessionCache[KVCache] = SessionCache(
+            config.session_max, config.session_tokens
+        )
+        self.created = int(time.time())
+        self.loading = False
+        self.loading_identity: str | None = None
+        self.loads = 0
+        self.last_load_seconds: float | None = None
+        self.last_pause_seconds: float | None = None
+        self.last_error: str | None = None
+        self.sync_gate: ServedSnapshot | None = None  # the target of a SYNC swap in progress
+        self._start_task: asyncio.Task[None] | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def begin(self) -> asyncio.Task[None]:
+        """Start loading the initial weights in the background (idempotent); return the task."""
+        if self._start_task is None:
+            self._start_task = asyncio.get_running_loop().create_task(self._start())
+        return self._start_task
+
+    async def start(self) -> None:
+        """Load the initial weights and start the worker; raises when the model cannot load."""
+        await self.begin()
+
+    async def _start(self) -> None:
+        cfg = self.config
+        self.loading = True
+        self.loading_identity = cfg.initial_identity
+        started = time.perf_counter()
+        try:
+            runner, _ = await asyncio.to_thread(
+                ModelRunner.load,
+                cfg.model_path,
+                device=cfg.device,
+                dtype=cfg.dtype,
+                numerics=cfg.numerics,
+            )
+            worker_codec = await asyncio.to_thread(TextCodec, cfg.model_path)
+            self.codec = await asyncio.to_thread(TextCodec, cfg.model_path)
+        except BaseException as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.loading = False
+            self.loading_identity = None
+        served = ServedSnapshot(cfg.initial_identity, cfg.sequence)
+        self.runner = runner
+        self.scheduler = Scheduler(
+            runner,
+            worker_codec,
+            served,
+            max_batch=cfg.max_batch,
+            sessions=self.sessions,
+            metrics=self.metrics,
+        )
+        self.scheduler.start()
+        self.metrics.set_served(served.identity, served.sequence)
+        self.last_load_seconds = time.perf_counter() - started
+        log.info(
+            "serving %s@%s (sequence %d) on %s, %s numerics, batch-invariant: %s",
+            self.name,
+            served.identity,
+            served.sequence,
+            cfg.device,
+            runner.info.numerics,
+            runner.info.batch_invariant,
+        )
+
+    async def close(self) -> None:
+        """Stop the worker (waiting requests get 503)."""
+        if self._start_task is not None and not self._start_task.done():
+            self._start_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._start_task
+        if self.scheduler is not None:
+            await asyncio.to_thread(self.scheduler.stop)
+
+    # --- state ---------------------------------------------------------------------------------
+
+    @property
+    def served(self) -> ServedSnapshot | None:
+        """The snapshot serving now, or None before the initial weights are loaded."""
+        return self.scheduler.served if self.scheduler is not None else None
+
+    def ready(self) -> tuple[bool, str]:
+        """Readiness and why not: weights loaded and no SYNC swap refusing requests."""
+        if self.scheduler is None:
+            return False, "the initial weights are not loaded yet"
+        if self.sync_gate is not None:
+            return False, f"a SYNC swap to {self.sync_gate.identity} is in progress"
+        return True, "ready"
+
+    def status(self) -> dict[str, Any]:
+        """The `/hotload/v1/status` document."""
+        served = self.served
+        info = self.runner.info if self.runner is not None else None
+        stats = self.sessions.stats
+        return {
+            "model": self.name,
+            "identity": served.identity if served else None,
+            "sequence": served.sequence if served else None,
+            "loading": self.loading,
+            "loading_identity": self.loading_identity,
+            "loads": self.loads,
+            "last_load_seconds": self.last_load_seconds,
+            "last_pause_seconds": self.last_pause_seconds,
+            "last_error": self.last_error,
+            "ready": self.ready()[0],
+            "sync_swap_in_progress": self.sync_gate is not None,
+            "running": self.scheduler.running if self.scheduler else 0,
+            "queued": self.scheduler.queued if self.scheduler else 0,
+            "device": self.config.device,
+            "dtype": self.config.dtype,
+            "max_batch": self.config.max_batch,
+            "numerics": info.numerics if info else None,
+            "batch_invariant": info.batch_invariant if info else None,
+            "prefix_cache": {
+                "sessions": len(self.sessions),
+                "tokens": self.sessions.tokens,
+                "hits": stats.hits,
+                "misses": stats.misses,
+                "reused_tokens": stats.reused_tokens,
+                "dropped": stats.dropped,
+                "evicted": stats.evicted,
+            },
+        }
+
+    # --- generation ------------------------------------------------------------------------------
+
+    def submit(self, req: GenerationRequest, session: str | None) -> GenerationStream:
+        """Admit a generation or raise its HTTP error: 503 not ready, 425 SYNC swap, 409, 400."""
+        scheduler, runner, codec = self.scheduler, self.runner, self.codec
+        if scheduler is None or runner is None or codec is None:
+            raise ApiError(
+                503,
+                "not_ready",
+                "the engine is still loading its initial weights",
+                headers={"Retry-After": RETRY_AFTER_SECONDS},
+            )
+        if self.sync_gate is not None:
+            served = scheduler.served
+            raise ApiError(
+                425,
+                "swap_in_progress",
+                f"a SYNC swap from {served.identity} (sequence {served.sequence}) to "
+                f"{self.sync_gate.identity} (sequence {self.sync_gate.sequence}) is in progress; "
+                "retry shortly",
+                headers={"Retry-After": RETRY_AFTER_SECONDS},
+                extra={"target_identity": self.sync_gate.identity},
+            )
+        check_constraint(req.constraint, scheduler.served)
+        prompt_ids = self._prompt_ids(req, codec, runner.info.vocab_size)
+        limit = runner.info.max_positions
+        max_tokens = req.sampling.max_tokens
+        if len(prompt_ids) >= limit:
+            raise bad_request(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {limit}",
+                "prompt" if req.kind == "completion" else "messages",
+            )
+        if len(prompt_ids) + max_tokens > limit:
+            if req.max_tokens_given:
+                raise bad_request(
+                    f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                    f"the model's context of {limit} tokens",
+                    "max_tokens",
+                )
+            max_tokens = limit - len(prompt_ids)
+        sampling = req.sampling
+        if max_tokens != sampling.max_tokens:
+            from dataclasses import replace
+
+            sampling = replace(sampling, max_tokens=max_tokens)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(event: Event) -> None:
+            # Called on the worker thread; the loop may be gone when a client vanished at exit.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        job = Job(
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            sink=sink,
+            session=session,
+            constraint=req.constraint,
+        )
+        scheduler.submit(job)
+        return GenerationStream(job, queue, scheduler)
+
+    @staticmethod
+    def _prompt_ids(req: GenerationRequest, codec: TextCodec, vocab: int) -> list[int]:
+        if req.kind == "chat":
+            ids = codec.encode_chat(req.messages)
+        elif isinstance(req.prompt, list):
+            bad = [t for t in req.prompt if t >= vocab]
+            if bad:
+                raise bad_request(
+                    f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt"
+                )
+            ids = list(req.prompt)
+        else:
+            ids = codec.encode(req.prompt or "")
+        if not ids:
+            raise bad_request("the prompt is empty after tokenisation", "prompt")
+        return ids
+
+    # --- hot loads -----------------------------------------------------------------------------
+
+    async def load(self, req: LoadRequest) -> dict[str, Any]:
+        """Stage and swap in `req`'s snapshot; on failure raise `ApiError` (old weights serve)."""
+        scheduler, runner = self.scheduler, self.runner
+        if self.loading or scheduler is None or runner is None:
+            what = self.loading_identity or "the initial weights"
+            raise ApiError(
+                409,
+                "load_in_progress",
+                f"a load of {what} is in progress; retry after it finishes",
+                headers={"Retry-After": RETRY_AFTER_SECONDS},
+            )
+        self.loading = True
+        self.loading_identity = req.identity
+        started = time.perf_counter()
+        target = ServedSnapshot(req.identity, req.sequence)
+        try:
+            try:
+                staged = await run_in_thread(
+                    lambda: runner.stage(req.path), nice=self.config.stage_nice
+                )
+            except Exception as exc:
+                raise _load_error(exc) from exc
+            staged_at = time.perf_counter()
+            if req.mode == "sync":
+                self.sync_gate = target
+            try:
+                order = SwapOrder(staged, target, req.mode, req.cache_policy)
+                worker_pause = await asyncio.wrap_future(scheduler.swap(order))
+            except Exception as exc:
+                raise _load_error(exc) from exc
+            finally:
+                self.sync_gate = None
+            done = time.perf_counter()
+            pause = done - staged_at if req.mode == "sync" else worker_pause
+        except ApiError as err:
+            self.last_error = f"{req.path}: {err.type}: {err.message}"
+            self.metrics.load_failures.labels(err.type).inc()
+            log.warning("load of %s failed (%s): %s", req.identity, err.type, err.message)
+            raise
+        finally:
+            self.loading = False
+            self.loading_identity = None
+        self.loads += 1
+        self.last_error = None
+        self.last_load_seconds = done - started
+        self.last_pause_seconds = pause
+        self.metrics.load_seconds.observe(self.last_load_seconds)
+        self.metrics.swap_pause.observe(pause)
+        log.info(
+            "now serving %s (sequence %d): %s swap, load %.3fs, pause %.4fs, cache policy %s",
+            req.identity,
+            req.sequence,
+            req.mode,
+            self.last_load_seconds,
+            pause,
+            req.cache_policy,
+        )
+        return {
+            "identity": req.identity,
+            "sequence": req.sequence,
+            "load_seconds": self.last_load_seconds,
+            "pause_seconds": pause,
+            "stage_seconds": staged.seconds,
+            "mode": req.mode,
+            "cache_policy": req.cache_policy,
+        }
+
+
+__all__ = ["Engine", "EngineConfig", "ErrorEvent", "GenerationStream"]

@@ -1,0 +1,588 @@
+"""A Hugging Face causal LM loaded from a hotload snapshot, with in-place weight swaps.
+
+`ModelRunner.load` builds the module from `config.json` without initialising weights and fills
+every parameter through the same path a hot load uses (`stage` then `apply`), so an engine that
+swapped to a snapshot and one started on it hold bit-identical weights.
+
+`stage` does everything that can fail before anything changes: structure and checksum
+verification (`hotload.arc.verify`), the config against the one the engine started with, every
+tensor's name, shape and dtype against the served model, and a full read into new tensors
+(finite values only). `apply` then only re-points parameters at the staged tensors (no copy, no
+I/O; freeing the old tensors is most of its cost), so the swap pause barely grows with the model.
+
+Numerics. With `numerics="exact"` (the default on CPU) a token's logits do not depend on what
+else is computed with it: BLAS picks other kernels, with other rounding, for a few row counts,
+so a start-up probe finds the row counts at which every row of a linear layer gets the same bits
+(on the model's own weights) and each linear call is padded with zero rows up to the nearest
+one (`row_sizes`; `batch_invariant` reports whether the probe succeeded); attention runs one
+query at a time over exactly that query's keys (no padding, no masked columns). So a request
+gives the same tokens alone or in any batch, and with or without a session's cached prefix.
+`numerics="fast"` uses transformers' SDPA attention with a padding mask instead: faster,
+outputs equal only up to rounding across batch compositions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from hotload.engine.batch import BatchKV, KVCache, crop
+from hotload.engine.protocol import SamplingParams
+from hotload.errors import SnapshotError, SnapshotValidationError, ValidationProblem
+from hotload.snapshot import layout
+
+log = logging.getLogger(__name__)
+
+Numerics = Literal["auto", "exact", "fast"]
+NUMERICS: tuple[Numerics, ...] = ("auto", "exact", "fast")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+EXACT_ATTENTION = "hotload_exact"
+SMALL_ROWS = 32  # row counts up to this are probed one by one (see `probe_row_sizes`)
+MAX_ROWS = 128  # linear layers run on at most this many rows at a time
+
+
+class WeightsMismatchError(SnapshotValidationError):
+    """The snapshot's tensors do not fit the served model: names, shapes or dtypes differ."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """`cpu`, `cuda` or `cuda:N`; a CUDA device must exist."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SnapshotError(f"device {name!r} requested but CUDA is not available", field="device")
+    if device.type not in {"cpu", "cuda"}:
+        raise SnapshotError(f"unsupported device {name!r} (use cpu or cuda)", field="device")
+    return device
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """`float32`, `bfloat16` or `float16` as a torch dtype."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise SnapshotError(
+            f"unsupported dtype {name!r} (use {', '.join(DTYPES)})", field="dtype"
+        ) from None
+
+
+# --- exact numerics ----------------------------------------------------------------------------
+
+# Left padding of each row of the batch being run, for the exact attention below. Each engine
+# runs its model on one worker thread, so a thread-local keeps engines in one process apart.
+_LAYOUT = threading.local()
+
+
+def _exact_attention(  # noqa: PLR0917 (transformers' attention signature)
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention one query at a time over exactly its own keys (see module docstring)."""
+    pads: list[int] = _LAYOUT.pads
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    scale = scaling if scaling is not None else dim**-0.5
+    out = query.new_empty(batch, q_len, heads, dim)
+    for b in range(batch):
+        keys = key[b, :, pads[b] :]
+        values = value[b, :, pads[b] :]
+        past = keys.shape[1] - q_len
+        for i in range(q_len):
+            n = past + i + 1
+            # Query heads h*group..h*group+group-1 share key/value head h (grouped-query attention).
+            q = query[b, :, i].reshape(kv_heads, group, dim)
+            scores = torch.matmul(q, keys[:, :n].transpose(1, 2)) * scale
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            out[b, i] = torch.matmul(weights, values[:, :n]).reshape(heads, dim)
+    return out, None
+
+
+def _register_exact_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(EXACT_ATTENTION, _exact_attention)
+
+
+def pad_rows_linear(module: nn.Linear, sizes: Sequence[int], max_rows: int) -> None:
+    """Make `module` compute in blocks of at most `max_rows` rows, a block of r rows padded with
+    zero rows up to the smallest size in `sizes` (ascending) that is >= r."""
+    weight_owner = module
+    target = [next((s for s in sizes if s >= r), r) for r in range(max_rows + 1)]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        outs = []
+        for start in range(0, flat.shape[0], max_rows):
+            chunk = flat[start : start + max_rows]
+            rows = chunk.shape[0]
+            if target[rows] > rows:
+                chunk = torch.cat([chunk, chunk.new_zeros(target[rows] - rows, chunk.shape[1])])
+            outs.append(nn.functional.linear(chunk, weight_owner.weight, weight_owner.bias)[:rows])
+        y = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    module.forward = forward  # type: ignore[method-assign,assignment]
+
+
+def probe_row_sizes(
+    weights: Sequence[torch.Tensor], max_rows: int = MAX_ROWS, small: int = SMALL_ROWS
+) -> list[int] | None:
+    """Block sizes at which `F.linear` gives each row the bits it gets in a block of `max_rows`.
+
+    BLAS switches kernels (and rounding) among small row counts, so every size up to `small`
+    is tried; larger blocks are spot-checked and stand for all sizes above `small` (the result
+    then ends with `small + 1`). None when a large block already disagrees: no padding makes
+    this BLAS batch-invariant.
+    """
+    gen = torch.Generator().manual_seed(0)
+    good = set(range(1, small + 1))
+    seen: set[tuple[tuple[int, ...], torch.dtype]] = set()
+    # Smallest weights first: sizes they rule out are not tried again on the big ones.
+    for w in sorted(weights, key=lambda t: t.numel()):
+        sig = (tuple(w.shape), w.dtype)
+        if sig in seen or w.ndim != 2:
+            continue
+        seen.add(sig)
+        x = torch.randn(max_rows, w.shape[1], generator=gen).to(w.device, w.dtype)
+        ref = nn.functional.linear(x, w)
+
+        def same(
+            m: int, offset: int, w: torch.Tensor = w, x: torch.Tensor = x, ref: torch.Tensor = ref
+        ) -> bool:
+            rows = slice(offset, offset + m)
+            return torch.equal(nn.functional.linear(x[rows], w), ref[rows])
+
+        large = [m for m in (small + 1, 50, 64, 100, max_rows - 5) if small < m <= max_rows - 5]
+        if not all(same(m, offset) for m in large for offset in (0, 5)):
+            return None
+        # Offset 3: a block's rows must also match rows that sat elsewhere in the large block.
+        good = {m for m in good if same(m, 3)}
+    return [*sorted(good), small + 1]
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+
+def pick_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """Greedy (temperature 0) or temperature/top-p sampling of one row of logits."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        # Keep the smallest set whose mass reaches top_p (the first token always stays).
+        sorted_probs[(cum - sorted_probs) >= params.top_p] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+
+
+class TextCodec:
+    """The snapshot's tokenizer: prompts to ids (with the chat template if any) and back."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok: Any = AutoTokenizer.from_pretrained(str(path))
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer carries a chat template (else the plain fallback is used)."""
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a completion prompt (with the tokenizer's special tokens, like vLLM)."""
+        return list(self._tok(text, add_special_tokens=True)["input_ids"])
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat: the tokenizer's template, else "role: content" lines."""
+        if self.has_chat_template:
+            text = self._tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            return list(self._tok(text, add_special_tokens=False)["input_ids"])
+        from hotload.engine.protocol import render_chat_fallback
+
+        return self.encode(render_chat_fallback(messages))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of generated ids (special tokens dropped)."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+
+# --- weights -----------------------------------------------------------------------------------
+
+
+@dataclass
+class StagedWeights:
+    """A snapshot read and checked in full, ready to be swapped in by `ModelRunner.apply`."""
+
+    path: Path
+    tensors: dict[str, torch.Tensor]
+    dtypes: dict[str, str]
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class ModelInfo:
+    """Facts about the served model the rest of the engine needs."""
+
+    model_type: str
+    vocab_size: int
+    max_positions: int
+    eos_ids: frozenset[int]
+    parameters: int
+    nbytes: int
+    numerics: str
+    batch_invariant: bool
+    row_sizes: tuple[int, ...] = ()
+
+
+def _eos_ids(model: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def _exact_supported(config: Any) -> str | None:
+    """Why the exact attention cannot serve this architecture, or None when it can."""
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) is not False:
+        return f"sliding-window attention (sliding_window={window})"
+    for name in ("attn_logit_softcapping", "attention_sink"):
+        if getattr(config, name, None):
+            return f"{name} is set"
+    return None
+
+
+class ModelRunner:
+    """The model, its forward passes and its weight swaps; used by one worker thread."""
+
+    def __init__(self, model: Any, config: dict[str, Any], device: torch.device, exact: bool):
+        self.model = model
+        self.base_config = config
+        self.device = device
+        self.exact = exact
+        self.base_dtypes: dict[str, str] | None = None
+        # Every state-dict name, grouped by the tensor it names (tied weights share one).
+        state = model.state_dict(keep_vars=True)
+        groups: dict[int, list[str]] = {}
+        for name, tensor in state.items():
+            groups.setdefault(id(tensor), []).append(name)
+        self.targets: dict[str, torch.Tensor] = dict(state)
+        self.groups: list[list[str]] = list(groups.values())
+        self.info = ModelInfo(
+            model_type=str(config.get("model_type", "?")),
+            vocab_size=int(model.config.vocab_size),
+            max_positions=int(getattr(model.config, "max_position_embeddings", 2048)),
+            eos_ids=_eos_ids(model),
+            parameters=sum(p.numel() for p in model.parameters()),
+            nbytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+            numerics="exact" if exact else "fast",
+            batch_invariant=False,
+        )
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        numerics: Numerics = "auto",
+    ) -> tuple[ModelRunner, StagedWeights]:
+        """Build the model of snapshot `path` and load its weights through `stage`/`apply`."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from hotload.snapshot import Snapshot
+
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype)
+        if numerics not in NUMERICS:
+            raise SnapshotError(f"unknown numerics {numerics!r}", field="numerics")
+        # `stage` below verifies everything; the model skeleton costs next to nothing before it.
+        config_doc = Snapshot(path).config
+        hf_config = AutoConfig.from_pretrained(str(path))
+        why_not = _exact_supported(hf_config)
+        exact = numerics == "exact" or (numerics == "auto" and dev.type == "cpu")
+        if exact and why_not:
+            if numerics == "exact":
+                raise SnapshotError(f"numerics=exact does not support {why_not}", field="numerics")
+            log.warning("exact numerics unavailable (%s): using fast numerics", why_not)
+            exact = False
+        if exact:
+            _register_exact_attention()
+            hf_config._attn_implementation = EXACT_ATTENTION
+        model = _build_empty(hf_config, torch_dtype, dev, AutoModelForCausalLM)
+        if exact:
+            model.set_attn_implementation(EXACT_ATTENTION)
+        runner = cls(model, config_doc, dev, exact)
+        staged = runner.stage(path)
+        runner.apply(staged)
+        if exact:
+            linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+            with torch.no_grad():
+                sizes = probe_row_sizes([m.weight for m in linears])
+            runner.info.batch_invariant = sizes is not None
+            if sizes is None:
+                sizes = [SMALL_ROWS + 1]  # best effort: keep small blocks off the small kernels
+                log.warning(
+                    "linear layers are not row-invariant on this BLAS: batched and cached "
+                    "outputs may differ from single runs in rare near-ties"
+                )
+            runner.info.row_sizes = tuple(sizes)
+            for m in linears:
+                pad_rows_linear(m, sizes, MAX_ROWS)
+        return runner, staged
+
+    # --- weight swaps ------------------------------------------------------------------------
+
+    def stage(self, path: str | Path) -> StagedWeights:
+        """Verify snapshot `path`, check it fits this model, and read all of it into new tensors.
+
+        Raises `SnapshotValidationError` (structure, config), `ChecksumMismatchError`,
+        `WeightsMismatchError` (names, shapes, dtypes) or `SnapshotError` (non-finite values,
+        an incremental snapshot); the served weights are untouched either way.
+        """
+        from hotload.arc import verify
+        from hotload.snapshot import Snapshot, check_config
+
+        started = time.perf_counter()
+        root = Path(path)
+        verify(root)
+        snap = Snapshot(root)
+        if snap.kind != "full":
+            raise SnapshotError(
+                f"is an {snap.kind} snapshot; the engine loads full snapshots only (the loader "
+                "rebuilds deltas first: `hotload snapshot apply`)",
+                path=str(root),
+            )
+        problems = check_config(snap.config, self.base_config, path=str(root / layout.CONFIG_FILE))
+        if problems:
+            raise SnapshotValidationError(problems)
+        load_as, primary = self._check_tensors(snap)
+        tensors: dict[str, torch.Tensor] = {}
+        aliases: list[tuple[str, str, torch.Tensor]] = []
+        nbytes = 0
+        with torch.no_grad():
+            for shard in snap.shard_files:
+                with snap.open_shard(shard) as f:
+                    for name in snap.tensors_of(shard):
+                        info = f.tensors[name]
+                        # One copy out of the memory map; `.to` is a no-op when dtypes match.
+                        raw = torch.from_numpy(f.raw(name).copy())
+                        t = raw.view(SAFETENSORS_TO_TORCH[info.dtype]).reshape(info.shape)
+                        t = t.to(device=self.device, dtype=self.targets[name].dtype)
+                        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                            raise SnapshotError(
+                                "tensor holds NaN or infinite values",
+                                path=str(root / shard),
+                                field=name,
+                            )
+                        nbytes += info.nbytes
+                        if name in primary:
+                            tensors[load_as[name]] = t
+                        else:
+                            aliases.append((name, shard, t))
+            for name, shard, t in aliases:
+                # A second name of a tied weight (lm_head = embeddings) must hold the same values.
+                if not torch.equal(t, tensors[load_as[name]]):
+                    raise WeightsMismatchError(
+                        [
+                            ValidationProblem(
+                                str(root / shard),
+                                name,
+                                f"is tied to {load_as[name]} in the model but holds different "
+                                "values",
+                            )
+                        ]
+                    )
+        dtypes = {n: s.dtype for n, s in snap.tensor_map.items()}
+        return StagedWeights(root, tensors, dtypes, nbytes, time.perf_counter() - started)
+
+    def _check_tensors(self, snap: Any) -> tuple[dict[str, str], set[str]]:
+        """Compare the snapshot's tensor map with the model.
+
+        Returns, for every snapshot tensor, the model name it loads into (tied weights share
+        one), and the names that are loaded (one per tied group; the others are compared).
+        """
+        spec_path = str(Path(snap.path) / layout.SPEC_FILE)
+        problems: list[ValidationProblem] = []
+        names = set(snap.tensor_map)
+        for name in sorted(names - set(self.targets)):
+            problems.append(
+                ValidationProblem(spec_path, name, "the served model has no such weight")
+            )
+        load_as: dict[str, str] = {}
+        primary: set[str] = set()
+        for group in self.groups:
+            present = [n for n in group if n in names]
+            if not present:
+                problems.append(
+                    ValidationProblem(spec_path, group[0], "missing (the served model needs it)")
+                )
+                continue
+            primary.add(present[0])
+            for n in present:
+                load_as[n] = group[0]
+        for name in sorted(names & set(self.targets)):
+            spec = snap.tensor_map[name]
+            target = self.targets[name]
+            if tuple(spec.shape) != tuple(target.shape):
+                problems.append(
+                    ValidationProblem(
+                        spec_path,
+                        name,
+                        f"shape {list(spec.shape)} does not match the served model's "
+                        f"{list(target.shape)}",
+                    )
+                )
+            if spec.dtype not in SAFETENSORS_TO_TORCH:
+                problems.append(
+                    ValidationProblem(spec_path, name, f"unsupported dtype {spec.dtype}")
+                )
+            elif self.base_dtypes is not None and spec.dtype != self.base_dtypes.get(name):
+                problems.append(
+                    ValidationProblem(
+                        spec_path,
+                        name,
+                        f"dtype {spec.dtype} differs from the {self.base_dtypes.get(name)} "
+                        "the engine started with",
+                    )
+                )
+        if problems:
+            raise WeightsMismatchError(problems)
+        return load_as, primary
+
+    def apply(self, staged: StagedWeights) -> None:
+        """Point every parameter at its staged tensor (buffers are copied); O(tensors), no I/O."""
+        previous: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            with torch.no_grad():
+                for name, new in staged.tensors.items():
+                    target = self.targets[name]
+                    if isinstance(target, nn.Parameter):
+                        previous.append((target, target.data))
+                        target.data = new
+                    else:
+                        previous.append((target, target.clone()))
+                        target.copy_(new)
+        except BaseException:
+            with torch.no_grad():
+                for target, old in reversed(previous):
+                    if isinstance(target, nn.Parameter):
+                        target.data = old
+                    else:
+                        target.copy_(old)
+            raise
+        if self.base_dtypes is None:
+            self.base_dtypes = dict(staged.dtypes)
+        staged.tensors = {}  # the model owns them now
+
+    # --- forward passes ----------------------------------------------------------------------
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVCache | None,
+        pads: list[int],
+    ) -> tuple[torch.Tensor, KVCache]:
+        """Run `tokens` ([rows, n]) after `kv`; return last-position logits (fp32) and new KV."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
+        mask = None
+        if self.exact:
+            _LAYOUT.pads = pads
+        elif any(pads):
+            width = (kv[0][0].shape[2] if kv else 0) + tokens.shape[1]
+            cols = torch.arange(width, device=self.device)[None, :]
+            mask = (cols >= torch.tensor(pads, device=self.device)[:, None]).long()
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=tokens,
+                position_ids=positions,
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        logits = out.logits[:, -1].float()
+        layers: list[Any] = list(cache.layers)
+        return logits, [(layer.keys, layer.values) for layer in layers]
+
+    def prefill(
+        self, tokens: Sequence[int], prefix: KVCache | None = None, reuse: int = 0
+    ) -> tuple[torch.Tensor, KVCache]:
+        """Prefill one sequence, reusing the first `reuse` positions of `prefix`; return logits."""
+        kv = crop(prefix, reuse) if prefix is not None and reuse > 0 else None
+        start = reuse if kv is not None else 0
+        ids = torch.tensor([list(tokens[start:])], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, len(tokens), device=self.device)[None, :]
+        logits, new_kv = self.forward(ids, pos, kv, [0])
+        return logits[0], new_kv
+
+    def decode(self, batch: BatchKV, tokens: Sequence[int]) -> torch.Tensor:
+        """One decode step of the whole batch: feed each row's next token; return [rows, vocab]."""
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)[:, None]
+        pos = torch.tensor(batch.lengths(), dtype=torch.long, device=self.device)[:, None]
+        logits, batch.layers = self.forward(ids, pos, batch.layers, batch.pads)
+        return logits
+
+
+def _build_empty(config: Any, dtype: torch.dtype, device: torch.device, auto: Any) -> Any:
+    """The model module with uninitialised weights (they are all overwritten by the load)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: pay for a random initialisation instead
+        model = auto.from_config(config, dtype=dtype)
+    else:
+        with no_init_weights():
+            model = auto.from_config(config, dtype=dtype)
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,374 @@
+"""One worker thread runs every forward pass: admission, micro-batched decoding and swaps.
+
+Concurrent requests share a batch: each is prefilled on its own when it is admitted (so its
+prompt's keys and values never depend on its neighbours), then all rows step together, one
+token per row per decode step, with left padding in the batch's KV cache. Finished rows leave
+after the step that finished them and waiting requests take their places.
+
+Between two decode steps lies the pause point where swaps happen:
+
+- ASYNC: the swap is applied at the next pause point; running generations continue on the new
+  weights in the same batch and on the same connection, requests that arrive meanwhile wait in
+  the queue; nothing fails. Under cache policy `all` the running rows' KV is recomputed with the
+  new weights before the next step (`new_session` recomputes rows without a session, `none`
+  keeps every row's KV).
+- SYNC: the engine stops accepting requests (425) before it hands the swap over; the worker
+  keeps generating until the queue and the batch are empty, i.e. everything accepted finishes on
+  the old weights, and only then swaps.
+
+Results go back to the asyncio side through a thread-safe `sink` per request.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hotload.engine.batch import BatchKV, KVCache
+from hotload.engine.metrics import EngineMetrics
+from hotload.engine.model import ModelRunner, StagedWeights, TextCodec, pick_token
+from hotload.engine.protocol import (
+    ApiError,
+    CachePolicy,
+    Outcome,
+    SamplingParams,
+    ServedSnapshot,
+    TransitionMode,
+    VersionConstraint,
+    snapshot_unavailable,
+)
+from hotload.engine.sessions import SessionCache
+from hotload.engine.text import TextAssembler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token, the text it releases and the snapshot that produced it."""
+
+    token_id: int
+    text: str
+    served: ServedSnapshot
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """The generation finished; `tail` is text released only at the end (held-back characters)."""
+
+    outcome: Outcome
+    tail: str = ""
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The generation could not start or failed; `error` is the HTTP answer."""
+
+    error: ApiError
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+EventSink = Callable[[Event], None]
+
+
+@dataclass(eq=False)
+class Job:
+    """A generation request handed to the worker (the HTTP side only sets `cancelled`)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    sink: EventSink
+    session: str | None = None
+    constraint: VersionConstraint = field(default_factory=VersionConstraint)
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class _Row:
+    """Worker-private state of one running generation."""
+
+    job: Job
+    start: ServedSnapshot
+    last: ServedSnapshot
+    assembler: TextAssembler
+    gen: torch.Generator | None
+    cached_tokens: int
+    generated: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+
+@dataclass(eq=False)
+class SwapOrder:
+    """A staged snapshot to swap in at the next pause point (ASYNC) or once drained (SYNC)."""
+
+    staged: StagedWeights
+    target: ServedSnapshot
+    mode: TransitionMode
+    policy: CachePolicy
+    future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
+
+
+class Scheduler:
+    """The worker thread and its queue; see the module docstring for the semantics."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        codec: TextCodec,
+        served: ServedSnapshot,
+        *,
+        max_batch: int = 8,
+        sessions: SessionCache[KVCache] | None = None,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self.runner = runner
+        self.codec = codec
+        self.max_batch = max_batch
+        self.sessions: SessionCache[KVCache] = sessions if sessions is not None else SessionCache()
+        self.metrics = metrics if metrics is not None else EngineMetrics()
+        self._served = served
+        self._cond = threading.Condition()
+        self._pending: collections.deque[Job] = collections.deque()
+        self._orders: collections.deque[SwapOrder] = collections.deque()
+        self._rows: list[_Row] = []
+        self._batch = BatchKV()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="hotload-engine-worker", daemon=True)
+        self.steps = 0
+
+    # --- called from other threads -----------------------------------------------------------
+
+    @property
+    def served(self) -> ServedSnapshot:
+        """The snapshot whose weights generate now (swapped by the worker)."""
+        return self._served
+
+    @property
+    def running(self) -> int:
+        """Generations in the batch."""
+        return len(self._rows)
+
+    @property
+    def queued(self) -> int:
+        """Generations waiting for a batch slot."""
+        return len(self._pending)
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the worker; waiting requests and pending swaps fail with 503."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        gone = ApiError(503, "shutting_down", "the engine is shutting down")
+        for job in list(self._pending) + [r.job for r in self._rows]:
+            job.sink(ErrorEvent(gone))
+        for order in self._orders:
+            order.future.set_exception(gone)
+        self._pending.clear()
+        self._orders.clear()
+        self._rows = []
+
+    def submit(self, job: Job) -> None:
+        """Queue a generation (thread-safe)."""
+        with self._cond:
+            self._pending.append(job)
+            self._cond.notify_all()
+
+    def swap(self, order: SwapOrder) -> concurrent.futures.Future[float]:
+        """Hand a swap to the worker; the future gives the seconds generation was paused."""
+        with self._cond:
+            self._orders.append(order)
+            self._cond.notify_all()
+        return order.future
+
+    def wake(self) -> None:
+        """Let the worker notice cancelled requests promptly."""
+        with self._cond:
+            self._cond.notify_all()
+
+    # --- the worker ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            order: SwapOrder | None = None
+            admit: list[Job] = []
+            with self._cond:
+                while not (self._stop or self._pending or self._rows or self._orders):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                if self._orders:
+                    head = self._orders[0]
+                    # SYNC waits until everything accepted before the swap has finished.
+                    if head.mode == "async" or not (self._pending or self._rows):
+                        order = self._orders.popleft()
+                if order is None:
+                    while self._pending and len(self._rows) + len(admit) < self.max_batch:
+                        admit.append(self._pending.popleft())
+            try:
+                if order is not None:
+                    self._swap(order)
+                    continue
+                for job in admit:
+                    self._admit(job)
+                if self._rows:
+                    self._step()
+            except Exception as exc:  # a bug must not kill the worker: fail what is running
+                log.exception("engine worker step failed")
+                self._fail_all(ApiError(500, "internal_error", f"generation failed: {exc}"))
+            finally:
+                self.metrics.running.set(len(self._rows))
+                self.metrics.queued.set(len(self._pending))
+
+    def _admit(self, job: Job) -> None:
+        if job.cancelled:
+            return
+        served = self._served
+        reason = job.constraint.unmet(served)
+        if reason is not None:  # checked again here: a swap may have happened while queued
+            job.sink(ErrorEvent(snapshot_unavailable(reason, served)))
+            return
+        hit = self.sessions.lookup(job.session, job.prompt_ids)
+        if job.session is not None:
+            (self.metrics.prefix_hits if hit else self.metrics.prefix_misses).inc()
+        reuse = hit.length if hit else 0
+        if reuse:
+            self.metrics.prefix_tokens.inc(reuse)
+        try:
+            logits, kv = self.runner.prefill(job.prompt_ids, hit.kv if hit else None, reuse)
+        except Exception as exc:
+            log.exception("prefill failed")
+            job.sink(ErrorEvent(ApiError(500, "internal_error", f"prefill failed: {exc}")))
+            return
+        self.metrics.tokens.labels("prompt").inc(len(job.prompt_ids))
+        seed = job.sampling.seed
+        gen = None
+        if job.sampling.temperature > 0:
+            gen = torch.Generator()
+            gen.manual_seed(seed if seed is not None else secrets.randbits(63))
+        row = _Row(
+            job=job,
+            start=served,
+            last=served,
+            assembler=TextAssembler(self.codec.decode, job.sampling.stop),
+            gen=gen,
+            cached_tokens=reuse,
+        )
+        self._batch.add(kv)
+        self._rows.append(row)
+        self._take_token(row, logits, served)
+        self._retire()
+
+    def _step(self) -> None:
+        live = [i for i, r in enumerate(self._rows) if not r.job.cancelled]
+        if len(live) != len(self._rows):
+            self._rows = [self._rows[i] for i in live]
+            self._batch.keep(live)
+            if not self._rows:
+                return
+        served = self._served
+        logits = self.runner.decode(self._batch, [r.generated[-1] for r in self._rows])
+        self.steps += 1
+        for i, row in enumerate(self._rows):
+            self._take_token(row, logits[i], served)
+        self._retire()
+
+    def _take_token(self, row: _Row, logits: torch.Tensor, served: ServedSnapshot) -> None:
+        params = row.job.sampling
+        token = pick_token(logits, params, row.gen)
+        row.generated.append(token)
+        row.last = served
+        text = row.assembler.add(row.generated)
+        total = len(row.job.prompt_ids) + len(row.generated)
+        eos = token in self.runner.info.eos_ids and not params.ignore_eos
+        if row.assembler.stopped or eos:
+            row.finish = "stop"
+        elif len(row.generated) >= params.max_tokens or total >= self.runner.info.max_positions:
+            row.finish = "length"
+        self.metrics.tokens.labels("completion").inc()
+        row.job.sink(TokenEvent(token, text, served))
+
+    def _retire(self) -> None:
+        keep: list[int] = []
+        for i, row in enumerate(self._rows):
+            if row.job.cancelled:
+                continue
+            if row.finish is None:
+                keep.append(i)
+                continue
+            if row.job.session is not None:
+                # The KV covers the prompt and every generated token but the last (never fed).
+                fed = row.job.prompt_ids + row.generated[:-1]
+                kv = self._batch.row(i)
+                if len(fed) == kv[0][0].shape[2]:
+                    self.sessions.store(row.job.session, fed, kv, self._served.identity)
+            tail = row.assembler.finish()
+            outcome = Outcome(
+                text=row.assembler.text,
+                token_ids=list(row.generated),
+                finish_reason=row.finish,
+                prompt_tokens=len(row.job.prompt_ids),
+                start=row.start,
+                end=row.last,
+                cached_tokens=row.cached_tokens,
+            )
+            row.job.sink(DoneEvent(outcome, tail))
+        if len(keep) != len(self._rows):
+            self._rows = [self._rows[i] for i in keep]
+            self._batch.keep(keep)
+
+    def _swap(self, order: SwapOrder) -> None:
+        started = time.perf_counter()
+        try:
+            self.runner.apply(order.staged)
+        except Exception as exc:  # apply rolled back: the old weights still serve
+            order.future.set_exception(exc)
+            return
+        self._served = order.target
+        self.metrics.set_served(order.target.identity, order.target.sequence)
+        self.sessions.apply_policy(order.policy)
+        if order.policy == "all":
+            stale = list(range(len(self._rows)))
+        elif order.policy == "new_session":
+            stale = [i for i, r in enumerate(self._rows) if r.job.session is None]
+        else:
+            stale = []
+        if stale:
+            try:
+                self._recompute(set(stale))
+            except Exception as exc:  # the swap itself succeeded; only the running rows fail
+                log.exception("recomputing the running batch after a swap failed")
+                self._fail_all(ApiError(500, "internal_error", f"generation failed: {exc}"))
+        order.future.set_result(time.perf_counter() - started)
+
+    def _recompute(self, stale: set[int]) -> None:
+        """Rebuild the KV of rows in `stale` with the current weights (the others are kept)."""
+        batch = BatchKV()
+        for i, row in enumerate(self._rows):
+            if i in stale:
+                _, kv = self.runner.prefill(row.job.prompt_ids + row.generated[:-1])
+            else:
+                kv = self._batch.row(i)
+            batch.add(kv)
+        self._batch = batch
+
+    def _fail_all(self, error: ApiError) -> None:
+        for row in self._rows:
+            row.job.sink(ErrorEvent(error))
+        self._rows = []
+        self._batch = BatchKV()

