@@ -1,0 +1,170 @@
+"""What a loader reports about its replica, and the interface every reporter implements.
+
+The sidecar keeps one `ReplicaStatus` up to date and hands every change to a `Reporter`:
+locally it is only served on the status endpoint; on Kubernetes it is written onto the loader's
+own Pod (annotation, labels and the `hotload.dev/SnapshotLoaded` condition) for the operator to
+roll up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Final, Literal, Protocol
+
+# --- the pod condition and its reasons (grouped by status) -----------------------------------
+
+#: The pod condition used as a readiness gate: the engine serves a verified ledger snapshot.
+CONDITION_SNAPSHOT_LOADED: Final = "hotload.dev/SnapshotLoaded"
+#: The annotation holding `ReplicaStatus.to_annotation()` as JSON.
+ANNOTATION_SNAPSHOT: Final = "hotload.dev/snapshot"
+#: Labels with the served identity and sequence, for label selectors (routers, dashboards).
+LABEL_IDENTITY: Final = "hotload.dev/snapshot-identity"
+LABEL_SEQUENCE: Final = "hotload.dev/snapshot-sequence"
+
+# Condition True: the engine serves a verified snapshot from the ledger.
+REASON_CURRENT: Final = "Current"  # ... and it is the ledger head
+REASON_UPDATING: Final = "Updating"  # ... and a newer one is being fetched or loaded
+REASON_LOAD_FAILED: Final = "LoadFailed"  # ... but the last attempt at a newer one failed
+REASON_STALE: Final = "LedgerUnreachable"  # ... but the ledger could not be read lately
+# Condition False: nothing verified is served.
+REASON_STARTING: Final = "Starting"  # materialising the first snapshot, engine not confirmed
+REASON_ENGINE_DOWN: Final = "EngineUnavailable"  # the engine does not answer
+REASON_NO_SNAPSHOT: Final = "NoSnapshot"  # the ledger holds nothing loadable yet
+
+LoadingState = Literal["starting", "idle", "fetching", "rebuilding", "loading", "failed"]
+EventType = Literal["Normal", "Warning"]
+
+
+@dataclass(frozen=True)
+class LoadTimings:
+    """How long the last update took, step by step, and how many bytes it moved."""
+
+    fetch_seconds: float = 0.0
+    rebuild_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    load_seconds: float = 0.0
+    total_seconds: float = 0.0
+    bytes_fetched: int = 0
+    #: Snapshots rebuilt on the way (deltas applied without loading each into the engine).
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica as its loader sees it; every field is plain data (JSON-ready)."""
+
+    #: The snapshot the engine is confirmed to serve (None before the first load).
+    identity: str | None = None
+    sequence: int | None = None
+    #: The ledger head the loader is moving towards.
+    target_identity: str | None = None
+    target_sequence: int | None = None
+    state: LoadingState = "starting"
+    #: Condition status and reason (one of the REASON_* constants) and a human message.
+    ready: bool = False
+    reason: str = REASON_STARTING
+    message: str = ""
+    #: The last completed update.
+    last_load: LoadTimings | None = None
+    #: The last failure, kept until a later update succeeds.
+    last_error: str = ""
+    #: Whether the ledger answered the latest poll, and when it last did (RFC 3339).
+    ledger_reachable: bool = True
+    last_poll_time: str | None = None
+    updated_time: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the engine serves the ledger head."""
+        return self.identity is not None and self.identity == self.target_identity
+
+    @property
+    def staleness(self) -> int:
+        """Ledger head sequence minus served sequence (0 when current or unknown)."""
+        if self.target_sequence is None:
+            return 0
+        return max(0, self.target_sequence - (self.sequence if self.sequence is not None else -1))
+
+    def evolve(self, **changes: Any) -> ReplicaStatus:
+        """A copy with `changes` applied."""
+        return replace(self, **changes)
+
+    def to_annotation(self) -> dict[str, Any]:
+        """The `hotload.dev/snapshot` annotation value (camelCase, as the operator reads it)."""
+        timings = None
+        if self.last_load is not None:
+            t = self.last_load
+            timings = {
+                "fetchSeconds": round(t.fetch_seconds, 6),
+                "rebuildSeconds": round(t.rebuild_seconds, 6),
+                "verifySeconds": round(t.verify_seconds, 6),
+                "loadSeconds": round(t.load_seconds, 6),
+                "totalSeconds": round(t.total_seconds, 6),
+                "bytesFetched": t.bytes_fetched,
+                "steps": t.steps,
+            }
+        return {
+            "identity": self.identity,
+            "sequence": self.sequence,
+            "targetIdentity": self.target_identity,
+            "targetSequence": self.target_sequence,
+            "state": self.state,
+            "loaded": self.loaded,
+            "reason": self.reason,
+            "message": self.message,
+            "lastError": self.last_error,
+            "ledgerReachable": self.ledger_reachable,
+            "lastPollTime": self.last_poll_time,
+            "updatedTime": self.updated_time,
+            "lastLoad": timings,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The local status endpoint's document (snake_case, with derived fields)."""
+        doc = asdict(self)
+        doc["loaded"] = self.loaded
+        doc["staleness"] = self.staleness
+        return doc
+
+
+class Reporter(Protocol):
+    """Where a loader publishes its replica's status; implementations must not raise on
+    transient API failures (log and retry on the next report) so reporting never stops loads."""
+
+    async def report(self, status: ReplicaStatus) -> None:
+        """Publish the latest status (idempotent: the same status twice changes nothing)."""
+        ...
+
+    async def event(self, type_: EventType, reason: str, message: str) -> None:
+        """Record a notable event (a failed load, a fallback, a loaded snapshot)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections."""
+        ...
+
+
+class LocalReporter:
+    """Keeps the latest status and the recent events in memory for the local status endpoint."""
+
+    def __init__(self, keep_events: int = 50) -> None:
+        self.status = ReplicaStatus()
+        self.events: list[dict[str, str]] = []
+        self._keep = keep_events
+
+    async def report(self, status: ReplicaStatus) -> None:
+        """Remember `status`."""
+        self.status = status
+
+    async def event(self, type_: EventType, reason: str, message: str) -> None:
+        """Remember the event (bounded)."""
+        from hotload.ledger.model import format_time, utc_now
+
+        self.events.append(
+            {"type": type_, "reason": reason, "message": message, "time": format_time(utc_now())}
+        )
+        del self.events[: -self._keep]
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
