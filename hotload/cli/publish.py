@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hotload.bucket import open_bucket, upload_snapshot
+from hotload.bucket import open_bucket
 from hotload.cli.common import human_bytes, print_json, progress_bar
 from hotload.cli.ledger import say
-from hotload.errors import LedgerRejectedError, SnapshotError
-from hotload.ledger import PROMPT_CACHE_POLICIES, Ledger, NewEntry
+from hotload.errors import SnapshotError
+from hotload.ledger import PROMPT_CACHE_POLICIES, Ledger
+from hotload.sdk import publish_folder
 from hotload.snapshot import describe_snapshot, validate_identity
 
 
@@ -60,48 +61,16 @@ def _publish(args: argparse.Namespace) -> int:
     if not folder.is_dir():
         raise SnapshotError("not a folder", path=str(folder))
     identity = validate_identity(args.identity or folder.resolve().name)
-    desc = describe_snapshot(folder)
+    shipped = describe_snapshot(folder).shipped_bytes
     bucket = open_bucket(
         args.bucket, credentials_dir=args.credentials_dir, concurrency=max(1, args.concurrency)
     )
     ledger = Ledger(bucket, args.ledger)
-    new = NewEntry(
-        identity=identity,
-        kind=desc.kind,
-        manifest_digest=desc.manifest_digest,
-        shipped_bytes=desc.shipped_bytes,
-        full_bytes=desc.full_bytes,
-        previous=desc.parent if desc.kind == "incremental" else None,
-        prompt_cache=args.prompt_cache,
-    )
-
-    # Fail before moving gigabytes if the ledger would refuse the entry anyway.
-    state = ledger.read()
-    existing = state.document.find(identity)
-    if existing is not None and existing.manifest_digest != desc.manifest_digest:
-        raise LedgerRejectedError(
-            f"ledger {ledger.name!r}: {identity!r} is already published (sequence "
-            f"{existing.sequence}) with other manifests; publish under a new identity"
+    with progress_bar(f"upload {identity}", shipped, not args.no_progress) as advance:
+        published = publish_folder(
+            ledger, folder, identity=identity, prompt_cache=args.prompt_cache, progress=advance
         )
-    if existing is None:
-        state.document.check(new)
-
-    with progress_bar(f"upload {identity}", desc.shipped_bytes, not args.no_progress) as advance:
-        transfer = upload_snapshot(
-            folder,
-            bucket,
-            identity,
-            files=desc.files,
-            manifest_files=desc.manifest_files,
-            progress=advance,
-        )
-    try:
-        entry = ledger.append_retrying(new)
-    except LedgerRejectedError as exc:
-        raise LedgerRejectedError(
-            f"{exc} (the files were uploaded to {bucket.url}/{identity}/ but the ledger did not "
-            "admit them; no replica will load them)"
-        ) from exc
+    entry, transfer = published.entry, published.transfer
 
     if args.output == "json":
         print_json(
