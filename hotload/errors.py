@@ -212,3 +212,56 @@ class EngineLoadError(EngineError):
 
 class EngineBusyError(EngineLoadError):
     """The engine is already loading other weights; try again when that load is done."""
+
+
+# --- the Kubernetes API ----------------------------------------------------------------------
+
+
+class KubeError(HotloadError):
+    """A Kubernetes API call or its configuration failed.
+
+    `method`, `path` and `status` say which call; `reason` and `message` are the server's
+    `Status` fields (or ours when there was no answer). Configuration errors carry no call.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        method: str | None = None,
+        path: str | None = None,
+        status: int | None = None,
+        reason: str | None = None,
+    ) -> None:
+        self.method = method
+        self.path = path
+        self.status = status
+        self.reason = reason
+        self.message = message
+        where = f"{method} {path}: " if method and path else ""
+        code = " ".join(str(p) for p in (status, reason) if p)
+        super().__init__(where + (f"{code}: " if code else "") + message)
+
+
+class KubeNotFoundError(KubeError):
+    """The object or resource does not exist (404)."""
+
+
+class KubeConflictError(KubeError):
+    """The object already exists, or changed since it was read (409)."""
+
+
+class KubeForbiddenError(KubeError):
+    """The credentials were refused (401) or lack the permission (403)."""
+
+
+class KubeInvalidError(KubeError):
+    """The server refused the request body: a failed validation or JSON-patch test (422)."""
+
+
+class KubeGoneError(KubeError):
+    """A watch asked for a resourceVersion the server no longer keeps (410): list again."""
+
+
+class KubeUnavailableError(KubeError):
+    """The API server could not be reached, or kept failing (5xx, 429) after retries."""

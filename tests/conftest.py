@@ -10,6 +10,8 @@ import pytest
 
 from support.seaweedfs import INSTALL_HINT, SeaweedFS, find_weed
 
+pytest_plugins = ["support.kubeapi"]
+
 
 @pytest.fixture(scope="session")
 def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:

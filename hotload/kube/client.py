@@ -1,0 +1,415 @@
+"""A small typed async client for the Kubernetes REST API, on aiohttp.
+
+Objects are plain JSON dicts. Errors map onto the `KubeError` family with the call's method,
+path and the server's `Status` reason. Transient failures are retried with backoff: a refused
+connection and 429 for every call (the server did not act on it), a dropped connection and 5xx
+only for idempotent ones (GET, PUT, DELETE, and merge/strategic/apply patches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import json
+import logging
+import os
+import random
+import ssl
+import tempfile
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import aiohttp
+
+from hotload.errors import (
+    KubeConflictError,
+    KubeError,
+    KubeForbiddenError,
+    KubeGoneError,
+    KubeInvalidError,
+    KubeNotFoundError,
+    KubeUnavailableError,
+)
+from hotload.kube.config import KubeConfig
+
+log = logging.getLogger("hotload.kube")
+
+PatchType = Literal["merge", "strategic", "json", "apply"]
+JSON = dict[str, Any]
+
+_PATCH_CONTENT_TYPES: dict[str, str] = {
+    "merge": "application/merge-patch+json",
+    "strategic": "application/strategic-merge-patch+json",
+    "json": "application/json-patch+json",
+    "apply": "application/apply-patch+yaml",
+}
+_ERRORS: dict[int, type[KubeError]] = {
+    401: KubeForbiddenError,
+    403: KubeForbiddenError,
+    404: KubeNotFoundError,
+    409: KubeConflictError,
+    410: KubeGoneError,
+    422: KubeInvalidError,
+}
+
+
+def resource_path(
+    api_version: str,
+    plural: str,
+    namespace: str | None = None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> str:
+    """The URL path of a collection or object, e.g. `/api/v1/namespaces/ns/pods/p/status`.
+
+    `api_version` is `v1` for the core group, else `group/version` (`apps/v1`).
+    """
+    if subresource and not name:
+        raise ValueError("a subresource needs an object name")
+    parts = ["api", api_version] if "/" not in api_version else ["apis", api_version]
+    if namespace:
+        parts += ["namespaces", namespace]
+    parts.append(plural)
+    if name:
+        parts.append(name)
+    if subresource:
+        parts.append(subresource)
+    return "/" + "/".join(parts)
+
+
+def error_from_status(
+    status: int, method: str, path: str, body: Any, default_message: str = ""
+) -> KubeError:
+    """The `KubeError` subclass for an HTTP status, with a `Status` body's reason and message."""
+    reason = None
+    message = default_message
+    if isinstance(body, dict) and body.get("kind") == "Status":
+        reason = body.get("reason") or None
+        message = str(body.get("message") or default_message)
+    cls = _ERRORS.get(status, KubeUnavailableError if status >= 500 or status == 429 else KubeError)
+    return cls(message or "request failed", method=method, path=path, status=status, reason=reason)
+
+
+class KubeClient:
+    """An async Kubernetes API client; use as `async with KubeClient(config) as kube: ...`."""
+
+    def __init__(
+        self,
+        config: KubeConfig,
+        *,
+        timeout: float = 30.0,
+        retries: int = 3,
+        backoff: float = 0.2,
+        user_agent: str = "hotload",
+    ) -> None:
+        self.config = config
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.user_agent = user_agent
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Self:
+        self._ensure_session()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool (the client can be used again afterwards)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # --- calls -------------------------------------------------------------------------------
+
+    async def get(self, path: str) -> JSON:
+        """Read one object (or any GET path)."""
+        return await self._call("GET", path)
+
+    async def list(
+        self,
+        path: str,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> JSON:
+        """List a collection: the List object (`items`, `metadata.resourceVersion`)."""
+        return await self._call("GET", path, params=_selectors(label_selector, field_selector))
+
+    async def create(self, path: str, body: JSON) -> JSON:
+        """POST `body` to a collection path and return the created object."""
+        return await self._call("POST", path, body=body)
+
+    async def replace(self, path: str, body: JSON) -> JSON:
+        """PUT the whole object; a stale `metadata.resourceVersion` raises `KubeConflictError`."""
+        return await self._call("PUT", path, body=body)
+
+    async def patch(
+        self,
+        path: str,
+        body: JSON | builtins.list[JSON],
+        patch_type: PatchType = "merge",
+        *,
+        field_manager: str | None = None,
+        force: bool = False,
+    ) -> JSON:
+        """PATCH an object; `apply` (server-side apply) needs `field_manager`."""
+        if patch_type not in _PATCH_CONTENT_TYPES:
+            raise ValueError(f"unknown patch type {patch_type!r}")
+        params: dict[str, str] = {}
+        if field_manager:
+            params["fieldManager"] = field_manager
+        if force:
+            params["force"] = "true"
+        return await self._call(
+            "PATCH",
+            path,
+            body=body,
+            params=params,
+            content_type=_PATCH_CONTENT_TYPES[patch_type],
+            idempotent=patch_type != "json",
+        )
+
+    async def delete(self, path: str, propagation_policy: str | None = None) -> JSON:
+        """DELETE an object (`propagation_policy`: Background, Foreground or Orphan)."""
+        body = {"propagationPolicy": propagation_policy} if propagation_policy else None
+        return await self._call("DELETE", path, body=body)
+
+    async def watch(
+        self,
+        path: str,
+        *,
+        resource_version: str | None = None,
+        timeout_seconds: int | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+        allow_bookmarks: bool = False,
+    ) -> AsyncIterator[tuple[str, JSON]]:
+        """Stream `(type, object)` events of a collection until the server ends the watch.
+
+        Types are ADDED, MODIFIED, DELETED and BOOKMARK; a server ERROR event raises its
+        `KubeError` (410 `KubeGoneError` means: list again and watch from the list's version).
+        """
+        params = _selectors(label_selector, field_selector)
+        params["watch"] = "true"
+        if resource_version is not None:
+            params["resourceVersion"] = resource_version
+        if timeout_seconds is not None:
+            params["timeoutSeconds"] = str(timeout_seconds)
+        if allow_bookmarks:
+            params["allowWatchBookmarks"] = "true"
+        # A watch is long-lived: only the connection and the server's own timeout bound it.
+        total = None if timeout_seconds is None else timeout_seconds + self.timeout
+        timeout = aiohttp.ClientTimeout(total=total, connect=self.timeout, sock_read=None)
+        response = await self._send("GET", path, params=params, timeout=timeout, idempotent=True)
+        async with response:
+            if response.status >= 400:
+                raise await self._error(response, "GET", path)
+            while True:
+                try:
+                    line = await response.content.readline()
+                except aiohttp.ClientError as exc:
+                    raise KubeUnavailableError(
+                        f"watch stream broke: {exc}", method="GET", path=path
+                    ) from exc
+                if not line:
+                    return
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                kind = str(event.get("type", ""))
+                obj = event.get("object") or {}
+                if kind == "ERROR":
+                    code = int(obj.get("code") or 500)
+                    raise error_from_status(code, "GET", path, obj, "watch failed")
+                yield kind, obj
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    def _ensure_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(ssl=self._ssl_context())
+            self._session = aiohttp.ClientSession(
+                base_url=self.config.server + "/",
+                connector=connector,
+                headers={"User-Agent": self.user_agent, "Accept": "application/json"},
+            )
+        return self._session
+
+    def _ssl_context(self) -> ssl.SSLContext | bool:
+        cfg = self.config
+        if not cfg.server.startswith("https://"):
+            return False
+        if cfg.insecure_skip_tls_verify:
+            ctx = ssl.create_default_context()
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        else:
+            ctx = ssl.create_default_context(cafile=cfg.ca_file, cadata=cfg.ca_data)
+        if cfg.client_cert_data or cfg.client_cert_file:
+            _load_client_cert(ctx, cfg)
+        return ctx
+
+    def _url(self, path: str) -> str:
+        # base_url joins relative paths only: drop the leading slash of API paths.
+        return path.lstrip("/")
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        timeout: aiohttp.ClientTimeout | None = None,
+        idempotent: bool,
+    ) -> aiohttp.ClientResponse:
+        """One request with retries on transient failures; the caller reads and releases it."""
+        session = self._ensure_session()
+        data = None if body is None else json.dumps(body).encode()
+        attempt = 0
+        while True:
+            headers = {"Content-Type": content_type}
+            token = self.config.bearer_token()
+            if token:
+                headers["Authorization"] = f"Bearer {token}"
+            try:
+                response = await session.request(
+                    method,
+                    self._url(path),
+                    params=params,
+                    data=data,
+                    headers=headers,
+                    timeout=timeout or aiohttp.ClientTimeout(total=self.timeout),
+                )
+            except (aiohttp.ClientConnectorError, aiohttp.ClientConnectionError) as exc:
+                # Never connected: nothing reached the server, so any call may be repeated.
+                never_sent = isinstance(exc, aiohttp.ClientConnectorError)
+                if attempt < self.retries and (never_sent or idempotent):
+                    attempt += 1
+                    await self._sleep(attempt, None)
+                    continue
+                raise KubeUnavailableError(
+                    f"cannot reach {self.config.server}: {exc}", method=method, path=path
+                ) from exc
+            except TimeoutError as exc:
+                if attempt < self.retries and idempotent:
+                    attempt += 1
+                    await self._sleep(attempt, None)
+                    continue
+                raise KubeUnavailableError(
+                    f"no answer from {self.config.server} within {self.timeout}s",
+                    method=method,
+                    path=path,
+                ) from exc
+            transient = response.status == 429 or (response.status >= 500 and idempotent)
+            if transient and attempt < self.retries:
+                retry_after = response.headers.get("Retry-After")
+                response.release()
+                attempt += 1
+                await self._sleep(attempt, retry_after)
+                continue
+            return response
+
+    async def _sleep(self, attempt: int, retry_after: str | None) -> None:
+        delay = self.backoff * 2 ** (attempt - 1) * (0.5 + random.random())
+        if retry_after and retry_after.isdigit():
+            delay = max(delay, min(float(retry_after), 10.0))
+        log.debug("retrying a Kubernetes API call in %.2fs (attempt %d)", delay, attempt + 1)
+        await asyncio.sleep(delay)
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        idempotent: bool | None = None,
+    ) -> JSON:
+        if idempotent is None:
+            idempotent = method in ("GET", "PUT", "DELETE")
+        response = await self._send(
+            method,
+            path,
+            params=params,
+            body=body,
+            content_type=content_type,
+            idempotent=idempotent,
+        )
+        async with response:
+            if response.status >= 400:
+                raise await self._error(response, method, path)
+            try:
+                result = await response.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise KubeUnavailableError(
+                    f"the answer broke off: {exc}", method=method, path=path
+                ) from exc
+            except ValueError as exc:
+                raise KubeError(
+                    f"the server answered {response.status} with a body that is not JSON",
+                    method=method,
+                    path=path,
+                    status=response.status,
+                ) from exc
+        if not isinstance(result, dict):
+            raise KubeError(
+                "the server answered with JSON that is not an object",
+                method=method,
+                path=path,
+                status=response.status,
+            )
+        return result
+
+    async def _error(self, response: aiohttp.ClientResponse, method: str, path: str) -> KubeError:
+        text = await response.text()
+        try:
+            body = json.loads(text)
+        except ValueError:
+            body = None
+        return error_from_status(
+            response.status, method, path, body, text.strip()[:200] or response.reason or ""
+        )
+
+
+def _selectors(label_selector: str | None, field_selector: str | None) -> dict[str, str]:
+    params: dict[str, str] = {}
+    if label_selector:
+        params["labelSelector"] = label_selector
+    if field_selector:
+        params["fieldSelector"] = field_selector
+    return params
+
+
+def _load_client_cert(ctx: ssl.SSLContext, cfg: KubeConfig) -> None:
+    """Load the client certificate and key; inline PEM goes through private temporary files
+    because `ssl` only loads certificate chains from files."""
+    if cfg.client_cert_file and not cfg.client_cert_data and not cfg.client_key_data:
+        ctx.load_cert_chain(cfg.client_cert_file, cfg.client_key_file)
+        return
+    with tempfile.TemporaryDirectory(prefix="hotload-kube-") as tmp:
+        os.chmod(tmp, 0o700)
+
+        def materialise(data: str | None, file: str | None, name: str) -> str | None:
+            if data is None:
+                return file
+            target = os.path.join(tmp, name)
+            with open(os.open(target, os.O_WRONLY | os.O_CREAT, 0o600), "w") as out:
+                out.write(data)
+            return target
+
+        cert = materialise(cfg.client_cert_data, cfg.client_cert_file, "cert.pem")
+        key = materialise(cfg.client_key_data, cfg.client_key_file, "key.pem")
+        if cert is None:
+            raise KubeError(f"{cfg.source}: a client key without a client certificate")
+        ctx.load_cert_chain(cert, key)
