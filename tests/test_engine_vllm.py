@@ -164,3 +164,44 @@ async def test_failed_reload_rolls_back_and_keeps_serving(world: World) -> None:
         assert world.outputs() == on_b
         assert await adapter.current() == ServedSnapshot("step-b", 9)
         assert (await adapter.health()).ready
+
+
+def test_the_loader_drives_vllm_end_to_end(world: World, tmp_path: Path) -> None:
+    """`python -m hotload_sidecar --engine vllm` follows a ledger (a full snapshot, then arc_v2
+    deltas) and hot-loads each head into the running vLLM; outputs match transformers."""
+    import os
+
+    from hotload.bucket import open_bucket
+    from hotload.ledger import Ledger
+    from support.fleet import Replica, Trainer
+
+    first = greedy_token_ids(world.a, PROMPTS[0], NEW_TOKENS)
+    second = greedy_token_ids(world.b, PROMPTS[0], NEW_TOKENS)
+    assert first != second
+    bucket = tmp_path / "bucket"
+    # Steps: a (full), b (delta on a), a again (delta on b).
+    trainer = Trainer(
+        Ledger(open_bucket(str(bucket)), "policy"), [world.a, world.b, world.a], tmp_path / "t"
+    )
+    trainer.publish(0)
+    trainer.publish(1)
+    replica = Replica(
+        "vllm",
+        tmp_path / "replica",
+        f"{bucket}/policy",
+        {**os.environ, "PYTHONUNBUFFERED": "1"},
+        loader_args=["--engine", "vllm"],
+        engine_port=int(world.server.url.rsplit(":", 1)[1]),
+    )
+    try:
+        replica.start_loader()
+        replica.wait_started()
+        status = replica.wait_serving("step-001", timeout=180)
+        assert status["engine"]["kind"] == "vllm" and status["reason"] == "Current"
+        assert world.server.completion_ids(PROMPTS[0], NEW_TOKENS) == second
+        trainer.publish(2)
+        status = replica.wait_serving("step-002", timeout=180)
+        assert status["last_load"]["steps"] == 1 and status["sequence"] == 3
+        assert world.server.completion_ids(PROMPTS[0], NEW_TOKENS) == first
+    finally:
+        replica.stop()

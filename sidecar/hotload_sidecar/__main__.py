@@ -1,0 +1,39 @@
+"""`python -m hotload_sidecar`: the loader sidecar (see `--help`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from hotload.errors import HotloadError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse settings, run the loader until a signal; return the exit code."""
+    from hotload_sidecar.app import serve
+    from hotload_sidecar.config import ConfigError, load_settings
+
+    try:
+        settings = load_settings(argv)
+    except ConfigError as err:
+        print(f"hotload-sidecar: error: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(serve(settings))
+    except HotloadError as err:
+        print(f"hotload-sidecar: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    from hotload.cli.main import exit_now
+
+    exit_now(main())

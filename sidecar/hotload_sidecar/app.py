@@ -1,0 +1,100 @@
+"""Wire a loader from `Settings`: bucket, ledger, engine adapter, reporter, HTTP endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from aiohttp import web
+
+from hotload.bucket import open_bucket
+from hotload.bucket.url import split_ledger_url
+from hotload.ledger import Ledger
+from hotload_sidecar.config import Settings
+from hotload_sidecar.engines import Timeouts, make_adapter
+from hotload_sidecar.loader import Loader
+from hotload_sidecar.server import create_app
+from hotload_sidecar.status import LocalReporter, Reporter
+
+log = logging.getLogger("hotload_sidecar")
+
+
+class _Fanout:
+    """Reports to Kubernetes and keeps the local copy the status endpoint shows."""
+
+    def __init__(self, *reporters: Reporter) -> None:
+        self.reporters = reporters
+
+    async def report(self, status: object) -> None:
+        for r in self.reporters:
+            await r.report(status)  # type: ignore[arg-type]
+
+    async def event(self, type_: str, reason: str, message: str) -> None:
+        for r in self.reporters:
+            await r.event(type_, reason, message)  # type: ignore[arg-type]
+
+    async def aclose(self) -> None:
+        for r in self.reporters:
+            await r.aclose()
+
+
+async def _reporter(settings: Settings, local: LocalReporter) -> Reporter:
+    if settings.report == "local":
+        return local
+    from hotload.kube import KubeClient, KubeConfig
+
+    from hotload_sidecar.kube_report import KubernetesReporter
+
+    config = KubeConfig.auto(settings.kubeconfig)
+    client = KubeClient(config)
+    assert settings.namespace and settings.pod_name
+    return _Fanout(local, KubernetesReporter(client, settings.namespace, settings.pod_name))
+
+
+def build_loader(settings: Settings, reporter: Reporter) -> Loader:
+    """A `Loader` for `settings` reporting to `reporter`."""
+    bucket_url, name = split_ledger_url(settings.ledger_url)
+    bucket = open_bucket(bucket_url, credentials_dir=settings.credentials_dir)
+    adapter = make_adapter(
+        settings.engine_kind,
+        settings.engine_url,
+        timeouts=Timeouts(load=settings.load_timeout_seconds),
+    )
+    return Loader(settings, ledger=Ledger(bucket, name), adapter=adapter, reporter=reporter)
+
+
+async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
+    """Run the loader and its endpoints until `stop` is set (or SIGTERM/SIGINT arrives)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    local = LocalReporter()
+    reporter = await _reporter(settings, local)
+    loader = build_loader(settings, reporter)
+    runner = web.AppRunner(create_app(loader, local), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.listen_host, settings.listen_port)
+    await site.start()
+    log.info(
+        "loader following %s for %s engine at %s; endpoints on %s",
+        loader.ledger.url,
+        settings.engine_kind,
+        settings.engine_url,
+        settings.listen,
+    )
+    task = asyncio.create_task(loader.run(stop))
+    try:
+        await stop.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        if not task.done():
+            task.cancel()
+        await runner.cleanup()
+        await loader.adapter.aclose()
+        await reporter.aclose()

@@ -1,0 +1,264 @@
+"""Loader settings: every one a flag with an environment variable behind it.
+
+Flags win over the environment, the environment over the defaults. `python -m hotload_sidecar
+--help` lists them all; the operator's pod template sets them through the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from hotload.errors import HotloadError
+from hotload_sidecar.engines import CACHE_POLICIES, ENGINE_KINDS, MODES, CachePolicy, Mode
+
+ReportMode = Literal["kubernetes", "local"]
+REPORT_MODES = ("kubernetes", "local")
+
+
+class ConfigError(HotloadError):
+    """A loader setting is missing or invalid; the message names the flag and variable."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the loader needs; see `build_parser` for what each field means."""
+
+    ledger_url: str
+    weights_dir: Path
+    engine_kind: str = "reference"
+    engine_url: str = "http://127.0.0.1:8000"
+    mode: Mode = "async"
+    cache_policy: CachePolicy | None = None
+    poll_seconds: float = 2.0
+    poll_jitter: float = 0.2
+    keep: int = 2
+    prefetch: int = 2
+    threads: int | None = None
+    credentials_dir: Path | None = None
+    listen: str = "0.0.0.0:8091"
+    report: ReportMode = "local"
+    pod_name: str | None = None
+    namespace: str | None = None
+    kubeconfig: Path | None = None
+    engine_wait_seconds: float = 900.0
+    retry_seconds: float = 30.0
+    load_timeout_seconds: float = 900.0
+    log_level: str = "info"
+
+    @property
+    def listen_host(self) -> str:
+        """Host part of `listen`."""
+        return self.listen.rpartition(":")[0] or "0.0.0.0"
+
+    @property
+    def listen_port(self) -> int:
+        """Port part of `listen`."""
+        return int(self.listen.rpartition(":")[2])
+
+
+# flag, env, type, default, help
+_OPTIONS: list[tuple[str, str, Any, Any, str]] = [
+    (
+        "--ledger-url",
+        "HOTLOAD_LEDGER_URL",
+        str,
+        None,
+        "ledger to follow as BUCKET_URL/NAME, e.g. s3://rl-policies/prod/policy-a or "
+        "/data/bucket/policy-a (required)",
+    ),
+    (
+        "--weights-dir",
+        "HOTLOAD_WEIGHTS_DIR",
+        Path,
+        None,
+        "folder on the volume shared with the engine; the engine boots from WEIGHTS_DIR/current "
+        "(required)",
+    ),
+    ("--engine", "HOTLOAD_ENGINE", str, "reference", f"engine kind: {', '.join(ENGINE_KINDS)}"),
+    ("--engine-url", "HOTLOAD_ENGINE_URL", str, "http://127.0.0.1:8000", "engine base URL"),
+    (
+        "--mode",
+        "HOTLOAD_TRANSITION_MODE",
+        str,
+        "async",
+        "transition mode: async (in-flight requests pause and resume on the new weights) or "
+        "sync (they finish on the old weights; new ones wait)",
+    ),
+    (
+        "--cache-policy",
+        "HOTLOAD_CACHE_POLICY",
+        str,
+        None,
+        "prompt-cache policy for every load (all, none, new_session); default: the one each "
+        "ledger entry records",
+    ),
+    ("--poll-seconds", "HOTLOAD_POLL_SECONDS", float, 2.0, "ledger poll interval"),
+    (
+        "--poll-jitter",
+        "HOTLOAD_POLL_JITTER",
+        float,
+        0.2,
+        "random spread of the poll interval, as a fraction (0.2 = +-20%%) so a fleet does not "
+        "poll in lockstep",
+    ),
+    ("--keep", "HOTLOAD_KEEP", int, 2, "verified snapshots kept on disk, newest first (>= 1)"),
+    (
+        "--prefetch",
+        "HOTLOAD_PREFETCH",
+        int,
+        2,
+        "snapshots downloaded ahead of the rebuild during a catch-up",
+    ),
+    ("--threads", "HOTLOAD_THREADS", int, None, "codec threads (default: all cores)"),
+    (
+        "--credentials-dir",
+        "HOTLOAD_BUCKET_CREDENTIALS_DIR",
+        Path,
+        None,
+        "mounted Secret with bucket credentials (files named like AWS_ACCESS_KEY_ID ...); "
+        "otherwise AWS_*/GOOGLE_* environment variables",
+    ),
+    (
+        "--listen",
+        "HOTLOAD_LISTEN",
+        str,
+        "0.0.0.0:8091",
+        "HOST:PORT of the loader's endpoints: /startup, /healthz, /status, /metrics",
+    ),
+    (
+        "--report",
+        "HOTLOAD_REPORT",
+        str,
+        "local",
+        "where to report: local (status endpoint only) or kubernetes (patch this pod: "
+        "annotation, labels, SnapshotLoaded condition; Events)",
+    ),
+    ("--pod-name", "POD_NAME", str, None, "this pod's name (downward API; kubernetes mode)"),
+    ("--namespace", "POD_NAMESPACE", str, None, "this pod's namespace (kubernetes mode)"),
+    (
+        "--kubeconfig",
+        "KUBECONFIG",
+        Path,
+        None,
+        "kubeconfig for the API server (default: in-cluster service account)",
+    ),
+    (
+        "--engine-wait-seconds",
+        "HOTLOAD_ENGINE_WAIT_SECONDS",
+        float,
+        900.0,
+        "how long to wait for the engine to become ready before reporting it down",
+    ),
+    (
+        "--retry-seconds",
+        "HOTLOAD_RETRY_SECONDS",
+        float,
+        30.0,
+        "wait before retrying a snapshot whose rebuild or load failed (doubles, up to 10x)",
+    ),
+    (
+        "--load-timeout-seconds",
+        "HOTLOAD_LOAD_TIMEOUT_SECONDS",
+        float,
+        900.0,
+        "how long the engine may take to load one snapshot",
+    ),
+    (
+        "--log-level",
+        "HOTLOAD_LOG_LEVEL",
+        str,
+        "info",
+        "debug, info, warning or error",
+    ),
+]
+
+EPILOG = """\
+Every flag can also be set by the environment variable shown in brackets; flags win.
+
+On start-up the loader materialises the ledger head (latest full snapshot plus the deltas
+after it) into WEIGHTS_DIR/snapshots/<identity>, points WEIGHTS_DIR/current at it and answers
+200 on /startup (the pod's startup probe), so the engine boots from WEIGHTS_DIR/current. Then it
+follows the ledger: each new head is fetched, rebuilt, verified, switched to and hot-loaded.
+Exit codes: 0 stopped by a signal, 1 a fatal error (message on stderr), 2 bad settings.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `python -m hotload_sidecar` argument parser (every flag shows its variable)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m hotload_sidecar",
+        description="hotload loader sidecar: follow a ledger, rebuild and verify snapshots, "
+        "hot-load them into the engine, report what is served.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for flag, env, _type, default, text in _OPTIONS:
+        shown = f" (default: {default})" if default is not None else ""
+        parser.add_argument(flag, default=None, metavar=env, help=f"{text}{shown} [{env}]")
+    return parser
+
+
+def load_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Parse flags and environment into `Settings`; raise `ConfigError` naming what is wrong."""
+    env = os.environ if environ is None else environ
+    args = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    for flag, var, type_, default, _text in _OPTIONS:
+        key = flag[2:].replace("-", "_")
+        raw = args.get(key)
+        source = flag
+        if raw is None and env.get(var):
+            raw, source = env[var], var
+        if raw is None:
+            values[key] = default
+            continue
+        try:
+            values[key] = type_(raw)
+        except ValueError:
+            raise ConfigError(f"{source}: {raw!r} is not a valid {type_.__name__}") from None
+    for key, flag, var in (
+        ("ledger_url", "--ledger-url", "HOTLOAD_LEDGER_URL"),
+        ("weights_dir", "--weights-dir", "HOTLOAD_WEIGHTS_DIR"),
+    ):
+        if not values[key]:
+            raise ConfigError(f"{flag} (or {var}) is required")
+    _choice(values, "engine", ENGINE_KINDS, "--engine")
+    _choice(values, "mode", MODES, "--mode")
+    _choice(values, "report", REPORT_MODES, "--report")
+    if values["cache_policy"] is not None:
+        _choice(values, "cache_policy", CACHE_POLICIES, "--cache-policy")
+    for key, low in (("keep", 1), ("prefetch", 1), ("threads", 1)):
+        if values[key] is not None and values[key] < low:
+            raise ConfigError(f"--{key}: must be at least {low}, not {values[key]}")
+    for key in ("poll_seconds", "retry_seconds", "engine_wait_seconds", "load_timeout_seconds"):
+        if values[key] <= 0:
+            raise ConfigError(f"--{key.replace('_', '-')}: must be positive")
+    if not 0 <= values["poll_jitter"] < 1:
+        raise ConfigError("--poll-jitter: must be in [0, 1)")
+    _host, sep, port = values["listen"].rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"--listen: expected HOST:PORT, not {values['listen']!r}")
+    if values["report"] == "kubernetes":
+        for key, flag, var in (
+            ("pod_name", "--pod-name", "POD_NAME"),
+            ("namespace", "--namespace", "POD_NAMESPACE"),
+        ):
+            if not values[key]:
+                raise ConfigError(
+                    f"--report kubernetes needs {flag} (or {var}, from the downward API)"
+                )
+    values["engine_kind"] = values.pop("engine")
+    values["credentials_dir"] = values["credentials_dir"] or None
+    return Settings(**values)
+
+
+def _choice(values: dict[str, Any], key: str, choices: Sequence[str], flag: str) -> None:
+    if values[key] not in choices:
+        raise ConfigError(f"{flag}: {values[key]!r} is not one of {', '.join(choices)}")

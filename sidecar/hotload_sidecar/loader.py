@@ -1,0 +1,418 @@
+"""The loader: materialise the head at start-up, then follow the ledger and hot-load each head.
+
+One `Loader` per replica. It owns the weights folder, talks to the engine only through an
+`EngineAdapter` and publishes a `ReplicaStatus` through a `Reporter` after every change. A
+failure never takes the served weights away: the engine keeps what it serves, `current` keeps
+pointing at it, and the status says why the replica is behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from hotload.errors import (
+    BucketError,
+    ChecksumMismatchError,
+    CorruptDeltaError,
+    EngineError,
+    EngineLoadError,
+    HotloadError,
+    LedgerError,
+)
+from hotload.ledger import Ledger, LedgerDocument, LedgerEntry, LedgerState
+from hotload.ledger.model import format_time, utc_now
+from hotload_sidecar.config import Settings
+from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadRequest, ServedSnapshot
+from hotload_sidecar.materialize import BuildResult, MaterializeError, Materializer
+from hotload_sidecar.metrics import LoaderMetrics
+from hotload_sidecar.status import (
+    REASON_CURRENT,
+    REASON_ENGINE_DOWN,
+    REASON_LOAD_FAILED,
+    REASON_NO_SNAPSHOT,
+    REASON_STALE,
+    REASON_STARTING,
+    REASON_UPDATING,
+    LoadTimings,
+    ReplicaStatus,
+    Reporter,
+)
+from hotload_sidecar.weights import WeightsFolder
+
+log = logging.getLogger("hotload_sidecar.loader")
+
+_POLICY_STRENGTH: dict[str, int] = {"none": 0, "new_session": 1, "all": 2}
+
+
+def combined_cache_policy(entries: list[LedgerEntry]) -> CachePolicy:
+    """The prompt-cache policy for jumping over `entries` at once: the strongest any asks for."""
+    strongest: CachePolicy = "none"
+    for entry in entries:
+        if _POLICY_STRENGTH[entry.prompt_cache] > _POLICY_STRENGTH[strongest]:
+            strongest = entry.prompt_cache
+    return strongest
+
+
+def condition(status: ReplicaStatus, *, engine_live: bool = True) -> tuple[bool, str]:
+    """The `SnapshotLoaded` condition (status, reason) for a replica status."""
+    if not engine_live:
+        return False, REASON_ENGINE_DOWN
+    if status.identity is None:
+        if status.target_identity is None and status.state != "starting":
+            return False, REASON_NO_SNAPSHOT
+        return False, REASON_STARTING
+    if not status.ledger_reachable:
+        return True, REASON_STALE
+    if status.state == "failed":
+        return True, REASON_LOAD_FAILED
+    if status.loaded:
+        return True, REASON_CURRENT
+    return True, REASON_UPDATING
+
+
+@dataclass
+class _Retry:
+    identity: str
+    not_before: float
+    delay: float
+
+
+class Loader:
+    """Follows one ledger for one engine; `run` until `stop` is set."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        ledger: Ledger,
+        adapter: EngineAdapter,
+        reporter: Reporter,
+        metrics: LoaderMetrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.adapter = adapter
+        self.reporter = reporter
+        self.metrics = metrics or LoaderMetrics()
+        self.weights = WeightsFolder(settings.weights_dir)
+        self.materializer = Materializer(
+            ledger.bucket,
+            self.weights,
+            prefetch=settings.prefetch,
+            threads=settings.threads,
+            progress=self.metrics.bytes_fetched.inc,
+        )
+        self.status = ReplicaStatus()
+        #: Set once `current` points at a verified snapshot (the /startup endpoint).
+        self.started = asyncio.Event()
+        self.document: LedgerDocument | None = None
+        self._etag: str | None = None
+        self._retry: _Retry | None = None
+        self._engine_live = True
+
+    # --- the two phases ----------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Start up, then follow the ledger until `stop` is set."""
+        self.weights.prepare()
+        await self._publish()
+        await self._startup(stop)
+        while not stop.is_set():
+            await self.step()
+            await _sleep_or_stop(stop, self._interval())
+
+    async def step(self) -> None:
+        """One poll: read the ledger if it changed, check the engine, move to the head."""
+        await self._poll()
+        await self._check_engine()
+        head = self.document.head if self.document is not None else None
+        if head is None or not self._engine_live:
+            return
+        if head.identity != self.status.identity and self._may_try(head.identity):
+            await self._update()
+
+    async def _startup(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self._poll()
+            head = self.document.head if self.document is not None else None
+            if head is None:
+                if self.weights.current() is not None and not self.status.ledger_reachable:
+                    # A restarted loader whose bucket is down: the engine may boot from what
+                    # the previous run verified.
+                    self.started.set()
+                    break
+                await _sleep_or_stop(stop, self._interval())
+                continue
+            try:
+                await self._set(state="fetching", target=head)
+                built = await self.materializer.build(self.document or LedgerDocument(""))
+            except (MaterializeError, BucketError) as err:
+                await self._failed("rebuild", err, head)
+                await _sleep_or_stop(stop, self._interval())
+                continue
+            self._record_build(built)
+            if self.weights.current() is None or not (await self.adapter.health()).live:
+                # Nothing runs on the old weights yet: the engine boots straight from the head.
+                self.weights.switch(built.identity)
+            self.started.set()
+            break
+        if stop.is_set():
+            return
+        await self._wait_engine(stop)
+        if stop.is_set():
+            return
+        await self._adopt_engine()
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    async def _poll(self) -> None:
+        last = self.document.sequence if self.document is not None else None
+        try:
+            state: LedgerState | None = await self.ledger.poll_async(self._etag, last_sequence=last)
+        except (BucketError, LedgerError) as err:
+            self.metrics.ledger_reachable.set(0)
+            self.metrics.failures.labels("ledger").inc()
+            if self.status.ledger_reachable:
+                log.warning("ledger %s unreachable: %s", self.ledger.url, err)
+                await self.reporter.event("Warning", "LedgerUnreachable", str(err))
+            await self._set(ledger_reachable=False, message=f"ledger unreachable: {err}")
+            return
+        now = format_time(utc_now())
+        self.metrics.ledger_reachable.set(1)
+        if state is not None:
+            self._etag = state.etag
+            self.document = state.document
+            head = state.document.head
+            if head is not None:
+                self.metrics.head_sequence.set(head.sequence)
+                await self._set(target=head, ledger_reachable=True, last_poll_time=now)
+                return
+        await self._set(ledger_reachable=True, last_poll_time=now)
+
+    async def _check_engine(self) -> None:
+        health = await self.adapter.health()
+        if health.live == self._engine_live:
+            return
+        self._engine_live = health.live
+        if not health.live:
+            log.warning("engine %s is down: %s", self.adapter.url, health.detail)
+            await self.reporter.event("Warning", REASON_ENGINE_DOWN, health.detail)
+            await self._publish()
+            return
+        log.info("engine %s is back", self.adapter.url)
+        await self._adopt_engine()
+
+    async def _wait_engine(self, stop: asyncio.Event) -> None:
+        deadline = time.monotonic() + self.settings.engine_wait_seconds
+        reported = False
+        while not stop.is_set():
+            health = await self.adapter.health()
+            if health.ready:
+                self._engine_live = True
+                return
+            if time.monotonic() > deadline and not reported:
+                reported = True
+                self._engine_live = False
+                await self.reporter.event(
+                    "Warning", REASON_ENGINE_DOWN, f"engine not ready: {health.detail}"
+                )
+                await self._publish()
+            await _sleep_or_stop(stop, 1.0)
+
+    async def _adopt_engine(self) -> None:
+        """Learn what the engine serves; if it is not what `current` names, load that."""
+        try:
+            served = await self.adapter.current()
+        except EngineError as err:
+            log.warning("cannot ask the engine what it serves: %s", err)
+            served = None
+        want = self.weights.current()
+        if served is not None and served.identity == want:
+            await self._served(served, None)
+            return
+        if want is None:
+            return
+        entry = self.document.find(want) if self.document is not None else None
+        if entry is None:
+            return
+        # The engine serves something else (booted before a switch, or restarted its own
+        # weights): load what `current` names, the snapshot this loader last confirmed.
+        await self._load(entry, self.weights.path(want), [entry], LoadTimings())
+
+    async def _update(self) -> None:
+        assert self.document is not None
+        head = self.document.head
+        assert head is not None
+        started = time.perf_counter()
+        document = self.document
+        await self._set(state="fetching", target=head)
+        try:
+            built = await self.materializer.build(document)
+        except (MaterializeError, BucketError) as err:
+            await self._failed("rebuild", err, head)
+            return
+        self._record_build(built)
+        if built.fallback:
+            await self.reporter.event("Warning", "FellBackToFull", built.fallback_reason)
+        skipped = document.resolve_chain(self.status.identity, head.identity)
+        ok = await self._load(head, built.path, skipped or [head], built.timings)
+        if ok:
+            self.metrics.update_seconds.observe(time.perf_counter() - started)
+            order = [e.identity for e in document.entries]
+            self.weights.collect(self.settings.keep, order, protect=[head.identity])
+
+    async def _load(
+        self, entry: LedgerEntry, path: object, covering: list[LedgerEntry], timings: LoadTimings
+    ) -> bool:
+        policy = self.settings.cache_policy or combined_cache_policy(covering)
+        await self._set(state="loading", target=self.status_target(entry))
+        t0 = time.perf_counter()
+        try:
+            result = await self.adapter.load(
+                LoadRequest(str(path), entry.identity, entry.sequence, self.settings.mode, policy)
+            )
+        except EngineLoadError as err:
+            if err.serving != "previous":
+                await self._refresh_served()
+            await self._failed("engine", err, entry)
+            return False
+        except EngineError as err:
+            await self._failed("engine", err, entry)
+            return False
+        load_seconds = time.perf_counter() - t0
+        self.metrics.engine_load_seconds.observe(load_seconds)
+        self.weights.switch(entry.identity)
+        total = timings.total_seconds + load_seconds
+        done = LoadTimings(
+            fetch_seconds=timings.fetch_seconds,
+            rebuild_seconds=timings.rebuild_seconds,
+            verify_seconds=timings.verify_seconds,
+            load_seconds=load_seconds,
+            total_seconds=total,
+            bytes_fetched=timings.bytes_fetched,
+            steps=timings.steps,
+        )
+        await self._served(result.served, done)
+        await self.reporter.event(
+            "Normal",
+            "SnapshotLoaded",
+            f"serving {entry.identity} (sequence {entry.sequence}) after {total:.2f}s: "
+            f"{timings.bytes_fetched} bytes fetched, {timings.steps} snapshot(s) rebuilt, "
+            f"engine load {load_seconds:.2f}s",
+        )
+        self.metrics.loads.inc()
+        return True
+
+    async def _served(self, served: ServedSnapshot, timings: LoadTimings | None) -> None:
+        sequence = served.sequence
+        if self.document is not None and (entry := self.document.find(served.identity)):
+            sequence = entry.sequence
+        self._retry = None
+        changes: dict[str, Any] = {
+            "identity": served.identity,
+            "sequence": sequence,
+            "state": "idle",
+            "message": "",
+            "last_error": "",
+        }
+        if timings is not None:
+            changes["last_load"] = timings
+        await self._set(**changes)
+        log.info("engine serves %s (sequence %s)", served.identity, sequence)
+
+    async def _refresh_served(self) -> None:
+        with contextlib.suppress(EngineError):
+            served = await self.adapter.current()
+            if served is not None:
+                await self._served(served, None)
+
+    async def _failed(self, stage: str, err: BaseException, target: LedgerEntry) -> None:
+        message = f"{stage} of {target.identity} failed: {err}"
+        log.error("%s", message)
+        self.metrics.failures.labels(stage).inc()
+        if isinstance(err, ChecksumMismatchError | CorruptDeltaError) or (
+            isinstance(err, MaterializeError)
+            and isinstance(err.__cause__, ChecksumMismatchError | CorruptDeltaError)
+        ):
+            self.metrics.checksum_failures.inc()
+        if isinstance(err, MaterializeError) and err.fallback:
+            self.metrics.fallbacks.inc()
+        delay = self.settings.retry_seconds
+        if self._retry is not None and self._retry.identity == target.identity:
+            delay = min(self._retry.delay * 2, self.settings.retry_seconds * 10)
+        self._retry = _Retry(target.identity, time.monotonic() + delay, delay)
+        reason = "RebuildFailed" if stage == "rebuild" else "EngineRejectedLoad"
+        await self.reporter.event("Warning", reason, message)
+        await self._set(state="failed", message=message, last_error=message)
+
+    # --- status ----------------------------------------------------------------------------------
+
+    def status_target(self, entry: LedgerEntry) -> LedgerEntry:
+        """The entry the status names as target (the head when known)."""
+        if self.document is not None and self.document.head is not None:
+            return self.document.head
+        return entry
+
+    def _record_build(self, built: BuildResult) -> None:
+        if built.fallback:
+            self.metrics.fallbacks.inc()
+        t = built.timings
+        if built.applied:
+            self.metrics.fetch_seconds.observe(t.fetch_seconds)
+            self.metrics.rebuild_seconds.observe(t.rebuild_seconds)
+            self.metrics.verify_seconds.observe(t.verify_seconds)
+        log.info(
+            "built %s: %d step(s) from %s in %.2fs (fetch %.2fs, rebuild %.2fs, verify %.2fs, "
+            "%d bytes)%s",
+            built.identity,
+            t.steps,
+            built.base or "a full snapshot",
+            t.total_seconds,
+            t.fetch_seconds,
+            t.rebuild_seconds,
+            t.verify_seconds,
+            t.bytes_fetched,
+            " after a fallback" if built.fallback else "",
+        )
+
+    async def _set(self, *, target: LedgerEntry | None = None, **changes: Any) -> None:
+        if target is not None:
+            changes["target_identity"] = target.identity
+            changes["target_sequence"] = target.sequence
+        status = self.status.evolve(**changes)
+        if status.state == "failed" and status.loaded:
+            status = status.evolve(state="idle")
+        await self._publish(status)
+
+    async def _publish(self, status: ReplicaStatus | None = None) -> None:
+        status = status or self.status
+        ready, reason = condition(status, engine_live=self._engine_live)
+        status = status.evolve(ready=ready, reason=reason, updated_time=format_time(utc_now()))
+        self.status = status
+        self.metrics.staleness.set(status.staleness)
+        if status.sequence is not None:
+            self.metrics.served_sequence.set(status.sequence)
+        try:
+            await self.reporter.report(status)
+        except HotloadError as err:  # reporting must never stop loading
+            log.warning("report failed: %s", err)
+
+    def _may_try(self, identity: str) -> bool:
+        retry = self._retry
+        return retry is None or retry.identity != identity or time.monotonic() >= retry.not_before
+
+    def _interval(self) -> float:
+        base = self.settings.poll_seconds
+        spread = self.settings.poll_jitter
+        return base * random.uniform(1 - spread, 1 + spread)
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)

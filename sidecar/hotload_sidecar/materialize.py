@@ -1,0 +1,287 @@
+"""Turn ledger entries into a verified full snapshot on local disk.
+
+`Materializer.build(document, target)` finds the newest verified snapshot on disk that lies on
+the target's chain, fetches every snapshot after it (downloads run ahead of the rebuild, a
+bounded number at a time), rebuilds each delta shard by shard into a staging folder (unchanged
+shards hard-linked), and renames each verified result into `snapshots/`. Intermediate
+snapshots are rebuilt only as parents: the engine is asked to load the target alone.
+
+A rebuild that fails from a local parent (bit rot, a parent that is not what the ledger says,
+a corrupted download) falls back once to the latest full snapshot plus its deltas, all fetched
+fresh; a failure there too is reported as `MaterializeError` and nothing is switched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hotload.arc import decode, verify
+from hotload.bucket import Bucket, download_snapshot_async
+from hotload.errors import (
+    ArcError,
+    BucketError,
+    HotloadError,
+    ObjectNotFoundError,
+    SnapshotError,
+)
+from hotload.ledger import LedgerDocument, LedgerEntry
+from hotload.snapshot import describe_snapshot
+from hotload_sidecar.status import LoadTimings
+from hotload_sidecar.weights import WeightsFolder, remove_tree
+
+log = logging.getLogger("hotload_sidecar.materialize")
+
+#: Errors that mean "this chain could not be rebuilt from what we have", as opposed to the
+#: bucket being unreachable (which a later poll retries without a fallback).
+REBUILD_ERRORS: tuple[type[HotloadError], ...] = (ArcError, SnapshotError, ObjectNotFoundError)
+
+
+class MaterializeError(HotloadError):
+    """A snapshot could not be rebuilt and verified; `identity` names the step that failed."""
+
+    def __init__(self, message: str, *, identity: str, target: str, fallback: bool) -> None:
+        self.identity = identity
+        self.target = target
+        self.fallback = fallback
+        super().__init__(message)
+
+
+@dataclass
+class BuildResult:
+    """What `build` produced: the verified target on disk and how it got there."""
+
+    identity: str
+    sequence: int
+    path: Path
+    #: The local snapshot the rebuild started from (None: from a downloaded full snapshot).
+    base: str | None
+    #: Snapshots fetched and rebuilt, in order (empty when the target was already on disk).
+    applied: list[str] = field(default_factory=list)
+    #: Whether the first attempt failed and the latest full snapshot was used instead.
+    fallback: bool = False
+    fallback_reason: str = ""
+    timings: LoadTimings = field(default_factory=LoadTimings)
+
+
+@dataclass
+class _Clock:
+    fetch: float = 0.0
+    rebuild: float = 0.0
+    verify: float = 0.0
+    bytes: int = 0
+
+
+class Materializer:
+    """Rebuilds ledger snapshots into a `WeightsFolder` from one bucket.
+
+    `prefetch` bounds how many snapshots are downloaded ahead of the rebuild (each download
+    itself uses the bucket's parallel ranged reads); `threads` is the codec's thread count.
+    """
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        weights: WeightsFolder,
+        *,
+        prefetch: int = 2,
+        threads: int | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.bucket = bucket
+        self.weights = weights
+        self.prefetch = max(1, prefetch)
+        self.threads = threads
+        self.progress = progress
+
+    async def build(self, document: LedgerDocument, target: str | None = None) -> BuildResult:
+        """Make `target` (default: the ledger head) a verified folder under `snapshots/`."""
+        chain = document.chain_to(target)
+        if not chain:
+            raise MaterializeError(
+                f"ledger {document.name!r} has no snapshot to load",
+                identity="",
+                target=target or "",
+                fallback=False,
+            )
+        goal = chain[-1]
+        if self.weights.has(goal.identity):
+            return BuildResult(goal.identity, goal.sequence, self.weights.path(goal.identity), None)
+        local = self.weights.local()
+        start = max((i for i, e in enumerate(chain) if e.identity in local), default=-1)
+        started = time.perf_counter()
+        clock = _Clock()
+        base = chain[start] if start >= 0 else None
+        try:
+            applied = await self._apply(base, chain[start + 1 :], clock)
+            fallback, reason = False, ""
+        except REBUILD_ERRORS as err:
+            if base is None:
+                self._drop_partial(chain)
+                raise self._failed(err, goal, fallback=False) from err
+            reason = f"rebuilding from {base.identity!r} failed: {err}"
+            log.warning("%s; falling back to %s and its deltas", reason, chain[0].identity)
+            # The local parent (or what was fetched for it) is not trustworthy: rebuild from
+            # the latest full snapshot (re-verified if on disk) with every delta fetched again.
+            self._drop_partial(chain)
+            distrusted = frozenset(e.identity for e in chain if e.kind == "incremental")
+            try:
+                applied = await self._apply(
+                    None, chain, clock, distrusted=distrusted | {chain[0].identity}
+                )
+            except REBUILD_ERRORS as err2:
+                self._drop_partial(chain)
+                raise self._failed(err2, goal, fallback=True) from err2
+            fallback = True
+        timings = LoadTimings(
+            fetch_seconds=clock.fetch,
+            rebuild_seconds=clock.rebuild,
+            verify_seconds=clock.verify,
+            total_seconds=time.perf_counter() - started,
+            bytes_fetched=clock.bytes,
+            steps=len(applied),
+        )
+        return BuildResult(
+            goal.identity,
+            goal.sequence,
+            self.weights.path(goal.identity),
+            base.identity if base is not None and not fallback else None,
+            applied,
+            fallback,
+            reason,
+            timings,
+        )
+
+    # --- internals -----------------------------------------------------------------------------
+
+    async def _apply(
+        self,
+        base: LedgerEntry | None,
+        steps: list[LedgerEntry],
+        clock: _Clock,
+        *,
+        distrusted: frozenset[str] = frozenset(),
+    ) -> list[str]:
+        """Build `steps` in order on top of `base`; local copies are reused unless distrusted
+        (a distrusted full snapshot is re-verified, and refetched only if that fails)."""
+        if base is None and (not steps or steps[0].kind == "incremental"):
+            raise SnapshotError("the chain does not start with a full snapshot")
+        todo: list[LedgerEntry] = []
+        for entry in steps:
+            if self.weights.has(entry.identity) and entry.identity not in distrusted:
+                continue
+            if (
+                entry.kind != "incremental"
+                and self.weights.has(entry.identity)
+                and not todo
+                and await self._still_verifies(entry, clock)
+            ):
+                continue
+            todo.append(entry)
+        gate = asyncio.Semaphore(self.prefetch)
+        downloads = {e.identity: asyncio.create_task(self._fetch(e, gate, clock)) for e in todo}
+        applied: list[str] = []
+        parent = base
+        try:
+            for entry in steps:
+                task = downloads.get(entry.identity)
+                if task is None:
+                    parent = entry
+                    continue
+                waited = time.perf_counter()
+                fetched = await task
+                clock.fetch += time.perf_counter() - waited
+                self._check_digest(entry, fetched)
+                if entry.kind == "incremental":
+                    if parent is None:
+                        raise SnapshotError(
+                            f"{entry.identity!r} is a delta but no parent was built before it"
+                        )
+                    built = time.perf_counter()
+                    staged = self.weights.staging(entry.identity)
+                    await asyncio.to_thread(
+                        decode,
+                        self.weights.path(parent.identity),
+                        fetched,
+                        staged,
+                        expected_parent=parent.identity,
+                        threads=self.threads,
+                        durable=False,
+                    )
+                    remove_tree(fetched)
+                    clock.rebuild += time.perf_counter() - built
+                else:
+                    staged = fetched
+                # Every tensor of the result checked against its recorded checksum, on the
+                # files the engine will read, before the folder becomes a snapshot.
+                checked = time.perf_counter()
+                await asyncio.to_thread(verify, staged, threads=self.threads)
+                clock.verify += time.perf_counter() - checked
+                self.weights.commit(staged, entry.identity, replace=entry.identity in distrusted)
+                log.info("rebuilt and verified %s (sequence %d)", entry.identity, entry.sequence)
+                # An intermediate delta is only a parent: drop it so a long catch-up holds at
+                # most the chain's full snapshot and two rebuilt ones on disk.
+                if (
+                    parent is not None
+                    and parent.kind == "incremental"
+                    and parent.identity in applied
+                ):
+                    self.weights.discard(parent.identity)
+                applied.append(entry.identity)
+                parent = entry
+        finally:
+            for task in downloads.values():
+                task.cancel()
+            await asyncio.gather(*downloads.values(), return_exceptions=True)
+        return applied
+
+    async def _still_verifies(self, entry: LedgerEntry, clock: _Clock) -> bool:
+        checked = time.perf_counter()
+        try:
+            await asyncio.to_thread(verify, self.weights.path(entry.identity), threads=self.threads)
+            return True
+        except REBUILD_ERRORS as err:
+            log.warning("local copy of %s does not verify (%s); fetching it again", entry, err)
+            return False
+        finally:
+            clock.verify += time.perf_counter() - checked
+
+    async def _fetch(self, entry: LedgerEntry, gate: asyncio.Semaphore, clock: _Clock) -> Path:
+        async with gate:
+            folder = self.weights.download(entry.identity)
+            try:
+                result = await download_snapshot_async(
+                    self.bucket, entry.identity, folder, progress=self.progress
+                )
+            except BucketError:
+                remove_tree(folder)
+                raise
+            clock.bytes += result.bytes
+            return folder
+
+    def _check_digest(self, entry: LedgerEntry, folder: Path) -> None:
+        digest = describe_snapshot(folder).manifest_digest
+        if digest != entry.manifest_digest:
+            raise SnapshotError(
+                f"manifests of {entry.identity!r} in the bucket have digest {digest}, the ledger "
+                f"recorded {entry.manifest_digest} (the snapshot was replaced after publishing)",
+                path=str(folder),
+            )
+
+    def _drop_partial(self, chain: list[LedgerEntry]) -> None:
+        for entry in chain:
+            remove_tree(self.weights.downloads_root / entry.identity)
+            remove_tree(self.weights.staging_root / entry.identity)
+
+    def _failed(self, err: BaseException, goal: LedgerEntry, *, fallback: bool) -> MaterializeError:
+        where = " after falling back to the latest full snapshot" if fallback else ""
+        return MaterializeError(
+            f"cannot rebuild {goal.identity!r}{where}: {err}",
+            identity=getattr(err, "identity", None) or goal.identity,
+            target=goal.identity,
+            fallback=fallback,
+        )

@@ -1,0 +1,85 @@
+"""Prometheus metrics of one loader (its own registry, so several loaders can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+
+
+class LoaderMetrics:
+    """Counters, gauges and histograms the issue names: bytes, step seconds, failures, staleness."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.bytes_fetched = Counter(
+            "hotload_loader_bytes_fetched", "Bytes downloaded from the bucket", registry=r
+        )
+        self.fetch_seconds = Histogram(
+            "hotload_loader_fetch_seconds",
+            "Seconds an update waited for downloads",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.rebuild_seconds = Histogram(
+            "hotload_loader_rebuild_seconds",
+            "Seconds rebuilding full shards from deltas (per update)",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.verify_seconds = Histogram(
+            "hotload_loader_verify_seconds",
+            "Seconds verifying tensor checksums (per update)",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.engine_load_seconds = Histogram(
+            "hotload_loader_engine_load_seconds",
+            "Seconds the engine took to hot-load and confirm a snapshot",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.update_seconds = Histogram(
+            "hotload_loader_update_seconds",
+            "Seconds from seeing a new ledger head to the engine serving it",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.checksum_failures = Counter(
+            "hotload_loader_checksum_failures",
+            "Rebuilds that failed verification (checksum mismatch or corrupted payload)",
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "hotload_loader_fallbacks",
+            "Rebuilds that fell back to the latest full snapshot",
+            registry=r,
+        )
+        self.failures = Counter(
+            "hotload_loader_failures",
+            "Failed updates by stage (rebuild, engine, ledger)",
+            ["stage"],
+            registry=r,
+        )
+        self.loads = Counter(
+            "hotload_loader_loads", "Snapshots the engine confirmed serving", registry=r
+        )
+        self.staleness = Gauge(
+            "hotload_loader_staleness",
+            "Ledger head sequence minus the served sequence",
+            registry=r,
+        )
+        self.served_sequence = Gauge(
+            "hotload_loader_served_sequence", "Ledger sequence the engine serves", registry=r
+        )
+        self.head_sequence = Gauge(
+            "hotload_loader_ledger_head_sequence", "Latest ledger head sequence seen", registry=r
+        )
+        self.ledger_reachable = Gauge(
+            "hotload_loader_ledger_reachable", "1 if the last ledger poll succeeded", registry=r
+        )
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

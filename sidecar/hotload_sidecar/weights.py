@@ -1,0 +1,169 @@
+"""The weights folder on the volume the loader shares with the engine.
+
+```
+<root>/current                  -> snapshots/<identity>   (symlink, swapped atomically)
+<root>/snapshots/<identity>/    complete, verified full snapshots (never modified once here)
+<root>/.hotload/staging/        snapshots being rebuilt (renamed into snapshots/ when verified)
+<root>/.hotload/downloads/      deltas and full snapshots being fetched
+```
+
+A folder appears under `snapshots/` only by an atomic rename after every tensor verified, so a
+loader restarted at any moment finds either nothing or a whole snapshot there, and leftovers in
+`.hotload/` are simply removed. The engine boots from `current`; the loader hot-loads the stable
+`snapshots/<identity>` path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from hotload.errors import HotloadError
+from hotload.snapshot import validate_identity
+
+log = logging.getLogger("hotload_sidecar.weights")
+
+CURRENT = "current"
+SNAPSHOTS = "snapshots"
+WORK = ".hotload"
+
+
+class WeightsFolder:
+    """The loader's view of its weights folder: verified snapshots, staging, the current link."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.snapshots = self.root / SNAPSHOTS
+        self.work = self.root / WORK
+        self.staging_root = self.work / "staging"
+        self.downloads_root = self.work / "downloads"
+        self.current_link = self.root / CURRENT
+
+    def prepare(self) -> None:
+        """Create the layout and drop whatever an interrupted run left half-done."""
+        for folder in (self.snapshots, self.staging_root, self.downloads_root):
+            folder.mkdir(parents=True, exist_ok=True)
+        for leftover in (self.staging_root, self.downloads_root):
+            for child in leftover.iterdir():
+                remove_tree(child)
+        for child in self.snapshots.iterdir():
+            # Only complete snapshots are renamed here; anything else is not ours to serve.
+            if not child.is_dir() or child.name.startswith("."):
+                log.warning("removing unexpected %s from the weights folder", child)
+                remove_tree(child)
+        link_tmp = self.root / f".{CURRENT}.tmp"
+        if link_tmp.is_symlink() or link_tmp.exists():
+            link_tmp.unlink()
+
+    def path(self, identity: str) -> Path:
+        """Where the verified snapshot `identity` lives (whether or not it is there)."""
+        return self.snapshots / validate_identity(identity)
+
+    def has(self, identity: str) -> bool:
+        """Whether a verified copy of `identity` is on disk."""
+        return self.path(identity).is_dir()
+
+    def local(self) -> set[str]:
+        """Identities of the verified snapshots on disk."""
+        if not self.snapshots.is_dir():
+            return set()
+        return {p.name for p in self.snapshots.iterdir() if p.is_dir()}
+
+    def staging(self, identity: str) -> Path:
+        """A fresh, empty staging folder name for `identity` (not created)."""
+        path = self.staging_root / validate_identity(identity)
+        remove_tree(path)
+        return path
+
+    def download(self, identity: str) -> Path:
+        """A fresh, empty download folder for `identity` (created)."""
+        path = self.downloads_root / validate_identity(identity)
+        remove_tree(path)
+        path.mkdir(parents=True)
+        return path
+
+    def commit(self, staged: Path, identity: str, *, replace: bool = False) -> Path:
+        """Move a verified staged snapshot into `snapshots/` (atomic rename, then fsync).
+
+        An existing copy is kept (identities are immutable) unless `replace`, used when that
+        copy failed verification: it is moved aside first, so the engine's open files stay
+        valid while `current` already resolves to the new folder.
+        """
+        final = self.path(identity)
+        if final.exists():
+            if not replace:
+                remove_tree(staged)
+                return final
+            trash = self.work / f"trash-{identity}"
+            remove_tree(trash)
+            os.replace(final, trash)
+            os.replace(staged, final)
+            remove_tree(trash)
+        else:
+            os.replace(staged, final)
+        _fsync_dir(self.snapshots)
+        return final
+
+    def discard(self, identity: str) -> None:
+        """Remove a verified copy that turned out bad (e.g. bit rot found by a later decode)."""
+        if self.current() == identity:
+            # The engine may still read it (it booted from `current`); leave it and only stop
+            # trusting it as a parent: the caller rebuilds from a full snapshot instead.
+            return
+        remove_tree(self.path(identity))
+
+    def current(self) -> str | None:
+        """The identity `current` points at, or None."""
+        try:
+            target = os.readlink(self.current_link)
+        except OSError:
+            return None
+        name = Path(target).name
+        return name if (self.snapshots / name).is_dir() else None
+
+    def switch(self, identity: str) -> None:
+        """Point `current` at `snapshots/<identity>` atomically (symlink, then rename over)."""
+        if not self.has(identity):
+            raise HotloadError(f"cannot switch to {identity!r}: it is not in {self.snapshots}")
+        tmp = self.root / f".{CURRENT}.tmp"
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        os.symlink(Path(SNAPSHOTS) / identity, tmp)
+        os.replace(tmp, self.current_link)
+        _fsync_dir(self.root)
+
+    def collect(self, keep: int, order: list[str], protect: Iterable[str] = ()) -> list[str]:
+        """Delete verified snapshots beyond the newest `keep` in ledger `order` (oldest first),
+        never the ones in `protect` or the one `current` names; return what was deleted."""
+        keep_set = set(protect)
+        if (cur := self.current()) is not None:
+            keep_set.add(cur)
+        local = self.local()
+        ranked = [i for i in order if i in local]
+        keep_set.update(ranked[-keep:] if keep > 0 else [])
+        # Snapshots the ledger no longer names (compacted away, or a reset) go first.
+        doomed = sorted(local - keep_set)
+        for identity in doomed:
+            remove_tree(self.path(identity))
+        if doomed:
+            log.info("garbage-collected %d snapshot(s): %s", len(doomed), ", ".join(doomed))
+        return doomed
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a file, link or folder if it exists."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,291 @@
+"""Replicas for end-to-end tests: a loader process and a reference-engine process per replica,
+and a trainer that publishes a chain (a full snapshot every N steps, arc_v2 deltas between).
+
+Everything here is a real process talking HTTP: `python -m hotload_sidecar` and
+`python -m hotload serve`, both from this repo, on loopback ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hotload.arc import encode
+from hotload.ledger import Ledger, LedgerEntry
+from hotload.sdk import publish_folder
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
+    """One HTTP request; returns (status, parsed JSON or text). Connection errors raise OSError."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as err:
+        raw, status = err.read(), err.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
+    """Call `check` until it returns something truthy; fail naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except OSError as err:
+            last = err
+        if last and not isinstance(last, OSError):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
+
+
+@dataclass
+class Trainer:
+    """Publishes step `i` of a list of full snapshot folders as identity `step-<i>`: the folder
+    itself every `full_every` steps, an arc_v2 delta against step i-1 otherwise."""
+
+    ledger: Ledger
+    fulls: list[Path]
+    workdir: Path
+    full_every: int = 4
+    published: list[LedgerEntry] = field(default_factory=list)
+
+    @staticmethod
+    def identity(step: int) -> str:
+        """The identity of step `step`."""
+        return f"step-{step:03d}"
+
+    def publish(self, step: int, *, full: bool | None = None, folder: Path | None = None) -> Path:
+        """Publish step `step` (or `folder` under its identity); return what was uploaded."""
+        ident = self.identity(step)
+        if folder is None:
+            as_full = step % self.full_every == 0 if full is None else full
+            if as_full:
+                folder = self.workdir / "full" / ident
+                if not folder.exists():
+                    folder.parent.mkdir(parents=True, exist_ok=True)
+                    os.symlink(self.fulls[step], folder)
+            else:
+                folder = self.workdir / "delta" / ident
+                if not folder.exists():
+                    encode(
+                        self.fulls[step - 1],
+                        self.fulls[step],
+                        folder,
+                        parent_identity=self.identity(step - 1),
+                        threads=1,
+                    )
+        entry = publish_folder(self.ledger, folder, identity=ident).entry
+        self.published.append(entry)
+        return folder
+
+
+@dataclass
+class Replica:
+    """One replica: a loader process and (once the loader started) a reference engine."""
+
+    name: str
+    root: Path
+    ledger_url: str
+    env: dict[str, str]
+    loader_args: list[str] = field(default_factory=list)
+    engine_port: int = field(default_factory=free_port)
+    loader_port: int = field(default_factory=free_port)
+    loader: subprocess.Popen[bytes] | None = None
+    engine: subprocess.Popen[bytes] | None = None
+
+    @property
+    def weights(self) -> Path:
+        """The weights folder shared by the loader and the engine."""
+        return self.root / "weights"
+
+    @property
+    def engine_url(self) -> str:
+        """The engine's base URL."""
+        return f"http://127.0.0.1:{self.engine_port}"
+
+    @property
+    def loader_url(self) -> str:
+        """The loader's base URL."""
+        return f"http://127.0.0.1:{self.loader_port}"
+
+    def start_loader(self) -> None:
+        """Start `python -m hotload_sidecar` for this replica."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        log = open(self.root / "loader.log", "ab")  # noqa: SIM115 - owned by the process
+        self.loader = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hotload_sidecar",
+                "--ledger-url",
+                self.ledger_url,
+                "--weights-dir",
+                str(self.weights),
+                "--engine-url",
+                self.engine_url,
+                "--listen",
+                f"127.0.0.1:{self.loader_port}",
+                "--poll-seconds",
+                "0.3",
+                "--retry-seconds",
+                "1",
+                "--threads",
+                "1",
+                "--engine-wait-seconds",
+                "120",
+                *self.loader_args,
+            ],
+            cwd=REPO,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def start_engine(self) -> None:
+        """Start the reference engine on `weights/current` (as the pod's engine container)."""
+        log = open(self.root / "engine.log", "ab")  # noqa: SIM115
+        self.engine = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hotload",
+                "serve",
+                "--model",
+                str(self.weights / "current"),
+                "--name",
+                "tiny",
+                "--port",
+                str(self.engine_port),
+                "--max-batch",
+                "4",
+            ],
+            cwd=REPO,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Loader first; the engine once `/startup` answers 200 (the startup probe)."""
+        self.start_loader()
+        self.wait_started(timeout)
+        self.start_engine()
+
+    def wait_started(self, timeout: float = 120.0) -> None:
+        """Wait for the loader's startup endpoint."""
+
+        def started() -> bool:
+            self._alive()
+            return http_json("GET", self.loader_url + "/startup", timeout=5)[0] == 200
+
+        wait_for(f"{self.name} loader start-up", started, timeout)
+
+    def status(self) -> dict[str, Any]:
+        """The loader's status document."""
+        code, body = http_json("GET", self.loader_url + "/status", timeout=10)
+        assert code == 200, body
+        return dict(body)
+
+    def metrics(self) -> str:
+        """The loader's Prometheus metrics text."""
+        with urllib.request.urlopen(self.loader_url + "/metrics", timeout=10) as resp:
+            return str(resp.read().decode())
+
+    def wait_serving(self, identity: str, timeout: float = 120.0) -> dict[str, Any]:
+        """Wait until the loader reports the engine serving `identity`; return the status."""
+
+        def serving() -> dict[str, Any] | None:
+            self._alive()
+            doc = self.status()
+            return doc if doc["identity"] == identity and doc["state"] == "idle" else None
+
+        result: dict[str, Any] = wait_for(f"{self.name} serving {identity}", serving, timeout)
+        return result
+
+    def complete(self, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
+        """A greedy completion from the engine (token ids included)."""
+        code, body = http_json(
+            "POST",
+            self.engine_url + "/v1/completions",
+            {"prompt": prompt, "max_tokens": max_tokens, "return_token_ids": True},
+        )
+        assert code == 200, body
+        return dict(body)
+
+    def complete_ids(self, prompt_ids: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        """A greedy completion of a token-id prompt."""
+        code, body = http_json(
+            "POST",
+            self.engine_url + "/v1/completions",
+            {"prompt": prompt_ids, "max_tokens": max_tokens, "return_token_ids": True},
+        )
+        assert code == 200, body
+        return dict(body)
+
+    def kill_loader(self) -> None:
+        """SIGKILL the loader (no clean-up runs)."""
+        if self.loader is not None and self.loader.poll() is None:
+            self.loader.kill()
+            self.loader.wait(timeout=30)
+
+    def stop(self) -> None:
+        """Stop both processes (SIGTERM, then SIGKILL)."""
+        for proc in (self.loader, self.engine):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in (self.loader, self.engine):
+            if proc is None:
+                continue
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    def logs(self) -> str:
+        """The tail of both logs, for assertion messages."""
+        out = []
+        for name in ("loader.log", "engine.log"):
+            path = self.root / name
+            if path.exists():
+                out.append(
+                    f"--- {self.name} {name} ---\n" + path.read_text(errors="replace")[-4000:]
+                )
+        return "\n".join(out)
+
+    def _alive(self) -> None:
+        for what, proc in (("loader", self.loader), ("engine", self.engine)):
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(
+                    f"{self.name} {what} exited with {proc.returncode}\n{self.logs()}"
+                )

@@ -1,0 +1,366 @@
+"""The loader sidecar end to end: real loader processes, real reference-engine processes, a real
+bucket (SeaweedFS or a local folder), real arc_v2 chains published by a trainer.
+
+Each replica is `python -m hotload_sidecar` plus `python -m hotload serve --model weights/current`
+started after the loader's `/startup` answers, as a pod's startup probe orders them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hotload.bucket import open_bucket
+from hotload.kube import resource_path
+from hotload.ledger import Ledger
+from hotload.snapshot import Snapshot
+from hotload_sidecar.status import (
+    ANNOTATION_SNAPSHOT,
+    CONDITION_SNAPSHOT_LOADED,
+    LABEL_IDENTITY,
+    LABEL_SEQUENCE,
+)
+from support.fleet import REPO, Replica, Trainer, http_json, wait_for
+from support.kubeapi import KubeAPI
+from support.seaweedfs import SeaweedFS
+from support.tiny_llm import TinyLLM, broken_snapshot, build_tiny_llm
+from support.vllm_server import greedy_token_ids
+
+PROMPT_IDS = [101, 1996, 7570, 2001, 2019, 2214, 102]
+
+
+@pytest.fixture(scope="module")
+def tiny10(tmp_path_factory: pytest.TempPathFactory) -> TinyLLM:
+    """Eleven snapshots of one tiny Llama: s0 and ten training steps after it."""
+    return build_tiny_llm(tmp_path_factory.mktemp("tiny10"), 10, noise=0.01)
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    """The environment of the replicas' processes."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def replicas() -> Iterator[list[Replica]]:
+    """Replicas a test starts; all stopped afterwards (their logs shown if the test failed)."""
+    started: list[Replica] = []
+    yield started
+    for r in started:
+        r.stop()
+
+
+def _tokens(replica: Replica, max_tokens: int = 8) -> tuple[str, list[int]]:
+    body = replica.complete_ids(PROMPT_IDS, max_tokens)
+    return body["model"], list(body["choices"][0]["token_ids"])
+
+
+def _engine_loads(replica: Replica) -> int:
+    code, body = http_json("GET", replica.engine_url + "/hotload/v1/status")
+    assert code == 200, body
+    return int(body["loads"])
+
+
+def test_three_replicas_follow_a_ten_step_chain(
+    tiny10: TinyLLM,
+    tmp_path: Path,
+    s3_env: SeaweedFS,
+    env: dict[str, str],
+    replicas: list[Replica],
+) -> None:
+    """Full snapshot every 4 steps, deltas between; a replica joins mid-chain; a paused loader
+    skips ahead through two deltas with one engine load; all end on the same weights as
+    transformers on the trainer's final step."""
+    env = {**env, **s3_env.env}
+    url = s3_env.url(f"fleet-{uuid.uuid4().hex[:8]}")
+    trainer = Trainer(Ledger(open_bucket(url), "policy"), tiny10.snapshots, tmp_path / "trainer")
+    for step in range(2):
+        trainer.publish(step)
+    fleet = [Replica(f"r{i}", tmp_path / f"r{i}", f"{url}/policy", env) for i in range(3)]
+    replicas.extend(fleet)
+    for r in fleet[:2]:
+        r.start_loader()
+    for r in fleet[:2]:
+        r.wait_started()
+        r.start_engine()
+    for r in fleet[:2]:
+        first = r.wait_serving("step-001", timeout=180)
+        assert first["sequence"] == 2 and first["reason"] == "Current" and first["ready"]
+
+    for step in range(2, 6):
+        trainer.publish(step)
+        for r in fleet[:2]:
+            r.wait_serving(Trainer.identity(step))
+    # A replica joining now starts from the full step 4 plus the delta of step 5.
+    fleet[2].start()
+    joined = fleet[2].wait_serving("step-005", timeout=180)
+    assert sorted(joined["on_disk"]) == ["step-004", "step-005"]
+
+    # Pause one loader while two deltas land: it rebuilds both and loads the engine once.
+    loads_before = _engine_loads(fleet[1])
+    assert fleet[1].loader is not None
+    fleet[1].loader.send_signal(signal.SIGSTOP)
+    try:
+        for step in range(6, 8):
+            trainer.publish(step)
+        for r in (fleet[0], fleet[2]):
+            r.wait_serving("step-007")
+        # It really was paused: its engine still serves step 5.
+        assert http_json("GET", fleet[1].engine_url + "/hotload/v1/status")[1]["identity"] == (
+            "step-005"
+        )
+    finally:
+        fleet[1].loader.send_signal(signal.SIGCONT)
+    caught_up = fleet[1].wait_serving("step-007")
+    assert _engine_loads(fleet[1]) == loads_before + 1
+    assert caught_up["last_load"]["steps"] == 2
+    assert caught_up["staleness"] == 0
+
+    trainer.publish(8)  # full
+    trainer.publish(9)
+    expected = greedy_token_ids(tiny10.snapshots[9], PROMPT_IDS, 8)
+    for r in fleet:
+        status = r.wait_serving("step-009")
+        assert status["sequence"] == 10 and status["loaded"] and status["reason"] == "Current"
+        assert _tokens(r) == ("tiny@step-009", expected)
+        # Garbage collection keeps the newest K=2 (plus nothing else) on disk.
+        assert len(status["on_disk"]) <= 2 and "step-009" in status["on_disk"]
+        metrics = r.metrics()
+        assert "hotload_loader_served_sequence 10.0" in metrics
+        assert "hotload_loader_staleness 0.0" in metrics
+    assert expected != greedy_token_ids(tiny10.snapshots[8], PROMPT_IDS, 8)
+
+
+def test_failures_keep_serving_and_converge(
+    tiny10: TinyLLM, tmp_path: Path, env: dict[str, str], replicas: list[Replica]
+) -> None:
+    """Bit rot in the local parent falls back to the full snapshot; a corrupted delta and a
+    snapshot the engine rejects keep the old weights answering; a bucket outage is reported;
+    a loader killed mid-rebuild restarts and converges."""
+    bucket_dir = tmp_path / "bucket"
+    trainer = Trainer(
+        Ledger(open_bucket(str(bucket_dir)), "policy"), tiny10.snapshots, tmp_path / "trainer"
+    )
+    for step in range(2):
+        trainer.publish(step)
+    r = Replica("r0", tmp_path / "r0", f"{bucket_dir}/policy", env)
+    replicas.append(r)
+    r.start()
+    r.wait_serving("step-001", timeout=180)
+
+    # 1. Bit rot in the served snapshot, the parent of the next delta: fall back, end right.
+    snap = Snapshot(r.weights / "snapshots" / "step-001")
+    shard = snap.path / snap.weight_map["model.layers.1.mlp.up_proj.weight"]
+    data = bytearray(shard.read_bytes())
+    data[-7] ^= 0x10
+    shard.write_bytes(bytes(data))
+    trainer.publish(2)
+    status = r.wait_serving("step-002")
+    assert any(e["reason"] == "FellBackToFull" for e in status["events"])
+    assert "hotload_loader_fallbacks_total 1.0" in r.metrics()
+    assert _tokens(r) == ("tiny@step-002", greedy_token_ids(tiny10.snapshots[2], PROMPT_IDS, 8))
+
+    # 2. A delta corrupted in the bucket: reported, old weights keep answering.
+    folder = trainer.publish(3)
+    bad = next(p for p in sorted(folder.iterdir()) if p.name.startswith("model-"))
+    blob = bytearray(bad.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (bucket_dir / "step-003" / bad.name).write_bytes(bytes(blob))
+    failed = wait_for(
+        "the corrupted delta reported",
+        lambda: (s := r.status())["state"] == "failed" and s,
+        60,
+    )
+    assert failed["reason"] == "LoadFailed" and failed["ready"]
+    assert failed["identity"] == "step-002" and failed["target_identity"] == "step-003"
+    assert "step-003" in failed["last_error"] and bad.name in failed["last_error"]
+    assert _tokens(r)[0] == "tiny@step-002"
+    assert "hotload_loader_checksum_failures_total" in r.metrics()
+    # The next full snapshot heals the fleet.
+    trainer.publish(4)
+    r.wait_serving("step-004")
+
+    # 3. A snapshot the engine refuses (a tensor with the wrong shape): old weights serve.
+    broken = broken_snapshot(tiny10.snapshots[5], tmp_path / "broken" / "step-005", "wrong_shape")
+    trainer.publish(5, folder=broken)
+    rejected = wait_for(
+        "the rejected load reported", lambda: (s := r.status())["state"] == "failed" and s, 60
+    )
+    assert rejected["identity"] == "step-004" and "q_proj" in rejected["last_error"]
+    assert any(e["reason"] == "EngineRejectedLoad" for e in rejected["events"])
+    assert _tokens(r)[0] == "tiny@step-004"
+    assert os.readlink(r.weights / "current") == "snapshots/step-004"
+    trainer.publish(6, full=True)
+    r.wait_serving("step-006")
+
+    # 4. The bucket goes away: keep serving, report the ledger unreachable; then recover.
+    hidden = tmp_path / "bucket-away"
+    bucket_dir.rename(hidden)
+    try:
+        away = wait_for(
+            "ledger unreachable", lambda: (s := r.status())["ledger_reachable"] is False and s, 30
+        )
+        assert away["reason"] == "LedgerUnreachable" and away["ready"]
+        assert _tokens(r)[0] == "tiny@step-006"
+    finally:
+        hidden.rename(bucket_dir)
+    wait_for("ledger reachable", lambda: r.status()["ledger_reachable"], 30)
+
+    # 5. Kill the loader in the middle of a rebuild; a restarted loader converges.
+    assert r.loader is not None
+    trainer.publish(7)
+    work = r.weights / ".hotload"
+    wait_for(
+        "the rebuild of step-007 to start",
+        lambda: any((work / "downloads").iterdir()) or any((work / "staging").iterdir()),
+        60,
+        interval=0.001,
+    )
+    r.kill_loader()
+    assert any((work / "downloads").iterdir()) or any((work / "staging").iterdir())
+    trainer.publish(8)
+    r.start_loader()
+    status = r.wait_serving("step-008")
+    assert status["reason"] == "Current"
+    assert not any((work / "downloads").iterdir()) and not any((work / "staging").iterdir())
+    assert _tokens(r) == ("tiny@step-008", greedy_token_ids(tiny10.snapshots[8], PROMPT_IDS, 8))
+
+
+def test_loader_help_and_bad_settings() -> None:
+    help_text = subprocess.run(
+        [sys.executable, "-m", "hotload_sidecar", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        check=True,
+    ).stdout
+    for flag, var in [
+        ("--ledger-url", "HOTLOAD_LEDGER_URL"),
+        ("--weights-dir", "HOTLOAD_WEIGHTS_DIR"),
+        ("--engine", "HOTLOAD_ENGINE"),
+        ("--engine-url", "HOTLOAD_ENGINE_URL"),
+        ("--mode", "HOTLOAD_TRANSITION_MODE"),
+        ("--report", "HOTLOAD_REPORT"),
+        ("--pod-name", "POD_NAME"),
+        ("--namespace", "POD_NAMESPACE"),
+        ("--credentials-dir", "HOTLOAD_BUCKET_CREDENTIALS_DIR"),
+        ("--keep", "HOTLOAD_KEEP"),
+    ]:
+        assert flag in help_text and f"[{var}]" in help_text, flag
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOTLOAD_")}
+    cases = [
+        ([], "--ledger-url (or HOTLOAD_LEDGER_URL) is required"),
+        (["--ledger-url", "/b/p", "--weights-dir", "/w", "--mode", "later"], "--mode: 'later'"),
+        (["--ledger-url", "/b/p", "--weights-dir", "/w", "--keep", "0"], "--keep: must be"),
+        (
+            ["--ledger-url", "/b/p", "--weights-dir", "/w", "--report", "kubernetes"],
+            "--pod-name (or POD_NAME",
+        ),
+        (["--ledger-url", "/b/p", "--weights-dir", "/w", "--poll-seconds", "x"], "not a valid"),
+    ]
+    for args, message in cases:
+        run = subprocess.run(
+            [sys.executable, "-m", "hotload_sidecar", *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+        assert run.returncode == 2 and message in run.stderr, (args, run.stderr)
+
+
+def test_settings_come_from_the_environment(tmp_path: Path) -> None:
+    from hotload_sidecar.config import load_settings
+
+    settings = load_settings(
+        ["--poll-seconds", "5"],
+        {
+            "HOTLOAD_LEDGER_URL": "s3://b/p/policy",
+            "HOTLOAD_WEIGHTS_DIR": str(tmp_path),
+            "HOTLOAD_ENGINE": "vllm",
+            "HOTLOAD_POLL_SECONDS": "9",
+            "HOTLOAD_REPORT": "kubernetes",
+            "POD_NAME": "p-0",
+            "POD_NAMESPACE": "ml",
+        },
+    )
+    assert settings.engine_kind == "vllm" and settings.poll_seconds == 5.0  # the flag wins
+    assert settings.weights_dir == tmp_path and settings.pod_name == "p-0"
+    assert settings.namespace == "ml" and settings.report == "kubernetes"
+
+
+@pytest.mark.asyncio
+async def test_the_loader_reports_on_its_own_pod(
+    tiny10: TinyLLM,
+    tmp_path: Path,
+    env: dict[str, str],
+    replicas: list[Replica],
+    kube_api: KubeAPI,
+) -> None:
+    """`--report kubernetes`: the loader process patches its pod (annotation, labels, the
+    SnapshotLoaded condition used as a readiness gate) and records Events, on the emulated API
+    server (or a real cluster with HOTLOAD_E2E_KUBECONFIG)."""
+    from test_sidecar_kube_report import conditions, make_pod, read_pod
+
+    await make_pod(kube_api, "replica-0")
+    bucket_dir = tmp_path / "bucket"
+    trainer = Trainer(
+        Ledger(open_bucket(str(bucket_dir)), "policy"), tiny10.snapshots, tmp_path / "trainer"
+    )
+    await asyncio.to_thread(trainer.publish, 0)
+    r = Replica(
+        "k8s",
+        tmp_path / "k8s",
+        f"{bucket_dir}/policy",
+        {k: v for k, v in env.items() if k != "KUBECONFIG"},
+        loader_args=[
+            "--report", "kubernetes",
+            "--kubeconfig", str(kube_api.kubeconfig),
+            "--pod-name", "replica-0",
+            "--namespace", kube_api.namespace,
+        ],
+    )  # fmt: skip
+    replicas.append(r)
+    await asyncio.to_thread(r.start)
+    await asyncio.to_thread(r.wait_serving, "step-000", 180)
+
+    async def reported(identity: str) -> dict[str, Any]:
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:
+            pod = await read_pod(kube_api, "replica-0")
+            note = json.loads(pod["metadata"].get("annotations", {}).get(ANNOTATION_SNAPSHOT, "{}"))
+            if note.get("identity") == identity and note.get("loaded"):
+                return pod
+            assert asyncio.get_running_loop().time() < deadline, (note, r.logs())
+            await asyncio.sleep(0.1)
+
+    pod = await reported("step-000")
+    assert pod["metadata"]["labels"][LABEL_IDENTITY] == "step-000"
+    assert pod["metadata"]["labels"][LABEL_SEQUENCE] == "1"
+    loaded = conditions(pod)[CONDITION_SNAPSHOT_LOADED]
+    assert (loaded["status"], loaded["reason"]) == ("True", "Current")
+    # Conditions the kubelet owns survive the loader's strategic merge.
+    assert {"PodScheduled", CONDITION_SNAPSHOT_LOADED} <= set(conditions(pod))
+
+    await asyncio.to_thread(trainer.publish, 1)
+    pod = await reported("step-001")
+    note = json.loads(pod["metadata"]["annotations"][ANNOTATION_SNAPSHOT])
+    assert note["sequence"] == 2 and note["lastLoad"]["steps"] == 1
+    assert note["lastLoad"]["bytesFetched"] > 0
+    async with kube_api.client() as kube:
+        events = await kube.list(resource_path("v1", "events", kube_api.namespace))
+    mine = [e for e in events["items"] if e["involvedObject"]["name"] == "replica-0"]
+    assert any(e["reason"] == "SnapshotLoaded" and "step-001" in e["message"] for e in mine)
