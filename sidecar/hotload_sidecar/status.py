@@ -9,27 +9,42 @@ roll up.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Literal, Protocol
 
-# --- the pod condition and its reasons (grouped by status) -----------------------------------
+# The pod keys and the SnapshotLoaded reasons are shared with the operator and the router.
+from hotload.api.names import (
+    ANNOTATION_SNAPSHOT,
+    CONDITION_SNAPSHOT_LOADED,
+    LABEL_IDENTITY,
+    LABEL_SEQUENCE,
+    REASON_CURRENT,
+    REASON_ENGINE_DOWN,
+    REASON_LOAD_FAILED,
+    REASON_NO_SNAPSHOT,
+    REASON_STARTING,
+    REASON_UPDATING,
+)
+from hotload.api.names import REASON_LEDGER_UNREACHABLE as REASON_STALE
 
-#: The pod condition used as a readiness gate: the engine serves a verified ledger snapshot.
-CONDITION_SNAPSHOT_LOADED: Final = "hotload.dev/SnapshotLoaded"
-#: The annotation holding `ReplicaStatus.to_annotation()` as JSON.
-ANNOTATION_SNAPSHOT: Final = "hotload.dev/snapshot"
-#: Labels with the served identity and sequence, for label selectors (routers, dashboards).
-LABEL_IDENTITY: Final = "hotload.dev/snapshot-identity"
-LABEL_SEQUENCE: Final = "hotload.dev/snapshot-sequence"
-
-# Condition True: the engine serves a verified snapshot from the ledger.
-REASON_CURRENT: Final = "Current"  # ... and it is the ledger head
-REASON_UPDATING: Final = "Updating"  # ... and a newer one is being fetched or loaded
-REASON_LOAD_FAILED: Final = "LoadFailed"  # ... but the last attempt at a newer one failed
-REASON_STALE: Final = "LedgerUnreachable"  # ... but the ledger could not be read lately
-# Condition False: nothing verified is served.
-REASON_STARTING: Final = "Starting"  # materialising the first snapshot, engine not confirmed
-REASON_ENGINE_DOWN: Final = "EngineUnavailable"  # the engine does not answer
-REASON_NO_SNAPSHOT: Final = "NoSnapshot"  # the ledger holds nothing loadable yet
+__all__ = [
+    "ANNOTATION_SNAPSHOT",
+    "CONDITION_SNAPSHOT_LOADED",
+    "LABEL_IDENTITY",
+    "LABEL_SEQUENCE",
+    "REASON_CURRENT",
+    "REASON_ENGINE_DOWN",
+    "REASON_LOAD_FAILED",
+    "REASON_NO_SNAPSHOT",
+    "REASON_STALE",
+    "REASON_STARTING",
+    "REASON_UPDATING",
+    "EventType",
+    "LoadTimings",
+    "LoadingState",
+    "LocalReporter",
+    "ReplicaStatus",
+    "Reporter",
+]
 
 LoadingState = Literal["starting", "idle", "fetching", "rebuilding", "loading", "failed"]
 EventType = Literal["Normal", "Warning"]

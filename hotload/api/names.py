@@ -1,0 +1,92 @@
+"""Names shared by the operator, the loader, the router and the SDK: API group, kinds, the keys
+written on pods, and condition types with their reasons (grouped by condition)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+GROUP: Final = "hotload.dev"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+CATEGORY: Final = "hotload"
+
+DEPLOYMENT_KIND: Final = "HotLoadDeployment"
+DEPLOYMENT_PLURAL: Final = "hotloaddeployments"
+DEPLOYMENT_SHORT: Final = "hld"
+SNAPSHOT_KIND: Final = "Snapshot"
+SNAPSHOT_PLURAL: Final = "snapshots"
+SNAPSHOT_SHORT: Final = "snap"
+
+#: One path segment: what `hotload.snapshot.validate_identity` accepts.
+IDENTITY_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+#: Ledger names follow the same rule.
+LEDGER_NAME_PATTERN: Final = IDENTITY_PATTERN
+
+# --- what a loader writes on its own pod ------------------------------------------------------
+
+#: Pod condition used as a readiness gate: the engine serves a verified ledger snapshot.
+CONDITION_SNAPSHOT_LOADED: Final = "hotload.dev/SnapshotLoaded"
+#: Pod annotation with the loader's report as JSON (see `hotload_sidecar.status`).
+ANNOTATION_SNAPSHOT: Final = "hotload.dev/snapshot"
+#: Pod labels with the served identity and sequence, for selectors (routers, dashboards).
+LABEL_IDENTITY: Final = "hotload.dev/snapshot-identity"
+LABEL_SEQUENCE: Final = "hotload.dev/snapshot-sequence"
+#: Label the operator puts on everything it creates for a deployment.
+LABEL_DEPLOYMENT: Final = "hotload.dev/deployment"
+LABEL_COMPONENT: Final = "hotload.dev/component"
+
+# SnapshotLoaded=True: the engine serves a verified snapshot from the ledger ...
+REASON_CURRENT: Final = "Current"  # ... and it is the ledger head
+REASON_UPDATING: Final = "Updating"  # ... and a newer one is being fetched or loaded
+REASON_LOAD_FAILED: Final = "LoadFailed"  # ... but the last attempt at a newer one failed
+REASON_LEDGER_UNREACHABLE: Final = "LedgerUnreachable"  # ... but the ledger could not be read
+# SnapshotLoaded=False: nothing verified is served.
+REASON_STARTING: Final = "Starting"
+REASON_ENGINE_DOWN: Final = "EngineUnavailable"
+REASON_NO_SNAPSHOT: Final = "NoSnapshot"
+
+# --- conditions on the custom resources -------------------------------------------------------
+
+CONDITION_READY: Final = "Ready"
+CONDITION_PROGRESSING: Final = "Progressing"
+CONDITION_DEGRADED: Final = "Degraded"
+CONDITION_ACCEPTED: Final = "Accepted"
+
+
+class DeploymentReasons:
+    """Reasons of HotLoadDeployment conditions, grouped by condition."""
+
+    # Ready
+    ALL_CURRENT: Final = "AllReplicasCurrent"  # True: every replica serves the target
+    ENOUGH_CURRENT: Final = "EnoughReplicasCurrent"  # True: the ready fraction serves it
+    NO_SNAPSHOT: Final = "NoSnapshot"  # False: the ledger has nothing to serve yet
+    REPLICAS_BEHIND: Final = "ReplicasBehind"  # False: fewer than the fraction serve the target
+    # Progressing
+    ROLLING_OUT: Final = "RollingOut"  # True: replicas are loading the target
+    UP_TO_DATE: Final = "UpToDate"  # False: nothing to do
+    # Degraded
+    LOAD_FAILURES: Final = "LoadFailures"  # True: some replica failed to load the target
+    REPLICAS_UNAVAILABLE: Final = "ReplicasUnavailable"  # True: pods not ready
+    HEALTHY: Final = "Healthy"  # False
+    INVALID_SPEC: Final = "InvalidSpec"  # True: the spec cannot be turned into objects
+
+
+class SnapshotReasons:
+    """Reasons of Snapshot conditions, grouped by condition."""
+
+    # Accepted
+    ADMITTED: Final = "Admitted"  # True: validated and appended to the ledger
+    PENDING: Final = "Pending"  # Unknown: not looked at yet
+    DEPLOYMENT_NOT_FOUND: Final = "DeploymentNotFound"  # False
+    NOT_IN_BUCKET: Final = "NotInBucket"  # False: files missing (not uploaded, or unfinished)
+    INVALID: Final = "InvalidSnapshot"  # False: format validation failed
+    WRONG_PARENT: Final = "WrongParent"  # False: parent is not the ledger head
+    CONFIG_MISMATCH: Final = "ConfigMismatch"  # False: config.json differs from the base
+    LEDGER_REJECTED: Final = "LedgerRejected"  # False: the ledger refused the entry
+    BUCKET_UNREACHABLE: Final = "BucketUnreachable"  # Unknown: retried
+    # Ready
+    LOADED: Final = "Loaded"  # True: the ready fraction of replicas serves it
+    LOADING: Final = "Loading"  # False: replicas are loading it
+    SUPERSEDED: Final = "Superseded"  # False: a newer snapshot became the target first
+    NOT_ACCEPTED: Final = "NotAccepted"  # False
+    FAILED: Final = "LoadFailed"  # False: replicas reported failures
