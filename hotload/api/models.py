@@ -1,0 +1,375 @@
+"""Pydantic models of the `hotload.dev/v1alpha1` custom resources.
+
+These models are the single source of truth: `hotload.api.crds` generates the CRD YAML in
+`crds/` (and the chart) from them, the operator parses objects with them, and the SDK builds
+`Snapshot` objects with them. Field names are camelCase on the wire (Kubernetes API
+conventions), snake_case in Python; every field carries the description `kubectl explain` shows.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from hotload.api.names import IDENTITY_PATTERN, LEDGER_NAME_PATTERN
+
+Identity = Annotated[
+    str,
+    Field(
+        pattern=IDENTITY_PATTERN,
+        min_length=1,
+        max_length=128,
+        description="A snapshot identity: one path segment of 1-128 characters from "
+        "A-Z a-z 0-9 . _ - starting with a letter or digit.",
+    ),
+]
+Quantity = Annotated[
+    str,
+    Field(
+        pattern=r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$",
+        max_length=32,
+        description="A Kubernetes quantity, e.g. 500m, 2, 16Gi.",
+    ),
+]
+TransitionMode = Literal["async", "sync"]
+PromptCachePolicy = Literal["all", "none", "new_session"]
+EngineKind = Literal["reference", "vllm", "sglang"]
+SnapshotKind = Literal["full", "incremental", "lora"]
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
+class _Model(BaseModel):
+    """camelCase on the wire, unknown fields refused (the API server prunes them anyway)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=False
+    )
+
+    def to_json(self) -> dict[str, Any]:
+        """The object as the API server stores it (camelCase, unset optionals left out)."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# --- shared pieces --------------------------------------------------------------------------
+
+
+class Condition(_Model):
+    """A condition in the Kubernetes API conventions' shape."""
+
+    type: str = Field(max_length=316, description="Condition type, e.g. Ready.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        max_length=1024,
+        pattern=r"^([A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?)?$",
+        description="One CamelCase word saying why (documented constants in hotload.api.names).",
+    )
+    message: str = Field(default="", max_length=32768, description="Human-readable detail.")
+    last_transition_time: str = Field(
+        description="When the status last changed (RFC 3339).", max_length=64
+    )
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="The .metadata.generation the condition was set from."
+    )
+
+
+class ResourceRequirements(_Model):
+    """Compute resources of a container, as in a Pod spec."""
+
+    requests: dict[str, Quantity] | None = Field(
+        default=None, description="Minimum resources, e.g. {cpu: '4', memory: 32Gi}."
+    )
+    limits: dict[str, Quantity] | None = Field(
+        default=None, description="Maximum resources, e.g. {memory: 64Gi}."
+    )
+
+
+class EnvVar(_Model):
+    """A plain environment variable."""
+
+    name: str = Field(min_length=1, max_length=256, description="Variable name.")
+    value: str = Field(default="", max_length=32768, description="Variable value.")
+
+
+class Toleration(_Model):
+    """A toleration, as in a Pod spec."""
+
+    key: str | None = Field(default=None, max_length=316, description="Taint key to match.")
+    operator: Literal["Exists", "Equal"] | None = Field(
+        default=None, description="Exists or Equal (default Equal)."
+    )
+    value: str | None = Field(default=None, max_length=63, description="Taint value to match.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match (empty: all)."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, description="How long a NoExecute taint is tolerated."
+    )
+
+
+# --- HotLoadDeployment ------------------------------------------------------------------------
+
+
+class BucketSpec(_Model):
+    """Where snapshots and the ledger live."""
+
+    url: str = Field(
+        pattern=r"^(s3|gs|file)://[^\s]+$",
+        max_length=1024,
+        description="Bucket URL: s3://bucket/prefix (AWS or S3-compatible), gs://bucket/prefix or "
+        "file:///path (a volume mounted in every pod).",
+    )
+    credentials_secret: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="Secret in the same namespace with files named like the variables they "
+        "replace (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION, "
+        "GOOGLE_SERVICE_ACCOUNT ...); mounted read-only into the loader.",
+    )
+
+
+class EngineSpec(_Model):
+    """The inference engine container."""
+
+    kind: EngineKind = Field(
+        default="reference",
+        description="reference (hotload serve), vllm (dev-mode server) or sglang.",
+    )
+    image: str = Field(min_length=1, max_length=1024, description="Engine container image.")
+    args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Extra arguments appended to the engine's command line.",
+    )
+    port: int = Field(default=8000, ge=1, le=65535, description="Port the engine listens on.")
+    gpus: int = Field(
+        default=0, ge=0, le=16, description="GPUs per replica (nvidia.com/gpu requests and limits)."
+    )
+    resources: ResourceRequirements | None = Field(
+        default=None, description="CPU and memory of the engine container."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=64, description="Extra environment variables."
+    )
+
+
+class LoaderSpec(_Model):
+    """The loader sidecar."""
+
+    image: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Loader image (default: the operator's own loader image).",
+    )
+    poll_seconds: int = Field(default=2, ge=1, le=3600, description="Ledger poll interval.")
+    keep: int = Field(default=2, ge=1, le=32, description="Verified snapshots kept on disk.")
+    resources: ResourceRequirements | None = Field(
+        default=None, description="CPU and memory of the loader container."
+    )
+
+
+class WeightsVolumeSpec(_Model):
+    """The volume the loader and the engine share (an emptyDir)."""
+
+    size_limit: Quantity | None = Field(
+        default=None, description="emptyDir size limit, e.g. 200Gi (about 3x the model)."
+    )
+    medium: Literal["", "Memory"] = Field(
+        default="", description='"" (node disk) or Memory (tmpfs, counts against memory).'
+    )
+
+
+class RouterSpec(_Model):
+    """An optional session-affine, version-aware router in front of the replicas."""
+
+    enabled: bool = Field(default=False, description="Deploy the router.")
+    replicas: int = Field(default=1, ge=1, le=32, description="Router replicas.")
+    image: str | None = Field(
+        default=None, max_length=1024, description="Router image (default: the operator's)."
+    )
+
+
+class HotLoadDeploymentSpec(_Model):
+    """What a platform team declares: a fleet of replicas following one ledger."""
+
+    replicas: int = Field(default=1, ge=0, le=1000, description="Number of engine replicas.")
+    bucket: BucketSpec = Field(description="Where snapshots and the ledger live.")
+    ledger: str | None = Field(
+        default=None,
+        pattern=LEDGER_NAME_PATTERN,
+        max_length=128,
+        description="Ledger name in the bucket (default: the deployment's name).",
+    )
+    engine: EngineSpec = Field(description="The inference engine.")
+    loader: LoaderSpec = Field(default_factory=LoaderSpec, description="The loader sidecar.")
+    transition_mode: TransitionMode = Field(
+        default="async",
+        description="async: in-flight generations pause and resume on the new weights; sync: "
+        "they finish on the old weights while new requests wait.",
+    )
+    ready_percent: int = Field(
+        default=100,
+        ge=1,
+        le=100,
+        description="Share of replicas that must serve a snapshot for it to be Ready.",
+    )
+    ignore_config_fields: list[Annotated[str, Field(max_length=256)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="config.json fields a snapshot may change against the base config "
+        "(quantization_config is always allowed).",
+    )
+    weights_volume: WeightsVolumeSpec = Field(
+        default_factory=WeightsVolumeSpec, description="The shared weights volume."
+    )
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] | None = Field(
+        default=None, description="Node labels the replicas must run on."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Tolerations of the replicas."
+    )
+    max_unavailable: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="PodDisruptionBudget: replicas that may be down at once for voluntary "
+        "disruptions (and the rolling update's maxUnavailable).",
+    )
+    router: RouterSpec = Field(default_factory=RouterSpec, description="Optional router.")
+
+
+class ReplicaStatus(_Model):
+    """One replica as its loader reports it."""
+
+    pod: str = Field(max_length=253, description="Pod name.")
+    snapshot: str | None = Field(default=None, description="Identity the engine serves.")
+    sequence: int | None = Field(default=None, ge=0, description="Its ledger sequence.")
+    loaded: bool = Field(default=False, description="Whether it serves the target snapshot.")
+    ready: bool = Field(default=False, description="Whether the pod is ready.")
+    state: str | None = Field(default=None, max_length=32, description="Loader state.")
+    last_load_seconds: float | None = Field(
+        default=None, ge=0, description="End-to-end seconds of its last update."
+    )
+    message: str = Field(default="", max_length=4096, description="Last failure, if any.")
+
+
+class HotLoadDeploymentStatus(_Model):
+    """What SREs read: is the fleet on the latest policy?"""
+
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="The generation this status was computed from."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Ready (summary), Progressing, Degraded.",
+    )
+    replicas: int = Field(default=0, ge=0, description="Replicas desired.")
+    ready_replicas: int = Field(default=0, ge=0, description="Replicas whose pods are ready.")
+    updated_replicas: int = Field(
+        default=0, ge=0, description="Replicas serving the target snapshot."
+    )
+    current_snapshot: str | None = Field(
+        default=None, description="The newest snapshot the ready fraction of replicas serves."
+    )
+    current_sequence: int | None = Field(default=None, ge=0, description="Its ledger sequence.")
+    target_snapshot: str | None = Field(default=None, description="The ledger head.")
+    target_sequence: int | None = Field(default=None, ge=0, description="Its ledger sequence.")
+    replica_statuses: list[ReplicaStatus] = Field(
+        default_factory=list, max_length=1000, description="Per-replica detail."
+    )
+    router_endpoint: str | None = Field(
+        default=None, max_length=1024, description="The router's in-cluster URL, when enabled."
+    )
+    selector: str | None = Field(
+        default=None, max_length=1024, description="Label selector of the replicas' pods."
+    )
+
+
+class HotLoadDeployment(_Model):
+    """A fleet of inference replicas that follows a ledger of policy snapshots."""
+
+    api_version: Literal["hotload.dev/v1alpha1"] = "hotload.dev/v1alpha1"
+    kind: Literal["HotLoadDeployment"] = "HotLoadDeployment"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: HotLoadDeploymentSpec
+    status: HotLoadDeploymentStatus | None = None
+
+
+# --- Snapshot -------------------------------------------------------------------------------
+
+
+class SnapshotSpec(_Model):
+    """A snapshot a trainer published into the deployment's bucket (immutable)."""
+
+    deployment: str = Field(
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="The HotLoadDeployment (same namespace) whose ledger it joins.",
+    )
+    identity: Identity
+    kind: SnapshotKind | None = Field(
+        default=None,
+        description="full, incremental or lora (default: read from the snapshot's manifests).",
+    )
+    previous: Identity | None = Field(
+        default=None,
+        description="Parent identity of an incremental snapshot (must be the ledger head).",
+    )
+    prompt_cache: PromptCachePolicy = Field(
+        default="all",
+        description="Prompt-cache policy replicas apply when loading it: all (drop every "
+        "cache), none (keep), new_session (running sessions keep theirs).",
+    )
+
+
+class ReplicaLoad(_Model):
+    """How long one replica took to serve this snapshot."""
+
+    pod: str = Field(max_length=253, description="Pod name.")
+    total_seconds: float = Field(ge=0, description="Update start to serving.")
+    load_seconds: float | None = Field(default=None, ge=0, description="Engine load.")
+
+
+class ReplicaFailure(_Model):
+    """A replica that failed to load this snapshot."""
+
+    pod: str = Field(max_length=253, description="Pod name.")
+    message: str = Field(max_length=4096, description="What the loader reported.")
+
+
+class SnapshotStatus(_Model):
+    """Admission and roll-out of one snapshot."""
+
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="The generation this status was computed from."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=16, description="Accepted, Ready (summary)."
+    )
+    sequence: int | None = Field(default=None, ge=1, description="Ledger sequence once accepted.")
+    kind: SnapshotKind | None = Field(default=None, description="Kind read from the bucket.")
+    shipped_bytes: int | None = Field(default=None, ge=0, description="Bytes in the bucket.")
+    full_bytes: int | None = Field(default=None, ge=0, description="Size of the full snapshot.")
+    accepted_time: str | None = Field(default=None, description="When it joined the ledger.")
+    ready_time: str | None = Field(default=None, description="When it became Ready.")
+    replicas: int = Field(default=0, ge=0, description="Replicas of the deployment.")
+    replicas_loaded: int = Field(default=0, ge=0, description="Replicas serving it.")
+    loads: list[ReplicaLoad] = Field(
+        default_factory=list, max_length=1000, description="Per-replica timings."
+    )
+    failures: list[ReplicaFailure] = Field(
+        default_factory=list, max_length=1000, description="Replicas that failed to load it."
+    )
+
+
+class Snapshot(_Model):
+    """A policy snapshot a trainer published; the operator admits it into the ledger."""
+
+    api_version: Literal["hotload.dev/v1alpha1"] = "hotload.dev/v1alpha1"
+    kind: Literal["Snapshot"] = "Snapshot"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: SnapshotSpec
+    status: SnapshotStatus | None = None
