@@ -270,3 +270,56 @@ async def _bounded(jobs: Sequence[Callable[[], Awaitable[T]]], limit: int) -> li
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+#: A shard header larger than this is refused (real headers are kilobytes to a few MiB).
+MAX_SKELETON_HEADER = 64 * 1024 * 1024
+#: Files at most this large are fetched whole (manifests, config, tokenizer files).
+SKELETON_SMALL_FILE = 8 * 1024 * 1024
+
+
+async def download_skeleton_async(
+    bucket: Bucket, identity: str, local_dir: str | os.PathLike[str]
+) -> int:
+    """Fetch what validating a published snapshot needs, without its tensor data.
+
+    Manifests and small files arrive whole; each shard arrives as its header (safetensors or
+    arc_v2) in a sparse file of the shard's full size, so the snapshot validators see the same
+    structure as on the trainer's disk. Returns the bytes fetched.
+    """
+    import struct
+
+    from hotload.arc.container import MAGIC, PREFIX_LEN
+
+    infos = await snapshot_files_async(bucket, identity)
+    root = Path(local_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    fetched = 0
+    for info in infos:
+        name = info.key.removeprefix(f"{identity}/")
+        dest = root / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        is_shard = name.endswith(".safetensors") and info.size > SKELETON_SMALL_FILE
+        if not is_shard:
+            await bucket.download_file_async(info.key, dest, size=info.size, etag=info.etag)
+            fetched += info.size
+            continue
+        prefix = await bucket.get_range_async(info.key, 0, min(info.size, PREFIX_LEN))
+        if prefix.startswith(MAGIC) and len(prefix) >= PREFIX_LEN:
+            (frame_len,) = struct.unpack("<Q", prefix[len(MAGIC) : len(MAGIC) + 8])
+            end = PREFIX_LEN + frame_len
+        elif len(prefix) >= 8:
+            end = 8 + struct.unpack("<Q", prefix[:8])[0]
+        else:
+            end = len(prefix)
+        if end > min(info.size, MAX_SKELETON_HEADER):
+            raise SnapshotError(
+                f"shard header declares {end} bytes in a {info.size}-byte object",
+                path=f"{bucket.url}/{info.key}",
+            )
+        head = await bucket.get_range_async(info.key, 0, end)
+        with open(dest, "wb") as f:
+            f.write(head)
+            f.truncate(info.size)  # sparse: the data region reads as zeros, costs no disk
+        fetched += len(head)
+    return fetched

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from hotload.errors import KubeError, KubeNotFoundError
+from hotload.errors import KubeError, KubeForbiddenError, KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
 from hotload_sidecar.status import (
     ANNOTATION_SNAPSHOT,
@@ -164,6 +164,7 @@ class KubernetesReporter:
         # (type, reason, message) -> the Event written for it, for aggregation (bounded).
         self._events: OrderedDict[tuple[str, str, str], dict[str, Any]] = OrderedDict()
         self._keep_events = keep_events
+        self._can_patch_events = True
 
     async def report(self, status: ReplicaStatus) -> None:
         """Write the annotation, labels and condition where they changed; log failures."""
@@ -199,10 +200,15 @@ class KubernetesReporter:
         key = (type_, reason, message[:EVENT_MESSAGE_LIMIT])
         previous = self._events.get(key)
         try:
-            if previous is not None:
+            if previous is not None and self._can_patch_events:
                 try:
                     written = await self._bump(previous, now)
                 except KubeNotFoundError:  # expired (events live about an hour): start anew
+                    written = await self._create_event(type_, reason, message, now)
+                except KubeForbiddenError:
+                    # The loader's Role grants only `create` on events: stop trying to
+                    # aggregate and record each occurrence as its own Event.
+                    self._can_patch_events = False
                     written = await self._create_event(type_, reason, message, now)
             else:
                 written = await self._create_event(type_, reason, message, now)

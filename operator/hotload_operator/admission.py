@@ -1,0 +1,197 @@
+"""Admit a `Snapshot` into its deployment's ledger: validate it where it lies in the bucket,
+check its parent is the ledger head, append it with compare-and-swap.
+
+`admit` returns an `Admission` (plain data) for every outcome; only an unreachable bucket
+raises (`BucketError`), so the caller retries later. Re-running `admit` after a crash is safe:
+a snapshot the ledger already holds with the same manifests is reported as accepted again,
+never appended twice.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hotload.api.models import HotLoadDeployment, Snapshot
+from hotload.api.names import SnapshotReasons as Reasons
+from hotload.bucket import Bucket, download_skeleton_async
+from hotload.errors import (
+    LedgerRejectedError,
+    ObjectNotFoundError,
+    SnapshotError,
+    SnapshotValidationError,
+)
+from hotload.ledger import Ledger, LedgerEntry, LedgerState, NewEntry
+from hotload.snapshot import describe_snapshot, validate_snapshot, validate_transition
+from hotload.snapshot.layout import CONFIG_FILE
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The outcome: accepted with its ledger entry, or refused with a reason and message."""
+
+    accepted: bool
+    reason: str
+    message: str
+    entry: LedgerEntry | None = None
+    kind: str | None = None
+    shipped_bytes: int | None = None
+    full_bytes: int | None = None
+
+
+def refused(reason: str, message: str) -> Admission:
+    """A refusal."""
+    return Admission(False, reason, message)
+
+
+async def admit(
+    snapshot: Snapshot,
+    deployment: HotLoadDeployment,
+    bucket: Bucket,
+    ledger: Ledger,
+) -> Admission:
+    """Validate `snapshot` in `bucket` against `deployment` and append it to `ledger`."""
+    identity = snapshot.spec.identity
+    state = await ledger.read_async()
+    with tempfile.TemporaryDirectory(prefix="hotload-admit-") as tmp:
+        folder = Path(tmp) / identity
+        try:
+            await download_skeleton_async(bucket, identity, folder)
+        except ObjectNotFoundError as err:
+            return refused(
+                Reasons.NOT_IN_BUCKET,
+                f"{err} (upload every file before creating the Snapshot; the index file goes last)",
+            )
+        except SnapshotError as err:
+            return refused(Reasons.INVALID, str(err))
+        decision = await _validate(
+            snapshot,
+            deployment=deployment,
+            bucket=bucket,
+            state=state,
+            folder=folder,
+            tmp=Path(tmp),
+        )
+        if isinstance(decision, Admission):
+            return decision
+        new = decision
+    existing = state.document.find(identity)
+    if existing is not None:
+        if existing.manifest_digest == new.manifest_digest:
+            return _accepted(existing, "already in the ledger (an earlier admission finished)")
+        return refused(
+            Reasons.LEDGER_REJECTED,
+            f"{identity!r} is already in ledger {ledger.name!r} (sequence {existing.sequence}) "
+            "with other manifests; publish under a new identity",
+        )
+    try:
+        state.document.check(new)
+    except LedgerRejectedError as err:
+        reason = Reasons.WRONG_PARENT if new.kind == "incremental" else Reasons.LEDGER_REJECTED
+        return refused(reason, str(err))
+    try:
+        entry = await ledger.append_retrying_async(new)
+    except LedgerRejectedError as err:
+        return refused(Reasons.LEDGER_REJECTED, str(err))
+    return _accepted(entry, f"appended to ledger {ledger.name!r} as sequence {entry.sequence}")
+
+
+def _accepted(entry: LedgerEntry, message: str) -> Admission:
+    return Admission(
+        True,
+        Reasons.ADMITTED,
+        message,
+        entry=entry,
+        kind=entry.kind,
+        shipped_bytes=entry.shipped_bytes,
+        full_bytes=entry.full_bytes,
+    )
+
+
+async def _validate(
+    snapshot: Snapshot,
+    *,
+    deployment: HotLoadDeployment,
+    bucket: Bucket,
+    state: LedgerState,
+    folder: Path,
+    tmp: Path,
+) -> NewEntry | Admission:
+    spec = snapshot.spec
+    where = f"{bucket.url.rstrip('/')}/{spec.identity}"
+
+    def _short(text: str, limit: int = 2000) -> str:
+        # Name the object in the bucket, not the operator's scratch copy of it.
+        text = text.replace(str(folder), where)
+        return text if len(text) <= limit else text[: limit - 20] + " ... (truncated)"
+
+    base = await _base_config(bucket, state, tmp)
+    try:
+        validate_snapshot(
+            folder,
+            identity=spec.identity,
+            base_config=base,
+            ignore_config_fields=[*deployment.spec.ignore_config_fields, "quantization_config"],
+        )
+    except SnapshotValidationError as err:
+        config_only = all(p.path.endswith(CONFIG_FILE) for p in err.problems)
+        return refused(
+            Reasons.CONFIG_MISMATCH if config_only else Reasons.INVALID, _short(str(err))
+        )
+    except SnapshotError as err:
+        return refused(Reasons.INVALID, _short(str(err)))
+    desc = describe_snapshot(folder)
+    if spec.kind is not None and spec.kind != desc.kind:
+        return refused(
+            Reasons.INVALID,
+            f"spec.kind is {spec.kind!r} but the bucket holds a {desc.kind} snapshot",
+        )
+    if desc.kind == "incremental":
+        if spec.previous is not None and spec.previous != desc.parent:
+            return refused(
+                Reasons.WRONG_PARENT,
+                f"spec.previous is {spec.previous!r} but the delta was made against "
+                f"{desc.parent!r}",
+            )
+        head = state.document.head
+        if head is None or head.identity != desc.parent:
+            # Not an error of the files: the ledger moved on (or never had the parent).
+            if state.document.find(spec.identity) is None:
+                return refused(
+                    Reasons.WRONG_PARENT,
+                    f"delta against {desc.parent!r}, but the ledger head is "
+                    f"{head.identity if head else None!r}: publish a full snapshot or a delta "
+                    "against the head",
+                )
+        elif desc.parent is not None:
+            parent = tmp / "_parent" / desc.parent
+            await download_skeleton_async(bucket, desc.parent, parent)
+            try:
+                validate_transition(parent, folder)
+            except SnapshotValidationError as err:
+                return refused(Reasons.INVALID, _short(str(err)))
+    return NewEntry(
+        identity=spec.identity,
+        kind=desc.kind,
+        manifest_digest=desc.manifest_digest,
+        shipped_bytes=desc.shipped_bytes,
+        full_bytes=desc.full_bytes,
+        previous=desc.parent if desc.kind == "incremental" else None,
+        prompt_cache=spec.prompt_cache,
+    )
+
+
+async def _base_config(bucket: Bucket, state: LedgerState, tmp: Path) -> dict[str, Any] | None:
+    """config.json of the latest full snapshot in the ledger (None for the first snapshot)."""
+    root = state.document.latest_root()
+    if root is None or root.kind == "lora":
+        return None
+    try:
+        data = (await bucket.get_async(f"{root.identity}/{CONFIG_FILE}")).data
+    except ObjectNotFoundError:
+        return None
+    doc = json.loads(data)
+    return doc if isinstance(doc, dict) else None

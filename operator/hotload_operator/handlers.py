@@ -1,0 +1,118 @@
+"""kopf handlers: the only module with kopf decorators. Each one is a few lines that call
+`reconcile` (API side), which calls the pure builders, admission and roll-up."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from hotload.api.names import DEPLOYMENT_PLURAL, GROUP, LABEL_DEPLOYMENT, SNAPSHOT_PLURAL, VERSION
+from hotload.errors import BucketError, KubeError
+from hotload.kube import KubeClient, KubeConfig
+from hotload_operator import reconcile
+from hotload_operator.builders import OperatorImages
+from hotload_operator.reconcile import Context
+
+log = logging.getLogger("hotload_operator")
+
+#: How often each deployment's roll-up runs even without pod events (the ledger head moves
+#: without touching any Kubernetes object).
+ROLLUP_INTERVAL = float(os.environ.get("HOTLOAD_ROLLUP_INTERVAL", "5"))
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Build the shared context; keep kopf's own bookkeeping under `hotload.dev` annotations."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    images = OperatorImages(
+        loader=os.environ.get("HOTLOAD_LOADER_IMAGE", OperatorImages.loader),
+        router=os.environ.get("HOTLOAD_ROUTER_IMAGE", OperatorImages.router),
+    )
+    kube = KubeClient(KubeConfig.auto(os.environ.get("KUBECONFIG") or None))
+    memo["ctx"] = Context(kube=kube, images=images)
+    port = os.environ.get("HOTLOAD_METRICS_PORT")
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(int(port), registry=memo["ctx"].metrics.registry)
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    """Close the API client."""
+    ctx: Context | None = memo.get("ctx")
+    if ctx is not None:
+        await ctx.kube.aclose()
+
+
+@kopf.on.resume(GROUP, VERSION, DEPLOYMENT_PLURAL)
+@kopf.on.create(GROUP, VERSION, DEPLOYMENT_PLURAL)
+@kopf.on.update(GROUP, VERSION, DEPLOYMENT_PLURAL, field="spec")
+async def deployment_changed(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    """Apply the owned objects for the current spec, then roll up."""
+    ctx: Context = memo["ctx"]
+    hld = reconcile.parse_deployment(dict(body))
+    try:
+        applied = await reconcile.apply_children(ctx, hld)
+    except KubeError as err:
+        raise kopf.TemporaryError(f"applying owned objects failed: {err}", delay=10) from err
+    logger.info("applied %s", ", ".join(applied))
+    await reconcile.guarded("roll-up", lambda: reconcile.rollup(ctx, *_key(body)))
+
+
+@kopf.timer(GROUP, VERSION, DEPLOYMENT_PLURAL, interval=ROLLUP_INTERVAL, initial_delay=1)
+async def deployment_tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Periodic roll-up: notices a new ledger head before any pod reports it."""
+    ctx: Context = memo["ctx"]
+    await reconcile.guarded("roll-up", lambda: reconcile.rollup(ctx, *_key(body)))
+
+
+@kopf.on.event("", "v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
+async def pod_event(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A replica's pod changed (report, readiness, deletion): roll its deployment up."""
+    ctx: Context | None = memo.get("ctx")
+    name = reconcile.deployment_of_pod(dict(body))
+    if ctx is None or name is None:
+        return
+    namespace = str(body.get("metadata", {}).get("namespace") or "default")
+    await reconcile.guarded("roll-up", lambda: reconcile.rollup(ctx, namespace, name))
+
+
+@kopf.on.resume(GROUP, VERSION, SNAPSHOT_PLURAL)
+@kopf.on.create(GROUP, VERSION, SNAPSHOT_PLURAL)
+async def snapshot_created(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Admit a new Snapshot into its deployment's ledger (once; the spec is immutable)."""
+    ctx: Context = memo["ctx"]
+    status = body.get("status") or {}
+    if any(c.get("type") == "Accepted" for c in status.get("conditions") or []):
+        return  # decided before a restart; admission is not re-run
+    try:
+        result = await reconcile.admit_snapshot(ctx, dict(body))
+    except BucketError as err:
+        raise kopf.TemporaryError(f"bucket unreachable: {err}", delay=15) from err
+    if result.accepted:
+        kopf.info(body, reason=result.reason, message=result.message)
+        await reconcile.guarded(
+            "roll-up",
+            lambda: reconcile.rollup(
+                ctx, str(body.get("metadata", {}).get("namespace")), body["spec"]["deployment"]
+            ),
+        )
+    else:
+        kopf.warn(body, reason=result.reason, message=result.message)
+        logger.warning("snapshot refused: %s: %s", result.reason, result.message)
+
+
+def _key(body: kopf.Body) -> tuple[str, str]:
+    meta = body.get("metadata", {})
+    return str(meta.get("namespace") or "default"), str(meta.get("name"))

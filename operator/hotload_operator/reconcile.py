@@ -1,0 +1,289 @@
+"""The operator's API side: apply what the builders return, run admission, write roll-ups.
+
+Handlers call these; these call the Kubernetes API (`hotload.kube`) and the bucket, and leave
+every decision to the pure modules (`builders`, `admission`, `rollup`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from hotload.api.models import HotLoadDeployment, Snapshot
+from hotload.api.names import (
+    API_VERSION,
+    CONDITION_ACCEPTED,
+    CONDITION_READY,
+    DEPLOYMENT_PLURAL,
+    LABEL_DEPLOYMENT,
+    SNAPSHOT_PLURAL,
+    SnapshotReasons,
+)
+from hotload.bucket import Bucket, open_bucket
+from hotload.bucket.url import S3_SETTINGS
+from hotload.errors import BucketError, KubeError, KubeNotFoundError, LedgerError
+from hotload.kube import KubeClient, resource_path
+from hotload.ledger import Ledger, LedgerDocument
+from hotload_operator.admission import Admission, admit
+from hotload_operator.builders import (
+    OperatorImages,
+    build_children,
+    ledger_url,
+    name_of,
+    namespace_of,
+    selector_string,
+)
+from hotload_operator.conditions import format_time, set_condition
+from hotload_operator.rollup import rollup_deployment, rollup_snapshot
+
+log = logging.getLogger("hotload_operator")
+JSON = dict[str, Any]
+FIELD_MANAGER = "hotload-operator"
+
+_PLURALS = {
+    "ServiceAccount": ("v1", "serviceaccounts"),
+    "Role": ("rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
+    "Deployment": ("apps/v1", "deployments"),
+    "Service": ("v1", "services"),
+    "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
+}
+
+
+@dataclass
+class OperatorMetrics:
+    """Prometheus metrics of the operator (its own registry)."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.reconciles = Counter(
+            "hotload_operator_reconciles", "Deployment reconciles", ["result"], registry=r
+        )
+        self.admissions = Counter(
+            "hotload_operator_admissions", "Snapshot admissions by reason", ["reason"], registry=r
+        )
+        self.rollup_seconds = Histogram(
+            "hotload_operator_rollup_seconds", "Seconds per deployment roll-up", registry=r
+        )
+
+
+@dataclass
+class Context:
+    """What every handler shares: the API client, images, bucket cache and metrics."""
+
+    kube: KubeClient
+    images: OperatorImages = field(default_factory=OperatorImages)
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    now: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+    _buckets: dict[tuple[str, str, str | None], Bucket] = field(default_factory=dict)
+    _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    _pending: set[tuple[str, str]] = field(default_factory=set)
+
+    async def bucket(self, hld: HotLoadDeployment) -> Bucket:
+        """The deployment's bucket, with credentials from its Secret (cached per secret)."""
+        url = hld.spec.bucket.url
+        secret = hld.spec.bucket.credentials_secret
+        key = (namespace_of(hld), url, secret)
+        if key not in self._buckets:
+            credentials_dir = None
+            if secret:
+                credentials_dir = await self._secret_dir(namespace_of(hld), secret)
+            self._buckets[key] = open_bucket(url, credentials_dir=credentials_dir)
+        return self._buckets[key]
+
+    async def _secret_dir(self, namespace: str, name: str) -> Path:
+        import base64
+
+        secret = await self.kube.get(resource_path("v1", "secrets", namespace, name))
+        folder = Path(tempfile.mkdtemp(prefix="hotload-secret-"))
+        os.chmod(folder, 0o700)
+        wanted = {n.upper() for n in S3_SETTINGS} | {"GOOGLE_SERVICE_ACCOUNT"}
+        for key, value in (secret.get("data") or {}).items():
+            if key.upper() in wanted:
+                (folder / key).write_bytes(base64.b64decode(value))
+        return folder
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        """One roll-up at a time per deployment."""
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
+
+
+def parse_deployment(body: JSON) -> HotLoadDeployment:
+    """The deployment body as a model (the API server already validated it)."""
+    return HotLoadDeployment.model_validate(
+        {"metadata": dict(body.get("metadata") or {}), "spec": dict(body.get("spec") or {})}
+    )
+
+
+def parse_snapshot(body: JSON) -> Snapshot:
+    """The snapshot body as a model."""
+    return Snapshot.model_validate(
+        {
+            "metadata": dict(body.get("metadata") or {}),
+            "spec": dict(body.get("spec") or {}),
+            "status": dict(body.get("status") or {}) or None,
+        }
+    )
+
+
+async def apply_children(ctx: Context, hld: HotLoadDeployment) -> list[str]:
+    """Create or update every object the deployment owns (server-side apply); return names."""
+    applied = []
+    for obj in build_children(hld, ctx.images):
+        api_version, plural = _PLURALS[obj["kind"]]
+        meta = obj["metadata"]
+        path = resource_path(api_version, plural, meta["namespace"], meta["name"])
+        await ctx.kube.patch(path, obj, "apply", field_manager=FIELD_MANAGER, force=True)
+        applied.append(f"{obj['kind']}/{meta['name']}")
+    ctx.metrics.reconciles.labels("applied").inc()
+    return applied
+
+
+async def admit_snapshot(ctx: Context, body: JSON) -> Admission:
+    """Admit one Snapshot and write its `Accepted` condition (and sizes) to its status."""
+    snap = parse_snapshot(body)
+    ns = str(snap.metadata.get("namespace") or "default")
+    hld_path = resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, snap.spec.deployment)
+    try:
+        hld = parse_deployment(await ctx.kube.get(hld_path))
+    except KubeNotFoundError:
+        result = Admission(
+            False,
+            SnapshotReasons.DEPLOYMENT_NOT_FOUND,
+            f"HotLoadDeployment {ns}/{snap.spec.deployment} does not exist",
+        )
+    else:
+        bucket = await ctx.bucket(hld)
+        ledger = Ledger(bucket, hld.spec.ledger or name_of(hld))
+        result = await admit(snap, hld, bucket, ledger)
+    ctx.metrics.admissions.labels(result.reason).inc()
+    await write_admission(ctx, snap, result)
+    return result
+
+
+async def write_admission(ctx: Context, snap: Snapshot, result: Admission) -> None:
+    """Patch the snapshot's status with the admission outcome."""
+    now = ctx.now()
+    previous = snap.status.to_json() if snap.status else {}
+    gen = snap.metadata.get("generation")
+    generation = gen if isinstance(gen, int) else None
+    conditions = set_condition(
+        list(previous.get("conditions") or []),
+        CONDITION_ACCEPTED,
+        result.accepted,
+        result.reason,
+        result.message,
+        generation=generation,
+        now=now,
+    )
+    if not result.accepted:
+        conditions = set_condition(
+            conditions,
+            CONDITION_READY,
+            False,
+            SnapshotReasons.NOT_ACCEPTED,
+            result.message,
+            generation=generation,
+            now=now,
+        )
+    status: JSON = {"observedGeneration": generation, "conditions": conditions}
+    if result.entry is not None:
+        status |= {
+            "sequence": result.entry.sequence,
+            "kind": result.entry.kind,
+            "shippedBytes": result.entry.shipped_bytes,
+            "fullBytes": result.entry.full_bytes,
+            "acceptedTime": previous.get("acceptedTime") or format_time(now),
+        }
+    ns = str(snap.metadata.get("namespace") or "default")
+    path = resource_path(API_VERSION, SNAPSHOT_PLURAL, ns, str(snap.metadata["name"]), "status")
+    await ctx.kube.patch(path, {"status": status}, "merge")
+
+
+async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
+    """Recompute and write the statuses of deployment `namespace/name` and its snapshots.
+
+    Requests arriving while one runs collapse into one more run after it.
+    """
+    key = (namespace, name)
+    if key in ctx._pending:
+        return None
+    ctx._pending.add(key)
+    async with ctx.lock(namespace, name):
+        ctx._pending.discard(key)
+        with ctx.metrics.rollup_seconds.time():
+            return await _rollup(ctx, namespace, name)
+
+
+async def _rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
+    path = resource_path(API_VERSION, DEPLOYMENT_PLURAL, namespace, name)
+    try:
+        body = await ctx.kube.get(path)
+    except KubeNotFoundError:
+        return None
+    hld = parse_deployment(body)
+    pods = (
+        await ctx.kube.list(
+            resource_path("v1", "pods", namespace), label_selector=selector_string(hld)
+        )
+    ).get("items") or []
+    document = await _ledger_document(ctx, hld)
+    head = document.head if document else None
+    entries = list(document.entries) if document else []
+    previous = body.get("status") or {}
+    status = rollup_deployment(hld, pods, head, entries, now=ctx.now(), previous=previous)
+    if status != {k: previous.get(k) for k in status}:
+        await ctx.kube.patch(path + "/status", {"status": status}, "merge")
+    snaps = await ctx.kube.list(resource_path(API_VERSION, SNAPSHOT_PLURAL, namespace))
+    for item in snaps.get("items") or []:
+        if (item.get("spec") or {}).get("deployment") != name:
+            continue
+        snap = parse_snapshot(item)
+        update = rollup_snapshot(snap, hld, pods, head, now=ctx.now())
+        current = item.get("status") or {}
+        if update is None or update == {k: current.get(k) for k in update}:
+            continue
+        spath = resource_path(
+            API_VERSION, SNAPSHOT_PLURAL, namespace, str(snap.metadata["name"]), "status"
+        )
+        try:
+            await ctx.kube.patch(spath, {"status": update}, "merge")
+        except KubeNotFoundError:
+            continue
+    return status
+
+
+async def _ledger_document(ctx: Context, hld: HotLoadDeployment) -> LedgerDocument | None:
+    try:
+        bucket = await ctx.bucket(hld)
+        state = await Ledger(bucket, hld.spec.ledger or name_of(hld)).read_async()
+    except (BucketError, LedgerError, KubeError) as err:
+        log.warning("cannot read ledger %s: %s", ledger_url(hld), err)
+        return None
+    return state.document
+
+
+def deployment_of_pod(body: JSON) -> str | None:
+    """The deployment a pod belongs to (its `hotload.dev/deployment` label)."""
+    value = ((body.get("metadata") or {}).get("labels") or {}).get(LABEL_DEPLOYMENT)
+    return value if isinstance(value, str) else None
+
+
+async def guarded(what: str, call: Callable[[], Awaitable[Any]]) -> Any:
+    """Run `call`, logging (not raising) API errors of background work."""
+    try:
+        return await call()
+    except (KubeError, BucketError, LedgerError) as err:
+        log.warning("%s failed: %s", what, err)
+        return None
