@@ -1,0 +1,185 @@
+"""Run the real kopf operator in the test's event loop against the `kube_api` fixture, and play
+the parts a real cluster would: the Deployment controller (pods from the template) and the
+loaders (reports on their pods)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from hotload.api.crds import build_crds
+from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
+from hotload.errors import KubeConflictError
+from hotload.kube import KubeClient, resource_path
+from hotload_sidecar.kube_report import build_condition, build_pod_metadata_patch
+from hotload_sidecar.status import LoadTimings, ReplicaStatus
+from support.kubeapi import KubeAPI
+
+JSON = dict[str, Any]
+CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+
+async def install_crds(kube: KubeClient) -> None:
+    """Create (or keep) the hotload CRDs."""
+    for crd in build_crds().values():
+        with contextlib.suppress(KubeConflictError):
+            await kube.create(CRD_PATH, crd)
+
+
+@contextlib.asynccontextmanager
+async def running_operator(kube_api: KubeAPI) -> AsyncIterator[None]:
+    """The operator (all its handlers) watching the test namespace until the block ends."""
+    import kopf
+
+    import hotload_operator.handlers  # noqa: F401  (registers the handlers)
+
+    stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    ready = asyncio.Event()
+    task = asyncio.create_task(
+        kopf.operator(
+            standalone=True,
+            clusterwide=False,
+            namespaces=[kube_api.namespace],
+            stop_flag=stop,
+            ready_flag=ready,
+        )
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        yield
+    finally:
+        if not stop.done():
+            stop.set_result(None)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)
+
+
+async def eventually(
+    what: str, check: Callable[[], Awaitable[Any]], timeout: float = 30, interval: float = 0.1
+) -> Any:
+    """Await `check()` until it returns something truthy; fail naming `what`."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    last: Any = None
+    while True:
+        last = await check()
+        if last:
+            return last
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
+        await asyncio.sleep(interval)
+
+
+def hld_path(ns: str, name: str | None = None, sub: str | None = None) -> str:
+    """Path of HotLoadDeployments in `ns`."""
+    return resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, name, sub)
+
+
+def snapshot_path(ns: str, name: str | None = None, sub: str | None = None) -> str:
+    """Path of Snapshots in `ns`."""
+    return resource_path(API_VERSION, SNAPSHOT_PLURAL, ns, name, sub)
+
+
+async def play_deployment_controller(kube: KubeClient, ns: str, name: str) -> list[str]:
+    """Create the pods the Deployment asks for (as the ReplicaSet controller would); return
+    the names of all its pods. Extra pods beyond `replicas` are deleted."""
+    deployment = await kube.get(resource_path("apps/v1", "deployments", ns, name))
+    template = deployment["spec"]["template"]
+    selector = ",".join(
+        f"{k}={v}" for k, v in deployment["spec"]["selector"]["matchLabels"].items()
+    )
+    pods = (await kube.list(resource_path("v1", "pods", ns), label_selector=selector))["items"]
+    names = sorted(p["metadata"]["name"] for p in pods)
+    want = int(deployment["spec"]["replicas"])
+    for i in range(want):
+        pod_name = f"{name}-{i}"
+        if pod_name in names:
+            continue
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": pod_name,
+                "labels": template["metadata"]["labels"],
+                "ownerReferences": deployment["metadata"].get("ownerReferences", []),
+            },
+            "spec": template["spec"],
+        }
+        await kube.create(resource_path("v1", "pods", ns), body)
+        names.append(pod_name)
+    for extra in sorted(names)[want:]:
+        await kube.delete(resource_path("v1", "pods", ns, extra))
+    return sorted(names)[:want]
+
+
+async def play_loader(
+    kube: KubeClient,
+    ns: str,
+    pod: str,
+    status: ReplicaStatus,
+    *,
+    ready: bool | None = None,
+) -> None:
+    """Write what a loader (and the kubelet's Ready) would write on `pod`."""
+    await kube.patch(
+        resource_path("v1", "pods", ns, pod), build_pod_metadata_patch(status), "strategic"
+    )
+    conditions: list[JSON] = [build_condition(status, _now(), None)]
+    if ready is not None:
+        conditions.append(
+            {
+                "type": "Ready",
+                "status": "True" if ready else "False",
+                "lastTransitionTime": _now_text(),
+            }
+        )
+    await kube.patch(
+        resource_path("v1", "pods", ns, pod, "status"),
+        {"status": {"conditions": conditions}},
+        "strategic",
+    )
+
+
+def serving(
+    identity: str,
+    sequence: int,
+    *,
+    target: str | None = None,
+    target_sequence: int | None = None,
+    state: str = "idle",
+    error: str = "",
+) -> ReplicaStatus:
+    """A loader status: serving `identity`, moving to `target` (default: the same)."""
+    target = target or identity
+    return ReplicaStatus(
+        identity=identity,
+        sequence=sequence,
+        target_identity=target,
+        target_sequence=target_sequence or sequence,
+        state=state,  # type: ignore[arg-type]
+        ready=True,
+        reason="Current"
+        if target == identity
+        else ("LoadFailed" if state == "failed" else "Updating"),
+        last_error=error,
+        message=error,
+        last_load=LoadTimings(total_seconds=1.5, load_seconds=0.5, bytes_fetched=100, steps=1),
+    )
+
+
+def annotation(pod: JSON) -> JSON:
+    """The loader's annotation on `pod`, parsed."""
+    raw = pod["metadata"].get("annotations", {}).get("hotload.dev/snapshot", "{}")
+    return dict(json.loads(raw))
+
+
+def _now() -> Any:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC)
+
+
+def _now_text() -> str:
+    return _now().strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,282 @@
+"""The real kopf operator against the emulated API server (or HOTLOAD_E2E_KUBECONFIG's cluster).
+
+The test plays the Deployment controller (pods from the template) and the loaders (reports on
+the pods); the trainer uploads real snapshots to a bucket folder and creates Snapshot objects.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hotload.api.names import CONDITION_SNAPSHOT_LOADED
+from hotload.bucket import open_bucket, upload_snapshot_async
+from hotload.kube import resource_path
+from hotload.ledger import Ledger
+from hotload.snapshot import describe_snapshot
+from support.kubeapi import KubeAPI
+from support.operator import (
+    eventually,
+    hld_path,
+    install_crds,
+    play_deployment_controller,
+    play_loader,
+    running_operator,
+    serving,
+    snapshot_path,
+)
+from support.snapshots import delta, full, nudged, weights
+
+JSON = dict[str, Any]
+
+
+def condition(obj: JSON, type_: str) -> JSON:
+    """The condition `type_` of `obj`'s status ({} when absent)."""
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return dict(c)
+    return {}
+
+
+@pytest.fixture
+def snapshots(tmp_path: Path) -> dict[str, Path]:
+    """A full snapshot, a delta on it, a delta on a snapshot the ledger never saw."""
+    base = weights(0)
+    s0 = full(tmp_path / "snaps" / "step-000", base)
+    s1_full = full(tmp_path / "fulls" / "step-001", nudged(base, 1))
+    s1 = delta(s0, s1_full, tmp_path / "snaps" / "step-001")
+    other = full(tmp_path / "fulls" / "other", weights(5))
+    s2_full = full(tmp_path / "fulls" / "step-002", nudged(weights(5), 2))
+    stray = delta(other, s2_full, tmp_path / "snaps" / "step-002")
+    return {"step-000": s0, "step-001": s1, "step-002": stray}
+
+
+async def upload(bucket_dir: Path, folder: Path) -> None:
+    """The trainer's part: every file in the bucket before the Snapshot object exists."""
+    desc = describe_snapshot(folder)
+    await upload_snapshot_async(
+        folder,
+        open_bucket(str(bucket_dir)),
+        folder.name,
+        files=desc.files,
+        manifest_files=desc.manifest_files,
+    )
+
+
+def snapshot_object(name: str, deployment: str, **spec: Any) -> JSON:
+    """A Snapshot object as a trainer creates it."""
+    return {
+        "apiVersion": "hotload.dev/v1alpha1",
+        "kind": "Snapshot",
+        "metadata": {"name": name},
+        "spec": {"deployment": deployment, "identity": name, **spec},
+    }
+
+
+@pytest.mark.asyncio
+async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
+    kube_api: KubeAPI,
+    tmp_path: Path,
+    snapshots: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig))
+    monkeypatch.setenv("HOTLOAD_ROLLUP_INTERVAL", "0.5")
+    ns = kube_api.namespace
+    bucket_dir = tmp_path / "bucket"
+    bucket_dir.mkdir()
+    async with kube_api.client() as kube:
+        await install_crds(kube)
+        async with running_operator(kube_api):
+            hld = {
+                "apiVersion": "hotload.dev/v1alpha1",
+                "kind": "HotLoadDeployment",
+                "metadata": {"name": "fleet"},
+                "spec": {
+                    "replicas": 2,
+                    "bucket": {"url": f"file://{bucket_dir}"},
+                    "engine": {"image": "registry.example/engine:1", "gpus": 1},
+                },
+            }
+            await kube.create(hld_path(ns), hld)
+
+            # Owned objects appear, owned by the deployment.
+            deployment = await eventually(
+                "the Deployment",
+                lambda: _get(kube, resource_path("apps/v1", "deployments", ns, "fleet")),
+            )
+            owner = deployment["metadata"]["ownerReferences"][0]
+            assert owner["kind"] == "HotLoadDeployment" and owner["name"] == "fleet"
+            template = deployment["spec"]["template"]["spec"]
+            assert template["readinessGates"] == [{"conditionType": CONDITION_SNAPSHOT_LOADED}]
+            assert template["initContainers"][0]["restartPolicy"] == "Always"
+            assert template["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+            for kind, plural in [
+                ("v1", "services"),
+                ("v1", "serviceaccounts"),
+                ("rbac.authorization.k8s.io/v1", "roles"),
+                ("rbac.authorization.k8s.io/v1", "rolebindings"),
+                ("policy/v1", "poddisruptionbudgets"),
+            ]:
+                items = (await kube.list(resource_path(kind, plural, ns)))["items"]
+                assert any(
+                    i["metadata"].get("ownerReferences", [{}])[0].get("name") == "fleet"
+                    for i in items
+                ), plural
+
+            pods = await play_deployment_controller(kube, ns, "fleet")
+            assert pods == ["fleet-0", "fleet-1"]
+
+            # A full snapshot: admitted into the ledger.
+            await upload(bucket_dir, snapshots["step-000"])
+            await kube.create(snapshot_path(ns), snapshot_object("step-000", "fleet"))
+            accepted = await eventually(
+                "step-000 accepted",
+                lambda: _status_has(kube, snapshot_path(ns, "step-000"), "Accepted"),
+            )
+            assert condition(accepted, "Accepted")["status"] == "True", accepted["status"]
+            assert accepted["status"]["sequence"] == 1 and accepted["status"]["kind"] == "full"
+            ledger = Ledger(open_bucket(str(bucket_dir)), "fleet")
+            assert (await ledger.read_async()).document.head.identity == "step-000"  # type: ignore[union-attr]
+
+            # The loaders report step-000: the fleet and the snapshot become Ready.
+            for pod in pods:
+                await play_loader(kube, ns, pod, serving("step-000", 1), ready=True)
+
+            async def fleet_ready() -> JSON | None:
+                obj = await kube.get(hld_path(ns, "fleet"))
+                ok = condition(obj, "Ready").get("status") == "True"
+                return obj if ok and obj["status"].get("updatedReplicas") == 2 else None
+
+            status = (await eventually("the fleet Ready on step-000", fleet_ready))["status"]
+            assert status["readyReplicas"] == 2 and status["currentSnapshot"] == "step-000"
+            assert status["targetSnapshot"] == "step-000" and status["targetSequence"] == 1
+            assert condition({"status": status}, "Ready")["reason"] == "AllReplicasCurrent"
+            assert {r["pod"] for r in status["replicaStatuses"]} == set(pods)
+            snap = await eventually(
+                "step-000 Ready",
+                lambda: _condition_true(kube, snapshot_path(ns, "step-000"), "Ready"),
+            )
+            assert snap["status"]["replicasLoaded"] == 2 and snap["status"]["readyTime"]
+            assert len(snap["status"]["loads"]) == 2
+
+            # A delta against a snapshot the ledger never had: refused, ledger untouched.
+            await upload(bucket_dir, snapshots["step-002"])
+            await kube.create(snapshot_path(ns), snapshot_object("step-002", "fleet"))
+            refused = await eventually(
+                "step-002 refused",
+                lambda: _status_has(kube, snapshot_path(ns, "step-002"), "Accepted"),
+            )
+            accepted_cond = condition(refused, "Accepted")
+            assert accepted_cond["status"] == "False" and accepted_cond["reason"] == "WrongParent"
+            assert "step-000" in accepted_cond["message"]
+            assert (await ledger.read_async()).document.sequence == 1
+            events = (await kube.list(resource_path("v1", "events", ns)))["items"]
+            assert any(e["reason"] == "WrongParent" and e["type"] == "Warning" for e in events), [
+                e["reason"] for e in events
+            ]
+
+            # Nothing uploaded: refused, naming what is missing.
+            await kube.create(snapshot_path(ns), snapshot_object("step-404", "fleet"))
+            missing = await eventually(
+                "step-404 refused",
+                lambda: _status_has(kube, snapshot_path(ns, "step-404"), "Accepted"),
+            )
+            assert condition(missing, "Accepted")["reason"] == "NotInBucket"
+
+            # A good delta: accepted; one replica loads it, one fails.
+            await upload(bucket_dir, snapshots["step-001"])
+            await kube.create(snapshot_path(ns), snapshot_object("step-001", "fleet"))
+            await eventually(
+                "step-001 accepted",
+                lambda: _condition_true(kube, snapshot_path(ns, "step-001"), "Accepted"),
+            )
+            await play_loader(kube, ns, "fleet-0", serving("step-001", 2), ready=True)
+            await play_loader(
+                kube,
+                ns,
+                "fleet-1",
+                serving(
+                    "step-000",
+                    1,
+                    target="step-001",
+                    target_sequence=2,
+                    state="failed",
+                    error="checksum mismatch in model-00001-of-00004.safetensors",
+                ),
+                ready=True,
+            )
+
+            async def degraded() -> JSON | None:
+                obj = await kube.get(hld_path(ns, "fleet"))
+                return obj if condition(obj, "Degraded").get("status") == "True" else None
+
+            obj = await eventually("Degraded with the failure", degraded)
+            assert condition(obj, "Ready")["status"] == "False"
+            assert condition(obj, "Ready")["reason"] == "ReplicasBehind"
+            assert "checksum mismatch" in condition(obj, "Degraded")["message"]
+            assert obj["status"]["targetSnapshot"] == "step-001"
+            assert obj["status"]["updatedReplicas"] == 1
+
+            async def failure_noted() -> JSON | None:
+                obj = await kube.get(snapshot_path(ns, "step-001"))
+                return obj if (obj.get("status") or {}).get("failures") else None
+
+            snap1 = await eventually("step-001 failure noted", failure_noted)
+            assert snap1["status"]["failures"][0]["pod"] == "fleet-1"
+            assert condition(snap1, "Ready")["reason"] == "LoadFailed"
+
+            await play_loader(kube, ns, "fleet-1", serving("step-001", 2), ready=True)
+            await eventually(
+                "step-001 Ready",
+                lambda: _condition_true(kube, snapshot_path(ns, "step-001"), "Ready"),
+            )
+            await eventually("the fleet Ready on step-001", fleet_ready)
+
+            # Scaling up: the Deployment follows the spec.
+            await kube.patch(hld_path(ns, "fleet"), {"spec": {"replicas": 3}}, "merge")
+
+            async def scaled() -> bool:
+                path = resource_path("apps/v1", "deployments", ns, "fleet")
+                return bool(await _field(kube, path, "spec", "replicas") == 3)
+
+            await eventually("the Deployment scaled", scaled)
+
+            # Deleting the deployment removes what it owns (owner garbage collection).
+            await kube.delete(hld_path(ns, "fleet"))
+            await eventually(
+                "the Deployment garbage-collected",
+                lambda: _gone(kube, resource_path("apps/v1", "deployments", ns, "fleet")),
+            )
+
+
+async def _get(kube: Any, path: str) -> JSON | None:
+    from hotload.errors import KubeNotFoundError
+
+    try:
+        return dict(await kube.get(path))
+    except KubeNotFoundError:
+        return None
+
+
+async def _gone(kube: Any, path: str) -> bool:
+    return await _get(kube, path) is None
+
+
+async def _status_has(kube: Any, path: str, type_: str) -> JSON | None:
+    obj = await _get(kube, path)
+    return obj if obj and condition(obj, type_) else None
+
+
+async def _condition_true(kube: Any, path: str, type_: str) -> JSON | None:
+    obj = await _get(kube, path)
+    return obj if obj and condition(obj, type_).get("status") == "True" else None
+
+
+async def _field(kube: Any, path: str, *keys: str) -> Any:
+    obj: Any = await _get(kube, path)
+    for k in keys:
+        obj = (obj or {}).get(k)
+    return obj

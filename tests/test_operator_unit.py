@@ -1,0 +1,362 @@
+"""The operator's pure parts: builders, roll-up and admission, with plain data in and out.
+
+Admission runs against a real bucket folder with real snapshots; every manifest the builders
+return is validated offline with kubernetes-validate (strict).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from hotload.api.models import HotLoadDeployment, Snapshot
+from hotload.bucket import open_bucket, upload_snapshot
+from hotload.ledger import Ledger
+from hotload.snapshot import describe_snapshot, write_snapshot
+from hotload_operator.admission import admit
+from hotload_operator.builders import (
+    build_children,
+    build_loader_admission_policy,
+    engine_command,
+)
+from hotload_operator.rollup import rollup_deployment, rollup_snapshot
+from hotload_sidecar.kube_report import build_pod_metadata_patch
+from support.operator import serving
+from support.snapshots import CONFIG, delta, full, nudged, weights
+
+JSON = dict[str, Any]
+NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
+
+
+def deployment(**spec: Any) -> HotLoadDeployment:
+    """A deployment model as the API server would hand it to the operator."""
+    body = {
+        "bucket": {"url": "s3://rl/prod"},
+        "engine": {"image": "registry.example/engine:1"},
+        **spec,
+    }
+    return HotLoadDeployment.model_validate(
+        {
+            "metadata": {"name": "fleet", "namespace": "ml", "uid": "u-1", "generation": 3},
+            "spec": body,
+        }
+    )
+
+
+# --- builders -----------------------------------------------------------------------------------
+
+
+def test_children_carry_labels_owner_and_settings() -> None:
+    hld = deployment(
+        replicas=4,
+        bucket={"url": "s3://rl/prod", "credentialsSecret": "bucket-creds"},
+        engine={"image": "e:1", "kind": "vllm", "gpus": 2, "args": ["--max-model-len", "4096"]},
+        transitionMode="sync",
+        nodeSelector={"gpu": "h100"},
+        tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        ledger="policy-a",
+    )
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in build_children(hld)}
+    assert set(objs) == {
+        ("ServiceAccount", "fleet-hotload-loader"),
+        ("Role", "fleet-hotload-loader"),
+        ("RoleBinding", "fleet-hotload-loader"),
+        ("Deployment", "fleet"),
+        ("Service", "fleet"),
+        ("PodDisruptionBudget", "fleet"),
+    }
+    for obj in objs.values():
+        assert obj["metadata"]["namespace"] == "ml"
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+        assert obj["metadata"]["labels"]["hotload.dev/deployment"] == "fleet"
+    dep = objs[("Deployment", "fleet")]
+    assert dep["spec"]["replicas"] == 4
+    # GPUs: replace in place, never surge an extra replica.
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    pod = dep["spec"]["template"]["spec"]
+    loader = pod["initContainers"][0]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in loader["env"]}
+    assert env["HOTLOAD_LEDGER_URL"] == "s3://rl/prod/policy-a"
+    assert env["HOTLOAD_ENGINE"] == "vllm" and env["HOTLOAD_TRANSITION_MODE"] == "sync"
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["HOTLOAD_BUCKET_CREDENTIALS_DIR"] == "/var/run/hotload/bucket"
+    assert loader["startupProbe"]["httpGet"]["path"] == "/startup"
+    engine = pod["containers"][0]
+    assert engine["command"][:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert engine["command"][-2:] == ["--max-model-len", "4096"]
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in engine["env"]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"][0]["key"] == "gpu"
+    assert {v["name"] for v in pod["volumes"]} == {"weights", "bucket-credentials"}
+    assert pod["serviceAccountName"] == "fleet-hotload-loader"
+
+
+def test_loader_role_grants_exactly_what_the_loader_needs() -> None:
+    role = next(o for o in build_children(deployment()) if o["kind"] == "Role")
+    grants = {(r["resources"][0], verb) for r in role["rules"] for verb in r["verbs"]}
+    assert grants == {
+        ("pods", "get"),
+        ("pods", "patch"),
+        ("pods/status", "patch"),
+        ("events", "create"),
+    }
+
+
+def test_engine_command_per_kind() -> None:
+    assert engine_command(deployment())[:6] == [
+        "hotload", "serve", "--model", "/weights/current", "--name", "fleet",
+    ]  # fmt: skip
+    sglang = engine_command(deployment(engine={"image": "e", "kind": "sglang", "port": 30000}))
+    assert sglang[:5] == [
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/weights/current",
+    ]
+    assert "30000" in sglang
+
+
+def test_a_template_change_changes_the_template_hash() -> None:
+    a = next(o for o in build_children(deployment()) if o["kind"] == "Deployment")
+    b = next(
+        o
+        for o in build_children(deployment(engine={"image": "registry.example/engine:2"}))
+        if o["kind"] == "Deployment"
+    )
+
+    def hash_of(d: JSON) -> str:
+        return str(d["spec"]["template"]["metadata"]["annotations"]["hotload.dev/template-hash"])
+
+    assert hash_of(a) != hash_of(b)
+
+
+def test_every_built_manifest_validates_strictly() -> None:
+    import kubernetes_validate
+
+    hld = deployment(
+        bucket={"url": "s3://rl/prod", "credentialsSecret": "creds"},
+        engine={"image": "e", "gpus": 1, "resources": {"limits": {"memory": "64Gi"}}},
+        weightsVolume={"sizeLimit": "200Gi"},
+        tolerations=[{"key": "gpu", "operator": "Exists"}],
+    )
+    for obj in [*build_children(hld), *build_loader_admission_policy()]:
+        kubernetes_validate.validate(obj, "1.33", strict=True)
+
+
+# --- roll-up ------------------------------------------------------------------------------------
+
+
+def pod(name: str, report: Any | None, *, ready: bool = True) -> JSON:
+    """A pod as the API returns it, with a loader report."""
+    meta: JSON = {"name": name, "labels": {"hotload.dev/deployment": "fleet"}}
+    if report is not None:
+        meta.update(build_pod_metadata_patch(report)["metadata"])
+    return {
+        "metadata": meta,
+        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def entries(n: int) -> list[Any]:
+    """Ledger entries step-000..: sequence i+1."""
+    from hotload.ledger import LedgerEntry
+
+    return [
+        LedgerEntry(
+            sequence=i + 1,
+            identity=f"step-{i:03d}",
+            kind="full" if i == 0 else "incremental",
+            previous=None if i == 0 else f"step-{i - 1:03d}",
+            published_time=NOW,
+            prompt_cache="all",
+            manifest_digest="sha256:" + "0" * 64,
+            shipped_bytes=1,
+            full_bytes=1,
+        )
+        for i in range(n)
+    ]
+
+
+def cond(status: JSON, type_: str) -> JSON:
+    """Condition `type_` of a status document."""
+    return next(c for c in status["conditions"] if c["type"] == type_)
+
+
+def test_rollup_without_a_snapshot_and_with_every_replica_current() -> None:
+    hld = deployment(replicas=2)
+    empty = rollup_deployment(hld, [pod("a", None), pod("b", None)], None, [], now=NOW)
+    assert cond(empty, "Ready")["status"] == "False"
+    assert cond(empty, "Ready")["reason"] == "NoSnapshot"
+    es = entries(2)
+    pods = [pod("a", serving("step-001", 2)), pod("b", serving("step-001", 2))]
+    status = rollup_deployment(hld, pods, es[-1], es, now=NOW, previous=empty)
+    assert cond(status, "Ready")["reason"] == "AllReplicasCurrent"
+    assert status["updatedReplicas"] == 2 and status["currentSnapshot"] == "step-001"
+    assert status["currentSequence"] == 2 and status["observedGeneration"] == 3
+    assert cond(status, "Progressing")["status"] == "False"
+    assert status["selector"] == "hotload.dev/component=engine,hotload.dev/deployment=fleet"
+
+
+def test_rollup_ready_fraction_failures_and_transition_times() -> None:
+    es = entries(3)
+    hld = deployment(replicas=3, readyPercent=60)
+    failed = serving(
+        "step-001", 2, target="step-002", target_sequence=3, state="failed", error="bad checksum"
+    )
+    pods = [
+        pod("a", serving("step-002", 3)),
+        pod("b", serving("step-002", 3)),
+        pod("c", failed),
+    ]
+    first = rollup_deployment(hld, pods, es[-1], es, now=NOW)
+    assert cond(first, "Ready")["status"] == "True"
+    assert cond(first, "Ready")["reason"] == "EnoughReplicasCurrent"
+    assert cond(first, "Degraded")["reason"] == "LoadFailures"
+    assert "c: bad checksum" in cond(first, "Degraded")["message"]
+    assert cond(first, "Progressing")["status"] == "True"
+    assert first["currentSnapshot"] == "step-002"
+    replica_c = next(r for r in first["replicaStatuses"] if r["pod"] == "c")
+    assert replica_c["loaded"] is False and replica_c["message"] == "bad checksum"
+    later = NOW + timedelta(minutes=5)
+    second = rollup_deployment(hld, pods, es[-1], es, now=later, previous=first)
+    # Unchanged statuses keep their transition time.
+    assert cond(second, "Ready")["lastTransitionTime"] == cond(first, "Ready")["lastTransitionTime"]
+    stricter = deployment(replicas=3)
+    third = rollup_deployment(stricter, pods, es[-1], es, now=later, previous=second)
+    assert cond(third, "Ready")["status"] == "False"
+    assert cond(third, "Ready")["lastTransitionTime"] == "2026-11-22T12:05:00Z"
+    assert third["currentSnapshot"] == "step-001"  # what all three replicas serve or passed
+
+
+def test_rollup_tolerates_garbled_annotations() -> None:
+    es = entries(1)
+    bad = {
+        "metadata": {"name": "x", "annotations": {"hotload.dev/snapshot": "{not json"}},
+        "status": {},
+    }
+    status = rollup_deployment(deployment(replicas=1), [bad], es[0], es, now=NOW)
+    assert status["replicaStatuses"][0]["snapshot"] is None
+    assert cond(status, "Ready")["reason"] == "ReplicasBehind"
+
+
+def snapshot_obj(identity: str, sequence: int, *, ready: str | None = None) -> Snapshot:
+    """An accepted Snapshot model (optionally already Ready)."""
+    conditions = [
+        {"type": "Accepted", "status": "True", "reason": "Admitted", "lastTransitionTime": "t"}
+    ]
+    if ready:
+        conditions.append(
+            {"type": "Ready", "status": ready, "reason": "Loaded", "lastTransitionTime": "t"}
+        )
+    return Snapshot.model_validate(
+        {
+            "metadata": {"name": identity},
+            "spec": {"deployment": "fleet", "identity": identity},
+            "status": {"conditions": conditions, "sequence": sequence},
+        }
+    )
+
+
+def test_snapshot_rollup_ready_superseded_and_sticky() -> None:
+    es = entries(3)
+    hld = deployment(replicas=2)
+    pods = [pod("a", serving("step-001", 2)), pod("b", serving("step-001", 2))]
+    update = rollup_snapshot(snapshot_obj("step-001", 2), hld, pods, es[1], now=NOW)
+    assert update is not None and cond(update, "Ready")["reason"] == "Loaded"
+    assert update["readyTime"] == "2026-11-22T12:00:00Z" and update["replicasLoaded"] == 2
+    # Never served by enough replicas before a newer head: superseded.
+    lonely = [pod("a", serving("step-000", 1)), pod("b", serving("step-000", 1))]
+    old = rollup_snapshot(snapshot_obj("step-001", 2), hld, lonely, es[2], now=NOW)
+    assert old is not None and cond(old, "Ready")["reason"] == "Superseded"
+    # Once Ready, it stays Ready when the fleet moves on.
+    moved = [pod("a", serving("step-002", 3)), pod("b", serving("step-002", 3))]
+    kept = rollup_snapshot(snapshot_obj("step-001", 2, ready="True"), hld, moved, es[2], now=NOW)
+    assert kept is not None and cond(kept, "Ready")["status"] == "True"
+    assert "readyTime" not in kept
+    # Not accepted yet: nothing to roll up.
+    pending = Snapshot.model_validate(
+        {"metadata": {"name": "x"}, "spec": {"deployment": "fleet", "identity": "x"}}
+    )
+    assert rollup_snapshot(pending, hld, pods, es[2], now=NOW) is None
+
+
+# --- admission ----------------------------------------------------------------------------------
+
+
+def _publish_files(bucket_dir: Path, folder: Path) -> None:
+    desc = describe_snapshot(folder)
+    upload_snapshot(
+        folder, open_bucket(str(bucket_dir)), folder.name, files=desc.files,
+        manifest_files=desc.manifest_files,
+    )  # fmt: skip
+
+
+def _snap(identity: str, **spec: Any) -> Snapshot:
+    return Snapshot.model_validate(
+        {
+            "metadata": {"name": identity},
+            "spec": {"deployment": "fleet", "identity": identity, **spec},
+        }
+    )
+
+
+def test_admission_validates_where_it_lies_and_appends_once(tmp_path: Path) -> None:
+    bucket_dir = tmp_path / "bucket"
+    bucket = open_bucket(str(bucket_dir))
+    ledger = Ledger(bucket, "fleet")
+    hld = deployment(bucket={"url": f"file://{bucket_dir}"})
+    base = weights(0)
+    s0 = full(tmp_path / "s" / "step-000", base)
+    s1_full = full(tmp_path / "f" / "step-001", nudged(base, 1))
+    s1 = delta(s0, s1_full, tmp_path / "s" / "step-001")
+    for folder in (s0, s1):
+        _publish_files(bucket_dir, folder)
+
+    def run(snap: Snapshot) -> Any:
+        return asyncio.run(admit(snap, hld, bucket, ledger))
+
+    first = run(_snap("step-000", kind="full"))
+    assert first.accepted and first.entry.sequence == 1 and first.kind == "full"
+    again = run(_snap("step-000"))  # an operator restarted mid-admission
+    assert again.accepted and again.entry.sequence == 1
+    assert ledger.read().document.sequence == 1
+    assert not run(_snap("step-001", kind="full")).accepted  # kind mismatch
+    wrong = run(_snap("step-001", previous="step-999"))
+    assert not wrong.accepted and wrong.reason == "WrongParent"
+    ok = run(_snap("step-001", previous="step-000", promptCache="new_session"))
+    assert ok.accepted and ok.entry.sequence == 2 and ok.entry.prompt_cache == "new_session"
+
+    # config.json changed against the base: ConfigMismatch, naming the field and the bucket.
+    changed = dict(CONFIG, hidden_size=128)
+    s2 = tmp_path / "s" / "step-002"
+    write_snapshot(s2, nudged(base, 2), config=changed, overwrite=True)
+    _publish_files(bucket_dir, s2)
+    mismatch = run(_snap("step-002"))
+    assert not mismatch.accepted and mismatch.reason == "ConfigMismatch"
+    assert "hidden_size" in mismatch.message and str(bucket_dir) in mismatch.message
+    assert str(tmp_path / "s") not in mismatch.message.replace(str(bucket_dir), "")
+    # Allowed when the deployment says the field may change.
+    lenient = deployment(bucket={"url": f"file://{bucket_dir}"}, ignoreConfigFields=["hidden_size"])
+    assert asyncio.run(admit(_snap("step-002"), lenient, bucket, ledger)).accepted
+
+    # A delta whose tensors changed dtype against the head: refused, the tensor named. (The
+    # encoder refuses such a pair, so the trainer here encodes against a float16 copy it
+    # claims is step-002.)
+    from hotload.arc import encode
+
+    as_fp16 = {k: v.astype("float16") if "layers.0" in k else v for k, v in nudged(base, 2).items()}
+    x = write_snapshot(tmp_path / "f" / "x", as_fp16, config=changed, overwrite=True).path
+    as_fp16["model.layers.0.mlp.weight"][0, 0] += 1
+    y = write_snapshot(tmp_path / "f" / "y", as_fp16, config=changed, overwrite=True).path
+    encode(x, y, tmp_path / "s" / "step-003", parent_identity="step-002", threads=1)
+    _publish_files(bucket_dir, tmp_path / "s" / "step-003")
+    refused = run(_snap("step-003"))
+    assert not refused.accepted and refused.reason == "InvalidSnapshot"
+    assert "model.layers.0.mlp.weight.dtype" in refused.message and "F16" in refused.message
+
+    assert not run(_snap("step-404")).accepted
+    assert json.loads((bucket_dir / ".hotload/ledgers/fleet.json").read_text())["sequence"] == 3
