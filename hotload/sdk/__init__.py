@@ -1,5 +1,23 @@
-"""The trainer-facing side: publishing snapshots to a bucket and its ledger."""
+"""The trainer-facing side: publishing snapshots to a bucket, its ledger and the fleet."""
 
 from hotload.sdk.publish import Published, publish_folder, publish_folder_async
+from hotload.sdk.publisher import (
+    NotReadyError,
+    Publisher,
+    PublishError,
+    PublishHandle,
+    ReadyReport,
+    SnapshotRejectedError,
+)
 
-__all__ = ["Published", "publish_folder", "publish_folder_async"]
+__all__ = [
+    "NotReadyError",
+    "PublishError",
+    "PublishHandle",
+    "Published",
+    "Publisher",
+    "ReadyReport",
+    "SnapshotRejectedError",
+    "publish_folder",
+    "publish_folder_async",
+]
