@@ -205,22 +205,10 @@ class Publisher:
                 )
             ).entry  # fmt: skip
         else:
-            await upload_snapshot_async(
-                folder,
-                self.bucket,
-                ident,
-                files=desc.files,
-                manifest_files=desc.manifest_files,
-                progress=self.progress,
-            )
-            await self._create_snapshot(ident, desc.kind, previous, policy)
-            # Wait for admission: a refusal surfaces here, and the next delta is made against
-            # what the ledger really holds.
             try:
-                await self._wait_accepted(ident, self.accept_timeout)
+                await self.submit_folder_async(folder, ident, prompt_cache=policy)
             except SnapshotRejectedError:
                 self._parent = None
-                self._force_full = True
                 raise
         self._remember(ident, full_dir)
         if folder != full_dir:
@@ -261,6 +249,31 @@ class Publisher:
         self._parent = (identity, full_dir)
         if old is not None and old[1] != full_dir:
             shutil.rmtree(old[1], ignore_errors=True)
+
+    async def submit_folder_async(
+        self, folder: str | Path, identity: str, *, prompt_cache: PromptCachePolicy = "all"
+    ) -> None:
+        """Upload a snapshot folder (full or delta) and create its `Snapshot` object; return
+        once the operator accepted it, raise `SnapshotRejectedError` if it refused it."""
+        if self.deployment is None:
+            raise PublishError("submit_folder needs a deployment (a cluster)")
+        desc = describe_snapshot(folder)
+        await upload_snapshot_async(
+            folder,
+            self.bucket,
+            identity,
+            files=desc.files,
+            manifest_files=desc.manifest_files,
+            progress=self.progress,
+        )
+        await self._create_snapshot(identity, desc.kind, desc.parent, prompt_cache)
+        # Wait for admission: a refusal surfaces here, and the next delta is made against
+        # what the ledger really holds.
+        try:
+            await self._wait_accepted(identity, self.accept_timeout)
+        except SnapshotRejectedError:
+            self._force_full = True
+            raise
 
     async def _create_snapshot(
         self, identity: str, kind: str, previous: str | None, policy: PromptCachePolicy

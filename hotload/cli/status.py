@@ -1,0 +1,212 @@
+"""`hotload status`: is the fleet on the latest policy? Deployments at a glance, one in detail,
+or, without a cluster, a ledger and the loaders of local replicas."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from hotload.cli.common import print_json
+from hotload.errors import HotloadError
+
+JSON = dict[str, Any]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the `status` command."""
+    p = sub.add_parser(
+        "status",
+        help="show which snapshot the fleet serves (cluster or local replicas)",
+        description="With a cluster: every HotLoadDeployment in the namespace (ready/desired, "
+        "up-to-date replicas, current and target snapshot, reason), or one in detail with its "
+        "replicas and recent snapshots. Without one: --ledger and --replicas show the ledger "
+        "head and what each local loader serves.",
+        epilog="Exit codes: 0 shown (and, with --check, every deployment Ready), 1 an error or "
+        "--check found one not Ready, 2 bad usage.",
+    )
+    p.add_argument("name", nargs="?", help="one HotLoadDeployment, in detail")
+    p.add_argument("--namespace", "-n", default="default", help="namespace (default: default)")
+    p.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig (default: $KUBECONFIG)")
+    p.add_argument(
+        "--ledger", metavar="BUCKET_URL/NAME", help="no cluster: the ledger to compare against"
+    )
+    p.add_argument(
+        "--replicas",
+        metavar="URL,...",
+        help="no cluster: loader base URLs (their /status endpoints), comma-separated",
+    )
+    p.add_argument(
+        "--check", action="store_true", help="exit 1 unless everything shown is Ready/current"
+    )
+    p.add_argument("-o", "--output", choices=["text", "json"], default="text", help="output format")
+    p.set_defaults(func=_status)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from hotload.bucket import run_sync
+
+    if args.ledger or args.replicas:
+        doc = run_sync(_local(args))
+        ok = all(r.get("identity") == doc["head"] for r in doc["replicas"])
+        if args.output == "json":
+            print_json(doc)
+        else:
+            _print_local(doc)
+    else:
+        doc = run_sync(_cluster(args))
+        ok = all(_ready(d) for d in doc["deployments"])
+        if args.output == "json":
+            print_json(doc)
+        else:
+            _print_cluster(doc, detail=args.name is not None)
+    return 0 if ok or not args.check else 1
+
+
+async def _cluster(args: argparse.Namespace) -> JSON:
+    from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
+    from hotload.errors import KubeNotFoundError
+    from hotload.kube import KubeClient, KubeConfig, resource_path
+
+    async with KubeClient(KubeConfig.auto(args.kubeconfig)) as kube:
+        path = resource_path(API_VERSION, DEPLOYMENT_PLURAL, args.namespace, args.name)
+        try:
+            found = await kube.get(path) if args.name else await kube.list(path)
+        except KubeNotFoundError:
+            raise HotloadError(
+                f"HotLoadDeployment {args.namespace}/{args.name} not found"
+                if args.name
+                else f"no HotLoadDeployment API: are the hotload CRDs installed? ({path})"
+            ) from None
+        deployments = [found] if args.name else list(found.get("items") or [])
+        snapshots: list[JSON] = []
+        if args.name:
+            listed = await kube.list(resource_path(API_VERSION, SNAPSHOT_PLURAL, args.namespace))
+            snapshots = [
+                s
+                for s in listed.get("items") or []
+                if (s.get("spec") or {}).get("deployment") == args.name
+            ]
+            snapshots.sort(key=lambda s: (s.get("status") or {}).get("sequence") or 0)
+    return {"namespace": args.namespace, "deployments": deployments, "snapshots": snapshots[-10:]}
+
+
+async def _local(args: argparse.Namespace) -> JSON:
+    import aiohttp
+
+    from hotload.bucket import open_bucket
+    from hotload.bucket.url import split_ledger_url
+    from hotload.ledger import Ledger
+
+    head = sequence = None
+    if args.ledger:
+        bucket_url, name = split_ledger_url(args.ledger)
+        document = (await Ledger(open_bucket(bucket_url), name).read_async()).document
+        if document.head is not None:
+            head, sequence = document.head.identity, document.head.sequence
+    replicas: list[JSON] = []
+    urls = [u for u in (args.replicas or "").split(",") if u]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        for url in urls:
+            try:
+                async with http.get(url.rstrip("/") + "/status") as resp:
+                    doc = await resp.json()
+                    replicas.append({"url": url, **doc})
+            except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+                replicas.append({"url": url, "error": f"{type(err).__name__}: {err}"})
+    return {"ledger": args.ledger, "head": head, "sequence": sequence, "replicas": replicas}
+
+
+def _ready(hld: JSON) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (hld.get("status") or {}).get("conditions") or []
+    )
+
+
+def _reason(obj: JSON, type_: str = "Ready") -> str:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return f"{c.get('status')}/{c.get('reason')}"
+    return "-"
+
+
+def _print_cluster(doc: JSON, *, detail: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(soft_wrap=True)
+    table = Table(title=f"HotLoadDeployments in {doc['namespace']}", title_justify="left")
+    for col in ("NAME", "READY", "UP-TO-DATE", "CURRENT", "TARGET", "READY?"):
+        table.add_column(col)
+    for d in doc["deployments"]:
+        st = d.get("status") or {}
+        table.add_row(
+            d["metadata"]["name"],
+            f"{st.get('readyReplicas', 0)}/{(d.get('spec') or {}).get('replicas', '?')}",
+            str(st.get("updatedReplicas", 0)),
+            f"{st.get('currentSnapshot') or '-'} ({st.get('currentSequence') or '-'})",
+            f"{st.get('targetSnapshot') or '-'} ({st.get('targetSequence') or '-'})",
+            _reason(d),
+        )
+    console.print(table)
+    if not detail or not doc["deployments"]:
+        return
+    st = doc["deployments"][0].get("status") or {}
+    replicas = Table(title="replicas", title_justify="left")
+    for col in ("POD", "SERVES", "SEQ", "LOADED", "READY", "STATE", "LAST LOAD", "MESSAGE"):
+        replicas.add_column(col)
+    for r in st.get("replicaStatuses") or []:
+        seconds = r.get("lastLoadSeconds")
+        replicas.add_row(
+            r.get("pod", ""),
+            r.get("snapshot") or "-",
+            str(r.get("sequence") if r.get("sequence") is not None else "-"),
+            "yes" if r.get("loaded") else "no",
+            "yes" if r.get("ready") else "no",
+            r.get("state") or "-",
+            f"{seconds:.2f}s" if isinstance(seconds, int | float) else "-",
+            r.get("message") or "",
+        )
+    console.print(replicas)
+    for c in st.get("conditions") or []:
+        console.print(f"{c['type']}={c['status']} {c['reason']}: {c.get('message', '')}")
+    if doc["snapshots"]:
+        snaps = Table(title="snapshots", title_justify="left")
+        for col in ("SNAPSHOT", "SEQ", "KIND", "ACCEPTED", "READY", "LOADED"):
+            snaps.add_column(col)
+        for s in doc["snapshots"]:
+            sst = s.get("status") or {}
+            snaps.add_row(
+                s["spec"]["identity"],
+                str(sst.get("sequence") or "-"),
+                sst.get("kind") or "-",
+                _reason(s, "Accepted"),
+                _reason(s),
+                f"{sst.get('replicasLoaded', 0)}/{sst.get('replicas', 0)}",
+            )
+        console.print(snaps)
+
+
+def _print_local(doc: JSON) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(soft_wrap=True)
+    if doc["ledger"]:
+        console.print(f"ledger {doc['ledger']}: head {doc['head']} (sequence {doc['sequence']})")
+    table = Table()
+    for col in ("LOADER", "SERVES", "SEQ", "TARGET", "STATE", "REASON", "LAST LOAD", "ERROR"):
+        table.add_column(col)
+    for r in doc["replicas"]:
+        last = r.get("last_load") or {}
+        table.add_row(
+            r["url"],
+            r.get("identity") or "-",
+            str(r.get("sequence") if r.get("sequence") is not None else "-"),
+            r.get("target_identity") or "-",
+            r.get("state") or "-",
+            r.get("reason") or "-",
+            f"{last['total_seconds']:.2f}s" if last.get("total_seconds") is not None else "-",
+            r.get("error") or r.get("last_error") or "",
+        )
+    console.print(table)
