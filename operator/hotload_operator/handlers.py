@@ -38,6 +38,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     )
     kube = KubeClient(KubeConfig.auto(os.environ.get("KUBECONFIG") or None))
     memo["ctx"] = Context(kube=kube, images=images)
+    fireworks_port = os.environ.get("HOTLOAD_FIREWORKS_PORT")
+    if fireworks_port:
+        memo["fireworks"] = await _start_fireworks(kube, int(fireworks_port))
     port = os.environ.get("HOTLOAD_METRICS_PORT")
     if port:
         from prometheus_client import start_http_server
@@ -45,9 +48,34 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         start_http_server(int(port), registry=memo["ctx"].metrics.registry)
 
 
+async def _start_fireworks(kube: KubeClient, port: int) -> Any:
+    """Serve the Fireworks-compatible hot-load API (token from HOTLOAD_FIREWORKS_TOKEN_FILE)."""
+    from pathlib import Path
+
+    from aiohttp import web
+
+    from hotload_operator.fireworks import create_app
+
+    token_file = os.environ.get("HOTLOAD_FIREWORKS_TOKEN_FILE", "")
+    token = Path(token_file).read_text().strip() if token_file else ""
+    if not token:
+        raise kopf.PermanentError(
+            "HOTLOAD_FIREWORKS_PORT is set but HOTLOAD_FIREWORKS_TOKEN_FILE names no token: "
+            "mount the token Secret and point the variable at its file"
+        )
+    namespace = os.environ.get("HOTLOAD_FIREWORKS_NAMESPACE", "default")
+    runner = web.AppRunner(create_app(kube, namespace=namespace, token=token))
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    return runner
+
+
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    """Close the API client."""
+    """Close the API client (and the Fireworks-compatible API)."""
+    runner = memo.get("fireworks")
+    if runner is not None:
+        await runner.cleanup()
     ctx: Context | None = memo.get("ctx")
     if ctx is not None:
         await ctx.kube.aclose()

@@ -1,0 +1,232 @@
+"""A Fireworks-compatible hot-load API in front of HotLoadDeployments.
+
+Trainers written against Fireworks' hot-load API work unchanged when their base URL points
+here: `POST /hot_load/v1/models/hot_load` asks the fleet to load a snapshot that is already in
+the deployment's bucket (we create the `Snapshot` object and wait for the operator's admission),
+`GET` on the same path reports every replica. The `fireworks-deployment` header names the
+HotLoadDeployment (`NAME` in the gateway's namespace, or `NAMESPACE/NAME`); requests carry
+`Authorization: Bearer <token>` with the token from a mounted Secret.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+from typing import Any
+
+from aiohttp import web
+
+from hotload.api.names import (
+    ANNOTATION_SNAPSHOT,
+    API_VERSION,
+    DEPLOYMENT_PLURAL,
+    SNAPSHOT_PLURAL,
+)
+from hotload.errors import KubeConflictError, KubeError, KubeNotFoundError
+from hotload.kube import KubeClient, resource_path
+from hotload.snapshot import validate_identity
+from hotload_operator.builders import selector_string
+from hotload_operator.reconcile import parse_deployment
+
+PATH = "/hot_load/v1/models/hot_load"
+KUBE: web.AppKey[KubeClient] = web.AppKey("kube", KubeClient)
+SETTINGS: web.AppKey[dict[str, Any]] = web.AppKey("settings", dict)
+
+_LOADING_STATES = {
+    "idle": "LOADED",
+    "fetching": "DOWNLOADING",
+    "rebuilding": "DOWNLOADING",
+    "loading": "LOADING",
+    "failed": "FAILED",
+    "starting": "INITIALIZING",
+}
+
+
+def create_app(
+    kube: KubeClient, *, namespace: str, token: str, accept_timeout: float = 60.0
+) -> web.Application:
+    """The gateway application (routes: POST and GET on the hot-load path, `/healthz`)."""
+    app = web.Application()
+    app[KUBE] = kube
+    app[SETTINGS] = {"namespace": namespace, "token": token, "timeout": accept_timeout}
+    app.router.add_post(PATH, _post)
+    app.router.add_get(PATH, _get)
+    app.router.add_get("/healthz", _healthz)
+    return app
+
+
+def parse_request(body: Any) -> tuple[str, str | None, str]:
+    """Validate a hot-load request body; return (identity, previous identity, cache policy).
+
+    Raises `ValueError` naming the field.
+    """
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    identity = body.get("identity")
+    try:
+        validate_identity(identity)
+    except Exception as err:
+        raise ValueError(f"identity: {err}") from None
+    previous = None
+    meta = body.get("incremental_snapshot_metadata")
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise ValueError("incremental_snapshot_metadata must be an object")
+        previous = meta.get("previous_snapshot_identity")
+        try:
+            validate_identity(previous)
+        except Exception as err:
+            raise ValueError(
+                f"incremental_snapshot_metadata.previous_snapshot_identity: {err}"
+            ) from None
+        compression = meta.get("compression_format", "arc_v2")
+        if compression != "arc_v2":
+            raise ValueError(
+                f"incremental_snapshot_metadata.compression_format: {compression!r} is not "
+                "supported (arc_v2)"
+            )
+        checksum = str(meta.get("checksum_format", "alder32")).lower()
+        if checksum not in {"alder32", "adler32"}:
+            raise ValueError(
+                f"incremental_snapshot_metadata.checksum_format: {checksum!r} is not supported "
+                "(alder32)"
+            )
+    reset = body.get("reset_prompt_cache", True)
+    if isinstance(reset, bool):
+        policy = "all" if reset else "none"
+    elif reset in {"all", "none", "new_session"}:
+        policy = str(reset)
+    elif isinstance(reset, str) and reset.upper() in {"ALL", "NONE", "NEW_SESSION"}:
+        policy = reset.lower()
+    else:
+        raise ValueError("reset_prompt_cache: use true/false or one of all, none, new_session")
+    return str(identity), previous, policy
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return _ok({"ok": True})
+
+
+def _ok(doc: Any, status: int = 200) -> web.Response:
+    return web.json_response(doc, status=status)
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+def _authorized(request: web.Request) -> bool:
+    want = request.app[SETTINGS]["token"]
+    got = request.headers.get("Authorization", "")
+    return bool(want) and hmac.compare_digest(got.encode(), f"Bearer {want}".encode())
+
+
+def _deployment(request: web.Request) -> tuple[str, str] | None:
+    raw = request.headers.get("fireworks-deployment", "").strip()
+    if not raw:
+        return None
+    # Fireworks names deployments accounts/<account>/deployments/<id>; keep the last segment.
+    if raw.count("/") >= 2 and "/deployments/" in raw:
+        raw = raw.rsplit("/", 1)[1]
+    if "/" in raw:
+        ns, name = raw.split("/", 1)
+        return ns, name
+    return request.app[SETTINGS]["namespace"], raw
+
+
+async def _post(request: web.Request) -> web.Response:
+    if not _authorized(request):
+        return _error(401, "missing or wrong bearer token", "UNAUTHENTICATED")
+    target = _deployment(request)
+    if target is None:
+        return _error(400, "the fireworks-deployment header is required", "INVALID_ARGUMENT")
+    try:
+        identity, previous, policy = parse_request(await request.json())
+    except (ValueError, json.JSONDecodeError) as err:
+        return _error(400, str(err), "INVALID_ARGUMENT")
+    ns, name = target
+    kube = request.app[KUBE]
+    try:
+        await kube.get(resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, name))
+    except KubeNotFoundError:
+        return _error(404, f"HotLoadDeployment {ns}/{name} not found", "NOT_FOUND")
+    spec: dict[str, Any] = {"deployment": name, "identity": identity, "promptCache": policy}
+    if previous is not None:
+        spec["previous"] = previous
+    object_name = identity.lower().replace("_", "-").replace(".", "-")
+    body = {
+        "apiVersion": API_VERSION,
+        "kind": "Snapshot",
+        "metadata": {"name": object_name},
+        "spec": spec,
+    }
+    with contextlib.suppress(KubeConflictError):  # a retry: report what the operator decided
+        await kube.create(resource_path(API_VERSION, SNAPSHOT_PLURAL, ns), body)
+    path = resource_path(API_VERSION, SNAPSHOT_PLURAL, ns, object_name)
+    deadline = asyncio.get_running_loop().time() + request.app[SETTINGS]["timeout"]
+    while True:
+        obj = await kube.get(path)
+        for c in (obj.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "Accepted" and c.get("status") == "True":
+                return _ok({"identity": identity, "status": "ACCEPTED", "deployment": name})
+            if c.get("type") == "Accepted" and c.get("status") == "False":
+                return _error(
+                    400 if c.get("reason") != "WrongParent" else 409,
+                    f"{c.get('reason')}: {c.get('message')}",
+                    "FAILED_PRECONDITION",
+                )
+        if asyncio.get_running_loop().time() > deadline:
+            return _ok({"identity": identity, "status": "PENDING", "deployment": name}, 202)
+        await asyncio.sleep(0.2)
+
+
+async def _get(request: web.Request) -> web.Response:
+    if not _authorized(request):
+        return _error(401, "missing or wrong bearer token", "UNAUTHENTICATED")
+    target = _deployment(request)
+    if target is None:
+        return _error(400, "the fireworks-deployment header is required", "INVALID_ARGUMENT")
+    ns, name = target
+    kube = request.app[KUBE]
+    try:
+        body = await kube.get(resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, name))
+    except KubeNotFoundError:
+        return _error(404, f"HotLoadDeployment {ns}/{name} not found", "NOT_FOUND")
+    except KubeError as err:
+        return _error(503, str(err), "UNAVAILABLE")
+    hld = parse_deployment(body)
+    pods = (
+        await kube.list(resource_path("v1", "pods", ns), label_selector=selector_string(hld))
+    ).get("items") or []
+    status = body.get("status") or {}
+    replicas = []
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        raw = (pod["metadata"].get("annotations") or {}).get(ANNOTATION_SNAPSHOT)
+        try:
+            note = json.loads(raw) if raw else {}
+        except ValueError:
+            note = {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in (pod.get("status") or {}).get("conditions") or []
+        )
+        replicas.append(
+            {
+                "name": pod["metadata"]["name"],
+                "readiness": ready,
+                "current_snapshot_identity": note.get("identity"),
+                "loading_state": _LOADING_STATES.get(str(note.get("state")), "UNKNOWN"),
+                "target_snapshot_identity": note.get("targetIdentity"),
+                "error": note.get("lastError") or None,
+            }
+        )
+    return _ok(
+        {
+            "deployment": name,
+            "current_snapshot_identity": status.get("currentSnapshot"),
+            "target_snapshot_identity": status.get("targetSnapshot"),
+            "replicas": replicas,
+        }
+    )

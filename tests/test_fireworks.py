@@ -1,0 +1,179 @@
+"""The Fireworks-compatible hot-load API, driven the way a Fireworks trainer drives it, in
+front of the real operator on the emulated API server."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from hotload.bucket import open_bucket, upload_snapshot_async
+from hotload.ledger import Ledger
+from hotload.snapshot import describe_snapshot
+from hotload_operator.fireworks import PATH, create_app, parse_request
+from support.kubeapi import KubeAPI
+from support.operator import (
+    eventually,
+    hld_path,
+    install_crds,
+    play_deployment_controller,
+    play_loader,
+    running_operator,
+    serving,
+)
+from support.snapshots import delta, full, nudged, weights
+
+TOKEN = "fw-test-token"
+
+
+class FireworksStyleClient:
+    """What a trainer written for Fireworks does: POST a hot load, poll GET until served."""
+
+    def __init__(self, base_url: str, deployment: str, api_key: str) -> None:
+        self.url = base_url.rstrip("/") + PATH
+        self.headers = {"Authorization": f"Bearer {api_key}", "fireworks-deployment": deployment}
+
+    async def hot_load(
+        self, http: aiohttp.ClientSession, identity: str, previous: str | None = None
+    ) -> tuple[int, Any]:
+        body: dict[str, Any] = {"identity": identity, "reset_prompt_cache": True}
+        if previous is not None:
+            body["incremental_snapshot_metadata"] = {
+                "previous_snapshot_identity": previous,
+                "compression_format": "arc_v2",
+                "checksum_format": "alder32",
+            }
+        async with http.post(self.url, json=body, headers=self.headers) as resp:
+            return resp.status, await resp.json()
+
+    async def status(self, http: aiohttp.ClientSession) -> tuple[int, Any]:
+        async with http.get(self.url, headers=self.headers) as resp:
+            return resp.status, await resp.json()
+
+    async def wait_loaded(self, http: aiohttp.ClientSession, identity: str) -> Any:
+        async def check() -> Any:
+            code, doc = await self.status(http)
+            replicas = doc.get("replicas") or []
+            ok = (
+                code == 200
+                and replicas
+                and all(
+                    r["readiness"] and r["current_snapshot_identity"] == identity for r in replicas
+                )
+            )
+            return doc if ok else None
+
+        return await eventually(f"{identity} loaded everywhere", check)
+
+
+def test_request_parsing_names_the_field() -> None:
+    assert parse_request({"identity": "s1"}) == ("s1", None, "all")
+    assert parse_request({"identity": "s1", "reset_prompt_cache": False})[2] == "none"
+    assert (
+        parse_request({"identity": "s1", "reset_prompt_cache": "new_session"})[2] == "new_session"
+    )
+    for body, field in [
+        ({"identity": "a/b"}, "identity"),
+        ({"identity": "s", "incremental_snapshot_metadata": {"previous_snapshot_identity": "a/b"}},
+         "previous_snapshot_identity"),
+        ({"identity": "s", "incremental_snapshot_metadata": {
+            "previous_snapshot_identity": "p", "compression_format": "zip"}}, "compression_format"),
+        ({"identity": "s", "incremental_snapshot_metadata": {
+            "previous_snapshot_identity": "p", "checksum_format": "md5"}}, "checksum_format"),
+        ({"identity": "s", "reset_prompt_cache": "sometimes"}, "reset_prompt_cache"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            parse_request(body)
+
+
+@pytest.mark.asyncio
+async def test_a_fireworks_trainer_works_unchanged(
+    kube_api: KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig))
+    monkeypatch.setenv("HOTLOAD_ROLLUP_INTERVAL", "0.5")
+    ns = kube_api.namespace
+    bucket_dir = tmp_path / "bucket"
+    bucket = open_bucket(str(bucket_dir))
+    s0 = full(tmp_path / "snaps" / "policy-0", weights(0))
+    s1 = delta(
+        s0,
+        full(tmp_path / "f" / "policy-1", nudged(weights(0), 1)),
+        tmp_path / "snaps" / "policy-1",
+    )
+    async with kube_api.client() as kube:
+        await install_crds(kube)
+        async with running_operator(kube_api):
+            await kube.create(
+                hld_path(ns),
+                {
+                    "apiVersion": "hotload.dev/v1alpha1",
+                    "kind": "HotLoadDeployment",
+                    "metadata": {"name": "fleet"},
+                    "spec": {"replicas": 2, "bucket": {"url": f"file://{bucket_dir}"},
+                             "engine": {"image": "e:1"}},
+                },
+            )  # fmt: skip
+
+            async def deployment_made() -> bool:
+                try:
+                    await kube.get(f"/apis/apps/v1/namespaces/{ns}/deployments/fleet")
+                    return True
+                except Exception:
+                    return False
+
+            await eventually("the Deployment", deployment_made)
+            pods = await play_deployment_controller(kube, ns, "fleet")
+
+            async def loaders() -> None:
+                ledger = Ledger(bucket, "fleet")
+                while True:
+                    head = (await ledger.read_async()).document.head
+                    if head is not None:
+                        for p in pods:
+                            await play_loader(
+                                kube, ns, p, serving(head.identity, head.sequence), ready=True
+                            )
+                    await asyncio.sleep(0.2)
+
+            server = TestServer(create_app(kube, namespace=ns, token=TOKEN), host="127.0.0.1")
+            await server.start_server()
+            playing = asyncio.create_task(loaders())
+            try:
+                client = FireworksStyleClient(str(server.make_url("/")), "fleet", TOKEN)
+                async with aiohttp.ClientSession() as http:
+                    # The trainer uploads to its bucket, then calls the API.
+                    for folder in (s0, s1):
+                        desc = describe_snapshot(folder)
+                        await upload_snapshot_async(
+                            folder, bucket, folder.name, files=desc.files,
+                            manifest_files=desc.manifest_files,
+                        )  # fmt: skip
+                    code, doc = await client.hot_load(http, "policy-0")
+                    assert code == 200 and doc["status"] == "ACCEPTED", doc
+                    loaded = await client.wait_loaded(http, "policy-0")
+                    assert {r["loading_state"] for r in loaded["replicas"]} == {"LOADED"}
+                    code, doc = await client.hot_load(http, "policy-1", previous="policy-0")
+                    assert code == 200, doc
+                    await client.wait_loaded(http, "policy-1")
+                    # Never uploaded: refused with the operator's reason (NotInBucket).
+                    code, doc = await client.hot_load(http, "policy-1b", previous="policy-0")
+                    assert code in (400, 409) and "NotInBucket" in doc["error"]["message"]
+                    # Wrong token, missing header, unknown deployment.
+                    bad = FireworksStyleClient(str(server.make_url("/")), "fleet", "nope")
+                    assert (await bad.status(http))[0] == 401
+                    other = FireworksStyleClient(str(server.make_url("/")), "missing", TOKEN)
+                    assert (await other.status(http))[0] == 404
+                    async with http.get(
+                        client.url, headers={"Authorization": f"Bearer {TOKEN}"}
+                    ) as r:
+                        assert r.status == 400
+                    code, doc = await client.hot_load(http, "a/b")
+                    assert code == 400 and "identity" in doc["error"]["message"]
+            finally:
+                playing.cancel()
+                await server.close()
