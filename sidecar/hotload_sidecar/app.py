@@ -44,7 +44,6 @@ async def _reporter(settings: Settings, local: LocalReporter) -> Reporter:
     if settings.report == "local":
         return local
     from hotload.kube import KubeClient, KubeConfig
-
     from hotload_sidecar.kube_report import KubernetesReporter
 
     config = KubeConfig.auto(settings.kubeconfig)
