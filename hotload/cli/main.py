@@ -18,7 +18,7 @@ EXIT_INTERRUPTED = 130
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the full `hotload` argument parser with every sub-command registered."""
-    from hotload.cli import crds, demo, ledger, publish, serve, snapshot, status
+    from hotload.cli import crds, demo, ledger, publish, router, serve, snapshot, status
 
     parser = argparse.ArgumentParser(
         prog="hotload",
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     snapshot.register(sub)
     demo.register(sub)
-    for module in (crds, ledger, publish, serve, status):
+    for module in (crds, ledger, publish, serve, status, router):
         module.register(sub)
     return parser
 

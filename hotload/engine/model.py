@@ -573,6 +573,12 @@ class ModelRunner:
         return logits
 
 
+#: `no_init_weights` swaps torch's init functions for the whole process; two engines building
+#: at once (threads of one process) could restore them in the wrong order and leave every later
+#: random model uninitialised. One build at a time.
+_NO_INIT_LOCK = threading.Lock()
+
+
 def _build_empty(config: Any, dtype: torch.dtype, device: torch.device, auto: Any) -> Any:
     """The model module with uninitialised weights (they are all overwritten by the load)."""
     try:
@@ -580,7 +586,7 @@ def _build_empty(config: Any, dtype: torch.dtype, device: torch.device, auto: An
     except ImportError:  # older transformers: pay for a random initialisation instead
         model = auto.from_config(config, dtype=dtype)
     else:
-        with no_init_weights():
+        with _NO_INIT_LOCK, no_init_weights():
             model = auto.from_config(config, dtype=dtype)
     model.to(device)
     model.eval()
