@@ -336,6 +336,27 @@ def build_children(hld: HotLoadDeployment, images: OperatorImages | None = None)
     ]
 
 
+#: Pod status fields only the kubelet writes (all exist from Kubernetes 1.30; a field the
+#: server's schema does not know would fail compilation and, with failurePolicy Fail, refuse
+#: every loader update, so check before adding newer ones).
+_KUBELET_STATUS_FIELDS = (
+    "phase", "message", "reason", "nominatedNodeName", "hostIP", "hostIPs", "podIP", "podIPs",
+    "startTime", "initContainerStatuses", "containerStatuses", "ephemeralContainerStatuses",
+    "qosClass",
+)  # fmt: skip
+
+
+def _present(side: str, path: str) -> str:
+    parts = path.split(".")
+    return " && ".join(f"has({side}.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
+
+
+def _unchanged(path: str) -> str:
+    """CEL: `path` is present on both sides with equal values, or on neither."""
+    new, old = _present("object", path), _present("oldObject", path)
+    return f"(({new}) == ({old}) && (!({new}) || object.{path} == oldObject.{path}))"
+
+
 def build_loader_admission_policy() -> list[JSON]:
     """The cluster-wide ValidatingAdmissionPolicy (and binding) that narrows every hotload
     loader to its own pod and to `hotload.dev/` labels, annotations and conditions.
@@ -433,6 +454,23 @@ def build_loader_admission_policy() -> list[JSON]:
                 {
                     "expression": "object.spec == oldObject.spec",
                     "message": "a hotload loader may not change a pod's spec",
+                    "reason": "Forbidden",
+                },
+                {
+                    # Kubernetes CEL cannot iterate a typed object's fields: name them.
+                    "expression": _unchanged("metadata.finalizers")
+                    + " && "
+                    + _unchanged("metadata.ownerReferences"),
+                    "message": "a hotload loader may not change its pod's finalizers or owner "
+                    "references",
+                    "reason": "Forbidden",
+                },
+                {
+                    "expression": " && ".join(
+                        _unchanged(f"status.{f}") for f in _KUBELET_STATUS_FIELDS
+                    ),
+                    "message": "a hotload loader may only change hotload.dev/ pod conditions in "
+                    "its pod's status",
                     "reason": "Forbidden",
                 },
             ],

@@ -33,7 +33,15 @@ store behind a fallback reaction. That store adds what kmock lacks (see NOTES.md
 * CRDs: creating a CustomResourceDefinition registers its kind (discovery, serving, status
   subresource) and marks it Established; deleting it removes the kind and its objects;
 * validation of label keys and values and of object names (422 like a real server);
-* optional bearer-token checking (`emulator.tokens`) for auth and token-rotation tests.
+* optional bearer-token checking (`emulator.tokens`) for auth and token-rotation tests;
+* service-account identities (`support.kubeaccess`): TokenRequest
+  (`POST .../serviceaccounts/NAME/token`, bound to a pod) and `add_service_account_token`
+  give tokens whose requests authenticate as the account (the pod's name and uid in
+  `userInfo.extra`), are authorized by RBAC (Roles, ClusterRoles and their bindings; real 403
+  messages) and die with their pod; every other request is the all-powerful admin;
+* ValidatingAdmissionPolicies with their bindings, in CEL, on every create, update (patches and
+  status writes included: `object` is the result) and delete that comes in over HTTP, with the
+  real denial (`ValidatingAdmissionPolicy 'P' with binding 'B' denied request: ...`).
 
 kmock cannot parse `/api/v1/namespaces` (its path parser fails before any reaction runs), so
 `KubeAPIEmulator.__call__` routes that one path itself.
@@ -42,12 +50,15 @@ kmock cannot parse `/api/v1/namespaces` (its path parser fails before any reacti
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import json
 import os
 import re
+import time
 import uuid
 import warnings
 from collections import deque
@@ -67,11 +78,28 @@ from kmock._internal import rendering
 
 from hotload.errors import KubeNotFoundError
 from hotload.kube import KubeClient, KubeConfig, resource_path
+from support.kubeaccess import (
+    ADMIN,
+    AdmissionRequest,
+    Attributes,
+    BoundToken,
+    UserInfo,
+    admit,
+    authorize,
+    request_verb,
+    service_account_user,
+)
 
 JSON = dict[str, Any]
 
 E2E_ENV = "HOTLOAD_E2E_KUBECONFIG"
 CRD_GROUP = "apiextensions.k8s.io"
+
+#: Who made the request being served: admission runs in the store's write methods, which
+#: also serve direct test access (`put_object`) and garbage collection, where it is None.
+_REQUEST_USER: contextvars.ContextVar[UserInfo | None] = contextvars.ContextVar(
+    "hotload_kube_request_user", default=None
+)
 
 
 def now_rfc3339() -> str:
@@ -361,8 +389,10 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
     #: (group, plural, namespace or "", name) -> object as stored (apiVersion of the first write).
     objects: dict[tuple[str, str, str, str], JSON] = attrs.field(factory=dict, init=False)
     history: deque[Change] = attrs.field(factory=lambda: deque(maxlen=10_000), init=False)
-    #: Accepted bearer tokens; empty accepts any request (with or without a token).
+    #: Accepted admin bearer tokens; empty accepts any request (with or without a token).
     tokens: set[str] = attrs.field(factory=set, init=False)
+    #: Service-account tokens (`add_service_account_token`, TokenRequest): RBAC applies.
+    service_account_tokens: dict[str, BoundToken] = attrs.field(factory=dict, init=False)
     #: How often an idle watch that asked for bookmarks gets one.
     bookmark_interval: float = 1.0
     _rv: int = attrs.field(default=100, init=False)
@@ -434,16 +464,74 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
             )
         return self.resources[res]
 
+    def add_service_account_token(
+        self,
+        token: str,
+        namespace: str,
+        service_account: str,
+        pod_name: str | None = None,
+        *,
+        pod_uid: str | None = None,
+        expires: float | None = None,
+    ) -> None:
+        """Accept `token` as the service account `namespace/service_account`, bound to the pod
+        `pod_name` (its name and uid land in `userInfo.extra`), as TokenRequest would issue it.
+
+        Requests with it are refused (401) once the account, or the pod (of `pod_uid`, when
+        given), is gone, or after `expires` (a `time.time()`); RBAC applies to them."""
+        self.service_account_tokens[token] = BoundToken(
+            namespace, service_account, pod_name, pod_uid, expires
+        )
+
+    def _authenticate(self, request: rendering.Request) -> UserInfo:
+        auth = str(request.headers.get("Authorization", ""))
+        token = auth[7:] if auth.startswith("Bearer ") else None
+        bound = self.service_account_tokens.get(token) if token else None
+        if bound is not None:
+            return service_account_user(bound, self.objects, time.time())
+        if self.tokens and token not in self.tokens:
+            raise api_error(401, "Unauthorized", "Unauthorized")
+        return ADMIN
+
     async def _serve(self, request: rendering.Request) -> Any:
-        if self.tokens:
-            auth = request.headers.get("Authorization", "")
-            if not auth.startswith("Bearer ") or auth[7:] not in self.tokens:
-                raise api_error(401, "Unauthorized", "Unauthorized")
+        user = self._authenticate(request)
         target = self._target(request)
         assert target is not None
-        info = self._info(target)
         method = request.method.value if request.method else "GET"
         params = request.params
+        watch = params.get("watch") in ("true", "1")
+        verb = request_verb(method, target.name is not None, watch)
+        attrs = Attributes(
+            verb,
+            target.group,
+            target.version,
+            target.plural,
+            target.subresource,
+            target.namespace,
+            target.name,
+        )
+        authorize(user, attrs, self.objects)
+        info = self._info(target)
+        reset = _REQUEST_USER.set(user)
+        try:
+            return await self._serve_as(request, target, info, method, params)
+        finally:
+            _REQUEST_USER.reset(reset)
+
+    async def _serve_as(
+        self,
+        request: rendering.Request,
+        target: Target,
+        info: kmock.ResourceInfo,
+        method: str,
+        params: Any,
+    ) -> Any:
+        if (target.group, target.plural, target.subresource) == ("", "serviceaccounts", "token"):
+            if method != "POST" or target.name is None:
+                raise api_error(405, "MethodNotAllowed", f"{method} is not allowed on this path")
+            token_request = json.loads(request.body) if request.body else {}
+            payload = self._token_request(target, token_request)
+            return rendering.Response(status=201, payload=payload)
         if target.subresource not in (None, "status") or (
             target.subresource == "status" and "status" not in info.subresources
         ):
@@ -588,12 +676,9 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
         if target.plural == "namespaces" and not target.group:
             obj["status"] = {"phase": "Active"}
         meta.pop("resourceVersion", None)
-        meta.update(
-            uid=str(uuid.uuid4()),
-            resourceVersion=str(self._next_rv()),
-            generation=1,
-            creationTimestamp=now_rfc3339(),
-        )
+        meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=now_rfc3339())
+        self._admit("CREATE", target, info, obj, None)
+        meta["resourceVersion"] = str(self._next_rv())
         if target.group == CRD_GROUP and target.plural == "customresourcedefinitions":
             self._register_crd(obj)
         self.objects[key] = obj
@@ -629,6 +714,7 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
         new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
         meta["resourceVersion"] = old_meta["resourceVersion"]
         validate_metadata(new)
+        self._admit("UPDATE", target, info, new, old)
         if new == old:
             return old  # a no-op write: no new resourceVersion, no event
         if _spec_of(new) != _spec_of(old):
@@ -640,6 +726,95 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             self._remove(key, target.group, target.plural)
         return new
+
+    def _admit(
+        self,
+        operation: str,
+        target: Target,
+        info: kmock.ResourceInfo,
+        new: JSON | None,
+        old: JSON | None,
+    ) -> None:
+        """Run the validating admission policies on a write that came in over HTTP."""
+        user = _REQUEST_USER.get()
+        if user is None:
+            return  # direct store access and garbage collection are not API requests
+        verb = {"CREATE": "create", "UPDATE": "update", "DELETE": "delete"}[operation]
+        attrs = Attributes(
+            verb,
+            target.group,
+            target.version,
+            target.plural,
+            target.subresource,
+            target.namespace,
+            target.name,
+        )
+        request = AdmissionRequest(operation, attrs, self._kind(info, target), user, new, old)
+        admit(request, self.objects)
+
+    def _token_request(self, target: Target, body: Any) -> JSON:
+        """TokenRequest: a token for the service account, bound to a pod when asked, with the
+        real server's checks (the pod exists, runs as that account, and has the given uid)."""
+        ns, name = target.namespace or "", target.name or ""
+        if ("", "serviceaccounts", ns, name) not in self.objects:
+            raise not_found("serviceaccounts", name)
+        spec = dict((body or {}).get("spec") or {}) if isinstance(body, dict) else {}
+        seconds = int(spec.get("expirationSeconds") or 3600)
+        if seconds < 600:
+            raise api_error(
+                422,
+                "Invalid",
+                f'TokenRequest.authentication.k8s.io "{name}" is invalid: spec.expirationSeconds: '
+                f"Invalid value: {seconds}: may not specify a duration less than 10 minutes",
+            )
+        ref = spec.get("boundObjectRef")
+        pod_name = pod_uid = None
+        if ref:
+            if (ref.get("apiVersion"), ref.get("kind")) != ("v1", "Pod"):
+                raise api_error(
+                    400,
+                    "BadRequest",
+                    f"cannot bind token to object of type {ref.get('apiVersion')}, "
+                    f"Kind={ref.get('kind')} (the emulator binds to pods only)",
+                )
+            pod_name = str(ref.get("name", ""))
+            pod = self.objects.get(("", "pods", ns, pod_name))
+            if pod is None:
+                raise not_found("pods", pod_name)
+            if ((pod.get("spec") or {}).get("serviceAccountName") or "default") != name:
+                raise api_error(
+                    400,
+                    "BadRequest",
+                    f'cannot bind token for serviceaccount "{name}" to pod running with '
+                    "different serviceaccount name.",
+                )
+            pod_uid = str(pod["metadata"]["uid"])
+            if ref.get("uid") and ref["uid"] != pod_uid:
+                raise api_error(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on Pod "{pod_name}": the UID in the bound '
+                    f"object reference ({ref['uid']}) does not match the UID in record. The "
+                    "object might have been deleted and then recreated",
+                )
+            spec["boundObjectRef"] = {**ref, "uid": pod_uid}
+        token = f"emulated-sa-{uuid.uuid4().hex}"
+        expires = time.time() + seconds
+        self.add_service_account_token(token, ns, name, pod_name, pod_uid=pod_uid, expires=expires)
+        spec["expirationSeconds"] = seconds
+        spec.setdefault("audiences", ["https://kubernetes.default.svc.cluster.local"])
+        return {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "metadata": {"name": name, "namespace": ns, "creationTimestamp": None},
+            "spec": spec,
+            "status": {
+                "token": token,
+                "expirationTimestamp": datetime.fromtimestamp(expires, UTC).strftime(
+                    "%Y-%m-%dT%H:%M:%SZ"
+                ),
+            },
+        }
 
     def _replace(self, target: Target, info: kmock.ResourceInfo, body: Any) -> JSON:
         if not isinstance(body, dict):
@@ -707,6 +882,7 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
     def _delete(self, target: Target, info: kmock.ResourceInfo, policy: str) -> JSON:
         key = self._key(target)
         obj = self._get(target, info)
+        self._admit("DELETE", target, info, None, obj)
         meta = obj["metadata"]
         if policy == "Foreground":
             self._collect(meta["uid"], orphan=False)
@@ -1067,6 +1243,69 @@ class KubeAPI:
         """A new client for this API (use it as an async context manager)."""
         return KubeClient(self.config, **options)
 
+    async def service_account_config(
+        self,
+        service_account: str,
+        pod: str | None = None,
+        *,
+        namespace: str | None = None,
+        expiration_seconds: int = 3600,
+    ) -> KubeConfig:
+        """Settings that authenticate as `service_account` (created when missing) with a token
+        from the TokenRequest API, bound to `pod` when given (the pod must run as that account),
+        as the kubelet mounts it: the same calls on the emulator and on a real cluster."""
+        ns = namespace or self.namespace
+        account = resource_path("v1", "serviceaccounts", ns, service_account)
+        async with self.client() as kube:
+            try:
+                await kube.get(account)
+            except KubeNotFoundError:
+                body = {"metadata": {"name": service_account}}
+                await kube.create(resource_path("v1", "serviceaccounts", ns), body)
+            spec: JSON = {"expirationSeconds": expiration_seconds}
+            if pod is not None:
+                uid = (await kube.get(resource_path("v1", "pods", ns, pod)))["metadata"]["uid"]
+                spec["boundObjectRef"] = {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": pod,
+                    "uid": uid,
+                }
+            request = {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": spec,
+            }
+            answer = await kube.create(f"{account}/token", request)
+        # Only the token authenticates: the admin's client certificate would win over it.
+        return dataclasses.replace(
+            self.config,
+            namespace=ns,
+            token=str(answer["status"]["token"]),
+            token_file=None,
+            client_cert_data=None,
+            client_cert_file=None,
+            client_key_data=None,
+            client_key_file=None,
+            source=f"service account {ns}/{service_account}",
+            _token_cache=None,
+        )
+
+    async def service_account_kubeconfig(
+        self, path: Path, service_account: str, pod: str | None = None, **options: Any
+    ) -> Path:
+        """`service_account_config` as a kubeconfig file at `path` (for subprocesses)."""
+        config = await self.service_account_config(service_account, pod, **options)
+        return write_kubeconfig(
+            path,
+            config.server,
+            config.namespace,
+            config.token,
+            ca_data=config.ca_data,
+            ca_file=config.ca_file,
+            insecure=config.insecure_skip_tls_verify,
+        )
+
     async def stop(self) -> None:
         """Take the emulated API server down (an outage); `start()` brings it back."""
         if self.emulator is None or self._server is None:
@@ -1083,13 +1322,29 @@ class KubeAPI:
         await self._server.__aenter__()
 
 
-def write_kubeconfig(path: Path, server: str, namespace: str, token: str | None) -> Path:
-    """Write a one-context kubeconfig for `server` and return its path."""
+def write_kubeconfig(
+    path: Path,
+    server: str,
+    namespace: str,
+    token: str | None,
+    *,
+    ca_data: str | None = None,
+    ca_file: str | None = None,
+    insecure: bool = False,
+) -> Path:
+    """Write a one-context kubeconfig for `server` (CA: PEM text or a file); return its path."""
     user: JSON = {"token": token} if token else {}
+    cluster: JSON = {"server": server}
+    if ca_data:
+        cluster["certificate-authority-data"] = base64.b64encode(ca_data.encode()).decode()
+    elif ca_file:
+        cluster["certificate-authority"] = ca_file
+    if insecure:
+        cluster["insecure-skip-tls-verify"] = True
     doc = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "test", "cluster": {"server": server}}],
+        "clusters": [{"name": "test", "cluster": cluster}],
         "users": [{"name": "test", "user": user}],
         "contexts": [
             {"name": "test", "context": {"cluster": "test", "user": "test", "namespace": namespace}}
