@@ -244,6 +244,25 @@ async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
 
             await eventually("the Deployment scaled", scaled)
 
+            # The optional router: created from the spec, its endpoint in the status; removed
+            # again when switched off.
+            await kube.patch(
+                hld_path(ns, "fleet"), {"spec": {"router": {"enabled": True}}}, "merge"
+            )
+            router_path = resource_path("apps/v1", "deployments", ns, "fleet-router")
+            await eventually("the router Deployment", lambda: _get(kube, router_path))
+
+            async def endpoint() -> str | None:
+                return await _field(kube, hld_path(ns, "fleet"), "status", "routerEndpoint")
+
+            assert (await eventually("the router endpoint", endpoint)).startswith(
+                "http://fleet-router."
+            )
+            await kube.patch(
+                hld_path(ns, "fleet"), {"spec": {"router": {"enabled": False}}}, "merge"
+            )
+            await eventually("the router removed", lambda: _gone(kube, router_path))
+
             # Deleting the deployment removes what it owns (owner garbage collection).
             await kube.delete(hld_path(ns, "fleet"))
             await eventually(

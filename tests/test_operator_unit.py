@@ -360,3 +360,23 @@ def test_admission_validates_where_it_lies_and_appends_once(tmp_path: Path) -> N
 
     assert not run(_snap("step-404")).accepted
     assert json.loads((bucket_dir / ".hotload/ledgers/fleet.json").read_text())["sequence"] == 3
+
+
+def test_router_objects_when_enabled() -> None:
+    import kubernetes_validate
+
+    hld = deployment(router={"enabled": True, "replicas": 2})
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in build_children(hld)}
+    router = objs[("Deployment", "fleet-router")]
+    command = router["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:3] == ["hotload", "router", "--kubernetes"]
+    assert command[command.index("--deployment") + 1] == "fleet"
+    assert router["spec"]["replicas"] == 2
+    role = objs[("Role", "fleet-router")]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    assert ("Service", "fleet-router") in objs
+    for obj in objs.values():
+        kubernetes_validate.validate(obj, "1.33", strict=True)
+    assert all(not o["metadata"]["name"].endswith("-router") for o in build_children(deployment()))

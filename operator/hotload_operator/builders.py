@@ -25,6 +25,7 @@ JSON = dict[str, Any]
 WEIGHTS_MOUNT = "/weights"
 CREDENTIALS_MOUNT = "/var/run/hotload/bucket"
 LOADER_PORT = 8091
+ROUTER_PORT = 8080
 #: Service-account names end with this, so the admission policy can recognise loaders.
 LOADER_SA_SUFFIX = "-hotload-loader"
 MANAGED_BY = "hotload-operator"
@@ -325,15 +326,94 @@ def build_pdb(hld: HotLoadDeployment) -> JSON:
     }
 
 
+def router_name(hld: HotLoadDeployment) -> str:
+    """Name of the router's Deployment, Service and service account."""
+    return f"{name_of(hld)}-router"
+
+
+def router_endpoint(hld: HotLoadDeployment) -> str | None:
+    """The router's in-cluster URL when the spec enables it."""
+    if not hld.spec.router.enabled:
+        return None
+    return f"http://{router_name(hld)}.{namespace_of(hld)}.svc:{ROUTER_PORT}"
+
+
+def build_router(hld: HotLoadDeployment, images: OperatorImages) -> list[JSON]:
+    """The optional router: its ServiceAccount and Role (read the deployment's pods, nothing
+    more), RoleBinding, Deployment and Service."""
+    from hotload.router import build_router_args
+
+    name = router_name(hld)
+    sel = selector(hld, "router")
+    container: JSON = {
+        "name": "router",
+        "image": hld.spec.router.image or images.router,
+        "command": build_router_args(namespace_of(hld), name_of(hld), ROUTER_PORT),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
+        "readinessProbe": _probe("/ready", "http", period=5, failures=3),
+        "livenessProbe": _probe("/health", "http", period=10, failures=6),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(hld, name, "router")},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(hld, name, "router"),
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(hld, name, "router"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace_of(hld)}],
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _meta(hld, name, "router"),
+            "spec": {
+                "replicas": hld.spec.router.replicas,
+                "selector": {"matchLabels": sel},
+                "template": {
+                    "metadata": {"labels": labels(hld, "router")},
+                    "spec": {"serviceAccountName": name, "containers": [container]},
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(hld, name, "router"),
+            "spec": {
+                "type": "ClusterIP",
+                "selector": sel,
+                "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": "http"}],
+            },
+        },
+    ]
+
+
 def build_children(hld: HotLoadDeployment, images: OperatorImages | None = None) -> list[JSON]:
     """Every object the deployment owns, in the order to apply them (RBAC before pods)."""
     images = images or OperatorImages()
-    return [
+    children = [
         *build_loader_rbac(hld),
         build_deployment(hld, images),
         build_service(hld),
         build_pdb(hld),
     ]
+    if hld.spec.router.enabled:
+        children += build_router(hld, images)
+    return children
 
 
 #: Pod status fields only the kubelet writes (all exist from Kubernetes 1.30; a field the

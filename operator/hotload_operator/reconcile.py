@@ -7,6 +7,7 @@ every decision to the pure modules (`builders`, `admission`, `rollup`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import tempfile
@@ -40,6 +41,7 @@ from hotload_operator.builders import (
     ledger_url,
     name_of,
     namespace_of,
+    router_name,
     selector_string,
 )
 from hotload_operator.conditions import format_time, set_condition
@@ -146,6 +148,13 @@ async def apply_children(ctx: Context, hld: HotLoadDeployment) -> list[str]:
         path = resource_path(api_version, plural, meta["namespace"], meta["name"])
         await ctx.kube.patch(path, obj, "apply", field_manager=FIELD_MANAGER, force=True)
         applied.append(f"{obj['kind']}/{meta['name']}")
+    if not hld.spec.router.enabled:
+        # A router switched off: remove what an earlier spec created (absent is fine).
+        for kind in ("Deployment", "Service", "RoleBinding", "Role", "ServiceAccount"):
+            api_version, plural = _PLURALS[kind]
+            path = resource_path(api_version, plural, namespace_of(hld), router_name(hld))
+            with contextlib.suppress(KubeNotFoundError):
+                await ctx.kube.delete(path)
     ctx.metrics.reconciles.labels("applied").inc()
     return applied
 

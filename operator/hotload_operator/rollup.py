@@ -86,7 +86,7 @@ def rollup_deployment(
     previous: JSON | None = None,
 ) -> JSON:
     """The new `HotLoadDeployment.status` from its pods and the ledger head."""
-    from hotload_operator.builders import selector_string
+    from hotload_operator.builders import router_endpoint, selector_string
 
     reports = sorted((read_pod(p) for p in pods), key=lambda r: r.pod)
     reports = [r for r in reports if not r.deleting]
@@ -178,6 +178,7 @@ def rollup_deployment(
             for r in reports
         ],
         "selector": selector_string(hld),
+        "routerEndpoint": router_endpoint(hld),
     }
     return status
 
