@@ -23,6 +23,27 @@ log = logging.getLogger("hotload_operator")
 ROLLUP_INTERVAL = float(os.environ.get("HOTLOAD_ROLLUP_INTERVAL", "5"))
 
 
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf connects with the same settings as `hotload.kube` ($KUBECONFIG, then in-cluster):
+    one way to find credentials, whatever client libraries happen to be installed."""
+    config = KubeConfig.auto(os.environ.get("KUBECONFIG") or None)
+    token = config.bearer_token()
+    return kopf.ConnectionInfo(
+        server=config.server,
+        ca_path=config.ca_file,
+        ca_data=config.ca_data.encode() if config.ca_data else None,
+        insecure=config.insecure_skip_tls_verify,
+        scheme="Bearer" if token else None,
+        token=token,
+        certificate_path=config.client_cert_file,
+        certificate_data=config.client_cert_data.encode() if config.client_cert_data else None,
+        private_key_path=config.client_key_file,
+        private_key_data=config.client_key_data.encode() if config.client_key_data else None,
+        default_namespace=config.namespace,
+    )
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Build the shared context; keep kopf's own bookkeeping under `hotload.dev` annotations."""
