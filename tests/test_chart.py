@@ -1,0 +1,676 @@
+"""The Helm chart (`charts/hotload`) with real helm 4: lint, render with default and non-default
+values, validate every rendered manifest with kubernetes-validate (strict), and check what the
+chart promises: least-privilege RBAC, secure defaults, CRDs identical to `crds/`, the loader's
+admission policy identical to the operator's builder."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from hotload_operator.builders import (
+    LOADER_PORT,
+    build_loader_admission_policy,
+    build_loader_rbac,
+)
+from support.kubetools import Helm, helm
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "hotload"
+RELEASE = "hl"
+NAMESPACE = "hotload-system"
+FULLNAME = "hl-hotload"
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest
+# kubernetes-validate knows.
+K8S_VERSIONS = ("1.30", "1.37")
+# prometheus-operator kinds: no schema in kubernetes-validate; their fields are asserted below.
+MONITORING_KINDS = {"ServiceMonitor", "PodMonitor"}
+
+JSON = dict[str, Any]
+
+NON_DEFAULT: JSON = {
+    "fullnameOverride": "",
+    "image": {
+        "repository": "registry.example.com/ml/hotload-operator",
+        "tag": "1.2.3",
+        "pullPolicy": "Always",
+    },
+    "imagePullSecrets": [{"name": "registry-creds"}],
+    "loader": {
+        "image": {
+            "repository": "registry.example.com/ml/hotload-loader",
+            "digest": "sha256:" + "ab" * 32,
+        }
+    },
+    "operator": {"watchNamespaces": ["team-a", "team-b"], "logLevel": "debug"},
+    "serviceAccount": {"name": "hotload-op", "annotations": {"iam.example.com/role": "r"}},
+    "rbac": {
+        "bucketSecrets": [
+            {"namespace": "team-a", "names": ["bucket-creds", "bucket-creds-eu"]},
+            {"namespace": "team-b", "names": ["s3"]},
+        ]
+    },
+    "metrics": {
+        "enabled": True,
+        "port": 9123,
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+        "loaderPodMonitor": {"enabled": True},
+    },
+    "tmp": {"medium": "Memory", "sizeLimit": "256Mi"},
+    "podAnnotations": {"example.com/team": "ml"},
+    "nodeSelector": {"kubernetes.io/os": "linux"},
+    "tolerations": [{"key": "infra", "operator": "Exists", "effect": "NoSchedule"}],
+    "priorityClassName": "system-cluster-critical",
+}
+ALL_NAMESPACE_SECRETS: JSON = {
+    "rbac": {"bucketSecretNamesInAllNamespaces": ["hotload-bucket"]},
+    "serviceAccount": {"create": False, "name": "existing-sa"},
+    "admissionPolicy": {"enabled": False},
+}
+
+
+# --- rendering ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def helm_cli(tmp_path_factory: pytest.TempPathFactory) -> Helm:
+    return helm(tmp_path_factory.mktemp("helm-home"))
+
+
+def _values_file(tmp: Path, values: JSON) -> Path:
+    path = tmp / f"values-{abs(hash(json.dumps(values, sort_keys=True)))}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def render(helm_cli: Helm, tmp: Path, values: JSON, *extra: str) -> list[JSON]:
+    """`helm template` (CRDs included) parsed into objects."""
+    out = helm_cli.run(
+        "template",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--include-crds",
+        "--values",
+        str(_values_file(tmp, values)),
+        *extra,
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@pytest.fixture(scope="module")
+def scenarios(helm_cli: Helm, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[JSON]]:
+    tmp = tmp_path_factory.mktemp("values")
+    return {
+        "default": render(helm_cli, tmp, {}),
+        "non-default": render(helm_cli, tmp, NON_DEFAULT),
+        "all-namespace-secrets": render(helm_cli, tmp, ALL_NAMESPACE_SECRETS),
+    }
+
+
+def find(
+    objs: list[JSON], kind: str, name: str | None = None, namespace: str | None = None
+) -> JSON:
+    matches = [
+        o
+        for o in objs
+        if o["kind"] == kind
+        and (name is None or o["metadata"]["name"] == name)
+        and (namespace is None or o["metadata"].get("namespace") == namespace)
+    ]
+    assert len(matches) == 1, f"expected one {kind} {namespace}/{name}, found {len(matches)}"
+    return matches[0]
+
+
+def kinds(objs: list[JSON]) -> list[str]:
+    return sorted(o["kind"] for o in objs)
+
+
+def permissions(rules: list[JSON]) -> set[tuple[str, str, str, tuple[str, ...]]]:
+    """(apiGroup, resource, verb, resourceNames) for every combination a rule list grants."""
+    return {
+        (group, resource, verb, tuple(rule.get("resourceNames") or ()))
+        for rule in rules
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def operator_container(objs: list[JSON]) -> JSON:
+    deployment = find(objs, "Deployment", FULLNAME)
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container  # type: ignore[no-any-return]
+
+
+def env_of(container: JSON) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env") or []}
+
+
+# What the operator does inside a namespace (the ClusterRole, or each namespace's Role).
+NAMESPACED_PERMISSIONS = permissions(
+    [
+        {
+            "apiGroups": ["hotload.dev"],
+            "resources": ["hotloaddeployments"],
+            "verbs": ["get", "list", "watch", "patch"],
+        },
+        {
+            "apiGroups": ["hotload.dev"],
+            "resources": ["snapshots"],
+            "verbs": ["list", "watch", "patch"],
+        },
+        {
+            "apiGroups": ["hotload.dev"],
+            "resources": ["hotloaddeployments/status", "snapshots/status"],
+            "verbs": ["patch"],
+        },
+        {
+            "apiGroups": ["hotload.dev"],
+            "resources": ["hotloaddeployments/finalizers"],
+            "verbs": ["update"],
+        },
+        {
+            "apiGroups": [""],
+            "resources": ["serviceaccounts", "services"],
+            "verbs": ["create", "patch"],
+        },
+        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["create", "patch"]},
+        {
+            "apiGroups": ["policy"],
+            "resources": ["poddisruptionbudgets"],
+            "verbs": ["create", "patch"],
+        },
+        {
+            "apiGroups": ["rbac.authorization.k8s.io"],
+            "resources": ["roles", "rolebindings"],
+            "verbs": ["create", "patch"],
+        },
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    ]
+)
+CRD_DISCOVERY = {
+    ("apiextensions.k8s.io", "customresourcedefinitions", v, ()) for v in ("list", "watch")
+}
+NAMESPACE_DISCOVERY = {("", "namespaces", v, ()) for v in ("list", "watch")}
+
+
+# --- lint and schema ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "values", [{}, NON_DEFAULT, ALL_NAMESPACE_SECRETS], ids=["default", "non-default", "all-ns"]
+)
+def test_helm_lint_strict(helm_cli: Helm, tmp_path: Path, values: JSON) -> None:
+    proc = helm_cli.run(
+        "lint", "--strict", str(CHART), "--values", str(_values_file(tmp_path, values))
+    )
+    assert "1 chart(s) linted, 0 chart(s) failed" in proc.stdout
+    assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"operator": {"watchNamespaces": ["Team_A"]}}, "/operator/watchNamespaces/0"),
+        ({"image": {"repository": "x", "pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+        (
+            {"rbac": {"bucketSecrets": [{"namespace": "ml", "names": []}]}},
+            "/rbac/bucketSecrets/0/names",
+        ),
+        ({"loader": {"image": {"repository": "x", "digest": "latest"}}}, "/loader/image/digest"),
+        ({"metrics": {"enabled": True, "port": 70000}}, "/metrics/port"),
+        ({"replicaCount": 2}, "replicaCount"),
+    ],
+    ids=["namespace", "pull-policy", "no-secret-names", "digest", "port", "unknown-value"],
+)
+def test_schema_refuses_bad_values(
+    helm_cli: Helm, tmp_path: Path, values: JSON, message: str
+) -> None:
+    proc = helm_cli.run(
+        "template",
+        RELEASE,
+        str(CHART),
+        "--values",
+        str(_values_file(tmp_path, values)),
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "values don't meet the specifications of the schema" in proc.stderr
+    assert message in proc.stderr
+
+
+def test_service_monitor_without_metrics_fails_with_a_message(
+    helm_cli: Helm, tmp_path: Path
+) -> None:
+    values = {"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}}
+    proc = helm_cli.run(
+        "template",
+        RELEASE,
+        str(CHART),
+        "--values",
+        str(_values_file(tmp_path, values)),
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "metrics.serviceMonitor.enabled needs metrics.enabled" in proc.stderr
+
+
+def _documented_keys(text: str) -> Iterator[tuple[str, str, list[str]]]:
+    """(dotted key, key, comment lines just above it) for every key in values.yaml."""
+    stack: list[tuple[int, str]] = []
+    comments: list[str] = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            comments.append(stripped.lstrip("#").strip())
+            continue
+        if not stripped:
+            comments = []
+            continue
+        match = re.match(r"^(\s*)([A-Za-z][A-Za-z0-9]*):", line)
+        if match is None:
+            comments = []
+            continue
+        indent, key = len(match.group(1)), match.group(2)
+        stack = [(i, k) for i, k in stack if i < indent]
+        stack.append((indent, key))
+        yield ".".join(k for _, k in stack), key, comments
+        comments = []
+
+
+def test_every_value_is_documented_starting_with_its_name() -> None:
+    keys = list(_documented_keys((CHART / "values.yaml").read_text()))
+    assert len(keys) > 40
+    undocumented = [
+        dotted
+        for dotted, key, comments in keys
+        if not comments or not comments[0].startswith(f"{key} ")
+    ]
+    assert not undocumented, f"values without a comment starting with their name: {undocumented}"
+
+
+def test_every_value_is_in_the_schema_with_a_description() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for dotted, _, _ in _documented_keys((CHART / "values.yaml").read_text()):
+        node = schema
+        for part in dotted.split("."):
+            props = node.get("properties")
+            if props is None:  # a free-form object (resources, securityContext ...)
+                break
+            assert part in props, f"{dotted} is not in values.schema.json"
+            node = props[part]
+            assert node.get("description"), f"{dotted} has no description in values.schema.json"
+
+
+# --- every manifest is valid Kubernetes -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_rendered_manifest_validates_strictly(
+    scenarios: dict[str, list[JSON]], version: str
+) -> None:
+    checked = 0
+    for name, objs in scenarios.items():
+        for obj in objs:
+            if obj["kind"] in MONITORING_KINDS:
+                continue  # asserted field by field in test_metrics_*
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as err:
+                pytest.fail(f"{name}: {obj['kind']}/{obj['metadata']['name']} on {version}: {err}")
+            checked += 1
+    assert checked >= 30
+
+
+def test_default_render_has_the_expected_objects(scenarios: dict[str, list[JSON]]) -> None:
+    assert kinds(scenarios["default"]) == sorted(
+        [
+            "ClusterRole",  # discovery
+            "ClusterRole",  # namespaced rules, cluster-wide
+            "ClusterRoleBinding",
+            "ClusterRoleBinding",
+            "CustomResourceDefinition",
+            "CustomResourceDefinition",
+            "Deployment",
+            "ServiceAccount",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
+        ]
+    )
+    for obj in scenarios["default"]:
+        if obj["kind"] in ("ServiceAccount", "Deployment"):
+            assert obj["metadata"]["namespace"] == NAMESPACE
+
+
+# --- CRDs and the admission policy come from their sources ------------------------------------
+
+
+def test_chart_crds_are_the_generated_crds(scenarios: dict[str, list[JSON]]) -> None:
+    expected = {p.name: p.read_bytes() for p in sorted((REPO / "crds").glob("*.yaml"))}
+    assert len(expected) == 2
+    chart_crds = CHART / "crds"
+    assert {p.name: p.read_bytes() for p in sorted(chart_crds.glob("*.yaml"))} == expected
+    # The chart's crds/ is a link to crds/, so they cannot drift apart.
+    assert chart_crds.is_symlink() and chart_crds.resolve() == (REPO / "crds").resolve()
+    for name, objs in scenarios.items():
+        rendered = sorted(
+            (o for o in objs if o["kind"] == "CustomResourceDefinition"),
+            key=lambda o: o["metadata"]["name"],
+        )
+        parsed = sorted(
+            (yaml.safe_load(text) for text in expected.values()),
+            key=lambda o: o["metadata"]["name"],
+        )
+        assert rendered == parsed, name
+
+
+def _without_labels(obj: JSON) -> JSON:
+    copy = json.loads(json.dumps(obj))
+    copy["metadata"].pop("labels", None)
+    return copy  # type: ignore[no-any-return]
+
+
+def test_policy_file_is_the_builders_output() -> None:
+    shipped = yaml.safe_load((CHART / "files" / "loader-admission-policy.yaml").read_text())
+    assert shipped == build_loader_admission_policy(), (
+        "charts/hotload/files/loader-admission-policy.yaml differs from "
+        "build_loader_admission_policy(): run .venv/bin/python scripts/render_admission_policy.py"
+    )
+
+
+def test_rendered_policy_equals_the_builders(scenarios: dict[str, list[JSON]]) -> None:
+    expected = build_loader_admission_policy()
+    for name in ("default", "non-default"):
+        objs = scenarios[name]
+        rendered = [
+            find(objs, "ValidatingAdmissionPolicy"),
+            find(objs, "ValidatingAdmissionPolicyBinding"),
+        ]
+        assert [_without_labels(o) for o in rendered] == [_without_labels(o) for o in expected]
+        for got, want in zip(rendered, expected, strict=True):
+            labels = got["metadata"]["labels"]
+            assert want["metadata"]["labels"].items() <= labels.items()
+            assert labels["app.kubernetes.io/instance"] == RELEASE
+    # Disabled: neither object.
+    assert not {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} & set(
+        kinds(scenarios["all-namespace-secrets"])
+    )
+
+
+# --- RBAC -----------------------------------------------------------------------------------------
+
+
+def _all_rules(objs: list[JSON]) -> list[tuple[JSON, JSON]]:
+    return [(o, r) for o in objs if o["kind"] in ("ClusterRole", "Role") for r in o["rules"]]
+
+
+@pytest.mark.parametrize("name", ["default", "non-default", "all-namespace-secrets"])
+def test_rbac_never_grants_wildcards_escalation_deletion_or_secret_listing(
+    scenarios: dict[str, list[JSON]], name: str
+) -> None:
+    for role, rule in _all_rules(scenarios[name]):
+        where = f"{role['kind']}/{role['metadata']['name']}: {rule}"
+        for field in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[field], where
+        assert not {"escalate", "bind", "impersonate", "delete", "deletecollection"} & set(
+            rule["verbs"]
+        ), where
+        if "update" in rule["verbs"]:
+            assert rule["resources"] == ["hotloaddeployments/finalizers"], where
+        if "secrets" in rule["resources"]:
+            assert rule["verbs"] == ["get"] and rule.get("resourceNames"), where
+
+
+def test_cluster_wide_rbac_is_exactly_what_the_operator_does(
+    scenarios: dict[str, list[JSON]],
+) -> None:
+    objs = scenarios["default"]
+    assert permissions(find(objs, "ClusterRole", FULLNAME)["rules"]) == NAMESPACED_PERMISSIONS
+    assert permissions(find(objs, "ClusterRole", f"{FULLNAME}-discovery")["rules"]) == CRD_DISCOVERY
+    assert not [o for o in objs if o["kind"] in ("Role", "RoleBinding")]
+    # No Secret is readable until values name it.
+    assert not [r for _, r in _all_rules(objs) if "secrets" in r["resources"]]
+    for binding_name in (FULLNAME, f"{FULLNAME}-discovery"):
+        binding = find(objs, "ClusterRoleBinding", binding_name)
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": binding_name,
+        }
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}
+        ]
+
+
+def test_every_rule_says_why() -> None:
+    lines = (CHART / "templates" / "rbac.yaml").read_text().splitlines()
+    rules = [i for i, line in enumerate(lines) if line.strip().startswith("- apiGroups:")]
+    assert len(rules) >= 14
+    for i in rules:
+        assert lines[i - 1].strip().startswith("#"), f"rbac.yaml:{i + 1}: no comment says why"
+
+
+def test_operator_holds_every_permission_it_grants_to_loaders(
+    scenarios: dict[str, list[JSON]],
+) -> None:
+    # Kubernetes lets it create the loader's Role and RoleBinding only if it holds them (it has
+    # neither escalate nor bind).
+    from hotload.api.models import HotLoadDeployment
+
+    hld = HotLoadDeployment.model_validate(
+        {
+            "metadata": {"name": "p", "namespace": "team-a", "uid": "u"},
+            "spec": {"bucket": {"url": "s3://b/p"}, "engine": {"image": "e"}},
+        }
+    )
+    (loader_role,) = [o for o in build_loader_rbac(hld) if o["kind"] == "Role"]
+    granted = permissions(loader_role["rules"])
+    assert granted <= permissions(find(scenarios["default"], "ClusterRole", FULLNAME)["rules"])
+    for namespace in ("team-a", "team-b"):
+        role = find(scenarios["non-default"], "Role", FULLNAME, namespace)
+        assert granted <= permissions(role["rules"])
+
+
+def test_namespace_limited_rbac_uses_a_role_per_namespace(scenarios: dict[str, list[JSON]]) -> None:
+    objs = scenarios["non-default"]
+    # The only ClusterRoles: discovery (CRDs; namespaces so kopf sees the listed ones appear).
+    cluster_roles = [o for o in objs if o["kind"] == "ClusterRole"]
+    assert [o["metadata"]["name"] for o in cluster_roles] == [f"{FULLNAME}-discovery"]
+    assert permissions(cluster_roles[0]["rules"]) == CRD_DISCOVERY | NAMESPACE_DISCOVERY
+    for namespace in ("team-a", "team-b"):
+        role = find(objs, "Role", FULLNAME, namespace)
+        assert permissions(role["rules"]) == NAMESPACED_PERMISSIONS
+        binding = find(objs, "RoleBinding", FULLNAME, namespace)
+        assert binding["roleRef"]["name"] == FULLNAME and binding["roleRef"]["kind"] == "Role"
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "hotload-op", "namespace": NAMESPACE}
+        ]
+    assert env_of(operator_container(objs))["HOTLOAD_NAMESPACES"] == "team-a,team-b"
+    assert "HOTLOAD_NAMESPACES" not in env_of(operator_container(scenarios["default"]))
+
+
+def test_bucket_secrets_are_readable_by_name_only(scenarios: dict[str, list[JSON]]) -> None:
+    objs = scenarios["non-default"]
+    for namespace, names in (("team-a", ["bucket-creds", "bucket-creds-eu"]), ("team-b", ["s3"])):
+        role = find(objs, "Role", f"{FULLNAME}-bucket-secrets", namespace)
+        assert role["rules"] == [
+            {"apiGroups": [""], "resources": ["secrets"], "resourceNames": names, "verbs": ["get"]}
+        ]
+        binding = find(objs, "RoleBinding", f"{FULLNAME}-bucket-secrets", namespace)
+        assert binding["roleRef"]["name"] == f"{FULLNAME}-bucket-secrets"
+    everywhere = find(
+        scenarios["all-namespace-secrets"], "ClusterRole", f"{FULLNAME}-bucket-secrets"
+    )
+    assert everywhere["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["secrets"],
+            "resourceNames": ["hotload-bucket"],
+            "verbs": ["get"],
+        }
+    ]
+    binding = find(
+        scenarios["all-namespace-secrets"], "ClusterRoleBinding", f"{FULLNAME}-bucket-secrets"
+    )
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "existing-sa", "namespace": NAMESPACE}
+    ]
+    # serviceAccount.create=false: the chart creates none.
+    assert "ServiceAccount" not in kinds(scenarios["all-namespace-secrets"])
+
+
+# --- the operator Deployment ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["default", "non-default", "all-namespace-secrets"])
+def test_operator_runs_once_with_secure_defaults(
+    scenarios: dict[str, list[JSON]], name: str
+) -> None:
+    deployment = find(scenarios[name], "Deployment", FULLNAME)
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    container = operator_container(scenarios[name])
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["privileged"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    # The one writable path.
+    assert container["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    (volume,) = pod["volumes"]
+    assert volume["name"] == "tmp" and volume["emptyDir"]["sizeLimit"]
+    # kopf without peering, probes on its liveness endpoint.
+    args = container["args"]
+    assert "--standalone" in args
+    liveness_url = args[args.index("--liveness") + 1]
+    port = int(re.fullmatch(r"http://0\.0\.0\.0:(\d+)/healthz", liveness_url).group(1))  # type: ignore[union-attr]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["liveness"] == port
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "liveness"}
+    assert pod["serviceAccountName"] == (
+        {"non-default": "hotload-op", "all-namespace-secrets": "existing-sa"}.get(name, FULLNAME)
+    )
+
+
+def test_operator_reads_every_variable_the_chart_sets(scenarios: dict[str, list[JSON]]) -> None:
+    source = "\n".join(p.read_text() for p in (REPO / "operator" / "hotload_operator").glob("*.py"))
+    for name in ("default", "non-default"):
+        for variable in env_of(operator_container(scenarios[name])):
+            assert f'"{variable}"' in source, f"the operator never reads {variable}"
+
+
+def test_images_default_to_the_app_version_and_follow_values(
+    scenarios: dict[str, list[JSON]],
+) -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    default = operator_container(scenarios["default"])
+    assert default["image"] == f"ghcr.io/hotload-dev/hotload-operator:{chart['appVersion']}"
+    assert default["imagePullPolicy"] == "IfNotPresent"
+    assert env_of(default)["HOTLOAD_LOADER_IMAGE"] == (
+        f"ghcr.io/hotload-dev/hotload-loader:{chart['appVersion']}"
+    )
+    custom = operator_container(scenarios["non-default"])
+    assert custom["image"] == "registry.example.com/ml/hotload-operator:1.2.3"
+    assert custom["imagePullPolicy"] == "Always"
+    assert env_of(custom)["HOTLOAD_LOADER_IMAGE"] == (
+        "registry.example.com/ml/hotload-loader@sha256:" + "ab" * 32
+    )
+    assert env_of(custom)["HOTLOAD_LOG_LEVEL"] == "debug"
+    pod = find(scenarios["non-default"], "Deployment", FULLNAME)["spec"]["template"]
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert pod["metadata"]["annotations"] == {"example.com/team": "ml"}
+    assert pod["spec"]["volumes"][0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "256Mi"}
+
+
+# --- metrics --------------------------------------------------------------------------------------
+
+
+def test_metrics_off_by_default(scenarios: dict[str, list[JSON]]) -> None:
+    container = operator_container(scenarios["default"])
+    assert "HOTLOAD_METRICS_PORT" not in env_of(container)
+    assert [p["name"] for p in container["ports"]] == ["liveness"]
+    assert not [o for o in scenarios["default"] if o["kind"] in {"Service", *MONITORING_KINDS}]
+
+
+def test_metrics_service_and_monitors(scenarios: dict[str, list[JSON]]) -> None:
+    objs = scenarios["non-default"]
+    container = operator_container(objs)
+    assert env_of(container)["HOTLOAD_METRICS_PORT"] == "9123"
+    assert {"name": "metrics", "containerPort": 9123, "protocol": "TCP"} in container["ports"]
+    service = find(objs, "Service", f"{FULLNAME}-metrics")
+    pod_labels = find(objs, "Deployment", FULLNAME)["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 9123, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    monitor = find(objs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["namespace"] == NAMESPACE
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "30s", "scrapeTimeout": "10s"}
+    ]
+    pods = find(objs, "PodMonitor")
+    assert pods["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/managed-by": "hotload-operator",
+        "hotload.dev/component": "engine",
+    }
+    assert pods["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+    # The loader's port name in the pods the operator builds.
+    assert pods["spec"]["podMetricsEndpoints"] == [
+        {"port": "loader", "path": "/metrics", "interval": "30s"}
+    ]
+    assert LOADER_PORT == 8091
+
+
+def test_notes_tell_the_next_step(helm_cli: Helm, tmp_path: Path) -> None:
+    proc = helm_cli.run(
+        "install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--dry-run=client",
+        "--values",
+        str(_values_file(tmp_path, {})),
+    )
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert f"kubectl -n {NAMESPACE} rollout status deployment/{FULLNAME}" in notes
+    assert "rbac.bucketSecrets" in notes and "no Secret is readable yet" in notes
+    assert "kubectl get hld" in notes and "docs/operations.md" in notes
+    proc = helm_cli.run(
+        "install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--dry-run=client",
+        "--values",
+        str(_values_file(tmp_path, NON_DEFAULT)),
+    )
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert "runs HotLoadDeployments in: team-a, team-b" in notes
+    assert "namespace team-a: bucket-creds, bucket-creds-eu" in notes
+    assert f"http://{FULLNAME}-metrics.{NAMESPACE}.svc:9123/metrics" in notes
