@@ -47,6 +47,7 @@ NON_DEFAULT: JSON = {
         "image": {
             "repository": "registry.example.com/ml/hotload-loader",
             "digest": "sha256:" + "ab" * 32,
+            "pullPolicy": "Always",
         }
     },
     "operator": {"watchNamespaces": ["team-a", "team-b"], "logLevel": "debug"},
@@ -594,6 +595,8 @@ def test_images_default_to_the_app_version_and_follow_values(
         "registry.example.com/ml/hotload-loader@sha256:" + "ab" * 32
     )
     assert env_of(custom)["HOTLOAD_LOG_LEVEL"] == "debug"
+    assert env_of(custom)["HOTLOAD_LOADER_IMAGE_PULL_POLICY"] == "Always"
+    assert "HOTLOAD_LOADER_IMAGE_PULL_POLICY" not in env_of(default)
     pod = find(scenarios["non-default"], "Deployment", FULLNAME)["spec"]["template"]
     assert pod["spec"]["imagePullSecrets"] == [{"name": "registry-creds"}]
     assert pod["metadata"]["annotations"] == {"example.com/team": "ml"}

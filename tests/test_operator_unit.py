@@ -380,3 +380,15 @@ def test_router_objects_when_enabled() -> None:
     for obj in objs.values():
         kubernetes_validate.validate(obj, "1.33", strict=True)
     assert all(not o["metadata"]["name"].endswith("-router") for o in build_children(deployment()))
+
+
+def test_loader_pull_policy_from_the_operator_settings() -> None:
+    from hotload_operator.builders import OperatorImages
+
+    images = OperatorImages(loader="registry.example/loader:1.2", loader_pull_policy="Always")
+    dep = next(o for o in build_children(deployment(), images) if o["kind"] == "Deployment")
+    loader = dep["spec"]["template"]["spec"]["initContainers"][0]
+    assert loader["image"] == "registry.example/loader:1.2"
+    assert loader["imagePullPolicy"] == "Always"
+    default = next(o for o in build_children(deployment()) if o["kind"] == "Deployment")
+    assert "imagePullPolicy" not in default["spec"]["template"]["spec"]["initContainers"][0]

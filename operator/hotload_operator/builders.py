@@ -38,6 +38,8 @@ class OperatorImages:
 
     loader: str = "ghcr.io/hotload-dev/hotload:latest"
     router: str = "ghcr.io/hotload-dev/hotload:latest"
+    #: imagePullPolicy of the loader container ("" leaves Kubernetes' default).
+    loader_pull_policy: str = ""
 
 
 def ledger_url(hld: HotLoadDeployment) -> str:
@@ -203,6 +205,8 @@ def build_pod_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
     }
     if spec.loader.resources is not None:
         loader["resources"] = spec.loader.resources.to_json()
+    if images.loader_pull_policy:
+        loader["imagePullPolicy"] = images.loader_pull_policy
     ready_path = "/ready" if engine.kind == "reference" else "/health"
     engine_env: list[JSON] = [e.to_json() for e in engine.env]
     if engine.kind == "vllm":
