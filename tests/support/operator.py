@@ -12,7 +12,7 @@ from typing import Any
 
 from hotload.api.crds import build_crds
 from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
-from hotload.errors import KubeConflictError
+from hotload.errors import KubeConflictError, KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
 from hotload_sidecar.kube_report import build_condition, build_pod_metadata_patch
 from hotload_sidecar.status import LoadTimings, ReplicaStatus
@@ -84,15 +84,31 @@ def snapshot_path(ns: str, name: str | None = None, sub: str | None = None) -> s
 
 async def play_deployment_controller(kube: KubeClient, ns: str, name: str) -> list[str]:
     """Create the pods the Deployment asks for (as the ReplicaSet controller would); return
-    the names of all its pods. Extra pods beyond `replicas` are deleted."""
-    deployment = await kube.get(resource_path("apps/v1", "deployments", ns, name))
+    their names. Extra pods beyond `replicas` are deleted.
+
+    The pods carry a scheduling gate, so on a real cluster (HOTLOAD_E2E_KUBECONFIG) no kubelet
+    runs them and the conditions the test writes stay as written; there the real controller's
+    own pods are first scaled away (the Deployment is set to 0 replicas under another field
+    manager; the operator re-applies its count only when the HotLoadDeployment changes).
+    """
+    path = resource_path("apps/v1", "deployments", ns, name)
+    deployment = await kube.get(path)
+    want = int(deployment["spec"]["replicas"])
     template = deployment["spec"]["template"]
     selector = ",".join(
         f"{k}={v}" for k, v in deployment["spec"]["selector"]["matchLabels"].items()
     )
+    if await _real_cluster(kube):
+        await kube.patch(path, {"spec": {"replicas": 0}}, "merge")
+        for pod in (await kube.list(resource_path("v1", "pods", ns), label_selector=selector))[
+            "items"
+        ]:
+            if pod["metadata"].get("ownerReferences"):  # the controller's, not ours
+                with contextlib.suppress(KubeNotFoundError):
+                    await kube.delete(resource_path("v1", "pods", ns, pod["metadata"]["name"]))
     pods = (await kube.list(resource_path("v1", "pods", ns), label_selector=selector))["items"]
     names = sorted(p["metadata"]["name"] for p in pods)
-    want = int(deployment["spec"]["replicas"])
+    spec = dict(template["spec"], schedulingGates=[{"name": "hotload.dev/test"}])
     for i in range(want):
         pod_name = f"{name}-{i}"
         if pod_name in names:
@@ -100,18 +116,21 @@ async def play_deployment_controller(kube: KubeClient, ns: str, name: str) -> li
         body = {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {
-                "name": pod_name,
-                "labels": template["metadata"]["labels"],
-                "ownerReferences": deployment["metadata"].get("ownerReferences", []),
-            },
-            "spec": template["spec"],
+            "metadata": {"name": pod_name, "labels": template["metadata"]["labels"]},
+            "spec": spec,
         }
         await kube.create(resource_path("v1", "pods", ns), body)
         names.append(pod_name)
     for extra in sorted(names)[want:]:
         await kube.delete(resource_path("v1", "pods", ns, extra))
     return sorted(names)[:want]
+
+
+async def _real_cluster(kube: KubeClient) -> bool:
+    """Whether `kube` talks to a real API server (HOTLOAD_E2E_KUBECONFIG), not the emulator."""
+    import os
+
+    return bool(os.environ.get("HOTLOAD_E2E_KUBECONFIG"))
 
 
 async def play_loader(
