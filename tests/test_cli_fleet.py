@@ -11,17 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from hotload.bucket import open_bucket
-from hotload.ledger import Ledger
 from support.kubeapi import KubeAPI
 from support.operator import (
+    create_fleet,
     eventually,
     hld_path,
     install_crds,
-    play_deployment_controller,
-    play_loader,
+    loaders_follow_the_ledger,
     running_operator,
-    serving,
 )
 from support.snapshots import delta, full, nudged, weights
 
@@ -57,42 +54,9 @@ async def test_publish_wait_and_status_from_the_command_line(
     async with kube_api.client() as kube:
         await install_crds(kube)
         async with running_operator(kube_api):
-            await kube.create(
-                hld_path(ns),
-                {
-                    "apiVersion": "hotload.dev/v1alpha1",
-                    "kind": "HotLoadDeployment",
-                    "metadata": {"name": "fleet"},
-                    "spec": {
-                        "replicas": 2,
-                        "bucket": {"url": f"file://{bucket_dir}"},
-                        "engine": {"image": "e:1"},
-                    },
-                },
-            )
+            pods = await create_fleet(kube, ns, bucket_dir)
 
-            async def deployment_made() -> bool:
-                try:
-                    await kube.get(f"/apis/apps/v1/namespaces/{ns}/deployments/fleet")
-                    return True
-                except Exception:
-                    return False
-
-            await eventually("the Deployment", deployment_made)
-            pods = await play_deployment_controller(kube, ns, "fleet")
-
-            async def loaders() -> None:
-                ledger = Ledger(open_bucket(str(bucket_dir)), "fleet")
-                while True:
-                    head = (await ledger.read_async()).document.head
-                    if head is not None:
-                        for p in pods:
-                            await play_loader(
-                                kube, ns, p, serving(head.identity, head.sequence), ready=True
-                            )
-                    await asyncio.sleep(0.2)
-
-            playing = asyncio.create_task(loaders())
+            playing = asyncio.create_task(loaders_follow_the_ledger(kube, ns, bucket_dir, pods))
             try:
                 code, out, err = await hotload(
                     "publish", str(s0), "--deployment", "fleet", "-n", ns, "--wait",

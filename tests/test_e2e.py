@@ -23,10 +23,10 @@ from hotload.snapshot import Snapshot
 from support.fleet import Replica
 from support.kubeapi import KubeAPI
 from support.operator import (
+    create_fleet,
     eventually,
     hld_path,
     install_crds,
-    play_deployment_controller,
     running_operator,
     snapshot_path,
 )
@@ -72,29 +72,7 @@ async def test_a_fleet_follows_a_chain_through_the_operator(
     async with kube_api.client() as kube:
         await install_crds(kube)
         async with running_operator(kube_api):
-            await kube.create(
-                hld_path(ns),
-                {
-                    "apiVersion": "hotload.dev/v1alpha1",
-                    "kind": "HotLoadDeployment",
-                    "metadata": {"name": "fleet"},
-                    "spec": {
-                        "replicas": 2,
-                        "bucket": {"url": f"file://{bucket_dir}"},
-                        "engine": {"image": "hotload-engine:dev"},
-                    },
-                },
-            )
-
-            async def deployment_made() -> bool:
-                try:
-                    await kube.get(resource_path("apps/v1", "deployments", ns, "fleet"))
-                    return True
-                except Exception:
-                    return False
-
-            await eventually("the Deployment", deployment_made)
-            pods = await play_deployment_controller(kube, ns, "fleet")
+            pods = await create_fleet(kube, ns, bucket_dir)
             pub = Publisher(
                 str(bucket_dir),
                 deployment="fleet",

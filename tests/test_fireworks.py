@@ -12,18 +12,15 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from hotload.bucket import open_bucket, upload_snapshot_async
-from hotload.ledger import Ledger
 from hotload.snapshot import describe_snapshot
 from hotload_operator.fireworks import PATH, create_app, parse_request
 from support.kubeapi import KubeAPI
 from support.operator import (
+    create_fleet,
     eventually,
-    hld_path,
     install_crds,
-    play_deployment_controller,
-    play_loader,
+    loaders_follow_the_ledger,
     running_operator,
-    serving,
 )
 from support.snapshots import delta, full, nudged, weights
 
@@ -108,41 +105,11 @@ async def test_a_fireworks_trainer_works_unchanged(
     async with kube_api.client() as kube:
         await install_crds(kube)
         async with running_operator(kube_api):
-            await kube.create(
-                hld_path(ns),
-                {
-                    "apiVersion": "hotload.dev/v1alpha1",
-                    "kind": "HotLoadDeployment",
-                    "metadata": {"name": "fleet"},
-                    "spec": {"replicas": 2, "bucket": {"url": f"file://{bucket_dir}"},
-                             "engine": {"image": "e:1"}},
-                },
-            )  # fmt: skip
-
-            async def deployment_made() -> bool:
-                try:
-                    await kube.get(f"/apis/apps/v1/namespaces/{ns}/deployments/fleet")
-                    return True
-                except Exception:
-                    return False
-
-            await eventually("the Deployment", deployment_made)
-            pods = await play_deployment_controller(kube, ns, "fleet")
-
-            async def loaders() -> None:
-                ledger = Ledger(bucket, "fleet")
-                while True:
-                    head = (await ledger.read_async()).document.head
-                    if head is not None:
-                        for p in pods:
-                            await play_loader(
-                                kube, ns, p, serving(head.identity, head.sequence), ready=True
-                            )
-                    await asyncio.sleep(0.2)
+            pods = await create_fleet(kube, ns, bucket_dir)
 
             server = TestServer(create_app(kube, namespace=ns, token=TOKEN), host="127.0.0.1")
             await server.start_server()
-            playing = asyncio.create_task(loaders())
+            playing = asyncio.create_task(loaders_follow_the_ledger(kube, ns, bucket_dir, pods))
             try:
                 client = FireworksStyleClient(str(server.make_url("/")), "fleet", TOKEN)
                 async with aiohttp.ClientSession() as http:

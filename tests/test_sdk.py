@@ -19,13 +19,10 @@ from hotload_sidecar.materialize import Materializer
 from hotload_sidecar.weights import WeightsFolder
 from support.kubeapi import KubeAPI
 from support.operator import (
-    eventually,
-    hld_path,
+    create_fleet,
     install_crds,
-    play_deployment_controller,
-    play_loader,
+    loaders_follow_the_ledger,
     running_operator,
-    serving,
 )
 from support.snapshots import CONFIG, nudged, weights
 
@@ -100,24 +97,7 @@ async def test_publish_and_wait_through_the_operator(
     async with kube_api.client() as kube:
         await install_crds(kube)
         async with running_operator(kube_api):
-            await kube.create(
-                hld_path(ns),
-                {
-                    "apiVersion": "hotload.dev/v1alpha1",
-                    "kind": "HotLoadDeployment",
-                    "metadata": {"name": "fleet"},
-                    "spec": {
-                        "replicas": 2,
-                        "bucket": {"url": f"file://{bucket_dir}"},
-                        "engine": {"image": "e:1"},
-                    },
-                },
-            )
-            await eventually(
-                "the Deployment",
-                lambda: _exists(kube, f"/apis/apps/v1/namespaces/{ns}/deployments/fleet"),
-            )
-            pods = await play_deployment_controller(kube, ns, "fleet")
+            pods = await create_fleet(kube, ns, bucket_dir)
             pub = Publisher(
                 str(bucket_dir),
                 deployment="fleet",
@@ -130,19 +110,7 @@ async def test_publish_and_wait_through_the_operator(
             first = await pub.publish_async(base, step=0)
             assert first.kind == "full"
 
-            async def loaders() -> None:
-                # Replicas load whatever the ledger head is, as loaders would.
-                ledger = Ledger(open_bucket(str(bucket_dir)), "fleet")
-                while True:
-                    head = (await ledger.read_async()).document.head
-                    if head is not None:
-                        for p in pods:
-                            await play_loader(
-                                kube, ns, p, serving(head.identity, head.sequence), ready=True
-                            )
-                    await asyncio.sleep(0.2)
-
-            playing = asyncio.create_task(loaders())
+            playing = asyncio.create_task(loaders_follow_the_ledger(kube, ns, bucket_dir, pods))
             try:
                 report = await pub.wait_ready_async(first.identity, timeout=30)
                 assert report.loaded == 2 and report.replicas == 2
@@ -189,13 +157,3 @@ async def _publish_stale_delta(pub: Publisher, state: dict[str, np.ndarray]) -> 
         return await pub.publish_async(state, step=4)
     finally:
         pub.ledger.read_async = original  # type: ignore[method-assign]
-
-
-async def _exists(kube: Any, path: str) -> bool:
-    from hotload.errors import KubeNotFoundError
-
-    try:
-        await kube.get(path)
-        return True
-    except KubeNotFoundError:
-        return False

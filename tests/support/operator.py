@@ -202,3 +202,50 @@ def _now() -> Any:
 
 def _now_text() -> str:
     return _now().strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def create_fleet(kube: KubeClient, ns: str, bucket_dir: Any, replicas: int = 2) -> list[str]:
+    """Create HotLoadDeployment `fleet` on a `file://` bucket, wait for the operator's
+    Deployment and play its controller; return the pod names."""
+    from hotload.errors import KubeNotFoundError as NotFound
+
+    await kube.create(
+        hld_path(ns),
+        {
+            "apiVersion": "hotload.dev/v1alpha1",
+            "kind": "HotLoadDeployment",
+            "metadata": {"name": "fleet"},
+            "spec": {
+                "replicas": replicas,
+                "bucket": {"url": f"file://{bucket_dir}"},
+                "engine": {"image": "hotload-engine:dev"},
+            },
+        },
+    )
+
+    async def made() -> bool:
+        try:
+            await kube.get(resource_path("apps/v1", "deployments", ns, "fleet"))
+            return True
+        except NotFound:
+            return False
+
+    await eventually("the operator's Deployment", made)
+    return await play_deployment_controller(kube, ns, "fleet")
+
+
+async def loaders_follow_the_ledger(
+    kube: KubeClient, ns: str, bucket_dir: Any, pods: list[str]
+) -> None:
+    """Play every loader as instantly successful: each pod reports the ledger head (forever;
+    cancel the task to stop)."""
+    from hotload.bucket import open_bucket
+    from hotload.ledger import Ledger
+
+    ledger = Ledger(open_bucket(str(bucket_dir)), "fleet")
+    while True:
+        head = (await ledger.read_async()).document.head
+        if head is not None:
+            for pod in pods:
+                await play_loader(kube, ns, pod, serving(head.identity, head.sequence), ready=True)
+        await asyncio.sleep(0.2)
