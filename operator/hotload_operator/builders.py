@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotload.api.models import HotLoadDeployment
+from hotload.ledger.pins import pin_key
 from hotload.api.names import (
     API_VERSION,
     CONDITION_SNAPSHOT_LOADED,
@@ -45,6 +46,13 @@ class OperatorImages:
 def ledger_url(hld: HotLoadDeployment) -> str:
     """`BUCKET_URL/LEDGER` the loaders follow (the ledger defaults to the deployment's name)."""
     return f"{hld.spec.bucket.url.rstrip('/')}/{hld.spec.ledger or name_of(hld)}"
+
+
+def pin_object_key(hld: HotLoadDeployment) -> str:
+    """Key (in the deployment's bucket) of the pin object its loaders poll; fixed for the
+    deployment's lifetime, so pinning and unpinning never change the pod template."""
+    uid = hld.metadata.get("uid")
+    return pin_key(namespace_of(hld), name_of(hld), str(uid) if uid else None)
 
 
 def name_of(obj: HotLoadDeployment) -> str:
@@ -150,6 +158,9 @@ def loader_env(hld: HotLoadDeployment) -> list[JSON]:
         {"name": "HOTLOAD_KEEP", "value": str(spec.loader.keep)},
         {"name": "HOTLOAD_LISTEN", "value": f"0.0.0.0:{LOADER_PORT}"},
         {"name": "HOTLOAD_REPORT", "value": "kubernetes"},
+        # Always set (pinned or not): the loader learns spec.pin from this bucket object, so a
+        # rollback reaches running pods without a rolling restart or new RBAC.
+        {"name": "HOTLOAD_PIN_OBJECT", "value": pin_object_key(hld)},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]

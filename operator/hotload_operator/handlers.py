@@ -117,14 +117,20 @@ async def deployment_changed(
     except KubeError as err:
         raise kopf.TemporaryError(f"applying owned objects failed: {err}", delay=10) from err
     logger.info("applied %s", ", ".join(applied))
+    try:
+        await reconcile.sync_pin(ctx, hld)
+    except BucketError as err:
+        raise kopf.TemporaryError(f"writing the pin object failed: {err}", delay=10) from err
     await reconcile.guarded("roll-up", lambda: reconcile.rollup(ctx, *_key(body)))
 
 
 @kopf.timer(GROUP, VERSION, DEPLOYMENT_PLURAL, interval=ROLLUP_INTERVAL, initial_delay=1)
 async def deployment_tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Periodic roll-up: notices a new ledger head before any pod reports it."""
+    """Periodic check: notices a new ledger head before any pod reports it (cheap when the
+    ledger did not change: one conditional GET)."""
     ctx: Context = memo["ctx"]
-    await reconcile.guarded("roll-up", lambda: reconcile.rollup(ctx, *_key(body)))
+    hld = reconcile.parse_deployment(dict(body))
+    await reconcile.guarded("roll-up", lambda: reconcile.tick(ctx, *_key(body), hld))
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT})

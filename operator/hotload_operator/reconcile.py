@@ -33,7 +33,7 @@ from hotload.bucket import Bucket, open_bucket
 from hotload.bucket.url import S3_SETTINGS
 from hotload.errors import BucketError, KubeError, KubeNotFoundError, LedgerError
 from hotload.kube import KubeClient, resource_path
-from hotload.ledger import Ledger, LedgerDocument
+from hotload.ledger import Ledger, LedgerDocument, Pin, write_pin_async
 from hotload_operator.admission import Admission, admit
 from hotload_operator.builders import (
     OperatorImages,
@@ -41,6 +41,7 @@ from hotload_operator.builders import (
     ledger_url,
     name_of,
     namespace_of,
+    pin_object_key,
     router_name,
     selector_string,
 )
@@ -91,6 +92,8 @@ class Context:
     _buckets: dict[tuple[str, str, str | None], Bucket] = field(default_factory=dict)
     _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     _pending: set[tuple[str, str]] = field(default_factory=set)
+    #: Per deployment: the ledger's ETag and when it was last rolled up (for the cheap timer).
+    _ticks: dict[tuple[str, str], tuple[str | None, float]] = field(default_factory=dict)
 
     async def bucket(self, hld: HotLoadDeployment) -> Bucket:
         """The deployment's bucket, with credentials from its Secret (cached per secret)."""
@@ -157,6 +160,21 @@ async def apply_children(ctx: Context, hld: HotLoadDeployment) -> list[str]:
                 await ctx.kube.delete(path)
     ctx.metrics.reconciles.labels("applied").inc()
     return applied
+
+
+async def sync_pin(ctx: Context, hld: HotLoadDeployment) -> bool:
+    """Make the deployment's pin object in the bucket match `spec.pin` (written when pinned,
+    deleted when not); return whether it changed. Raises `BucketError` for a retry."""
+    pin = Pin(hld.spec.pin, f"{namespace_of(hld)}/{name_of(hld)}") if hld.spec.pin else None
+    changed = await write_pin_async(await ctx.bucket(hld), pin_object_key(hld), pin)
+    if changed:
+        log.info(
+            "%s/%s: %s",
+            namespace_of(hld),
+            name_of(hld),
+            f"pinned to {hld.spec.pin}" if pin else "unpinned: following the ledger head",
+        )
+    return changed
 
 
 async def admit_snapshot(ctx: Context, body: JSON) -> Admission:
@@ -233,6 +251,32 @@ async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
         ctx._pending.discard(key)
         with ctx.metrics.rollup_seconds.time():
             return await _rollup(ctx, namespace, name)
+
+
+#: The periodic roll-up runs in full at least this often even when the ledger did not move
+#: (pod events trigger roll-ups as they happen; this only catches anything missed).
+FULL_ROLLUP_SECONDS = 60.0
+
+
+async def tick(ctx: Context, namespace: str, name: str, hld: HotLoadDeployment) -> JSON | None:
+    """The periodic check: one conditional GET of the ledger; roll up only when its head may
+    have moved, or when the last roll-up is older than `FULL_ROLLUP_SECONDS`."""
+    import time
+
+    key = (namespace, name)
+    etag, last = ctx._ticks.get(key, (None, 0.0))
+    now = time.monotonic()
+    try:
+        bucket = await ctx.bucket(hld)
+        state = await Ledger(bucket, hld.spec.ledger or name_of(hld)).poll_async(etag)
+    except (BucketError, LedgerError) as err:
+        log.warning("cannot poll ledger %s: %s", ledger_url(hld), err)
+        state = None
+    changed = state is not None and state.etag != etag
+    if not changed and now - last < FULL_ROLLUP_SECONDS:
+        return None
+    ctx._ticks[key] = (state.etag if state is not None else etag, now)
+    return await rollup(ctx, namespace, name)
 
 
 async def _rollup(ctx: Context, namespace: str, name: str) -> JSON | None:

@@ -209,7 +209,7 @@ def rollup_snapshot(
         return None
     identity = snap.spec.identity
     sequence = int(status["sequence"])
-    reports = [read_pod(p) for p in pods if not read_pod(p).deleting]
+    reports = [r for r in map(read_pod, pods) if not r.deleting]
     serving = [r for r in reports if r.identity == identity]
     failures = [r for r in reports if r.state == "failed" and r.target == identity]
     need = required_replicas(hld)
