@@ -481,6 +481,7 @@ def test_printer_columns(generated: dict[str, Json]) -> None:
         ("Current", "string", ".status.currentSnapshot", 0),
         ("Target", "string", ".status.targetSnapshot", 0),
         age,
+        ("Mode", "string", ".status.mode", 1),
         ("Reason", "string", f"{ready}.reason", 1),
         ("Message", "string", f"{ready}.message", 1),
     ]

@@ -89,9 +89,16 @@ _KINDS: dict[str, _Kind] = {
                 "name": "Target",
                 "type": "string",
                 "jsonPath": ".status.targetSnapshot",
-                "description": "The ledger head.",
+                "description": "What the fleet should serve: the ledger head, or the pin.",
             },
             _AGE,
+            {
+                "name": "Mode",
+                "type": "string",
+                "priority": 1,
+                "jsonPath": ".status.mode",
+                "description": "Following (the ledger head) or Pinned (spec.pin).",
+            },
             {
                 "name": "Reason",
                 "type": "string",

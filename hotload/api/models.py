@@ -238,6 +238,12 @@ class HotLoadDeploymentSpec(_Model):
         "disruptions (and the rolling update's maxUnavailable).",
     )
     router: RouterSpec = Field(default_factory=RouterSpec, description="Optional router.")
+    pin: Identity | None = Field(
+        default=None,
+        description="Serve exactly this snapshot instead of following the ledger head (a "
+        "reference-policy fleet, or a rollback to an earlier snapshot, rebuilt from the ledger's "
+        "history); clear it to follow the ledger again.",
+    )
 
 
 class ReplicaStatus(_Model):
@@ -275,7 +281,13 @@ class HotLoadDeploymentStatus(_Model):
         default=None, description="The newest snapshot the ready fraction of replicas serves."
     )
     current_sequence: int | None = Field(default=None, ge=0, description="Its ledger sequence.")
-    target_snapshot: str | None = Field(default=None, description="The ledger head.")
+    mode: Literal["Following", "Pinned"] | None = Field(
+        default=None,
+        description="Following: the fleet serves the ledger head; Pinned: it serves spec.pin.",
+    )
+    target_snapshot: str | None = Field(
+        default=None, description="What the fleet should serve: the ledger head, or the pin."
+    )
     target_sequence: int | None = Field(default=None, ge=0, description="Its ledger sequence.")
     replica_statuses: list[ReplicaStatus] = Field(
         default_factory=list, max_length=1000, description="Per-replica detail."

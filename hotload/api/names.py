@@ -61,6 +61,7 @@ class DeploymentReasons:
     ENOUGH_CURRENT: Final = "EnoughReplicasCurrent"  # True: the ready fraction serves it
     NO_SNAPSHOT: Final = "NoSnapshot"  # False: the ledger has nothing to serve yet
     REPLICAS_BEHIND: Final = "ReplicasBehind"  # False: fewer than the fraction serve the target
+    PIN_NOT_IN_LEDGER: Final = "PinNotInLedger"  # False: the ledger cannot rebuild spec.pin
     # Progressing
     ROLLING_OUT: Final = "RollingOut"  # True: replicas are loading the target
     UP_TO_DATE: Final = "UpToDate"  # False: nothing to do
@@ -90,3 +91,4 @@ class SnapshotReasons:
     SUPERSEDED: Final = "Superseded"  # False: a newer snapshot became the target first
     NOT_ACCEPTED: Final = "NotAccepted"  # False
     FAILED: Final = "LoadFailed"  # False: replicas reported failures
+    PINNED_ELSEWHERE: Final = "DeploymentPinned"  # False: the fleet is pinned to another one

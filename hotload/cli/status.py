@@ -145,7 +145,8 @@ def _print_cluster(doc: JSON, *, detail: bool) -> None:
             f"{st.get('readyReplicas', 0)}/{(d.get('spec') or {}).get('replicas', '?')}",
             str(st.get("updatedReplicas", 0)),
             f"{st.get('currentSnapshot') or '-'} ({st.get('currentSequence') or '-'})",
-            f"{st.get('targetSnapshot') or '-'} ({st.get('targetSequence') or '-'})",
+            f"{st.get('targetSnapshot') or '-'} ({st.get('targetSequence') or '-'})"
+            + (" pinned" if st.get("mode") == "Pinned" else ""),
             _reason(d),
         )
     console.print(table)

@@ -25,12 +25,23 @@ from hotload.ledger.model import (
     ResetRecord,
     validate_ledger_name,
 )
+from hotload.ledger.pins import (
+    PIN_PREFIX,
+    Pin,
+    PinState,
+    Target,
+    pin_key,
+    pin_target,
+    poll_pin_async,
+    write_pin_async,
+)
 
 __all__ = [
     "DEFAULT_HISTORY",
     "ENTRY_KINDS",
     "FORMAT_VERSION",
     "LEDGER_PREFIX",
+    "PIN_PREFIX",
     "PROMPT_CACHE_POLICIES",
     "SELF_CONTAINED",
     "EntryKind",
@@ -39,9 +50,16 @@ __all__ = [
     "LedgerEntry",
     "LedgerState",
     "NewEntry",
+    "Pin",
+    "PinState",
     "PromptCachePolicy",
     "ResetRecord",
+    "Target",
     "ledger_key",
     "open_ledger",
+    "pin_key",
+    "pin_target",
+    "poll_pin_async",
     "validate_ledger_name",
+    "write_pin_async",
 ]

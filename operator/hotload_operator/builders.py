@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotload.api.models import HotLoadDeployment
-from hotload.ledger.pins import pin_key
 from hotload.api.names import (
     API_VERSION,
     CONDITION_SNAPSHOT_LOADED,
@@ -20,6 +19,7 @@ from hotload.api.names import (
     LABEL_COMPONENT,
     LABEL_DEPLOYMENT,
 )
+from hotload.ledger.pins import pin_key
 
 JSON = dict[str, Any]
 

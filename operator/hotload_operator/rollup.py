@@ -22,7 +22,7 @@ from hotload.api.names import (
     DeploymentReasons,
     SnapshotReasons,
 )
-from hotload.ledger import LedgerEntry
+from hotload.ledger import LedgerDocument, LedgerEntry, Target, pin_target
 from hotload_operator.conditions import format_time, get_condition, is_true, set_condition
 
 JSON = dict[str, Any]
@@ -85,14 +85,18 @@ def rollup_deployment(
     now: datetime,
     previous: JSON | None = None,
 ) -> JSON:
-    """The new `HotLoadDeployment.status` from its pods and the ledger head."""
+    """The new `HotLoadDeployment.status` from its pods and the ledger: the fleet's target is
+    the ledger head, or `spec.pin` when pinned."""
     from hotload_operator.builders import router_endpoint, selector_string
+
+    goal = deployment_target(hld, head, entries)
+    pinned = goal.mode == "Pinned"
 
     reports = sorted((read_pod(p) for p in pods), key=lambda r: r.pod)
     reports = [r for r in reports if not r.deleting]
     gen = hld.metadata.get("generation")
     generation = int(gen) if isinstance(gen, int) else None
-    target = head.identity if head else None
+    target = goal.identity
     updated = [r for r in reports if target is not None and r.identity == target]
     need = required_replicas(hld)
     sequences = {e.identity: e.sequence for e in entries}
@@ -109,15 +113,18 @@ def rollup_deployment(
     behind = [r for r in reports if target is not None and r.identity != target]
     failed = [r for r in reports if r.state == "failed"]
     unready = [r for r in reports if not r.ready]
-    if head is None:
+    if target is None:
         put(CONDITION_READY, False, d.NO_SNAPSHOT, "the ledger has no snapshot yet")
+    elif goal.problem and len(updated) < need:
+        put(CONDITION_READY, False, d.PIN_NOT_IN_LEDGER, goal.problem)
     elif len(updated) >= need:
         all_there = len(updated) >= hld.spec.replicas
         put(
             CONDITION_READY,
             True,
             d.ALL_CURRENT if all_there else d.ENOUGH_CURRENT,
-            f"{len(updated)}/{hld.spec.replicas} replicas serve {target}",
+            f"{len(updated)}/{hld.spec.replicas} replicas serve {target}"
+            + (" (pinned)" if pinned else ""),
         )
     else:
         detail = "; ".join(f"{r.pod} serves {r.identity or 'nothing'}" for r in behind[:5])
@@ -128,7 +135,7 @@ def rollup_deployment(
             f"{len(updated)}/{hld.spec.replicas} replicas serve {target} (need {need})"
             + (f": {detail}" if detail else ""),
         )
-    if head is not None and (behind or len(reports) < hld.spec.replicas):
+    if target is not None and (behind or len(reports) < hld.spec.replicas):
         put(
             CONDITION_PROGRESSING,
             True,
@@ -137,7 +144,14 @@ def rollup_deployment(
             f"{max(0, hld.spec.replicas - len(reports))} not started",
         )
     else:
-        put(CONDITION_PROGRESSING, False, d.UP_TO_DATE, "every replica serves the ledger head")
+        put(
+            CONDITION_PROGRESSING,
+            False,
+            d.UP_TO_DATE,
+            f"every replica serves the pinned snapshot {target}"
+            if pinned
+            else "every replica serves the ledger head",
+        )
     if failed:
         put(
             CONDITION_DEGRADED,
@@ -162,8 +176,9 @@ def rollup_deployment(
         "updatedReplicas": len(updated),
         "currentSnapshot": current,
         "currentSequence": sequences.get(current) if current else None,
+        "mode": goal.mode,
         "targetSnapshot": target,
-        "targetSequence": head.sequence if head else None,
+        "targetSequence": goal.entry.sequence if goal.entry else None,
         "replicaStatuses": [
             {
                 "pod": r.pod,
@@ -181,6 +196,16 @@ def rollup_deployment(
         "routerEndpoint": router_endpoint(hld),
     }
     return status
+
+
+def deployment_target(
+    hld: HotLoadDeployment, head: LedgerEntry | None, entries: list[LedgerEntry]
+) -> Target:
+    """What the fleet should serve: the ledger head, or `spec.pin` (with why the ledger's
+    retained history cannot rebuild it, if it cannot)."""
+    name = hld.spec.ledger or str(hld.metadata.get("name", ""))
+    known = tuple(entries) or ((head,) if head is not None else ())
+    return pin_target(LedgerDocument(name, entries=known) if known else None, hld.spec.pin)
 
 
 def _current(reports: list[PodReport], need: int, sequences: dict[str, int]) -> str | None:
@@ -248,6 +273,13 @@ def rollup_snapshot(
             False,
             SnapshotReasons.SUPERSEDED,
             f"{head.identity} (sequence {head.sequence}) replaced it first",
+        )
+    elif hld.spec.pin is not None and hld.spec.pin != identity:
+        put(
+            False,
+            SnapshotReasons.PINNED_ELSEWHERE,
+            f"the deployment is pinned to {hld.spec.pin}; it loads the ledger head once "
+            "spec.pin is cleared",
         )
     elif failures:
         put(

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from hotload.errors import HotloadError
+from hotload.errors import HotloadError, InvalidIdentityError
+from hotload.snapshot.layout import validate_identity
 from hotload_sidecar.engines import CACHE_POLICIES, ENGINE_KINDS, MODES, CachePolicy, Mode
 
 ReportMode = Literal["kubernetes", "local"]
@@ -49,6 +50,8 @@ class Settings:
     retry_seconds: float = 30.0
     load_timeout_seconds: float = 900.0
     log_level: str = "info"
+    pin: str | None = None
+    pin_object: str | None = None
 
     @property
     def listen_host(self) -> str:
@@ -169,6 +172,23 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
         "how long the engine may take to load one snapshot",
     ),
     (
+        "--pin",
+        "HOTLOAD_PIN",
+        str,
+        None,
+        "serve exactly this snapshot identity instead of following the ledger head (a "
+        "reference-policy fleet, or a rollback); its chain is rebuilt from the ledger's history",
+    ),
+    (
+        "--pin-object",
+        "HOTLOAD_PIN_OBJECT",
+        str,
+        None,
+        "key (relative to the ledger's bucket) of a pin object polled beside the ledger: while it "
+        "exists the loader serves the snapshot it names, when deleted it follows the head again "
+        "(the operator maintains it from spec.pin)",
+    ),
+    (
         "--log-level",
         "HOTLOAD_LOG_LEVEL",
         str,
@@ -184,6 +204,8 @@ On start-up the loader materialises the ledger head (latest full snapshot plus t
 after it) into WEIGHTS_DIR/snapshots/<identity>, points WEIGHTS_DIR/current at it and answers
 200 on /startup (the pod's startup probe), so the engine boots from WEIGHTS_DIR/current. Then it
 follows the ledger: each new head is fetched, rebuilt, verified, switched to and hot-loaded.
+With a pin (--pin, or a --pin-object that exists) it serves the pinned snapshot instead and
+never moves past it; a pin whose chain the ledger no longer holds is reported, not served.
 Exit codes: 0 stopped by a signal, 1 a fatal error (message on stderr), 2 bad settings.
 """
 
@@ -254,6 +276,13 @@ def load_settings(
                 raise ConfigError(
                     f"--report kubernetes needs {flag} (or {var}, from the downward API)"
                 )
+    if values["pin"] is not None and values["pin_object"] is not None:
+        raise ConfigError("--pin and --pin-object exclude each other: a pin is static or polled")
+    if values["pin"] is not None:
+        try:
+            validate_identity(values["pin"])
+        except InvalidIdentityError as err:
+            raise ConfigError(f"--pin: {err}") from None
     values["engine_kind"] = values.pop("engine")
     values["credentials_dir"] = values["credentials_dir"] or None
     return Settings(**values)

@@ -1,5 +1,9 @@
 """The loader: materialise the head at start-up, then follow the ledger and hot-load each head.
 
+A pinned loader (`--pin`, or a pin object the operator maintains in the bucket) serves the
+pinned snapshot instead: it still polls the ledger, so it notices when the pin's chain leaves
+the retained history, but never moves past the pin; unpinned, it follows the head again.
+
 One `Loader` per replica. It owns the weights folder, talks to the engine only through an
 `EngineAdapter` and publishes a `ReplicaStatus` through a `Reporter` after every change. A
 failure never takes the served weights away: the engine keeps what it serves, `current` keeps
@@ -25,7 +29,16 @@ from hotload.errors import (
     HotloadError,
     LedgerError,
 )
-from hotload.ledger import Ledger, LedgerDocument, LedgerEntry, LedgerState
+from hotload.ledger import (
+    Ledger,
+    LedgerDocument,
+    LedgerEntry,
+    LedgerState,
+    PinState,
+    Target,
+    pin_target,
+    poll_pin_async,
+)
 from hotload.ledger.model import format_time, utc_now
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadRequest, ServedSnapshot
@@ -76,6 +89,18 @@ def condition(status: ReplicaStatus, *, engine_live: bool = True) -> tuple[bool,
     return True, REASON_UPDATING
 
 
+def move_cache_policy(
+    document: LedgerDocument, current: str | None, target: LedgerEntry
+) -> CachePolicy:
+    """The prompt-cache policy for moving the engine from `current` to `target`: going forward,
+    the strongest any skipped entry asks for; going back (a rollback), `all`, because every
+    cached prefix was computed with newer weights than the ones about to serve."""
+    served = document.find(current) if current is not None else None
+    if served is not None and served.sequence > target.sequence:
+        return "all"
+    return combined_cache_policy(document.resolve_chain(current, target.identity) or [target])
+
+
 @dataclass
 class _Retry:
     identity: str
@@ -115,6 +140,11 @@ class Loader:
         self._etag: str | None = None
         self._retry: _Retry | None = None
         self._engine_live = True
+        #: The pinned identity (None: follow the head), from --pin or the polled pin object.
+        self.pin: str | None = settings.pin
+        self._pin_state: PinState | None = None
+        #: Why the pin cannot be served ("" when it can), reported once per change.
+        self._pin_problem = ""
 
     # --- the two phases ----------------------------------------------------------------------
 
@@ -128,19 +158,28 @@ class Loader:
             await _sleep_or_stop(stop, self._interval())
 
     async def step(self) -> None:
-        """One poll: read the ledger if it changed, check the engine, move to the head."""
+        """One poll: read the ledger (and pin) if changed, check the engine, move to the target
+        (the head, or the pin)."""
         await self._poll()
         await self._check_engine()
-        head = self.document.head if self.document is not None else None
-        if head is None or not self._engine_live:
+        target = self.target()
+        await self._note_pin_problem(target)
+        entry = target.entry
+        if entry is None or not self._engine_live:
             return
-        if head.identity != self.status.identity and self._may_try(head.identity):
-            await self._update()
+        if entry.identity != self.status.identity and self._may_try(entry.identity):
+            await self._update(entry)
+
+    def target(self) -> Target:
+        """What this replica should serve now: the ledger head, or the pinned entry."""
+        return pin_target(self.document, self.pin)
 
     async def _startup(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self._poll()
-            head = self.document.head if self.document is not None else None
+            target = self.target()
+            await self._note_pin_problem(target)
+            head = target.entry
             if head is None:
                 if self.weights.current() is not None and not self.status.ledger_reachable:
                     # A restarted loader whose bucket is down: the engine may boot from what
@@ -151,8 +190,10 @@ class Loader:
                 continue
             try:
                 await self._set(state="fetching", target=head)
-                built = await self.materializer.build(self.document or LedgerDocument(""))
-            except (MaterializeError, BucketError) as err:
+                built = await self.materializer.build(
+                    self.document or LedgerDocument(""), head.identity
+                )
+            except (MaterializeError, BucketError, LedgerError) as err:
                 await self._failed("rebuild", err, head)
                 await _sleep_or_stop(stop, self._interval())
                 continue
@@ -175,6 +216,7 @@ class Loader:
         last = self.document.sequence if self.document is not None else None
         try:
             state: LedgerState | None = await self.ledger.poll_async(self._etag, last_sequence=last)
+            pin_state = await self._poll_pin()
         except (BucketError, LedgerError) as err:
             self.metrics.ledger_reachable.set(0)
             self.metrics.failures.labels("ledger").inc()
@@ -191,9 +233,46 @@ class Loader:
             head = state.document.head
             if head is not None:
                 self.metrics.head_sequence.set(head.sequence)
-                await self._set(target=head, ledger_reachable=True, last_poll_time=now)
-                return
-        await self._set(ledger_reachable=True, last_poll_time=now)
+        if pin_state is not None:
+            self._pin_state = pin_state
+            pin = pin_state.pin.identity if pin_state.pin is not None else None
+            if pin != self.pin:
+                log.info("pin %s", f"set to {pin}" if pin else "cleared: following the ledger head")
+                await self.reporter.event(
+                    "Normal",
+                    "Pinned" if pin else "Unpinned",
+                    f"serving {pin} until unpinned" if pin else "following the ledger head",
+                )
+            self.pin = pin
+        changes: dict[str, Any] = {"ledger_reachable": True, "last_poll_time": now, "pin": self.pin}
+        target = self.target()
+        if target.identity is not None:
+            changes["target_identity"] = target.identity
+            changes["target_sequence"] = target.entry.sequence if target.entry else None
+        await self._set(**changes)
+
+    async def _poll_pin(self) -> PinState | None:
+        """The pin object if it changed since the last poll (None: unchanged or not used)."""
+        key = self.settings.pin_object
+        if key is None:
+            return None
+        return await poll_pin_async(self.ledger.bucket, key, self._pin_state)
+
+    async def _note_pin_problem(self, target: Target) -> None:
+        """Report a pin the ledger cannot build (once per change); clear it once it is gone.
+
+        The engine keeps serving whatever it serves: a replica never drops verified weights
+        because a pin became unservable."""
+        if target.problem == self._pin_problem:
+            return
+        previous, self._pin_problem = self._pin_problem, target.problem
+        if target.problem:
+            log.error("%s", target.problem)
+            self.metrics.failures.labels("pin").inc()
+            await self.reporter.event("Warning", "PinNotInLedger", target.problem)
+            await self._set(state="failed", message=target.problem, last_error=target.problem)
+        elif previous and self.status.message == previous:
+            await self._set(state="idle", message="")
 
     async def _check_engine(self) -> None:
         health = await self.adapter.health()
@@ -243,34 +322,32 @@ class Loader:
             return
         # The engine serves something else (booted before a switch, or restarted its own
         # weights): load what `current` names, the snapshot this loader last confirmed.
-        await self._load(entry, self.weights.path(want), [entry], LoadTimings())
+        await self._load(entry, self.weights.path(want), entry.prompt_cache, LoadTimings())
 
-    async def _update(self) -> None:
+    async def _update(self, target: LedgerEntry) -> None:
         assert self.document is not None
-        head = self.document.head
-        assert head is not None
         started = time.perf_counter()
         document = self.document
-        await self._set(state="fetching", target=head)
+        await self._set(state="fetching", target=target)
         try:
-            built = await self.materializer.build(document)
-        except (MaterializeError, BucketError) as err:
-            await self._failed("rebuild", err, head)
+            built = await self.materializer.build(document, target.identity)
+        except (MaterializeError, BucketError, LedgerError) as err:
+            await self._failed("rebuild", err, target)
             return
         self._record_build(built)
         if built.fallback:
             await self.reporter.event("Warning", "FellBackToFull", built.fallback_reason)
-        skipped = document.resolve_chain(self.status.identity, head.identity)
-        ok = await self._load(head, built.path, skipped or [head], built.timings)
+        policy = move_cache_policy(document, self.status.identity, target)
+        ok = await self._load(target, built.path, policy, built.timings)
         if ok:
             self.metrics.update_seconds.observe(time.perf_counter() - started)
             order = [e.identity for e in document.entries]
-            self.weights.collect(self.settings.keep, order, protect=[head.identity])
+            self.weights.collect(self.settings.keep, order, protect=[target.identity])
 
     async def _load(
-        self, entry: LedgerEntry, path: object, covering: list[LedgerEntry], timings: LoadTimings
+        self, entry: LedgerEntry, path: object, policy: CachePolicy, timings: LoadTimings
     ) -> bool:
-        policy = self.settings.cache_policy or combined_cache_policy(covering)
+        policy = self.settings.cache_policy or policy
         await self._set(state="loading", target=self.status_target(entry))
         t0 = time.perf_counter()
         try:
@@ -354,10 +431,8 @@ class Loader:
     # --- status ----------------------------------------------------------------------------------
 
     def status_target(self, entry: LedgerEntry) -> LedgerEntry:
-        """The entry the status names as target (the head when known)."""
-        if self.document is not None and self.document.head is not None:
-            return self.document.head
-        return entry
+        """The entry the status names as target (the head, or the pin, when known)."""
+        return self.target().entry or entry
 
     def _record_build(self, built: BuildResult) -> None:
         if built.fallback:

@@ -71,7 +71,7 @@ class ReplicaStatus:
     #: The snapshot the engine is confirmed to serve (None before the first load).
     identity: str | None = None
     sequence: int | None = None
-    #: The ledger head the loader is moving towards.
+    #: The snapshot the loader is moving towards: the ledger head, or the pin.
     target_identity: str | None = None
     target_sequence: int | None = None
     state: LoadingState = "starting"
@@ -87,11 +87,13 @@ class ReplicaStatus:
     ledger_reachable: bool = True
     last_poll_time: str | None = None
     updated_time: str | None = None
+    #: The snapshot this replica is pinned to (None: it follows the ledger head).
+    pin: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def loaded(self) -> bool:
-        """Whether the engine serves the ledger head."""
+        """Whether the engine serves its target (the ledger head, or the pin)."""
         return self.identity is not None and self.identity == self.target_identity
 
     @property
@@ -133,6 +135,7 @@ class ReplicaStatus:
             "lastPollTime": self.last_poll_time,
             "updatedTime": self.updated_time,
             "lastLoad": timings,
+            "pin": self.pin,
         }
 
     def to_json(self) -> dict[str, Any]:
