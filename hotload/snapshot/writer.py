@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +86,39 @@ def cast_tensor(name: str, raw: RawTensor, dtype: str) -> RawTensor:
     return RawTensor("BF16", raw.shape, out.view(np.uint8))
 
 
+def write_shard_file(path: str | Path, tensors: Sequence[tuple[str, RawTensor]]) -> int:
+    """Write one full shard with its per-tensor adler32 checksums in the metadata; return its size.
+
+    The entry point for writers that cut shards themselves (a sharded trainer writes the shards
+    its rank owns under names agreed by every rank), so their shards verify like ours.
+    """
+    checksums = {n: format_checksum(adler32(t.data)) for n, t in tensors}
+    metadata = {
+        "format": "pt",
+        META_CHECKSUM_FORMAT: ADLER32,
+        META_CHECKSUMS: json.dumps(checksums, separators=(",", ":")),
+    }
+    return write_safetensors(Path(path), tensors, metadata)
+
+
+def write_manifests(
+    folder: str | Path,
+    shards: Sequence[tuple[str, Sequence[str]]],
+    spec: Mapping[str, Mapping[str, Any]],
+    total_bytes: int,
+) -> None:
+    """Write the index (tensor -> shard, in `shards` order) and the spec (tensor -> shape, dtype).
+
+    `shards` pairs each final shard file name with its tensor names; the shard files themselves
+    need not be in `folder` (in a sharded publish other ranks hold them).
+    """
+    root = Path(folder)
+    weight_map = {t: name for name, tensors in shards for t in tensors}
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (root / layout.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (root / layout.SPEC_FILE).write_text(json.dumps({"tensor_map": dict(spec)}, indent=2) + "\n")
+
+
 @dataclass
 class WrittenSnapshot:
     """Summary of a written snapshot folder."""
@@ -149,13 +182,7 @@ class SnapshotWriter:
         if not self._pending:
             return
         tmp_name = f"shard-{len(self._shards):05d}.tmp"
-        checksums = {n: format_checksum(adler32(t.data)) for n, t in self._pending}
-        metadata = {
-            "format": "pt",
-            META_CHECKSUM_FORMAT: ADLER32,
-            META_CHECKSUMS: json.dumps(checksums, separators=(",", ":")),
-        }
-        write_safetensors(self.tmp_dir / tmp_name, self._pending, metadata)
+        write_shard_file(self.tmp_dir / tmp_name, self._pending)
         self._shards.append((tmp_name, [n for n, _ in self._pending]))
         self._total += self._pending_bytes
         if self.progress:
@@ -183,19 +210,13 @@ class SnapshotWriter:
                 path=str(self.out_dir),
             )
         total = len(self._shards)
-        weight_map: dict[str, str] = {}
-        names: list[str] = []
+        named: list[tuple[str, list[str]]] = []
         for i, (tmp_name, tensors) in enumerate(self._shards, start=1):
             final = layout.shard_name(i, total)
             os.replace(self.tmp_dir / tmp_name, self.tmp_dir / final)
-            names.append(final)
-            for t in tensors:
-                weight_map[t] = final
-        index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
-        (self.tmp_dir / layout.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (self.tmp_dir / layout.SPEC_FILE).write_text(
-            json.dumps({"tensor_map": self._spec}, indent=2) + "\n"
-        )
+            named.append((final, tensors))
+        write_manifests(self.tmp_dir, named, self._spec, self._total)
+        names = [final for final, _ in named]
         if self.out_dir.exists():
             shutil.rmtree(self.out_dir)
         os.replace(self.tmp_dir, self.out_dir)

@@ -1,0 +1,308 @@
+"""A model sharded with FSDP2 over 2 processes (gloo, CPU) publishes through `ShardedPublisher`.
+
+Real parts: two spawned processes, a gloo process group, `fully_shard`, AdamW steps, a bucket
+(local folder and SeaweedFS), the ledger and the sidecar's `Materializer` rebuilding the chain.
+The only thing that gathers the whole model is the test itself (rank 0 saves the unsharded state
+dict to compare against), outside of `publish`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.spawn import spawn
+
+from hotload.arc.container import MAGIC
+from hotload.bucket import open_bucket
+from hotload.ledger import Ledger
+from hotload.sdk import sharded
+from hotload.sdk.sharded import plan_shards
+from hotload.snapshot import Snapshot, write_snapshot
+from hotload_sidecar.materialize import Materializer
+from hotload_sidecar.weights import WeightsFolder
+
+WORLD = 2
+LAYERS = 4
+HIDDEN = 32
+VOCAB = 64
+STEPS = 3  # published: step 0 (full), steps 1 and 2 (deltas)
+CONFIG = {"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS}
+
+
+class Block(nn.Module):
+    """One decoder-like layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(HIDDEN)
+        self.q_proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.up_proj = nn.Linear(HIDDEN, 2 * HIDDEN)
+        # An odd first dimension: the two ranks hold 3 and 2 rows (uneven sharding).
+        self.odd = nn.Parameter(torch.randn(5, HIDDEN))
+        self.down_proj = nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.q_proj(self.input_layernorm(x)) + self.odd.sum(0) * 0.01
+        out: torch.Tensor = x + self.down_proj(torch.relu(self.up_proj(h)))
+        return out
+
+
+class Inner(nn.Module):
+    """Embedding, layers, final norm: `model.layers.N....` names make shards layer-pure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(HIDDEN)
+
+
+class Llama(nn.Module):
+    """A small Llama-shaped causal LM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Inner()
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x)
+        out: torch.Tensor = self.lm_head(self.model.norm(x))
+        return out
+
+
+def _sharded_model() -> Llama:
+    """The same initial weights on every rank, then FSDP2 over the default group."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Llama()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _rank(rank: int, bucket_url: str, out: str, env: dict[str, str]) -> None:
+    """One trainer rank: FSDP2-shard the model, train, publish every step."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=WORLD
+    )
+    try:
+        model = _sharded_model()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        pub = sharded.ShardedPublisher(
+            bucket_url, ledger="policy", config=CONFIG, workdir=f"{out}/work", threads=1
+        )
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(STEPS):
+            if step:
+                tokens = torch.randint(0, VOCAB, (4, 8), generator=gen)
+                loss = torch.nn.functional.cross_entropy(
+                    model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)
+                )
+                loss.backward()  # type: ignore[no-untyped-call]
+                optim.step()
+                optim.zero_grad()
+            handle = pub.publish(model, step=step)
+            report = pub.last_report
+            Path(f"{out}/report-{rank}-{step}.json").write_text(
+                json.dumps(
+                    {
+                        "kind": handle.kind,
+                        "previous": handle.previous,
+                        "shards": report.shards,
+                        "peak": report.peak_gathered_bytes,
+                        "gathered": report.gathered_bytes,
+                    }
+                )
+            )
+            # TEST ONLY: the unsharded weights to compare the replica's rebuild with. This
+            # gathers the whole model (which `publish` never does), after publishing.
+            full = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if rank == 0:
+                torch.save(full, f"{out}/expected-{step}.pt")
+            del full
+        pub.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _tensors(path: Path) -> dict[str, Any]:
+    snap = Snapshot(path)
+    out: dict[str, Any] = {}
+    for shard in snap.shard_files:
+        with snap.open_shard(shard) as f:
+            for name, info in f.tensors.items():
+                out[name] = (info.dtype, tuple(info.shape), bytes(f.raw(name)))
+    return out
+
+
+def _as_stored(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        name: ("F32", tuple(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes())
+        for name, t in state.items()
+    }
+
+
+@pytest.mark.slow
+def test_fsdp_ranks_publish_their_layers_and_a_replica_rebuilds_the_unsharded_model(
+    bucket_url: str, tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    spawn(  # type: ignore[no-untyped-call]
+        _rank, args=(bucket_url, str(tmp_path), env), nprocs=WORLD, join=True
+    )
+
+    ledger = Ledger(open_bucket(bucket_url), "policy")
+    document = ledger.read().document
+    entries = [(e.identity, e.kind, e.previous) for e in document.entries]
+    assert entries == [
+        ("step-00000000", "full", None),
+        ("step-00000001", "incremental", "step-00000000"),
+        ("step-00000002", "incremental", "step-00000001"),
+    ]
+
+    expected = [torch.load(tmp_path / f"expected-{s}.pt") for s in range(STEPS)]
+    plan = plan_shards(
+        [(n, tuple(t.shape), "F32") for n, t in expected[0].items()], world_size=WORLD
+    )
+    # One shard for the embedding, one per layer, one for the final norm and the head.
+    assert len(plan.shards) == LAYERS + 2
+    layer_bytes = max(s.nbytes for s in plan.shards if s.tensors[0].startswith("model.layers."))
+    total_bytes = plan.total_bytes
+    for step in range(STEPS):
+        reports = [
+            json.loads((tmp_path / f"report-{r}-{step}.json").read_text()) for r in range(WORLD)
+        ]
+        assert {r["kind"] for r in reports} == {"full" if step == 0 else "incremental"}
+        # Each rank wrote and uploaded exactly the shards the plan gives it, and both worked.
+        for rank, report in enumerate(reports):
+            assert report["shards"] == sorted(s.name for s in plan.owned_by(rank))
+            assert report["shards"]
+            # Nobody held the whole model: at most one layer's full tensors at a time.
+            assert 0 < report["peak"] <= layer_bytes < total_bytes
+        assert sum(r["gathered"] for r in reports) == total_bytes
+
+    # Every shard of every step is in the bucket: full safetensors at step 0, arc_v2 after.
+    bucket = open_bucket(bucket_url)
+    for step in range(STEPS):
+        for shard in plan.shards:
+            head = bucket.get_range(f"step-0000000{step}/{shard.name}", 0, len(MAGIC))
+            assert (head == MAGIC) is (step > 0), (step, shard.name)
+
+    # The committed layout is the single-process writer's, byte for byte: the same manifests
+    # (so the same ledger digest) and, for the full step, the same shard files.
+    single = write_snapshot(tmp_path / "single", expected[0], config=CONFIG).path
+    for name in sorted(p.name for p in single.iterdir()):
+        assert bucket.get(f"step-00000000/{name}").data == (single / name).read_bytes(), name
+
+    # A replica rebuilds step 1 and then step 2 from the ledger: bit for bit the unsharded model.
+    weights = WeightsFolder(tmp_path / "replica")
+    weights.prepare()
+    materializer = Materializer(bucket, weights, threads=1)
+    built = asyncio.run(materializer.build(document, "step-00000001"))
+    assert built.applied == ["step-00000000", "step-00000001"]
+    assert _tensors(built.path) == _as_stored(expected[1])
+    built = asyncio.run(materializer.build(document))
+    assert built.identity == "step-00000002" and built.applied == ["step-00000002"]
+    assert _tensors(built.path) == _as_stored(expected[2])
+    assert _tensors(built.path) != _as_stored(expected[0])  # the training steps changed it
+
+
+def _failing_rank(rank: int, bucket_url: str, out: str) -> None:
+    """Rank 1's disk fails while writing its first shard; then both ranks publish again."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=WORLD
+    )
+    try:
+        model = _sharded_model()
+        pub = sharded.ShardedPublisher(
+            bucket_url, ledger="policy", config=CONFIG, workdir=f"{out}/work", threads=1
+        )
+        real_write = sharded.write_shard_file  # type: ignore[attr-defined]
+
+        def full_disk(path: Any, tensors: Any) -> int:
+            raise OSError(28, "No space left on device")
+
+        if rank == 1:  # fault injection: this rank alone cannot write
+            sharded.write_shard_file = full_disk  # type: ignore[attr-defined]
+        try:
+            pub.publish(model, step=5)
+        except sharded.ShardedPublishError as exc:
+            Path(f"{out}/error-{rank}.txt").write_text(str(exc))
+        sharded.write_shard_file = real_write  # type: ignore[attr-defined]
+        kinds = [pub.publish(model, step=s).kind for s in (5, 6)]
+        Path(f"{out}/kinds-{rank}.json").write_text(json.dumps(kinds))
+        pub.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_failing_rank_stops_the_commit_on_every_rank_and_the_retry_publishes(
+    tmp_path: Path,
+) -> None:
+    bucket_url = str(tmp_path / "bucket")
+    spawn(  # type: ignore[no-untyped-call]
+        _failing_rank, args=(bucket_url, str(tmp_path)), nprocs=WORLD, join=True
+    )
+    # Both ranks raised the same error, naming the rank and its cause; neither hung.
+    errors = {(tmp_path / f"error-{r}.txt").read_text() for r in range(WORLD)}
+    assert len(errors) == 1
+    (error,) = errors
+    assert "nothing was committed" in error and "rank 1: OSError" in error
+    assert "No space left on device" in error
+    # The failed attempt committed nothing; the retry of the same step did, then a delta.
+    for r in range(WORLD):
+        assert json.loads((tmp_path / f"kinds-{r}.json").read_text()) == ["full", "incremental"]
+    document = Ledger(open_bucket(bucket_url), "policy").read().document
+    assert [(e.identity, e.kind) for e in document.entries] == [
+        ("step-00000005", "full"),
+        ("step-00000006", "incremental"),
+    ]
+
+
+def test_every_rank_computes_the_same_layer_pure_balanced_plan() -> None:
+    tensors: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (64, 32), "BF16")
+    ]
+    for i in range(5):
+        tensors += [
+            (f"model.layers.{i}.mlp.up_proj.weight", (64, 32), "BF16"),
+            (f"model.layers.{i}.mlp.down_proj.weight", (32, 64), "BF16"),
+        ]
+    tensors += [("model.norm.weight", (32,), "F32"), ("lm_head.weight", (64, 32), "BF16")]
+    plan = plan_shards(tensors, world_size=3)
+    assert plan == plan_shards(list(tensors), world_size=3)
+    assert [s.name for s in plan.shards] == [
+        f"model-{i:05d}-of-00007.safetensors" for i in (1, 2, 3, 4, 5, 6, 7)
+    ]
+    assert all(
+        len({n.split(".")[2] for n in s.tensors}) == 1 for s in plan.shards[1:6]
+    )  # one layer per shard
+    assert [s.owner for s in plan.shards] == [0, 1, 2, 0, 1, 2, 0]
+    assert plan.spec["model.norm.weight"] == {"shape": [32], "dtype": "F32"}
+    assert plan.digest != plan_shards(tensors, world_size=2).digest
+    # The size limit splits a layer into several shards, never two layers into one.
+    small = plan_shards(tensors, world_size=2, max_shard_bytes=4096)
+    assert len(small.shards) == 1 + 10 + 2
