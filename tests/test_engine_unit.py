@@ -79,6 +79,9 @@ def test_completion_defaults_are_greedy_and_openai_like() -> None:
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "logprobs": 2}, "logprobs"),
         ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt": "x", "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "max_tokens": "9"}, "max_tokens"),
         ({"prompt": "x", "temperature": -1}, "temperature"),
@@ -186,6 +189,7 @@ def test_response_bodies_name_start_and_end_snapshots() -> None:
         start=ServedSnapshot("s1", 1),
         end=ServedSnapshot("s2", 2),
         cached_tokens=1,
+        prompt_ids=[1, 2, 3],
     )
     body = completion_body(req, "policy", "cmpl-1", 10, out)
     assert body["model"] == "policy@s2" and body["object"] == "text_completion"
@@ -195,6 +199,7 @@ def test_response_bodies_name_start_and_end_snapshots() -> None:
         "logprobs": None,
         "text": "ab",
         "token_ids": [5, 6],
+        "prompt_token_ids": [1, 2, 3],
     }
     assert body["hotload"] == {
         "identity_start": "s1",
@@ -250,6 +255,13 @@ def test_text_assembler_holds_back_possible_stop_strings() -> None:
     assert asm.stopped and asm.text == "walking to "
     assert "".join(deltas) + asm.finish() == "walking to "
     assert "the" not in "".join(deltas)
+
+
+def test_text_assembler_holds_back_everything_shorter_than_a_stop_string() -> None:
+    # "s to" is shorter than the hold-back of "to the": releasing "s t" would leak a stop prefix.
+    asm = TextAssembler(wordpiece(VOCAB), stop=["to the"])
+    released = asm.add([5]) + asm.add([5, 2]) + asm.add([5, 2, 3])
+    assert asm.stopped and asm.text == "s " and released + asm.finish() == "s "
 
 
 def test_text_assembler_without_stop_releases_everything() -> None:

@@ -205,3 +205,51 @@ def test_the_loader_drives_vllm_end_to_end(world: World, tmp_path: Path) -> None
         assert world.server.completion_ids(PROMPTS[0], NEW_TOKENS) == first
     finally:
         replica.stop()
+
+
+#: vLLM CPU float32 against transformers float32, measured (docs/numerics.md): max |logprob
+#: difference| 9.5e-7 (tiny random model) and 1.1e-5 (its sharpened copy, logprobs ~10x larger),
+#: KL below 1e-11. The bounds leave about 10x room for other CPUs' kernels.
+VLLM_MAX_ABS_DIFF = 1e-4
+VLLM_MAX_KL = 1e-8
+
+
+def sharpened(src: Path, dst: Path, factor: float = 40.0) -> Path:
+    """`src` with its output layer scaled by `factor`: peaked next-token distributions, so the
+    top-20 that vLLM returns carry most of the mass and the KL is a tight bound."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hotload.snapshot import write_snapshot
+
+    model = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] *= factor
+    write_snapshot(dst, state, side_files_from=src, overwrite=True)
+    return dst
+
+
+@pytest.mark.asyncio
+async def test_numerics_check_measures_vllm_cpu_against_transformers(world: World) -> None:
+    """vLLM's float32 prompt logprobs equal transformers' to float32 rounding, per snapshot."""
+    from hotload.sdk import numerics_check_async
+    from hotload.sdk.numerics import default_sequences
+
+    sharp = sharpened(world.b, world.b.parent / "step-b-sharp")
+    sequences = default_sequences(30522) + PROMPTS
+    measured = {}
+    async with adapter_for(world) as adapter:
+        for sequence, (folder, identity) in enumerate(((world.b, "step-b"), (sharp, "sharp")), 20):
+            await adapter.load(LoadRequest(str(folder), identity, sequence, mode="sync"))
+            report = await numerics_check_async(folder, [world.server.url], sequences)
+            [replica] = report.replicas
+            assert replica.error is None, replica.error
+            # vLLM names its weights through the weight version the adapter set.
+            assert list(replica.snapshots) == [identity]
+            measured[identity] = found = replica.snapshots[identity]
+            assert found.positions == sum(len(s) - 1 for s in sequences)
+            assert found.max_abs_diff < VLLM_MAX_ABS_DIFF, found
+            assert found.topk_max_abs_diff < VLLM_MAX_ABS_DIFF, found
+            assert found.kl_max < VLLM_MAX_KL, found
+            assert found.top1_agreement == 1.0, found
+    print(f"vLLM CPU float32 vs transformers float32: {measured}")

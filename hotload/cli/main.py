@@ -18,7 +18,17 @@ EXIT_INTERRUPTED = 130
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the full `hotload` argument parser with every sub-command registered."""
-    from hotload.cli import crds, demo, ledger, publish, router, serve, snapshot, status
+    from hotload.cli import (
+        crds,
+        demo,
+        ledger,
+        numerics,
+        publish,
+        router,
+        serve,
+        snapshot,
+        status,
+    )
 
     parser = argparse.ArgumentParser(
         prog="hotload",
@@ -31,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     snapshot.register(sub)
     demo.register(sub)
-    for module in (crds, ledger, publish, serve, status, router):
+    for module in (crds, ledger, publish, serve, status, router, numerics):
         module.register(sub)
     return parser
 

@@ -334,6 +334,7 @@ class Engine:
             sink=sink,
             session=session,
             constraint=req.constraint,
+            prompt_logprobs=req.prompt_logprobs,
         )
         scheduler.submit(job)
         return GenerationStream(job, queue, scheduler)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from hotload.engine.batch import BatchKV, KVCache, crop
-from hotload.engine.protocol import SamplingParams
+from hotload.engine.protocol import PromptLogprobs, SamplingParams
 from hotload.errors import SnapshotError, SnapshotValidationError, ValidationProblem
 from hotload.snapshot import layout
 
@@ -210,6 +210,39 @@ def pick_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generato
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
+def prompt_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], top: int, text: Callable[[int], str]
+) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs` from a prefill's logits ([n, vocab], row i predicts token i+1).
+
+    Each position after the first gets its own token and the `top` most likely ones, each with
+    its logprob (fp32 log-softmax of the logits), its 1-based rank and its text.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+    out: PromptLogprobs = [None]
+    for i in range(1, len(tokens)):
+        row = logprobs[i - 1]
+        token = int(tokens[i])
+        own = row[token]
+        entry = {
+            str(token): {
+                "logprob": float(own),
+                # vLLM's rank: tokens at least as likely, itself included (ties rank low).
+                "rank": int((row >= own).sum()),
+                "decoded_token": text(token),
+            }
+        }
+        if top > 0:
+            values, ids = torch.topk(row, top)
+            for rank, (value, tid) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
+                # The prompt's own token keeps its entry (and its rank among ties) when in the top.
+                entry.setdefault(
+                    str(tid), {"logprob": value, "rank": rank + 1, "decoded_token": text(tid)}
+                )
+        out.append(entry)
+    return out
+
+
 # --- tokenizer ---------------------------------------------------------------------------------
 
 
@@ -244,6 +277,11 @@ class TextCodec:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of generated ids (special tokens dropped)."""
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (its vocabulary entry, as vLLM's `decoded_token` shows it)."""
+        piece = self._tok.convert_ids_to_tokens(int(token_id))
+        return piece if isinstance(piece, str) else ""
 
 
 # --- weights -----------------------------------------------------------------------------------
@@ -529,8 +567,14 @@ class ModelRunner:
         positions: torch.Tensor,
         kv: KVCache | None,
         pads: list[int],
+        *,
+        every_position: bool = False,
     ) -> tuple[torch.Tensor, KVCache]:
-        """Run `tokens` ([rows, n]) after `kv`; return last-position logits (fp32) and new KV."""
+        """Run `tokens` ([rows, n]) after `kv`; return fp32 logits and the new KV.
+
+        The logits are the last position's ([rows, vocab]), or with `every_position` every
+        position's ([rows, n, vocab]).
+        """
         from transformers import DynamicCache
 
         cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
@@ -548,21 +592,30 @@ class ModelRunner:
                 attention_mask=mask,
                 past_key_values=cache,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=0 if every_position else 1,
             )
-        logits = out.logits[:, -1].float()
+        logits = out.logits.float() if every_position else out.logits[:, -1].float()
         layers: list[Any] = list(cache.layers)
         return logits, [(layer.keys, layer.values) for layer in layers]
 
     def prefill(
-        self, tokens: Sequence[int], prefix: KVCache | None = None, reuse: int = 0
+        self,
+        tokens: Sequence[int],
+        prefix: KVCache | None = None,
+        reuse: int = 0,
+        *,
+        every_position: bool = False,
     ) -> tuple[torch.Tensor, KVCache]:
-        """Prefill one sequence, reusing the first `reuse` positions of `prefix`; return logits."""
+        """Prefill one sequence, reusing the first `reuse` positions of `prefix`; return logits.
+
+        The logits are the last position's ([vocab]), or with `every_position` those of every
+        position computed here ([n - reuse, vocab]).
+        """
         kv = crop(prefix, reuse) if prefix is not None and reuse > 0 else None
         start = reuse if kv is not None else 0
         ids = torch.tensor([list(tokens[start:])], dtype=torch.long, device=self.device)
         pos = torch.arange(start, len(tokens), device=self.device)[None, :]
-        logits, new_kv = self.forward(ids, pos, kv, [0])
+        logits, new_kv = self.forward(ids, pos, kv, [0], every_position=every_position)
         return logits[0], new_kv
 
     def decode(self, batch: BatchKV, tokens: Sequence[int]) -> torch.Tensor:

@@ -34,6 +34,8 @@ SEQUENCE_HEADER = "x-hotload-sequence"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 256  # chat has no OpenAI default; bounded so a run-on model stops
 MAX_STOP_STRINGS = 4
+# vLLM's default `max_logprobs`: one client can ask both engines for the same top-k.
+MAX_PROMPT_LOGPROBS = 20
 RETRY_AFTER_SECONDS = "1"
 
 
@@ -139,6 +141,7 @@ class GenerationRequest:
     return_token_ids: bool = False
     constraint: VersionConstraint = VersionConstraint()
     max_tokens_given: bool = False
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -313,6 +316,12 @@ def parse_generation_request(
         raise bad_request("logprobs are not supported by the reference engine", "logprobs")
     if _bool(body, "echo"):
         raise bad_request("echo is not supported by the reference engine", "echo")
+    prompt_logprobs = _int(body, "prompt_logprobs", minimum=0)
+    if prompt_logprobs is not None and prompt_logprobs > MAX_PROMPT_LOGPROBS:
+        raise bad_request(
+            f"prompt_logprobs must be <= {MAX_PROMPT_LOGPROBS}, got {prompt_logprobs}",
+            "prompt_logprobs",
+        )
     model_identity = parse_model_field(body.get("model"), served_name)
     max_tokens = _int(body, "max_tokens", minimum=1)
     if kind == "chat" and max_tokens is None:
@@ -332,6 +341,8 @@ def parse_generation_request(
     if sampling.top_p == 0.0:
         raise bad_request("top_p must be greater than 0", "top_p")
     stream = _bool(body, "stream")
+    if stream and prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not supported with stream", "prompt_logprobs")
     options = body.get("stream_options")
     include_usage = True
     if isinstance(options, dict) and "include_usage" in options:
@@ -346,6 +357,7 @@ def parse_generation_request(
         return_token_ids=_bool(body, "return_token_ids"),
         constraint=parse_constraint(body, headers, model_identity),
         max_tokens_given=given,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -420,6 +432,11 @@ def new_id(kind: RequestKind) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
 
 
+#: vLLM's `prompt_logprobs` entry of one prompt position: token id (as a string) -> logprob,
+#: rank and token text; the first position has none (nothing precedes it).
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 @dataclass(frozen=True)
 class Outcome:
     """Everything a finished generation reports."""
@@ -431,6 +448,9 @@ class Outcome:
     start: ServedSnapshot
     end: ServedSnapshot
     cached_tokens: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
+    # Computed by the prefill, i.e. with the weights of `start`.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def hotload_block(start: ServedSnapshot, end: ServedSnapshot, cached_tokens: int) -> dict[str, Any]:
@@ -465,6 +485,9 @@ def completion_body(
         choice["text"] = out.text
     if req.return_token_ids:
         choice["token_ids"] = list(out.token_ids)
+        choice["prompt_token_ids"] = list(out.prompt_ids)
+    if req.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = out.prompt_logprobs
     return {
         "id": response_id,
         "object": "chat.completion" if req.kind == "chat" else "text_completion",

@@ -34,11 +34,18 @@ import torch
 
 from hotload.engine.batch import BatchKV, KVCache
 from hotload.engine.metrics import EngineMetrics
-from hotload.engine.model import ModelRunner, StagedWeights, TextCodec, pick_token
+from hotload.engine.model import (
+    ModelRunner,
+    StagedWeights,
+    TextCodec,
+    pick_token,
+    prompt_logprobs,
+)
 from hotload.engine.protocol import (
     ApiError,
     CachePolicy,
     Outcome,
+    PromptLogprobs,
     SamplingParams,
     ServedSnapshot,
     TransitionMode,
@@ -88,6 +95,7 @@ class Job:
     sink: EventSink
     session: str | None = None
     constraint: VersionConstraint = field(default_factory=VersionConstraint)
+    prompt_logprobs: int | None = None  # top-k of vLLM's `prompt_logprobs`; None: not asked
     cancelled: bool = False
 
 
@@ -103,6 +111,7 @@ class _Row:
     cached_tokens: int
     generated: list[int] = field(default_factory=list)
     finish: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(eq=False)
@@ -243,14 +252,24 @@ class Scheduler:
         if reason is not None:  # checked again here: a swap may have happened while queued
             job.sink(ErrorEvent(snapshot_unavailable(reason, served)))
             return
-        hit = self.sessions.lookup(job.session, job.prompt_ids)
-        if job.session is not None:
+        wants_logprobs = job.prompt_logprobs is not None
+        # Prompt logprobs need every prompt position's logits: a cached prefix would skip some.
+        hit = None if wants_logprobs else self.sessions.lookup(job.session, job.prompt_ids)
+        if job.session is not None and not wants_logprobs:
             (self.metrics.prefix_hits if hit else self.metrics.prefix_misses).inc()
         reuse = hit.length if hit else 0
         if reuse:
             self.metrics.prefix_tokens.inc(reuse)
         try:
-            logits, kv = self.runner.prefill(job.prompt_ids, hit.kv if hit else None, reuse)
+            logits, kv = self.runner.prefill(
+                job.prompt_ids, hit.kv if hit else None, reuse, every_position=wants_logprobs
+            )
+            scored = None
+            if job.prompt_logprobs is not None:
+                scored = prompt_logprobs(
+                    logits, job.prompt_ids, job.prompt_logprobs, self.codec.token_text
+                )
+                logits = logits[-1]
         except Exception as exc:
             log.exception("prefill failed")
             job.sink(ErrorEvent(ApiError(500, "internal_error", f"prefill failed: {exc}")))
@@ -268,6 +287,7 @@ class Scheduler:
             assembler=TextAssembler(self.codec.decode, job.sampling.stop),
             gen=gen,
             cached_tokens=reuse,
+            prompt_logprobs=scored,
         )
         self._batch.add(kv)
         self._rows.append(row)
@@ -326,6 +346,8 @@ class Scheduler:
                 start=row.start,
                 end=row.last,
                 cached_tokens=row.cached_tokens,
+                prompt_ids=list(row.job.prompt_ids),
+                prompt_logprobs=row.prompt_logprobs,
             )
             row.job.sink(DoneEvent(outcome, tail))
         if len(keep) != len(self._rows):

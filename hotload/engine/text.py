@@ -33,7 +33,8 @@ class TextAssembler:
             self.text = full[:cut]
             return self._release(self.text)
         self.text = full
-        safe = full[: len(full) - self._holdback] if self._holdback else full
+        # max(0, ...): a text shorter than the hold-back must release nothing, not full[:-k].
+        safe = full[: max(0, len(full) - self._holdback)] if self._holdback else full
         # A replacement character at the end is usually half of a multi-byte character.
         while safe.endswith("\ufffd"):
             safe = safe[:-1]

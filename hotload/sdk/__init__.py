@@ -1,5 +1,13 @@
 """The trainer-facing side: publishing snapshots to a bucket, its ledger and the fleet."""
 
+from hotload.sdk.numerics import (
+    Divergence,
+    NumericsError,
+    NumericsReport,
+    ReplicaReport,
+    numerics_check,
+    numerics_check_async,
+)
 from hotload.sdk.publish import Published, publish_folder, publish_folder_async
 from hotload.sdk.publisher import (
     NotReadyError,
@@ -9,15 +17,33 @@ from hotload.sdk.publisher import (
     ReadyReport,
     SnapshotRejectedError,
 )
+from hotload.sdk.sharded import (
+    RankReport,
+    ShardedPublisher,
+    ShardedPublishError,
+    ShardPlan,
+    plan_shards,
+)
 
 __all__ = [
+    "Divergence",
     "NotReadyError",
+    "NumericsError",
+    "NumericsReport",
     "PublishError",
     "PublishHandle",
     "Published",
     "Publisher",
+    "RankReport",
     "ReadyReport",
+    "ReplicaReport",
+    "ShardPlan",
+    "ShardedPublishError",
+    "ShardedPublisher",
     "SnapshotRejectedError",
+    "numerics_check",
+    "numerics_check_async",
+    "plan_shards",
     "publish_folder",
     "publish_folder_async",
 ]
