@@ -19,6 +19,9 @@ from hotload.bucket.core import Bucket, ObjectInfo, Progress, run_sync
 from hotload.errors import ObjectExistsError, ObjectNotFoundError, SnapshotError
 from hotload.snapshot.layout import ADAPTER_CONFIG_FILE, INDEX_FILE, SPEC_FILE, validate_identity
 
+#: Called after each uploaded file is in the bucket: (name in the snapshot, size, ETag).
+Landed = Callable[[str, int, str | None], Awaitable[None]]
+
 T = TypeVar("T")
 
 #: Files that, once present, make a snapshot visible; exactly one of them commits a snapshot.
@@ -85,8 +88,11 @@ async def upload_snapshot_async(
     manifest_files: Sequence[str] | None = None,
     progress: Progress | None = None,
     file_concurrency: int = 2,
+    landed: Landed | None = None,
 ) -> TransferResult:
     """Upload a snapshot folder to `<bucket>/<identity>/`: data files first, manifests last.
+
+    `landed(name, size, etag)` is awaited after each file is in the bucket (hints use it).
 
     `files` defaults to every file in the folder and `manifest_files` to the known manifest
     names among them. If the snapshot is already present with identical manifests and the
@@ -118,20 +124,30 @@ async def upload_snapshot_async(
             progress(total)
         return TransferResult(identity, len(data) + len(manifests), total, already_present=True)
 
+    async def note(name: str, etag: str | None) -> str | None:
+        if landed is not None:
+            await landed(name, (root / name).stat().st_size, etag)
+        return etag
+
     def send(name: str) -> Callable[[], Awaitable[str | None]]:
-        return lambda: bucket.upload_file_async(
-            root / name, f"{identity}/{name}", progress=progress
-        )
+        async def one() -> str | None:
+            etag = await bucket.upload_file_async(
+                root / name, f"{identity}/{name}", progress=progress
+            )
+            return await note(name, etag)
+
+        return one
 
     await _bounded([send(n) for n in data], file_concurrency)
     *first, last = manifests
     for name in first:
-        await bucket.upload_file_async(root / name, f"{identity}/{name}", progress=progress)
+        await send(name)()
     try:
         # Create-only: of two publishers racing on one identity, exactly one commits.
-        await bucket.upload_file_async(
+        etag = await bucket.upload_file_async(
             root / last, f"{identity}/{last}", create_only=True, progress=progress
         )
+        await note(last, etag)
     except ObjectExistsError:
         if not await _same_snapshot_published(bucket, identity, root, all_files, manifests):
             raise

@@ -8,7 +8,13 @@ from hotload.sdk.numerics import (
     numerics_check,
     numerics_check_async,
 )
-from hotload.sdk.publish import Published, publish_folder, publish_folder_async
+from hotload.sdk.publish import (
+    Published,
+    Uploaded,
+    publish_folder,
+    publish_folder_async,
+    upload_hinted_async,
+)
 from hotload.sdk.publisher import (
     NotReadyError,
     Publisher,
@@ -41,9 +47,11 @@ __all__ = [
     "ShardedPublishError",
     "ShardedPublisher",
     "SnapshotRejectedError",
+    "Uploaded",
     "numerics_check",
     "numerics_check_async",
     "plan_shards",
     "publish_folder",
     "publish_folder_async",
+    "upload_hinted_async",
 ]

@@ -5,13 +5,28 @@ This is the one publishing path: `hotload publish`, tests and (later) the `Publi
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 
 from hotload.bucket import Progress, TransferResult, upload_snapshot_async
-from hotload.errors import LedgerRejectedError, SnapshotError
+from hotload.errors import BucketError, LedgerRejectedError, SnapshotError
 from hotload.ledger import Ledger, LedgerEntry, NewEntry, PromptCachePolicy
+from hotload.ledger.hints import Hint, HintKind, HintWriter, prune_hints_async
 from hotload.snapshot import describe_snapshot, validate_identity
+
+log = logging.getLogger("hotload.sdk.publish")
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """What `upload_hinted_async` did: the entry to append, whether the ledger already holds it
+    (a re-run), what moved."""
+
+    new: NewEntry
+    already_admitted: bool
+    transfer: TransferResult
 
 
 @dataclass(frozen=True)
@@ -22,19 +37,23 @@ class Published:
     transfer: TransferResult
 
 
-async def publish_folder_async(
+async def upload_hinted_async(
     ledger: Ledger,
     folder: str | Path,
     *,
     identity: str | None = None,
     prompt_cache: PromptCachePolicy = "all",
     progress: Progress | None = None,
-) -> Published:
-    """Upload `folder` to `<bucket>/<identity>/` (manifests last), then append it to `ledger`.
+    hint: bool = True,
+    check_ledger: bool = True,
+) -> Uploaded:
+    """Upload `folder` to `<bucket>/<identity>/` (manifests last) without touching the ledger.
 
-    The ledger is checked before uploading, so an entry it would refuse (a delta on the wrong
-    parent, a delta right after a reset, an identity reused with other content) fails before
-    any byte moves.
+    The ledger is checked first (unless `check_ledger` is False: an operator admits it), so an
+    entry it would refuse (a delta on the wrong parent, a delta right after a reset, an
+    identity reused with other content) fails before any byte moves. With `hint`, a hint
+    object next to the ledger names each file as it lands, then the manifest digest once all
+    are in, so replicas can fetch and rebuild before the entry exists.
     """
     path = Path(folder)
     if not path.is_dir():
@@ -50,15 +69,23 @@ async def publish_folder_async(
         previous=desc.parent if desc.kind == "incremental" else None,
         prompt_cache=prompt_cache,
     )
-    state = await ledger.read_async()
-    existing = state.document.find(name)
-    if existing is not None and existing.manifest_digest != desc.manifest_digest:
-        raise LedgerRejectedError(
-            f"ledger {ledger.name!r}: {name!r} is already published (sequence "
-            f"{existing.sequence}) with other manifests; publish under a new identity"
-        )
-    if existing is None:
-        state.document.check(new)
+    existing = None
+    if check_ledger:
+        document = (await ledger.read_async()).document
+        existing = document.find(name)
+        if existing is not None and existing.manifest_digest != desc.manifest_digest:
+            raise LedgerRejectedError(
+                f"ledger {ledger.name!r}: {name!r} is already published (sequence "
+                f"{existing.sequence}) with other manifests; publish under a new identity"
+            )
+        if existing is None:
+            document.check(new)
+    writer = None
+    if hint and existing is None and desc.kind in ("full", "incremental"):
+        kind: HintKind = "incremental" if desc.kind == "incremental" else "full"
+        writer = HintWriter(ledger.bucket, ledger.name, Hint(name, kind, new.previous))
+        # Hints only let replicas start early: a bucket refusing one must not stop a publish.
+        await _best_effort(writer.start(), "write the hint")
     transfer = await upload_snapshot_async(
         path,
         ledger.bucket,
@@ -66,15 +93,47 @@ async def publish_folder_async(
         files=desc.files,
         manifest_files=desc.manifest_files,
         progress=progress,
+        landed=writer.landed if writer is not None else None,
+    )
+    if writer is not None:
+        await _best_effort(writer.finish(desc.manifest_digest), "complete the hint")
+    return Uploaded(new, existing is not None, transfer)
+
+
+async def publish_folder_async(
+    ledger: Ledger,
+    folder: str | Path,
+    *,
+    identity: str | None = None,
+    prompt_cache: PromptCachePolicy = "all",
+    progress: Progress | None = None,
+    hint: bool = True,
+) -> Published:
+    """`upload_hinted_async`, then append the snapshot to `ledger` (compare-and-swap)."""
+    up = await upload_hinted_async(
+        ledger, folder, identity=identity, prompt_cache=prompt_cache, progress=progress, hint=hint
     )
     try:
-        entry = await ledger.append_retrying_async(new)
+        entry = await ledger.append_retrying_async(up.new)
     except LedgerRejectedError as exc:
         raise LedgerRejectedError(
-            f"{exc} (the files were uploaded to {ledger.bucket.url}/{name}/ but the ledger did "
-            "not admit them; no replica will load them)"
+            f"{exc} (the files were uploaded to {ledger.bucket.url}/{up.new.identity}/ but "
+            "the ledger did not admit them; no replica will load them)"
         ) from exc
-    return Published(entry, transfer)
+    if hint and not up.already_admitted:
+        # Admitted: its hint is done; drop it with any other admitted or abandoned one.
+        latest = await ledger.read_async()
+        await _best_effort(
+            prune_hints_async(ledger.bucket, ledger.name, latest.document), "prune hints"
+        )
+    return Published(entry, up.transfer)
+
+
+async def _best_effort(step: Awaitable[object], what: str) -> None:
+    try:
+        await step
+    except BucketError as err:
+        log.warning("could not %s: %s", what, err)
 
 
 def publish_folder(

@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
-from hotload.bucket import Bucket, open_bucket, run_sync, upload_snapshot_async
+from hotload.bucket import Bucket, open_bucket, run_sync
 from hotload.errors import HotloadError, KubeConflictError, KubeError, KubeNotFoundError
 from hotload.ledger import Ledger, LedgerEntry, PromptCachePolicy
-from hotload.sdk.publish import publish_folder_async
+from hotload.ledger.hints import prune_hints_async
+from hotload.sdk.publish import publish_folder_async, upload_hinted_async
 from hotload.snapshot import describe_snapshot, validate_identity, write_snapshot
 
 Weights = Mapping[str, Any] | Iterable[tuple[str, Any]] | str | Path
@@ -258,13 +259,15 @@ class Publisher:
         if self.deployment is None:
             raise PublishError("submit_folder needs a deployment (a cluster)")
         desc = describe_snapshot(folder)
-        await upload_snapshot_async(
+        # Hinted, so replicas fetch and rebuild while the operator is still admitting it; the
+        # operator, not this process, decides whether the ledger takes it.
+        await upload_hinted_async(
+            self.ledger,
             folder,
-            self.bucket,
-            identity,
-            files=desc.files,
-            manifest_files=desc.manifest_files,
+            identity=identity,
+            prompt_cache=prompt_cache,
             progress=self.progress,
+            check_ledger=False,
         )
         await self._create_snapshot(identity, desc.kind, desc.parent, prompt_cache)
         # Wait for admission: a refusal surfaces here, and the next delta is made against
@@ -274,6 +277,10 @@ class Publisher:
         except SnapshotRejectedError:
             self._force_full = True
             raise
+        # Admitted: its hint (and any other admitted or abandoned one) is no longer needed.
+        with contextlib.suppress(HotloadError):
+            document = (await self.ledger.read_async()).document
+            await prune_hints_async(self.bucket, self.ledger.name, document)
 
     async def _create_snapshot(
         self, identity: str, kind: str, previous: str | None, policy: PromptCachePolicy

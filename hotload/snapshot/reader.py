@@ -168,10 +168,15 @@ class SnapshotDescription:
 
 def manifest_digest(path: Path, files: list[str]) -> str:
     """Return "sha256:<hex>" over the named manifest files (name and bytes, in order)."""
+    return digest_of_manifests([(name, (path / name).read_bytes()) for name in files])
+
+
+def digest_of_manifests(contents: list[tuple[str, bytes]]) -> str:
+    """`manifest_digest` over manifests already in memory, as (name, bytes) in upload order."""
     h = hashlib.sha256()
-    for name in files:
+    for name, data in contents:
         h.update(name.encode() + b"\0")
-        h.update((path / name).read_bytes())
+        h.update(data)
         h.update(b"\0")
     return "sha256:" + h.hexdigest()
 

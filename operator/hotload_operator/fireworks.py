@@ -3,7 +3,10 @@
 Trainers written against Fireworks' hot-load API work unchanged when their base URL points
 here: `POST /hot_load/v1/models/hot_load` asks the fleet to load a snapshot that is already in
 the deployment's bucket (we create the `Snapshot` object and wait for the operator's admission),
-`GET` on the same path reports every replica. The `fireworks-deployment` header names the
+`GET` on the same path reports every replica, and `POST .../hint` announces a snapshot while it
+uploads: it writes the deployment's hint object (`hotload.ledger.hints`) listing the files
+already in the bucket, so loaders fetch and rebuild early; a trainer may repeat it as more
+files land. A hint never makes a replica serve anything. The `fireworks-deployment` header names the
 HotLoadDeployment (`NAME` in the gateway's namespace, or `NAMESPACE/NAME`); requests carry
 `Authorization: Bearer <token>` with the token from a mounted Secret.
 """
@@ -14,25 +17,34 @@ import asyncio
 import contextlib
 import hmac
 import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from hotload.api.models import HotLoadDeployment
 from hotload.api.names import (
     ANNOTATION_SNAPSHOT,
     API_VERSION,
     DEPLOYMENT_PLURAL,
     SNAPSHOT_PLURAL,
 )
-from hotload.errors import KubeConflictError, KubeError, KubeNotFoundError
+from hotload.bucket import Bucket, open_bucket
+from hotload.errors import BucketError, KubeConflictError, KubeError, KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
+from hotload.ledger.hints import Hint, HintFile, HintKind, write_hint_async
 from hotload.snapshot import validate_identity
+from hotload.snapshot.layout import INDEX_FILE, MANIFEST_FILES
+from hotload.snapshot.reader import digest_of_manifests
 from hotload_operator.builders import selector_string
 from hotload_operator.reconcile import parse_deployment
 
 PATH = "/hot_load/v1/models/hot_load"
 KUBE: web.AppKey[KubeClient] = web.AppKey("kube", KubeClient)
 SETTINGS: web.AppKey[dict[str, Any]] = web.AppKey("settings", dict)
+BucketOpener = Callable[[HotLoadDeployment], Awaitable[Bucket]]
+BUCKETS: web.AppKey[BucketOpener] = web.AppKey("buckets")
 
 _LOADING_STATES = {
     "idle": "LOADED",
@@ -44,14 +56,26 @@ _LOADING_STATES = {
 }
 
 
+async def _plain_bucket(hld: HotLoadDeployment) -> Bucket:
+    return open_bucket(hld.spec.bucket.url)
+
+
 def create_app(
-    kube: KubeClient, *, namespace: str, token: str, accept_timeout: float = 60.0
+    kube: KubeClient,
+    *,
+    namespace: str,
+    token: str,
+    accept_timeout: float = 60.0,
+    buckets: BucketOpener | None = None,
 ) -> web.Application:
-    """The gateway application (routes: POST and GET on the hot-load path, `/healthz`)."""
+    """The gateway application (routes: POST and GET on the hot-load path, POST on its `/hint`,
+    `/healthz`); `buckets` opens a deployment's bucket (default: its URL, ambient credentials)."""
     app = web.Application()
     app[KUBE] = kube
     app[SETTINGS] = {"namespace": namespace, "token": token, "timeout": accept_timeout}
+    app[BUCKETS] = buckets or _plain_bucket
     app.router.add_post(PATH, _post)
+    app.router.add_post(PATH + "/hint", _hint)
     app.router.add_get(PATH, _get)
     app.router.add_get("/healthz", _healthz)
     return app
@@ -136,7 +160,20 @@ def _deployment(request: web.Request) -> tuple[str, str] | None:
     return request.app[SETTINGS]["namespace"], raw
 
 
-async def _post(request: web.Request) -> web.Response:
+@dataclass(frozen=True)
+class _Call:
+    """An authorised POST: the snapshot it names and the deployment it targets (as stored)."""
+
+    identity: str
+    previous: str | None
+    policy: str
+    namespace: str
+    name: str
+    deployment: dict[str, Any]
+
+
+async def _accept_call(request: web.Request) -> _Call | web.Response:
+    """Check the token, header and body of a POST and read its deployment; else the error."""
     if not _authorized(request):
         return _error(401, "missing or wrong bearer token", "UNAUTHENTICATED")
     target = _deployment(request)
@@ -147,11 +184,22 @@ async def _post(request: web.Request) -> web.Response:
     except (ValueError, json.JSONDecodeError) as err:
         return _error(400, str(err), "INVALID_ARGUMENT")
     ns, name = target
-    kube = request.app[KUBE]
     try:
-        await kube.get(resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, name))
+        body = await request.app[KUBE].get(resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, name))
     except KubeNotFoundError:
         return _error(404, f"HotLoadDeployment {ns}/{name} not found", "NOT_FOUND")
+    except KubeError as err:
+        return _error(503, str(err), "UNAVAILABLE")
+    return _Call(identity, previous, policy, ns, name, body)
+
+
+async def _post(request: web.Request) -> web.Response:
+    call = await _accept_call(request)
+    if isinstance(call, web.Response):
+        return call
+    identity, previous, policy = call.identity, call.previous, call.policy
+    ns, name = call.namespace, call.name
+    kube = request.app[KUBE]
     spec: dict[str, Any] = {"deployment": name, "identity": identity, "promptCache": policy}
     if previous is not None:
         spec["previous"] = previous
@@ -180,6 +228,44 @@ async def _post(request: web.Request) -> web.Response:
         if asyncio.get_running_loop().time() > deadline:
             return _ok({"identity": identity, "status": "PENDING", "deployment": name}, 202)
         await asyncio.sleep(0.2)
+
+
+async def _hint(request: web.Request) -> web.Response:
+    call = await _accept_call(request)
+    if isinstance(call, web.Response):
+        return call
+    identity, previous, name = call.identity, call.previous, call.name
+    hld = parse_deployment(call.deployment)
+    try:
+        bucket = await request.app[BUCKETS](hld)
+        hint = await hint_from_bucket(bucket, identity, previous)
+        await write_hint_async(bucket, hld.spec.ledger or name, hint)
+    except BucketError as err:
+        return _error(503, f"cannot write the hint: {err}", "UNAVAILABLE")
+    return _ok(
+        {
+            "identity": identity,
+            "deployment": name,
+            "files": len(hint.files),
+            "complete": hint.complete,
+        }
+    )
+
+
+async def hint_from_bucket(bucket: Bucket, identity: str, previous: str | None) -> Hint:
+    """The hint for a snapshot as it lies in `bucket` now: the files already there, complete
+    (with its manifest digest) once the manifest that commits it is in."""
+    prefix = f"{identity}/"
+    infos = await bucket.list_async(identity)
+    files = tuple(HintFile(i.key.removeprefix(prefix), i.size, i.etag) for i in infos)
+    names = [f.name for f in files]
+    digest = ""
+    # The index is uploaded last: once it is there, every manifest is, and the digest is final.
+    if INDEX_FILE in names:
+        manifests = [(n, (await bucket.get_async(prefix + n)).data) for n in MANIFEST_FILES]
+        digest = digest_of_manifests(manifests)
+    kind: HintKind = "incremental" if previous is not None else "full"
+    return Hint(identity, kind, previous, files, bool(digest), digest)
 
 
 async def _get(request: web.Request) -> web.Response:

@@ -62,7 +62,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo["ctx"] = Context(kube=kube, images=images)
     fireworks_port = os.environ.get("HOTLOAD_FIREWORKS_PORT")
     if fireworks_port:
-        memo["fireworks"] = await _start_fireworks(kube, int(fireworks_port))
+        memo["fireworks"] = await _start_fireworks(memo["ctx"], int(fireworks_port))
     port = os.environ.get("HOTLOAD_METRICS_PORT")
     if port:
         from prometheus_client import start_http_server
@@ -70,7 +70,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         start_http_server(int(port), registry=memo["ctx"].metrics.registry)
 
 
-async def _start_fireworks(kube: KubeClient, port: int) -> Any:
+async def _start_fireworks(ctx: Context, port: int) -> Any:
     """Serve the Fireworks-compatible hot-load API (token from HOTLOAD_FIREWORKS_TOKEN_FILE)."""
     from pathlib import Path
 
@@ -86,7 +86,9 @@ async def _start_fireworks(kube: KubeClient, port: int) -> Any:
             "mount the token Secret and point the variable at its file"
         )
     namespace = os.environ.get("HOTLOAD_FIREWORKS_NAMESPACE", "default")
-    runner = web.AppRunner(create_app(kube, namespace=namespace, token=token))
+    # Hints are written with the operator's own bucket access (the deployment's Secret).
+    app = create_app(ctx.kube, namespace=namespace, token=token, buckets=ctx.bucket)
+    runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "0.0.0.0", port).start()
     return runner

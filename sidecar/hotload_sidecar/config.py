@@ -48,6 +48,7 @@ class Settings:
     kubeconfig: Path | None = None
     engine_wait_seconds: float = 900.0
     retry_seconds: float = 30.0
+    hint_ttl_seconds: float = 600.0
     load_timeout_seconds: float = 900.0
     log_level: str = "info"
     pin: str | None = None
@@ -165,6 +166,14 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
         "wait before retrying a snapshot whose rebuild or load failed (doubles, up to 10x)",
     ),
     (
+        "--hint-ttl-seconds",
+        "HOTLOAD_HINT_TTL_SECONDS",
+        float,
+        600.0,
+        "early fetch: rebuild hinted snapshots before the ledger admits them, giving up on a "
+        "hint not rewritten for this long; 0 turns early fetch off",
+    ),
+    (
         "--load-timeout-seconds",
         "HOTLOAD_LOAD_TIMEOUT_SECONDS",
         float,
@@ -262,6 +271,8 @@ def load_settings(
     for key in ("poll_seconds", "retry_seconds", "engine_wait_seconds", "load_timeout_seconds"):
         if values[key] <= 0:
             raise ConfigError(f"--{key.replace('_', '-')}: must be positive")
+    if values["hint_ttl_seconds"] < 0:
+        raise ConfigError("--hint-ttl-seconds: must be 0 (off) or positive")
     if not 0 <= values["poll_jitter"] < 1:
         raise ConfigError("--poll-jitter: must be in [0, 1)")
     _host, sep, port = values["listen"].rpartition(":")

@@ -1,5 +1,9 @@
 """The loader: materialise the head at start-up, then follow the ledger and hot-load each head.
 
+Early fetch: a following loader also hands every poll's ledger to a `Prefetcher`, which
+rebuilds hinted snapshots ahead of admission; the materializer commits such a rebuild only once
+the ledger names it with the same manifest digest.
+
 A pinned loader (`--pin`, or a pin object the operator maintains in the bucket) serves the
 pinned snapshot instead: it still polls the ledger, so it notices when the pin's chain leaves
 the retained history, but never moves past the pin; unpinned, it follows the head again.
@@ -18,6 +22,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hotload.errors import (
@@ -44,6 +49,7 @@ from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadRequest, ServedSnapshot
 from hotload_sidecar.materialize import BuildResult, MaterializeError, Materializer
 from hotload_sidecar.metrics import LoaderMetrics
+from hotload_sidecar.prefetch import Prefetcher
 from hotload_sidecar.status import (
     REASON_CURRENT,
     REASON_ENGINE_DOWN,
@@ -126,12 +132,26 @@ class Loader:
         self.reporter = reporter
         self.metrics = metrics or LoaderMetrics()
         self.weights = WeightsFolder(settings.weights_dir)
+        #: Early fetch from hints (None when `--hint-ttl-seconds 0` turned it off).
+        self.prefetcher = (
+            Prefetcher(
+                ledger.bucket,
+                ledger.name,
+                self.weights,
+                threads=settings.threads,
+                ttl=settings.hint_ttl_seconds,
+                progress=self.metrics.bytes_fetched.inc,
+            )
+            if settings.hint_ttl_seconds > 0
+            else None
+        )
         self.materializer = Materializer(
             ledger.bucket,
             self.weights,
             prefetch=settings.prefetch,
             threads=settings.threads,
             progress=self.metrics.bytes_fetched.inc,
+            prebuilt=self._prebuilt if self.prefetcher is not None else None,
         )
         self.status = ReplicaStatus()
         #: Set once `current` points at a verified snapshot (the /startup endpoint).
@@ -153,14 +173,21 @@ class Loader:
         self.weights.prepare()
         await self._publish()
         await self._startup(stop)
-        while not stop.is_set():
-            await self.step()
-            await _sleep_or_stop(stop, self._interval())
+        try:
+            while not stop.is_set():
+                await self.step()
+                await _sleep_or_stop(stop, self._interval())
+        finally:
+            if self.prefetcher is not None:
+                await self.prefetcher.close()
 
     async def step(self) -> None:
         """One poll: read the ledger (and pin) if changed, check the engine, move to the target
         (the head, or the pin)."""
         await self._poll()
+        if self.prefetcher is not None and self.pin is None and self.status.ledger_reachable:
+            # Only a follower moves to new snapshots, so only it prepares them early.
+            await self.prefetcher.poll(self.document)
         await self._check_engine()
         target = self.target()
         await self._note_pin_problem(target)
@@ -273,6 +300,20 @@ class Loader:
             await self._set(state="failed", message=target.problem, last_error=target.problem)
         elif previous and self.status.message == previous:
             await self._set(state="idle", message="")
+
+    async def _prebuilt(self, entry: LedgerEntry) -> Path | None:
+        """The materializer's hook: `entry` rebuilt early from its hint, if it was."""
+        assert self.prefetcher is not None
+        done = await self.prefetcher.take(entry)
+        if done is None:
+            return None
+        log.info(
+            "%s was rebuilt before admission (%.2fs, %d bytes fetched early)",
+            entry.identity,
+            done.seconds,
+            done.bytes_fetched,
+        )
+        return done.path
 
     async def _check_engine(self) -> None:
         health = await self.adapter.health()

@@ -9,6 +9,9 @@ snapshots are rebuilt only as parents: the engine is asked to load the target al
 A rebuild that fails from a local parent (bit rot, a parent that is not what the ledger says,
 a corrupted download) falls back once to the latest full snapshot plus its deltas, all fetched
 fresh; a failure there too is reported as `MaterializeError` and nothing is switched.
+
+A snapshot the `Prefetcher` already rebuilt and verified from a hint (same manifest digest and
+parent as the ledger entry) is neither fetched nor rebuilt again: it is only committed.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,8 +94,11 @@ class Materializer:
         prefetch: int = 2,
         threads: int | None = None,
         progress: Callable[[int], None] | None = None,
+        prebuilt: Callable[[LedgerEntry], Awaitable[Path | None]] | None = None,
     ) -> None:
         self.bucket = bucket
+        #: Asked for each snapshot to build: a verified folder rebuilt ahead of time, or None.
+        self.prebuilt = prebuilt
         self.weights = weights
         self.prefetch = max(1, prefetch)
         self.threads = threads
@@ -182,13 +188,35 @@ class Materializer:
             ):
                 continue
             todo.append(entry)
+        ready: dict[str, Path] = {}
+        if self.prebuilt is not None and not distrusted:
+            # Never on a fallback: then the point is to fetch everything afresh.
+            for entry in todo:
+                # Waiting for an early rebuild still finishing counts as waiting for a fetch.
+                waited = time.perf_counter()
+                path = await self.prebuilt(entry)
+                clock.fetch += time.perf_counter() - waited
+                if path is not None:
+                    ready[entry.identity] = path
         gate = asyncio.Semaphore(self.prefetch)
-        downloads = {e.identity: asyncio.create_task(self._fetch(e, gate, clock)) for e in todo}
+        downloads = {
+            e.identity: asyncio.create_task(self._fetch(e, gate, clock))
+            for e in todo
+            if e.identity not in ready
+        }
         applied: list[str] = []
         parent = base
         try:
             for entry in steps:
                 task = downloads.get(entry.identity)
+                if entry.identity in ready:
+                    # Rebuilt on the same parent and verified before admission.
+                    self.weights.commit(ready[entry.identity], entry.identity)
+                    log.info("committed %s, rebuilt early from its hint", entry.identity)
+                    self._discard_intermediate(parent, applied)
+                    applied.append(entry.identity)
+                    parent = entry
+                    continue
                 if task is None:
                     parent = entry
                     continue
@@ -223,14 +251,7 @@ class Materializer:
                 clock.verify += time.perf_counter() - checked
                 self.weights.commit(staged, entry.identity, replace=entry.identity in distrusted)
                 log.info("rebuilt and verified %s (sequence %d)", entry.identity, entry.sequence)
-                # An intermediate delta is only a parent: drop it so a long catch-up holds at
-                # most the chain's full snapshot and two rebuilt ones on disk.
-                if (
-                    parent is not None
-                    and parent.kind == "incremental"
-                    and parent.identity in applied
-                ):
-                    self.weights.discard(parent.identity)
+                self._discard_intermediate(parent, applied)
                 applied.append(entry.identity)
                 parent = entry
         finally:
@@ -238,6 +259,12 @@ class Materializer:
                 task.cancel()
             await asyncio.gather(*downloads.values(), return_exceptions=True)
         return applied
+
+    def _discard_intermediate(self, parent: LedgerEntry | None, applied: list[str]) -> None:
+        # An intermediate delta is only a parent: drop it so a long catch-up holds at most the
+        # chain's full snapshot and two rebuilt ones on disk.
+        if parent is not None and parent.kind == "incremental" and parent.identity in applied:
+            self.weights.discard(parent.identity)
 
     async def _still_verifies(self, entry: LedgerEntry, clock: _Clock) -> bool:
         checked = time.perf_counter()

@@ -5,6 +5,7 @@
 <root>/snapshots/<identity>/    complete, verified full snapshots (never modified once here)
 <root>/.hotload/staging/        snapshots being rebuilt (renamed into snapshots/ when verified)
 <root>/.hotload/downloads/      deltas and full snapshots being fetched
+<root>/.hotload/early/          the same two, for hinted snapshots not yet admitted (early fetch)
 ```
 
 A folder appears under `snapshots/` only by an atomic rename after every tensor verified, so a
@@ -40,13 +41,16 @@ class WeightsFolder:
         self.work = self.root / WORK
         self.staging_root = self.work / "staging"
         self.downloads_root = self.work / "downloads"
+        #: Early fetch works apart (`early/downloads`, `early/staging`), so an update building
+        #: the same identity the normal way never shares a folder with a background rebuild.
+        self.early_root = self.work / "early"
         self.current_link = self.root / CURRENT
 
     def prepare(self) -> None:
         """Create the layout and drop whatever an interrupted run left half-done."""
-        for folder in (self.snapshots, self.staging_root, self.downloads_root):
+        for folder in (self.snapshots, self.staging_root, self.downloads_root, self.early_root):
             folder.mkdir(parents=True, exist_ok=True)
-        for leftover in (self.staging_root, self.downloads_root):
+        for leftover in (self.staging_root, self.downloads_root, self.early_root):
             for child in leftover.iterdir():
                 remove_tree(child)
         for child in self.snapshots.iterdir():

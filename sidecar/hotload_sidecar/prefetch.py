@@ -1,0 +1,267 @@
+"""Early fetch: download and rebuild hinted snapshots before the ledger admits them.
+
+The loader calls `Prefetcher.poll(document)` every poll. It lists the ledger's hints (one LIST),
+re-reads only the hints whose ETag changed, and keeps one background job per hinted snapshot
+that `prefetch_decision` allows: the job downloads each file as the hint names it into
+`.hotload/early/downloads/<identity>`, and once the hint is complete checks the manifest
+digest, rebuilds a delta into `.hotload/early/staging/<identity>` on its verified local parent
+and verifies every tensor. Nothing more: the folder is never committed or loaded from here.
+
+When the ledger admits the snapshot the materializer asks `take(entry)`: a finished job whose
+digest and parent equal the entry's hands over its verified staging folder, which is then only
+committed and loaded. Jobs for hints that are abandoned, dropped or off this replica's chain
+are cancelled and their folders removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hotload.arc import decode, verify
+from hotload.bucket import Bucket
+from hotload.errors import BucketError, HotloadError, LedgerError
+from hotload.ledger import LedgerDocument, LedgerEntry
+from hotload.ledger.hints import (
+    Hint,
+    expired,
+    hint_key,
+    list_hints_async,
+    prefetch_decision,
+)
+from hotload.snapshot import describe_snapshot, validate_identity
+from hotload_sidecar.weights import WeightsFolder, remove_tree
+
+log = logging.getLogger("hotload_sidecar.prefetch")
+
+
+@dataclass
+class _Job:
+    hint: Hint
+    etag: str | None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[Path] | None = None
+    fetched_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Prefetched:
+    """A hinted snapshot rebuilt and verified ahead of admission, ready to commit."""
+
+    identity: str
+    path: Path
+    manifest_digest: str
+    bytes_fetched: int
+    seconds: float
+
+
+class Prefetcher:
+    """Follows one ledger's hints for one weights folder (see the module docstring)."""
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        ledger: str,
+        weights: WeightsFolder,
+        *,
+        threads: int | None = None,
+        ttl: float = 600.0,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.bucket = bucket
+        self.ledger = ledger
+        self.weights = weights
+        self.threads = threads
+        self.ttl = ttl
+        self.progress = progress
+        self._jobs: dict[str, _Job] = {}
+        #: The last read of each listed hint with its ETag, so unchanged hints are not re-read.
+        self._seen: dict[str, tuple[str | None, Hint]] = {}
+
+    async def poll(self, document: LedgerDocument | None) -> None:
+        """Read changed hints and start, feed or drop jobs; bucket errors are only logged, since
+        early fetch is an optimisation and the ledger path does the real work."""
+        try:
+            listed = await list_hints_async(self.bucket, self.ledger)
+        except (BucketError, LedgerError) as err:
+            log.debug("cannot list hints: %s", err)
+            return
+        self._seen = {i: v for i, v in self._seen.items() if i in listed}
+        for identity in [i for i in self._jobs if i not in listed]:
+            # A vanished complete hint was usually just admitted and pruned: keep its work.
+            if not self._jobs[identity].hint.complete:
+                self._drop(identity, "its hint was deleted")
+        local = self.weights.local()
+        for identity, listed_etag in listed.items():
+            job = self._jobs.get(identity)
+            if job is None and document is not None and document.find(identity) is not None:
+                continue  # admitted without early work: nothing to read
+            etag = listed_etag
+            seen = self._seen.get(identity)
+            if seen is not None and etag is not None and etag == seen[0]:
+                hint = seen[1]
+            else:
+                try:
+                    read = await self.bucket.get_async(hint_key(self.ledger, identity))
+                    hint = Hint.loads(read.data, read.key)
+                except (BucketError, LedgerError, HotloadError) as err:
+                    log.debug("skipping hint %s: %s", identity, err)
+                    continue
+                etag = read.etag
+                self._seen[identity] = (etag, hint)
+            plan = prefetch_decision(hint, document, local, ttl=self.ttl)
+            if plan.decision == "drop" or (job is not None and identity in local):
+                if job is not None:
+                    self._drop(identity, plan.reason)
+                continue
+            if job is None:
+                if plan.decision != "prefetch":
+                    continue
+                job = self._jobs[identity] = _Job(hint, etag)
+                job.task = asyncio.create_task(self._run(job), name=f"prefetch {identity}")
+                job.task.add_done_callback(_log_failure)
+                log.info("early fetch of %s: %s", identity, plan.reason)
+            elif hint != job.hint:
+                job.hint, job.etag = hint, etag
+                job.changed.set()
+        for identity, held in list(self._jobs.items()):
+            entry = document.find(identity) if document is not None else None
+            admitted = entry.manifest_digest if entry is not None else None
+            if (
+                admitted is not None
+                and held.hint.complete
+                and admitted != held.hint.manifest_digest
+            ):
+                self._drop(identity, "the ledger admitted other manifests")
+            if identity in self._jobs and expired(held.hint, ttl=self.ttl):
+                # Admitted but never taken (a pinned replica, a skipped step): stop holding it.
+                self._drop(identity, f"unused for over {self.ttl:g}s")
+
+    async def take(self, entry: LedgerEntry) -> Prefetched | None:
+        """The verified staging folder of `entry` if a job rebuilt exactly what the ledger
+        admitted (waiting for a job that is still finishing); None: fetch it the normal way."""
+        job = self._jobs.get(entry.identity)
+        if job is None or job.task is None:
+            return None
+        if not job.hint.complete:
+            # The ledger entry means every file is in; the hint's last rewrite may be newer
+            # than our last read.
+            with contextlib.suppress(BucketError, LedgerError, HotloadError):
+                read = await self.bucket.get_async(hint_key(self.ledger, entry.identity))
+                job.hint, job.etag = Hint.loads(read.data, read.key), read.etag
+                job.changed.set()
+        if not job.hint.complete:
+            # Still downloading (no rebuild thread yet): safe to cancel.
+            self._drop(entry.identity, "its hint was not complete when the ledger admitted it")
+            return None
+        try:
+            # Wait even for a job about to be refused, so no rebuild thread outlives its drop.
+            path = await asyncio.shield(job.task)
+        except (HotloadError, OSError) as err:
+            self._drop(entry.identity, f"early fetch failed: {err}")
+            return None
+        # A full entry records the head it follows as `previous`; only a delta's parent matters.
+        delta = entry.kind == "incremental"
+        if (
+            (job.hint.kind == "incremental") != delta
+            or (delta and job.hint.previous != entry.previous)
+            or job.hint.manifest_digest != entry.manifest_digest
+        ):
+            self._drop(entry.identity, "the ledger admitted another parent or other manifests")
+            return None
+        del self._jobs[entry.identity]
+        return Prefetched(
+            entry.identity, path, job.hint.manifest_digest, job.fetched_bytes, job.seconds
+        )
+
+    async def close(self) -> None:
+        """Cancel every job and remove its folders."""
+        for identity in list(self._jobs):
+            self._drop(identity, "stopping")
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _folder(self, kind: str, identity: str) -> Path:
+        return self.weights.early_root / kind / validate_identity(identity)
+
+    def _drop(self, identity: str, why: str) -> None:
+        job = self._jobs.pop(identity, None)
+        self._seen.pop(identity, None)
+        if job is None:
+            return
+        log.info("dropping early fetch of %s: %s", identity, why)
+        if job.task is not None:
+            job.task.cancel()
+        remove_tree(self._folder("downloads", identity))
+        remove_tree(self._folder("staging", identity))
+
+    async def _run(self, job: _Job) -> Path:
+        identity = job.hint.identity
+        folder = self._folder("downloads", identity)
+        remove_tree(folder)
+        folder.mkdir(parents=True)
+        started = time.perf_counter()
+        done: set[str] = set()
+        try:
+            while True:
+                job.changed.clear()
+                for landed in job.hint.files:
+                    if landed.name in done:
+                        continue
+                    job.fetched_bytes += await self.bucket.download_file_async(
+                        f"{identity}/{landed.name}",
+                        folder / landed.name,
+                        size=landed.size,
+                        etag=landed.etag,
+                        progress=self.progress,
+                    )
+                    done.add(landed.name)
+                if job.hint.complete and done >= {f.name for f in job.hint.files}:
+                    break
+                await job.changed.wait()
+            digest = describe_snapshot(folder).manifest_digest
+            if digest != job.hint.manifest_digest:
+                raise HotloadError(
+                    f"downloaded manifests of {identity} have digest {digest}, the hint says "
+                    f"{job.hint.manifest_digest}"
+                )
+            staged = folder
+            if job.hint.kind == "incremental":
+                assert job.hint.previous is not None
+                staged = self._folder("staging", identity)
+                remove_tree(staged)
+                await asyncio.to_thread(
+                    decode,
+                    self.weights.path(job.hint.previous),
+                    folder,
+                    staged,
+                    expected_parent=job.hint.previous,
+                    threads=self.threads,
+                    durable=False,
+                )
+                remove_tree(folder)
+            # The same check the materializer makes before a commit, done ahead of time.
+            await asyncio.to_thread(verify, staged, threads=self.threads)
+        except BaseException:
+            job.seconds = time.perf_counter() - started
+            raise
+        job.seconds = time.perf_counter() - started
+        log.info(
+            "early fetch of %s rebuilt and verified in %.2fs (%d bytes); waiting for the ledger",
+            identity,
+            job.seconds,
+            job.fetched_bytes,
+        )
+        return staged
+
+
+def _log_failure(task: asyncio.Task[Path]) -> None:
+    # Retrieve the exception here so a failed early fetch is logged once, not at shutdown.
+    if not task.cancelled() and (err := task.exception()) is not None:
+        log.warning("%s failed: %s", task.get_name(), err)
