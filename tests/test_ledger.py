@@ -145,14 +145,34 @@ def test_chain_resolution() -> None:
     assert LedgerDocument("empty").resolve_chain(None) == []
 
 
-def test_lora_adapters_are_self_contained() -> None:
+def test_lora_adapters_ride_beside_the_base_chain() -> None:
     doc = build(
+        full("f0"),
         NewEntry("a1", "lora", DIGEST, 5, 5),
+        delta("d1", "f0"),  # an adapter never moves the head a delta follows
         NewEntry("a2", "lora", DIGEST, 5, 5),
-        "adapter rank changed",
-        NewEntry("a3", "lora", DIGEST, 5, 5),
+        "base retrained",
+        NewEntry("a3", "lora", DIGEST, 5, 5),  # adapters may follow a reset ...
     )
-    assert ids(doc.resolve_chain("a1")) == ["a3"]
+    assert doc.head is not None and doc.head.identity == "d1"
+    assert doc.last is not None and doc.last.identity == "a3"
+    assert ids(doc.adapters()) == ["a3", "a2", "a1"] and ids(doc.adapters(2)) == ["a3", "a2"]
+    assert ids(doc.resolve_chain(None)) == ["f0", "d1"]
+    assert ids(doc.resolve_chain("a1", target="a3")) == ["a3"]  # complete: no chain
+    assert doc.find("a1") is not None and doc.find("a1").previous is None  # type: ignore[union-attr]
+    # ... but the reset still forces the next base entry to be full.
+    assert doc.pending_reset is not None
+    with pytest.raises(LedgerRejectedError, match="must be a full snapshot"):
+        doc.check(delta("d2", "d1"))
+    with pytest.raises(LedgerRejectedError, match="adapters are complete"):
+        doc.check(NewEntry("a4", "lora", DIGEST, 5, 5, previous="a3"))
+    doc, _ = doc.appended(full("f2"))
+    assert doc.pending_reset is None and doc.find("f2").previous is None  # type: ignore[union-attr]
+    assert doc.to_json()["head"] == "f2" and doc.to_json()["latestAdapter"] == "a3"
+    # Compaction keeps the base chain whatever the adapters published since.
+    for i in range(5, 10):
+        doc, _ = doc.appended(NewEntry(f"a{i}", "lora", DIGEST, 5, 5))
+    assert ids(doc.compacted(keep=2).entries) == ["f2", "a8", "a9"]
 
 
 def test_compaction_keeps_the_chain_from_the_latest_full() -> None:
@@ -259,7 +279,7 @@ def test_invariants_hold_for_any_history(ops: list[str]) -> None:
         assert seqs == sorted(set(seqs)) and all(s > doc.compacted_through for s in seqs)
         chain = doc.resolve_chain(None)
         if doc.entries:
-            assert chain[0].kind in ("full", "lora") and chain[-1] == doc.head
+            assert chain[0].kind == "full" and chain[-1] == doc.head
             for earlier, later in itertools.pairwise(chain):
                 assert later.kind == "incremental" and later.previous == earlier.identity
             for i, entry in enumerate(chain):

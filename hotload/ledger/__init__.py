@@ -13,6 +13,7 @@ from hotload.ledger.ledger import (
     open_ledger,
 )
 from hotload.ledger.model import (
+    BASE_KINDS,
     ENTRY_KINDS,
     FORMAT_VERSION,
     PROMPT_CACHE_POLICIES,
@@ -37,6 +38,7 @@ from hotload.ledger.pins import (
 )
 
 __all__ = [
+    "BASE_KINDS",
     "DEFAULT_HISTORY",
     "ENTRY_KINDS",
     "FORMAT_VERSION",

@@ -24,6 +24,8 @@ ENTRY_KINDS: Final[tuple[str, ...]] = get_args(EntryKind)
 PROMPT_CACHE_POLICIES: Final[tuple[str, ...]] = get_args(PromptCachePolicy)
 #: Kinds that need nothing before them: a full snapshot, or a complete LoRA adapter.
 SELF_CONTAINED: Final = ("full", "lora")
+#: Kinds of the base-weight chain (a LoRA adapter rides on top of it and never moves its head).
+BASE_KINDS: Final = ("full", "incremental")
 #: Longest reset reason kept (a reason is for humans, not a log dump).
 MAX_REASON = 1000
 
@@ -56,7 +58,8 @@ class NewEntry:
     """What a publisher appends; the ledger assigns the sequence (and the time, unless given).
 
     `previous` is required for an incremental (its parent, which must be the head). For a full
-    or LoRA snapshot leave it None and the ledger records the head it follows.
+    snapshot leave it None and the ledger records the head it follows; a LoRA adapter has no
+    parent (adapters are complete and never chain).
     """
 
     identity: str
@@ -167,8 +170,22 @@ class LedgerDocument:
 
     @property
     def head(self) -> LedgerEntry | None:
-        """The newest entry, or None for an empty ledger."""
+        """The newest base-weight entry (full or incremental): what replicas serve. LoRA
+        adapters are published beside the chain and never move it (see `adapters`)."""
+        for entry in reversed(self.entries):
+            if entry.kind in BASE_KINDS:
+                return entry
+        return None
+
+    @property
+    def last(self) -> LedgerEntry | None:
+        """The newest entry of any kind (an adapter included), or None for an empty ledger."""
         return self.entries[-1] if self.entries else None
+
+    def adapters(self, limit: int | None = None) -> list[LedgerEntry]:
+        """The retained LoRA adapter entries, newest first (at most `limit` of them)."""
+        found = [e for e in reversed(self.entries) if e.kind == "lora"]
+        return found if limit is None else found[: max(0, limit)]
 
     @property
     def pending_reset(self) -> ResetRecord | None:
@@ -187,9 +204,9 @@ class LedgerDocument:
         return None
 
     def latest_root(self) -> LedgerEntry | None:
-        """The newest self-contained entry (full snapshot or LoRA adapter)."""
+        """The newest full snapshot: where the base-weight chain to the head starts."""
         for entry in reversed(self.entries):
-            if entry.kind in SELF_CONTAINED:
+            if entry.kind == "full":
                 return entry
         return None
 
@@ -236,6 +253,13 @@ class LedgerDocument:
                 raise LedgerRejectedError(
                     f"{where}: incremental {new.identity!r} does not name its parent snapshot"
                 )
+        if new.kind == "lora":
+            if new.previous is not None:
+                raise LedgerRejectedError(
+                    f"{where}: LoRA adapter {new.identity!r} names a parent ({new.previous!r}); "
+                    "adapters are complete and have none"
+                )
+            return
         expected = None if pending is not None else (head.identity if head else None)
         if new.previous is not None and new.previous != expected:
             raise LedgerRejectedError(
@@ -252,7 +276,7 @@ class LedgerDocument:
         pending = self.pending_reset
         head = self.head
         previous = new.previous
-        if previous is None and new.kind in SELF_CONTAINED and pending is None and head is not None:
+        if previous is None and new.kind == "full" and pending is None and head is not None:
             previous = head.identity
         entry = LedgerEntry(
             sequence=self.sequence + 1,
@@ -291,26 +315,36 @@ class LedgerDocument:
         return doc, record
 
     def compacted(self, keep: int, now: datetime | None = None) -> LedgerDocument:
-        """Drop old history, keeping the last `keep` entries and always the chain from the latest
-        full snapshot (so every retained head stays resolvable). The sequence is unchanged."""
+        """Drop old history, keeping the last `keep` entries (adapters count) and always the
+        chain from the latest full snapshot (so the head stays resolvable); adapters older than
+        the last `keep` entries go even from inside that chain's span. The sequence is
+        unchanged."""
         keep = max(1, keep)
         if len(self.entries) <= keep:
             return self
-        start = len(self.entries) - keep
+        recent = len(self.entries) - keep
+        start = recent
         root = self.latest_root()
         if root is not None:
             start = min(start, self.entries.index(root))
-        if start <= 0:
+        kept = tuple(
+            e
+            for i, e in enumerate(self.entries)
+            if i >= recent or (i >= start and e.kind != "lora")
+        )
+        if len(kept) == len(self.entries):
             return self
-        dropped = self.entries[:start]
-        through = max(self.compacted_through, dropped[-1].sequence)
-        first_kept = self.entries[start].sequence
+        first_kept = kept[0].sequence
+        # Entries are dropped from the front (the counter below) and, for old adapters, from
+        # inside the kept span too; the counter covers what went before the first kept one.
+        before = [e.sequence for e in self.entries if e.sequence < first_kept]
+        through = max([self.compacted_through, *before])
         pending = self.pending_reset
         resets = tuple(r for r in self.resets if r.sequence > first_kept or r is pending)
         through = max([through, *(r.sequence for r in self.resets if r not in resets)])
         return replace(
             self,
-            entries=self.entries[start:],
+            entries=kept,
             resets=resets,
             compacted_through=through,
             updated_time=now or utc_now(),
@@ -321,12 +355,13 @@ class LedgerDocument:
     def chain_to(self, target: str | None = None) -> list[LedgerEntry]:
         """The entries needed to build `target` (default: the head) from nothing: the latest
         self-contained entry before it, then every delta up to it."""
-        if not self.entries:
-            return []
-        index = {e.identity: i for i, e in enumerate(self.entries)}
         if target is None:
-            i = len(self.entries) - 1
-        elif target in index:
+            head = self.head
+            if head is None:
+                return []
+            target = head.identity
+        index = {e.identity: i for i, e in enumerate(self.entries)}
+        if target in index:
             i = index[target]
         else:
             raise LedgerError(f"ledger {self.name!r}: snapshot {target!r} is not in the ledger")
@@ -369,6 +404,7 @@ class LedgerDocument:
             "name": self.name,
             "sequence": self.sequence,
             "head": self.head.identity if self.head else None,
+            "latestAdapter": adapters[0].identity if (adapters := self.adapters(1)) else None,
             "resetPending": self.pending_reset is not None,
             "compactedThrough": self.compacted_through,
             "updatedTime": format_time(self.updated_time) if self.updated_time else None,
@@ -428,6 +464,7 @@ class LedgerDocument:
             "name",
             "sequence",
             "head",
+            "latestAdapter",
             "resetPending",
             "compactedThrough",
             "updatedTime",

@@ -160,6 +160,14 @@ def pin_target(document: LedgerDocument | None, pin: str | None) -> Target:
             f"pinned snapshot {pin!r} is no longer in the history of ledger {document.name!r}"
             f"{dropped}; {advice}",
         )
+    if entry.kind == "lora":
+        return Target(
+            "Pinned",
+            pin,
+            None,
+            f"pinned snapshot {pin!r} is a LoRA adapter; pin a full or incremental snapshot "
+            "(adapters load on top of the served base weights)",
+        )
     try:
         document.chain_to(pin)
     except LedgerError as err:
