@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from hotload.arc import MAGIC
 from hotload.errors import (
+    ChecksumMismatchError,
     InvalidIdentityError,
     SnapshotError,
     SnapshotValidationError,
@@ -41,6 +42,7 @@ from hotload.snapshot import (
     validate_transition,
     write_snapshot,
 )
+from hotload.snapshot.lora import write_adapter_weights
 from hotload.snapshot.safetensors_io import read_header, write_safetensors
 from hotload.snapshot.writer import to_raw
 
@@ -1011,7 +1013,7 @@ LORA_TENSORS = [
 def make_adapter(root: Path, config: dict[str, Any] | None = None, tensors: Any = None) -> Path:
     root.mkdir(parents=True)
     write_json(root / "adapter_config.json", config if config is not None else ADAPTER_CONFIG)
-    write_safetensors(
+    write_adapter_weights(
         root / "adapter_model.safetensors", tensors if tensors is not None else LORA_TENSORS
     )
     return root
@@ -1103,8 +1105,8 @@ def test_adapter_weights_as_arc_v2_delta(tmp_path: Path) -> None:
 def test_sharded_adapter_is_accepted(tmp_path: Path) -> None:
     root = make_adapter(tmp_path / "lora")
     (root / "adapter_model.safetensors").unlink()
-    write_safetensors(root / "adapter_model-00001-of-00002.safetensors", LORA_TENSORS[:1])
-    write_safetensors(root / "adapter_model-00002-of-00002.safetensors", LORA_TENSORS[1:])
+    write_adapter_weights(root / "adapter_model-00001-of-00002.safetensors", LORA_TENSORS[:1])
+    write_adapter_weights(root / "adapter_model-00002-of-00002.safetensors", LORA_TENSORS[1:])
     write_json(
         root / "adapter_model.safetensors.index.json",
         {
@@ -1127,3 +1129,57 @@ def test_sharded_adapter_is_accepted(tmp_path: Path) -> None:
         "model.norm.weight",
         "not a LoRA weight",
     )
+
+
+def test_adapter_factor_shapes_and_pairs_are_checked(tmp_path: Path) -> None:
+    a_name, b_name = (n for n, _ in LORA_TENSORS)
+    lonely = make_adapter(tmp_path / "lonely", tensors=[LORA_TENSORS[0]])
+    with pytest.raises(SnapshotValidationError, match="lora_B is missing"):
+        validate_adapter(lonely)
+    bad_rank = [(a_name, raw_f32(np.zeros(24), (3, 8))), (b_name, raw_f32(np.zeros(16), (8, 2)))]
+    with pytest.raises(SnapshotValidationError, match="disagree on the rank"):
+        validate_adapter(make_adapter(tmp_path / "rank", tensors=bad_rank))
+
+
+def test_plain_peft_adapter_needs_checksums_and_gets_them_on_publish(tmp_path: Path) -> None:
+    from hotload.snapshot.lora import adapter_digest, add_checksums, verify_adapter
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    write_json(plain / "adapter_config.json", ADAPTER_CONFIG)
+    write_safetensors(plain / "adapter_model.safetensors", LORA_TENSORS)  # as PEFT writes it
+    with pytest.raises(SnapshotValidationError) as info:
+        validate_adapter(plain)
+    problem(info.value, "adapter_model.safetensors", "hotload.checksums", "no per-tensor")
+    fixed = add_checksums(plain, tmp_path / "fixed")
+    assert validate_adapter(fixed).kind == "lora"
+    assert verify_adapter(fixed) == 2
+    # The digest pins the data through the checksums: flip one byte of data, same size.
+    digest = describe_snapshot(fixed).manifest_digest
+    assert digest == adapter_digest(fixed)
+    w = fixed / "adapter_model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 0x01
+    w.unlink()
+    w.write_bytes(bytes(data))
+    assert adapter_digest(fixed) == digest
+    with pytest.raises(ChecksumMismatchError, match="lora_B"):
+        verify_adapter(fixed)
+
+
+def test_sharded_adapter_merges_into_one_file(tmp_path: Path) -> None:
+    from hotload.snapshot.lora import merge_adapter, read_adapter_tensors, verify_adapter
+
+    root = tmp_path / "sharded"
+    root.mkdir()
+    write_json(root / "adapter_config.json", ADAPTER_CONFIG)
+    write_adapter_weights(root / "adapter_model-00001-of-00002.safetensors", LORA_TENSORS[:1])
+    write_adapter_weights(root / "adapter_model-00002-of-00002.safetensors", LORA_TENSORS[1:])
+    assert validate_adapter(root).kind == "lora"
+    merged = merge_adapter(root, tmp_path / "merged")
+    assert sorted(p.name for p in merged.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert verify_adapter(merged) == 2
+    assert read_adapter_tensors(merged).keys() == read_adapter_tensors(root).keys()

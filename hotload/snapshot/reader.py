@@ -195,12 +195,20 @@ def describe_snapshot(path: str | Path) -> SnapshotDescription:
         )
         full = snap.full_bytes + others
     shipped = sum((snap.path / f).stat().st_size for f in files)
+    if snap.is_adapter:
+        from hotload.snapshot.lora import adapter_digest
+
+        # An adapter's weights are small and have no tensor_map: its digest pins their headers
+        # (and through them the per-tensor checksums) as well as the config.
+        digest = adapter_digest(snap.path)
+    else:
+        digest = manifest_digest(snap.path, manifests)
     return SnapshotDescription(
         kind=snap.kind,
         parent=snap.parent,
         files=files,
         manifest_files=manifests,
-        manifest_digest=manifest_digest(snap.path, manifests),
+        manifest_digest=digest,
         shipped_bytes=shipped,
         full_bytes=full,
     )

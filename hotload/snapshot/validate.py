@@ -19,6 +19,12 @@ from hotload.errors import (
     ValidationProblem,
 )
 from hotload.snapshot import layout
+from hotload.snapshot.lora import (
+    META_CHECKSUMS,
+    AdapterConfig,
+    adapter_weight_files,
+    lora_pairs,
+)
 from hotload.snapshot.reader import Snapshot, TensorSpec, load_json
 from hotload.snapshot.safetensors_io import TensorInfo, read_header
 
@@ -274,7 +280,9 @@ def validate_adapter(path: str | Path, *, base_model: str | None = None) -> Snap
             problems.add(cfg_path, key, "required field is missing")
     if "peft_type" in cfg and cfg["peft_type"] != "LORA":
         problems.add(cfg_path, "peft_type", f"{cfg['peft_type']!r} is not LORA")
-    if "r" in cfg and not (isinstance(cfg["r"], int) and cfg["r"] > 0):
+    if "r" in cfg and not (
+        isinstance(cfg["r"], int) and not isinstance(cfg["r"], bool) and cfg["r"] > 0
+    ):
         problems.add(cfg_path, "r", f"must be a positive integer, got {cfg['r']!r}")
     if base_model is not None and cfg.get("base_model_name_or_path") != base_model:
         problems.add(
@@ -283,28 +291,47 @@ def validate_adapter(path: str | Path, *, base_model: str | None = None) -> Snap
             f"{cfg.get('base_model_name_or_path')!r} is not the deployment's base model "
             f"{base_model!r}",
         )
-    weights = sorted(
-        p
-        for p in root.glob("adapter_model*.safetensors")
-        if layout.ADAPTER_SHARD_RE.fullmatch(p.name)
-    )
+    if not problems.items:
+        try:
+            AdapterConfig.parse(cfg, str(cfg_path))
+        except SnapshotError as exc:
+            problems.add(cfg_path, exc.field, exc.message)
+    weights = adapter_weight_files(root) if root.is_dir() else []
     if not weights:
         problems.add(root / layout.ADAPTER_WEIGHTS_FILE, None, "adapter weights are missing")
     from hotload.arc.container import is_arc_file
 
+    headers: dict[str, Any] = {}
     for w in weights:
         if is_arc_file(w):
             problems.add(w, None, "adapters are complete snapshots; arc_v2 deltas are not accepted")
             continue
         try:
-            tensors, _, _ = read_header(w)
+            tensors, metadata, _ = read_header(w)
         except SnapshotError as exc:
             problems.add(w, None, exc.message)
             continue
         if not tensors:
             problems.add(w, None, "holds no tensors")
-        for name in tensors:
+        if META_CHECKSUMS not in metadata:
+            problems.add(
+                w,
+                META_CHECKSUMS,
+                "no per-tensor checksums: publish adapters with hotload (Publisher.publish_adapter "
+                "or hotload publish), which adds them",
+            )
+        for name, info in tensors.items():
             if "lora_" not in name:
                 problems.add(w, name, "is not a LoRA weight (expected lora_A/lora_B)")
+            elif name in headers:
+                problems.add(w, name, "appears in two weight files")
+            else:
+                headers[name] = (w, info)
+    if headers and not problems.items:
+        try:
+            lora_pairs({n: info for n, (_, info) in headers.items()}, str(root))
+        except SnapshotError as exc:
+            owner = next((w for n, (w, _) in headers.items() if exc.field and exc.field in n), root)
+            problems.add(owner, exc.field, exc.message)
     problems.raise_if_any()
     return Snapshot(root)

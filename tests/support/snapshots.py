@@ -43,13 +43,13 @@ def delta(parent: Path, current_full: Path, out: Path) -> Path:
     return out
 
 
-def lora(path: Path, seed: int) -> Path:
-    """Write a minimal LoRA adapter folder."""
-    from safetensors.numpy import save_file
+def lora(path: Path, seed: int, base_model: str = "tiny/base") -> Path:
+    """Write a minimal, checksummed LoRA adapter folder (PEFT layout)."""
+    from hotload.snapshot.lora import write_adapter
 
-    path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    save_file(
+    return write_adapter(
+        path,
         {
             "base_model.model.layers.0.q_proj.lora_A.weight": rng.standard_normal(
                 (8, 64), dtype=np.float32
@@ -58,12 +58,14 @@ def lora(path: Path, seed: int) -> Path:
                 (64, 8), dtype=np.float32
             ),
         },
-        str(path / "adapter_model.safetensors"),
+        {
+            "peft_type": "LORA",
+            "base_model_name_or_path": base_model,
+            "r": 8,
+            "lora_alpha": 16,
+            "target_modules": ["q_proj"],
+        },
     )
-    (path / "adapter_config.json").write_text(
-        json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
-    )
-    return path
 
 
 def chain(root: Path, steps: int) -> list[Path]:
