@@ -482,6 +482,8 @@ def test_printer_columns(generated: dict[str, Json]) -> None:
         ("Target", "string", ".status.targetSnapshot", 0),
         age,
         ("Mode", "string", ".status.mode", 1),
+        ("Adapter", "string", ".status.latestAdapter", 1),
+        ("Adapter-Loaded", "integer", ".status.adapterReplicas", 1),
         ("Reason", "string", f"{ready}.reason", 1),
         ("Message", "string", f"{ready}.message", 1),
     ]
@@ -519,8 +521,22 @@ def test_snapshot_spec_is_immutable_by_cel_rule() -> None:
             "message": "Snapshot.spec is immutable: publish a new snapshot instead",
         }
     ]
-    deployment_spec = schema(names.DEPLOYMENT_KIND)["properties"]["spec"]
-    assert "x-kubernetes-validations" not in deployment_spec
+
+
+def test_adapters_need_a_base_model_by_cel_rule() -> None:
+    import cel  # the CEL implementation the API emulator uses too
+
+    deployment = schema(names.DEPLOYMENT_KIND)
+    (rule,) = deployment["properties"]["spec"]["x-kubernetes-validations"]
+    base = {"replicas": 1, "bucket": {"url": "s3://b"}, "engine": {"image": "e"}}
+    spec = apply_defaults({"spec": base}, deployment)["spec"]
+    assert spec["adapters"]["enabled"] is False
+    assert cel.evaluate(rule["rule"], {"self": spec}) is True
+    spec["adapters"]["enabled"] = True
+    assert cel.evaluate(rule["rule"], {"self": spec}) is False
+    assert "baseModel" in rule["message"]
+    spec["adapters"]["baseModel"] = "org/base"
+    assert cel.evaluate(rule["rule"], {"self": spec}) is True
 
 
 def test_immutability_rule_refuses_any_change_to_the_spec() -> None:

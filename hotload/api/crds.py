@@ -100,6 +100,20 @@ _KINDS: dict[str, _Kind] = {
                 "description": "Following (the ledger head) or Pinned (spec.pin).",
             },
             {
+                "name": "Adapter",
+                "type": "string",
+                "priority": 1,
+                "jsonPath": ".status.latestAdapter",
+                "description": "The newest LoRA adapter in the ledger (fleets with adapters).",
+            },
+            {
+                "name": "Adapter-Loaded",
+                "type": "integer",
+                "priority": 1,
+                "jsonPath": ".status.adapterReplicas",
+                "description": "Replicas that have the newest adapter loaded.",
+            },
+            {
                 "name": "Reason",
                 "type": "string",
                 "priority": 1,
@@ -113,6 +127,14 @@ _KINDS: dict[str, _Kind] = {
                 "jsonPath": _condition(names.CONDITION_READY, "message"),
                 "description": "Detail of the Ready condition.",
             },
+        ],
+        spec_validations=[
+            {
+                "rule": "!has(self.adapters) || !has(self.adapters.enabled) || "
+                "!self.adapters.enabled || has(self.adapters.baseModel)",
+                "message": "spec.adapters.baseModel is required when adapters are enabled: "
+                "the base model adapter snapshots must name",
+            }
         ],
         # status.selector exists for the scale subresource: `kubectl scale hld` and HPAs.
         subresources={

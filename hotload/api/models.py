@@ -191,6 +191,37 @@ class RouterSpec(_Model):
     )
 
 
+class AdaptersSpec(_Model):
+    """LoRA adapters served on top of the base weights (engines with runtime adapter loading)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Serve LoRA adapter snapshots: the operator admits kind lora, loaders load "
+        "the newest ones into the engine (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING and "
+        "--enable-lora are set for it).",
+    )
+    base_model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description="The base model an adapter must name in adapter_config.json "
+        "(base_model_name_or_path); required when enabled.",
+    )
+    max_loaded: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Adapters kept loaded per replica: the newest ones in the ledger; older "
+        "ones are unloaded.",
+    )
+    max_rank: int = Field(
+        default=64,
+        ge=1,
+        le=512,
+        description="Largest LoRA rank admitted (engines reserve memory for it).",
+    )
+
+
 class HotLoadDeploymentSpec(_Model):
     """What a platform team declares: a fleet of replicas following one ledger."""
 
@@ -238,12 +269,28 @@ class HotLoadDeploymentSpec(_Model):
         "disruptions (and the rolling update's maxUnavailable).",
     )
     router: RouterSpec = Field(default_factory=RouterSpec, description="Optional router.")
+    adapters: AdaptersSpec = Field(
+        default_factory=AdaptersSpec, description="LoRA adapters on top of the base weights."
+    )
     pin: Identity | None = Field(
         default=None,
         description="Serve exactly this snapshot instead of following the ledger head (a "
         "reference-policy fleet, or a rollback to an earlier snapshot, rebuilt from the ledger's "
         "history); clear it to follow the ledger again.",
     )
+
+
+class AdapterStatus(_Model):
+    """One LoRA adapter on one replica."""
+
+    identity: str = Field(max_length=128, description="The adapter snapshot's identity.")
+    status: Literal["loaded", "loading", "failed"] = Field(
+        description="loaded (requests may name it as their model), loading, or failed."
+    )
+    load_seconds: float | None = Field(
+        default=None, ge=0, description="Fetch, verify and engine load, in seconds."
+    )
+    message: str = Field(default="", max_length=1024, description="Why it failed, if it did.")
 
 
 class ReplicaStatus(_Model):
@@ -259,6 +306,9 @@ class ReplicaStatus(_Model):
         default=None, ge=0, description="End-to-end seconds of its last update."
     )
     message: str = Field(default="", max_length=4096, description="Last failure, if any.")
+    adapters: list[AdapterStatus] = Field(
+        default_factory=list, max_length=64, description="LoRA adapters on this replica."
+    )
 
 
 class HotLoadDeploymentStatus(_Model):
@@ -291,6 +341,12 @@ class HotLoadDeploymentStatus(_Model):
     target_sequence: int | None = Field(default=None, ge=0, description="Its ledger sequence.")
     replica_statuses: list[ReplicaStatus] = Field(
         default_factory=list, max_length=1000, description="Per-replica detail."
+    )
+    latest_adapter: str | None = Field(
+        default=None, max_length=128, description="The newest LoRA adapter in the ledger."
+    )
+    adapter_replicas: int | None = Field(
+        default=None, ge=0, description="Replicas that have the newest adapter loaded."
     )
     router_endpoint: str | None = Field(
         default=None, max_length=1024, description="The router's in-cluster URL, when enabled."

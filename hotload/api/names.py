@@ -67,6 +67,7 @@ class DeploymentReasons:
     UP_TO_DATE: Final = "UpToDate"  # False: nothing to do
     # Degraded
     LOAD_FAILURES: Final = "LoadFailures"  # True: some replica failed to load the target
+    ADAPTER_FAILURES: Final = "AdapterLoadFailures"  # True: a LoRA adapter failed to load
     REPLICAS_UNAVAILABLE: Final = "ReplicasUnavailable"  # True: pods not ready
     HEALTHY: Final = "Healthy"  # False
     INVALID_SPEC: Final = "InvalidSpec"  # True: the spec cannot be turned into objects
@@ -84,6 +85,8 @@ class SnapshotReasons:
     WRONG_PARENT: Final = "WrongParent"  # False: parent is not the ledger head
     CONFIG_MISMATCH: Final = "ConfigMismatch"  # False: config.json differs from the base
     LEDGER_REJECTED: Final = "LedgerRejected"  # False: the ledger refused the entry
+    ADAPTERS_NOT_ENABLED: Final = "AdaptersNotEnabled"  # False: LoRA for a fleet without adapters
+    BASE_MODEL_MISMATCH: Final = "BaseModelMismatch"  # False: the adapter names another base
     BUCKET_UNREACHABLE: Final = "BucketUnreachable"  # Unknown: retried
     # Ready
     LOADED: Final = "Loaded"  # True: the ready fraction of replicas serves it

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,15 @@ from hotload.errors import (
     SnapshotValidationError,
 )
 from hotload.ledger import Ledger, LedgerEntry, LedgerState, NewEntry
-from hotload.snapshot import describe_snapshot, validate_snapshot, validate_transition
-from hotload.snapshot.layout import CONFIG_FILE
+from hotload.snapshot import (
+    describe_snapshot,
+    validate_adapter,
+    validate_identity,
+    validate_snapshot,
+    validate_transition,
+)
+from hotload.snapshot.layout import ADAPTER_CONFIG_FILE, CONFIG_FILE
+from hotload.snapshot.lora import read_adapter_config
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,8 @@ async def _validate(
         text = text.replace(str(folder), where)
         return text if len(text) <= limit else text[: limit - 20] + " ... (truncated)"
 
+    if (folder / ADAPTER_CONFIG_FILE).exists():
+        return _validate_adapter(snapshot, deployment, folder, _short)
     base = await _base_config(bucket, state, tmp)
     try:
         validate_snapshot(
@@ -184,10 +194,56 @@ async def _validate(
     )
 
 
+def _validate_adapter(
+    snapshot: Snapshot,
+    deployment: HotLoadDeployment,
+    folder: Path,
+    short: Callable[[str], str],
+) -> NewEntry | Admission:
+    """Admit a LoRA adapter only into a fleet that serves adapters of its base model."""
+    spec, adapters = snapshot.spec, deployment.spec.adapters
+    name = deployment.metadata.get("name", spec.deployment)
+    if not adapters.enabled or adapters.base_model is None:
+        return refused(
+            Reasons.ADAPTERS_NOT_ENABLED,
+            f"{spec.identity!r} is a LoRA adapter but HotLoadDeployment {name!r} does not serve "
+            "adapters: set spec.adapters.enabled and spec.adapters.baseModel",
+        )
+    if spec.kind is not None and spec.kind != "lora":
+        return refused(
+            Reasons.INVALID, f"spec.kind is {spec.kind!r} but the bucket holds a LoRA adapter"
+        )
+    try:
+        validate_adapter(folder, base_model=adapters.base_model)
+        validate_identity(spec.identity)
+        config = read_adapter_config(folder)
+    except SnapshotValidationError as err:
+        base_only = all(p.field == "base_model_name_or_path" for p in err.problems)
+        return refused(
+            Reasons.BASE_MODEL_MISMATCH if base_only else Reasons.INVALID, short(str(err))
+        )
+    except SnapshotError as err:
+        return refused(Reasons.INVALID, short(str(err)))
+    if config.rank > adapters.max_rank:
+        return refused(
+            Reasons.INVALID,
+            f"adapter rank r={config.rank} is above spec.adapters.maxRank={adapters.max_rank}",
+        )
+    desc = describe_snapshot(folder)
+    return NewEntry(
+        identity=spec.identity,
+        kind="lora",
+        manifest_digest=desc.manifest_digest,
+        shipped_bytes=desc.shipped_bytes,
+        full_bytes=desc.full_bytes,
+        prompt_cache=spec.prompt_cache,
+    )
+
+
 async def _base_config(bucket: Bucket, state: LedgerState, tmp: Path) -> dict[str, Any] | None:
     """config.json of the latest full snapshot in the ledger (None for the first snapshot)."""
     root = state.document.latest_root()
-    if root is None or root.kind == "lora":
+    if root is None:
         return None
     try:
         data = (await bucket.get_async(f"{root.identity}/{CONFIG_FILE}")).data

@@ -127,7 +127,37 @@ def engine_command(hld: HotLoadDeployment) -> list[str]:
     else:
         base = ["python3", "-m", "sglang.launch_server", "--model-path", model]
         base += ["--served-model-name", name_of(hld), "--host", "0.0.0.0", "--port", port]
-    return base + list(engine.args)
+    return base + adapter_args(hld) + list(engine.args)
+
+
+#: Ranks vLLM accepts for --max-lora-rank; a spec's maxRank is rounded up to one of them.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def adapter_args(hld: HotLoadDeployment) -> list[str]:
+    """Engine flags that enable runtime LoRA loading, sized from `spec.adapters`."""
+    adapters = hld.spec.adapters
+    if not adapters.enabled:
+        return []
+    kind = hld.spec.engine.kind
+    loaded = str(adapters.max_loaded)
+    if kind == "reference":
+        return ["--max-adapters", loaded]
+    if kind == "vllm":
+        rank = next(r for r in VLLM_LORA_RANKS if r >= adapters.max_rank)
+        return ["--enable-lora", "--max-loras", loaded, "--max-lora-rank", str(rank)]
+    # SGLang reserves a pool per adapter slot; loaded adapters can target any linear module.
+    return [
+        "--enable-lora",
+        "--max-loaded-loras",
+        loaded,
+        "--max-loras-per-batch",
+        loaded,
+        "--max-lora-rank",
+        str(adapters.max_rank),
+        "--lora-target-modules",
+        "all",
+    ]
 
 
 def _resources(hld: HotLoadDeployment) -> JSON:
@@ -156,6 +186,10 @@ def loader_env(hld: HotLoadDeployment) -> list[JSON]:
         {"name": "HOTLOAD_TRANSITION_MODE", "value": spec.transition_mode},
         {"name": "HOTLOAD_POLL_SECONDS", "value": str(spec.loader.poll_seconds)},
         {"name": "HOTLOAD_KEEP", "value": str(spec.loader.keep)},
+        {
+            "name": "HOTLOAD_MAX_ADAPTERS",
+            "value": str(spec.adapters.max_loaded if spec.adapters.enabled else 0),
+        },
         {"name": "HOTLOAD_LISTEN", "value": f"0.0.0.0:{LOADER_PORT}"},
         {"name": "HOTLOAD_REPORT", "value": "kubernetes"},
         # Always set (pinned or not): the loader learns spec.pin from this bucket object, so a
@@ -222,6 +256,9 @@ def build_pod_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
     engine_env: list[JSON] = [e.to_json() for e in engine.env]
     if engine.kind == "vllm":
         engine_env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})
+        if spec.adapters.enabled:
+            # Without it vLLM has no /v1/load_lora_adapter route at all.
+            engine_env.append({"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"})
     engine_container: JSON = {
         "name": "engine",
         "image": engine.image,

@@ -294,6 +294,8 @@ async def _rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
     document = await _ledger_document(ctx, hld)
     head = document.head if document else None
     entries = list(document.entries) if document else []
+    kept = document.adapters(hld.spec.adapters.max_loaded) if document else []
+    kept_adapters = [e.identity for e in kept]
     previous = body.get("status") or {}
     status = rollup_deployment(hld, pods, head, entries, now=ctx.now(), previous=previous)
     if status != {k: previous.get(k) for k in status}:
@@ -303,7 +305,7 @@ async def _rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
         if (item.get("spec") or {}).get("deployment") != name:
             continue
         snap = parse_snapshot(item)
-        update = rollup_snapshot(snap, hld, pods, head, now=ctx.now())
+        update = rollup_snapshot(snap, hld, pods, head, now=ctx.now(), adapters=kept_adapters)
         current = item.get("status") or {}
         if update is None or update == {k: current.get(k) for k in update}:
             continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -29,6 +30,16 @@ JSON = dict[str, Any]
 
 
 @dataclass(frozen=True)
+class AdapterReport:
+    """One LoRA adapter on one replica, as its loader reports it."""
+
+    identity: str
+    status: str
+    load_seconds: float | None
+    message: str
+
+
+@dataclass(frozen=True)
 class PodReport:
     """One replica as its pod shows it."""
 
@@ -42,6 +53,11 @@ class PodReport:
     total_seconds: float | None
     load_seconds: float | None
     deleting: bool = False
+    adapters: tuple[AdapterReport, ...] = ()
+
+    def adapter(self, identity: str) -> AdapterReport | None:
+        """This replica's report of adapter `identity`, if it has one."""
+        return next((a for a in self.adapters if a.identity == identity), None)
 
 
 def read_pod(pod: JSON) -> PodReport:
@@ -68,7 +84,28 @@ def read_pod(pod: JSON) -> PodReport:
         total_seconds=_float(last.get("totalSeconds")) if last else None,
         load_seconds=_float(last.get("loadSeconds")) if last else None,
         deleting=bool(meta.get("deletionTimestamp")),
+        adapters=_adapters(note.get("adapters")),
     )
+
+
+def _adapters(raw: Any) -> tuple[AdapterReport, ...]:
+    """The loader's adapter list, skipping entries that are not well formed."""
+    if not isinstance(raw, list):
+        return ()
+    out = []
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("identity"), str):
+            continue
+        status = item.get("status")
+        out.append(
+            AdapterReport(
+                identity=item["identity"],
+                status=status if status in ("loaded", "loading", "failed") else "loading",
+                load_seconds=_float(item.get("loadSeconds")),
+                message=str(item.get("message") or "")[:1024],
+            )
+        )
+    return tuple(out)
 
 
 def required_replicas(hld: HotLoadDeployment) -> int:
@@ -110,6 +147,8 @@ def rollup_deployment(
             conditions, type_, status, reason, message, generation=generation, now=now
         )
 
+    newest = [e for e in entries if e.kind == "lora"]
+    latest_adapter = newest[-1].identity if newest and hld.spec.adapters.enabled else None
     behind = [r for r in reports if target is not None and r.identity != target]
     failed = [r for r in reports if r.state == "failed"]
     unready = [r for r in reports if not r.ready]
@@ -152,12 +191,22 @@ def rollup_deployment(
             if pinned
             else "every replica serves the ledger head",
         )
+    adapter_failures = [(r, a) for r in reports for a in r.adapters if a.status == "failed"]
     if failed:
         put(
             CONDITION_DEGRADED,
             True,
             d.LOAD_FAILURES,
             "; ".join(f"{r.pod}: {r.message}" for r in failed[:5])[:4000],
+        )
+    elif adapter_failures:
+        put(
+            CONDITION_DEGRADED,
+            True,
+            d.ADAPTER_FAILURES,
+            "; ".join(f"{r.pod}: {a.identity}: {a.message}" for r, a in adapter_failures[:5])[
+                :4000
+            ],
         )
     elif len(reports) - len(unready) < hld.spec.replicas - hld.spec.max_unavailable:
         put(
@@ -189,9 +238,24 @@ def rollup_deployment(
                 "state": r.state,
                 "lastLoadSeconds": r.total_seconds,
                 "message": r.message[:4096] if r.state == "failed" else "",
+                "adapters": [
+                    {
+                        "identity": a.identity,
+                        "status": a.status,
+                        "loadSeconds": a.load_seconds,
+                        "message": a.message,
+                    }
+                    for a in r.adapters
+                ],
             }
             for r in reports
         ],
+        "latestAdapter": latest_adapter,
+        "adapterReplicas": (
+            sum(1 for r in reports if (a := r.adapter(latest_adapter)) and a.status == "loaded")
+            if latest_adapter is not None
+            else None
+        ),
         "selector": selector_string(hld),
         "routerEndpoint": router_endpoint(hld),
     }
@@ -227,16 +291,30 @@ def rollup_snapshot(
     head: LedgerEntry | None,
     *,
     now: datetime,
+    adapters: Sequence[str] = (),
 ) -> JSON | None:
-    """The roll-out part of an accepted snapshot's status (None while it is not accepted)."""
+    """The roll-out part of an accepted snapshot's status (None while it is not accepted).
+
+    A LoRA adapter counts the replicas that have it loaded (next to the base weights); it is
+    superseded once it falls out of `adapters`, the newest ones kept loaded (newest first)."""
     status = snap.status.to_json() if snap.status else {}
     if not is_true(status.get("conditions"), "Accepted") or status.get("sequence") is None:
         return None
     identity = snap.spec.identity
     sequence = int(status["sequence"])
     reports = [r for r in map(read_pod, pods) if not r.deleting]
-    serving = [r for r in reports if r.identity == identity]
-    failures = [r for r in reports if r.state == "failed" and r.target == identity]
+    lora = status.get("kind") == "lora" or snap.spec.kind == "lora"
+    superseded_by: str | None = None
+    if lora:
+        serving = [r for r in reports if (a := r.adapter(identity)) and a.status == "loaded"]
+        failures = [r for r in reports if (a := r.adapter(identity)) and a.status == "failed"]
+        if adapters and identity not in adapters:
+            superseded_by = f"{adapters[0]} and {len(adapters) - 1} newer adapter(s)"
+    else:
+        serving = [r for r in reports if r.identity == identity]
+        failures = [r for r in reports if r.state == "failed" and r.target == identity]
+        if head is not None and head.sequence > sequence:
+            superseded_by = f"{head.identity} (sequence {head.sequence})"
     need = required_replicas(hld)
     conditions: list[JSON] = list(status.get("conditions") or [])
     gen = snap.metadata.get("generation")
@@ -246,13 +324,13 @@ def rollup_snapshot(
     out: JSON = {
         "replicas": hld.spec.replicas,
         "replicasLoaded": len(serving),
-        "loads": [
-            {"pod": r.pod, "totalSeconds": r.total_seconds or 0.0, "loadSeconds": r.load_seconds}
-            for r in serving
-            if r.total_seconds is not None
+        "loads": [_load(r, identity if lora else None) for r in serving],
+        "failures": [
+            {"pod": r.pod, "message": _failure(r, identity if lora else None)[:4096]}
+            for r in failures
         ],
-        "failures": [{"pod": r.pod, "message": r.message[:4096]} for r in failures],
     }
+    out["loads"] = [x for x in out["loads"] if x is not None]
 
     def put(state: bool, reason: str, message: str) -> None:
         out["conditions"] = set_condition(
@@ -266,14 +344,10 @@ def rollup_snapshot(
     elif was_ready:
         # Once Ready, it stays Ready: the fleet moving on to newer snapshots is expected.
         out["conditions"] = conditions
-        if head is not None and head.sequence > sequence:
+        if superseded_by is not None:
             out["replicasLoaded"] = len(serving)
-    elif head is not None and head.sequence > sequence:
-        put(
-            False,
-            SnapshotReasons.SUPERSEDED,
-            f"{head.identity} (sequence {head.sequence}) replaced it first",
-        )
+    elif superseded_by is not None:
+        put(False, SnapshotReasons.SUPERSEDED, f"{superseded_by} replaced it first")
     elif hld.spec.pin is not None and hld.spec.pin != identity:
         put(
             False,
@@ -290,6 +364,22 @@ def rollup_snapshot(
     else:
         put(False, SnapshotReasons.LOADING, f"{len(serving)}/{hld.spec.replicas} replicas serve it")
     return out
+
+
+def _load(r: PodReport, adapter: str | None) -> JSON | None:
+    """One replica's timings for the snapshot (an adapter's own load, when `adapter`)."""
+    if adapter is not None:
+        a = r.adapter(adapter)
+        seconds = a.load_seconds if a is not None else None
+        return None if seconds is None else {"pod": r.pod, "totalSeconds": seconds}
+    if r.total_seconds is None:
+        return None
+    return {"pod": r.pod, "totalSeconds": r.total_seconds, "loadSeconds": r.load_seconds}
+
+
+def _failure(r: PodReport, adapter: str | None) -> str:
+    a = r.adapter(adapter) if adapter is not None else None
+    return a.message if a is not None else r.message
 
 
 def _float(value: Any) -> float | None:
