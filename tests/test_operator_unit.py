@@ -272,11 +272,23 @@ def test_snapshot_rollup_ready_superseded_and_sticky() -> None:
     lonely = [pod("a", serving("step-000", 1)), pod("b", serving("step-000", 1))]
     old = rollup_snapshot(snapshot_obj("step-001", 2), hld, lonely, es[2], now=NOW)
     assert old is not None and cond(old, "Ready")["reason"] == "Superseded"
-    # Once Ready, it stays Ready when the fleet moves on.
+    # Once Ready, it stays Ready when the fleet moves on, and says it was superseded (the
+    # transition time stays when it became Ready).
     moved = [pod("a", serving("step-002", 3)), pod("b", serving("step-002", 3))]
     kept = rollup_snapshot(snapshot_obj("step-001", 2, ready="True"), hld, moved, es[2], now=NOW)
     assert kept is not None and cond(kept, "Ready")["status"] == "True"
-    assert "readyTime" not in kept
+    assert cond(kept, "Ready")["reason"] == "Superseded"
+    assert cond(kept, "Ready")["lastTransitionTime"] == "t"
+    assert "step-002 (sequence 3) replaced it" in cond(kept, "Ready")["message"]
+    assert "0/2 replicas still serve it" in cond(kept, "Ready")["message"]
+    assert "readyTime" not in kept and kept["replicasLoaded"] == 0
+    # While the fleet still serves it, it is Loaded, even with a newer head on its way.
+    loading = rollup_snapshot(snapshot_obj("step-001", 2, ready="True"), hld, pods, es[2], now=NOW)
+    assert loading is not None and cond(loading, "Ready")["reason"] == "Loaded"
+    # A fleet pinned to it (a rollback) keeps it Loaded, not superseded.
+    pinned = deployment(replicas=2, pin="step-001")
+    back = rollup_snapshot(snapshot_obj("step-001", 2, ready="True"), pinned, moved, es[2], now=NOW)
+    assert back is not None and cond(back, "Ready")["reason"] == "Loaded"
     # Not accepted yet: nothing to roll up.
     pending = Snapshot.model_validate(
         {"metadata": {"name": "x"}, "spec": {"deployment": "fleet", "identity": "x"}}
@@ -360,6 +372,48 @@ def test_admission_validates_where_it_lies_and_appends_once(tmp_path: Path) -> N
 
     assert not run(_snap("step-404")).accepted
     assert json.loads((bucket_dir / ".hotload/ledgers/fleet.json").read_text())["sequence"] == 3
+
+
+def test_readmission_trusts_the_ledger_entry(tmp_path: Path) -> None:
+    """An identity the ledger holds is accepted again on the manifests alone (an operator
+    restarted between the append and the status write), even where validating it again
+    would now refuse it; other manifests under that identity are refused; never appended
+    twice."""
+    bucket_dir = tmp_path / "bucket"
+    bucket = open_bucket(str(bucket_dir))
+    ledger = Ledger(bucket, "fleet")
+    hld = deployment(bucket={"url": f"file://{bucket_dir}"})
+    s0 = full(tmp_path / "s" / "step-000", weights(0))
+    _publish_files(bucket_dir, s0)
+    first = asyncio.run(admit(_snap("step-000"), hld, bucket, ledger))
+    assert first.accepted and first.entry is not None and first.entry.sequence == 1
+
+    # A data shard gone from the bucket: validation would refuse it now (NotInBucket or
+    # InvalidSnapshot), but the ledger already vouches for it.
+    shard = next(p for p in (bucket_dir / "step-000").iterdir() if p.name.startswith("model-"))
+    shard.unlink()
+    again = asyncio.run(admit(_snap("step-000"), hld, bucket, ledger))
+    assert again.accepted and again.reason == "Admitted", again
+    assert again.entry is not None and again.entry.sequence == 1
+    assert "already in ledger 'fleet' as sequence 1" in again.message
+
+    # Other manifests under the same identity (written past the uploader, which refuses to
+    # overwrite a published snapshot): refused, the ledger unchanged.
+    import shutil
+
+    other = full(tmp_path / "o" / "step-000", weights(7, layers=4))
+    shutil.rmtree(bucket_dir / "step-000")
+    shutil.copytree(other, bucket_dir / "step-000")
+    clash = asyncio.run(admit(_snap("step-000"), hld, bucket, ledger))
+    assert not clash.accepted and clash.reason == "LedgerRejected"
+    assert "with other manifests" in clash.message
+
+    # Every file gone: still the ledger's entry, and the message says nothing was compared.
+    shutil.rmtree(bucket_dir / "step-000")
+    gone = asyncio.run(admit(_snap("step-000"), hld, bucket, ledger))
+    assert gone.accepted and "could not be compared" in gone.message
+    entries = ledger.read().document.entries
+    assert [e.identity for e in entries] == ["step-000"]
 
 
 def test_router_objects_when_enabled() -> None:

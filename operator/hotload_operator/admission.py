@@ -3,8 +3,8 @@ check its parent is the ledger head, append it with compare-and-swap.
 
 `admit` returns an `Admission` (plain data) for every outcome; only an unreachable bucket
 raises (`BucketError`), so the caller retries later. Re-running `admit` after a crash is safe:
-a snapshot the ledger already holds with the same manifests is reported as accepted again,
-never appended twice.
+the ledger is read first, and a snapshot it already holds with the same manifests is reported
+as accepted again without being validated again, never appended twice.
 """
 
 from __future__ import annotations
@@ -64,17 +64,31 @@ async def admit(
     """Validate `snapshot` in `bucket` against `deployment` and append it to `ledger`."""
     identity = snapshot.spec.identity
     state = await ledger.read_async()
+    # The ledger first: an entry it already holds was validated before it was appended (an
+    # operator that stopped between the append and the status write, or the SDK appending
+    # itself). Validating it again could refuse it (its files pruned, a newer full snapshot's
+    # config, stricter checks after an upgrade) while every replica loads it anyway.
+    existing = state.document.find(identity)
     with tempfile.TemporaryDirectory(prefix="hotload-admit-") as tmp:
         folder = Path(tmp) / identity
         try:
             await download_skeleton_async(bucket, identity, folder)
         except ObjectNotFoundError as err:
+            if existing is not None:
+                return _accepted(
+                    existing,
+                    f"already in ledger {ledger.name!r} as sequence {existing.sequence} (an "
+                    f"earlier admission finished); its files are gone from the bucket ({err}), "
+                    "so its manifests could not be compared",
+                )
             return refused(
                 Reasons.NOT_IN_BUCKET,
                 f"{err} (upload every file before creating the Snapshot; the index file goes last)",
             )
         except SnapshotError as err:
             return refused(Reasons.INVALID, str(err))
+        if existing is not None:
+            return _readmitted(existing, folder, ledger)
         decision = await _validate(
             snapshot,
             deployment=deployment,
@@ -86,15 +100,6 @@ async def admit(
         if isinstance(decision, Admission):
             return decision
         new = decision
-    existing = state.document.find(identity)
-    if existing is not None:
-        if existing.manifest_digest == new.manifest_digest:
-            return _accepted(existing, "already in the ledger (an earlier admission finished)")
-        return refused(
-            Reasons.LEDGER_REJECTED,
-            f"{identity!r} is already in ledger {ledger.name!r} (sequence {existing.sequence}) "
-            "with other manifests; publish under a new identity",
-        )
     try:
         state.document.check(new)
     except LedgerRejectedError as err:
@@ -105,6 +110,29 @@ async def admit(
     except LedgerRejectedError as err:
         return refused(Reasons.LEDGER_REJECTED, str(err))
     return _accepted(entry, f"appended to ledger {ledger.name!r} as sequence {entry.sequence}")
+
+
+def _readmitted(existing: LedgerEntry, folder: Path, ledger: Ledger) -> Admission:
+    """An identity the ledger already holds: accepted again when the bucket's manifests are
+    the ones the ledger vouches for, refused when they are not (never appended twice)."""
+    sequence = existing.sequence
+    where = f"{existing.identity!r} is already in ledger {ledger.name!r} (sequence {sequence})"
+    try:
+        digest = describe_snapshot(folder).manifest_digest
+    except SnapshotError as err:
+        return refused(
+            Reasons.LEDGER_REJECTED,
+            f"{where}, but its manifests in the bucket cannot be read to match them: {err}",
+        )
+    if digest != existing.manifest_digest:
+        return refused(
+            Reasons.LEDGER_REJECTED, f"{where} with other manifests; publish under a new identity"
+        )
+    return _accepted(
+        existing,
+        f"already in ledger {ledger.name!r} as sequence {existing.sequence} "
+        "(an earlier admission finished)",
+    )
 
 
 def _accepted(entry: LedgerEntry, message: str) -> Admission:
@@ -169,14 +197,13 @@ async def _validate(
         head = state.document.head
         if head is None or head.identity != desc.parent:
             # Not an error of the files: the ledger moved on (or never had the parent).
-            if state.document.find(spec.identity) is None:
-                return refused(
-                    Reasons.WRONG_PARENT,
-                    f"delta against {desc.parent!r}, but the ledger head is "
-                    f"{head.identity if head else None!r}: publish a full snapshot or a delta "
-                    "against the head",
-                )
-        elif desc.parent is not None:
+            return refused(
+                Reasons.WRONG_PARENT,
+                f"delta against {desc.parent!r}, but the ledger head is "
+                f"{head.identity if head else None!r}: publish a full snapshot or a delta "
+                "against the head",
+            )
+        if desc.parent is not None:
             parent = tmp / "_parent" / desc.parent
             await download_skeleton_async(bucket, desc.parent, parent)
             try:

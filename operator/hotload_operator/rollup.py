@@ -342,10 +342,18 @@ def rollup_snapshot(
         if not was_ready:
             out["readyTime"] = format_time(now)
     elif was_ready:
-        # Once Ready, it stays Ready: the fleet moving on to newer snapshots is expected.
+        # Once Ready, it stays Ready (a fact about this snapshot: it did reach the ready
+        # fraction), and the reason says when a newer one replaced it, so `kubectl get snap`
+        # tells the one the fleet serves (Loaded) from those it served (Superseded). A fleet
+        # pinned to it keeps it Loaded.
         out["conditions"] = conditions
-        if superseded_by is not None:
-            out["replicasLoaded"] = len(serving)
+        if superseded_by is not None and hld.spec.pin != identity:
+            put(
+                True,
+                SnapshotReasons.SUPERSEDED,
+                f"was Ready; {superseded_by} replaced it ({len(serving)}/{hld.spec.replicas} "
+                "replicas still serve it)",
+            )
     elif superseded_by is not None:
         put(False, SnapshotReasons.SUPERSEDED, f"{superseded_by} replaced it first")
     elif hld.spec.pin is not None and hld.spec.pin != identity:
