@@ -72,6 +72,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=8,
         help="generations that decode together in one batch (default: 8)",
     )
+    p.add_argument(
+        "--max-adapters",
+        type=int,
+        default=8,
+        help="LoRA adapters loaded at once through POST /v1/load_lora_adapter; requests name "
+        "one as their model (default: 8; 0 refuses adapters)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument(
         "--dtype",
@@ -116,6 +123,8 @@ def _run(args: argparse.Namespace) -> int:
         raise HotloadError("--max-batch must be at least 1")
     if args.sequence < 0:
         raise HotloadError("--sequence must be >= 0")
+    if args.max_adapters < 0:
+        raise HotloadError("--max-adapters must be >= 0")
     # Fail fast, before importing torch or binding a port, when the folder is not a snapshot.
     validate_snapshot(args.model)
     from hotload.engine.engine import Engine, EngineConfig
@@ -131,6 +140,7 @@ def _run(args: argparse.Namespace) -> int:
         numerics=args.numerics,
         session_max=1024 if args.session_cache_tokens > 0 else 0,
         session_tokens=args.session_cache_tokens,
+        max_adapters=args.max_adapters,
     )
     engine = Engine(config)
     return asyncio.run(_serve(engine, args.host, args.port, args.access_log))

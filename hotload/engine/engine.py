@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hotload.engine.batch import KVCache
+from hotload.engine.lora import stage_adapter
 from hotload.engine.metrics import EngineMetrics
 from hotload.engine.model import ModelRunner, Numerics, TextCodec, WeightsMismatchError
 from hotload.engine.protocol import (
@@ -35,7 +36,7 @@ from hotload.engine.protocol import (
     bad_request,
     check_constraint,
 )
-from hotload.engine.scheduler import ErrorEvent, Event, Job, Scheduler, SwapOrder
+from hotload.engine.scheduler import AdapterOrder, ErrorEvent, Event, Job, Scheduler, SwapOrder
 from hotload.engine.sessions import SessionCache
 from hotload.errors import ChecksumMismatchError, HotloadError, SnapshotValidationError
 from hotload.snapshot.layout import validate_identity
@@ -59,6 +60,8 @@ class EngineConfig:
     numerics: Numerics = "auto"
     session_max: int = 1024
     session_tokens: int = 1 << 18
+    #: LoRA adapters loaded at once (`POST /v1/load_lora_adapter`); 0 refuses adapters.
+    max_adapters: int = 8
     # Niceness of the thread that stages a hot load: generation keeps the CPU while the old
     # weights serve, and staging takes what is left (0: same priority as generation).
     stage_nice: int = 10
@@ -194,6 +197,7 @@ class Engine:
             self.loading = False
             self.loading_identity = None
         served = ServedSnapshot(cfg.initial_identity, cfg.sequence)
+        runner.lora.limit = cfg.max_adapters
         self.runner = runner
         self.scheduler = Scheduler(
             runner,
@@ -264,6 +268,7 @@ class Engine:
             "max_batch": self.config.max_batch,
             "numerics": info.numerics if info else None,
             "batch_invariant": info.batch_invariant if info else None,
+            "adapters": self.adapter_names(),
             "prefix_cache": {
                 "sessions": len(self.sessions),
                 "tokens": self.sessions.tokens,
@@ -298,6 +303,8 @@ class Engine:
                 headers={"Retry-After": RETRY_AFTER_SECONDS},
                 extra={"target_identity": self.sync_gate.identity},
             )
+        if req.adapter is not None and not scheduler.has_adapter(req.adapter):
+            raise self.unknown_model(str(req.adapter))
         check_constraint(req.constraint, scheduler.served)
         prompt_ids = self._prompt_ids(req, codec, runner.info.vocab_size)
         limit = runner.info.max_positions
@@ -328,6 +335,9 @@ class Engine:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(queue.put_nowait, event)
 
+        if session is not None and req.adapter is not None:
+            # A cached prefix is only valid under the adapter that computed it.
+            session = f"{req.adapter}\x1f{session}"
         job = Job(
             prompt_ids=prompt_ids,
             sampling=sampling,
@@ -335,6 +345,7 @@ class Engine:
             session=session,
             constraint=req.constraint,
             prompt_logprobs=req.prompt_logprobs,
+            adapter=req.adapter,
         )
         scheduler.submit(job)
         return GenerationStream(job, queue, scheduler)
@@ -355,6 +366,67 @@ class Engine:
         if not ids:
             raise bad_request("the prompt is empty after tokenisation", "prompt")
         return ids
+
+    # --- LoRA adapters ---------------------------------------------------------------------------
+
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters requests may name as their model now."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return []
+        return [n for n in scheduler.runner.lora.names() if scheduler.has_adapter(n)]
+
+    def unknown_model(self, model: str) -> ApiError:
+        """The 404 for a request naming a model this engine does not serve."""
+        loaded = self.adapter_names()
+        adapters = f"; adapters: {', '.join(loaded)}" if loaded else ""
+        return ApiError(
+            404,
+            "model_not_found",
+            f"model {model!r} is not served here; this engine serves {self.name!r} (optionally "
+            f"{self.name}@<identity>){adapters}",
+            param="model",
+        )
+
+    async def load_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Stage the LoRA adapter folder `path` and install it as model `name` between two
+        decode steps; on failure raise `ApiError` (nothing changes)."""
+        scheduler, runner = self.scheduler, self.runner
+        if scheduler is None or runner is None:
+            raise ApiError(503, "not_ready", "the engine is still loading its initial weights")
+        if name == self.name or "@" in name or not name:
+            raise bad_request(f"lora_name {name!r} is not a valid adapter name", "lora_name")
+        if scheduler.has_adapter(name):
+            raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        if self.config.max_adapters <= 0:
+            raise bad_request("this engine serves no adapters (--max-adapters 0)", "lora_name")
+        started = time.perf_counter()
+        try:
+            staged = await run_in_thread(
+                lambda: stage_adapter(runner.model, name, path), nice=self.config.stage_nice
+            )
+            await asyncio.wrap_future(scheduler.adapters(AdapterOrder(install=staged)))
+        except Exception as exc:
+            err = _load_error(exc)
+            self.metrics.load_failures.labels(err.type).inc()
+            log.warning("loading adapter %s from %s failed: %s", name, path, err.message)
+            raise err from exc
+        seconds = time.perf_counter() - started
+        log.info("loaded LoRA adapter %s (rank %d) in %.3fs", name, staged.rank, seconds)
+        return {"lora_name": name, "lora_path": path, "rank": staged.rank, "seconds": seconds}
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (requests already running on it finish first)."""
+        scheduler = self.scheduler
+        if scheduler is None or not scheduler.has_adapter(name):
+            raise ApiError(
+                404,
+                "NotFoundError",
+                f"The lora adapter '{name}' cannot be found.",
+                param="lora_name",
+            )
+        await asyncio.wrap_future(scheduler.adapters(AdapterOrder(remove=name)))
+        log.info("unloaded LoRA adapter %s", name)
 
     # --- hot loads -----------------------------------------------------------------------------
 

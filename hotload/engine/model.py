@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from hotload.engine.batch import BatchKV, KVCache, crop
+from hotload.engine.lora import AdapterTable, set_rows
 from hotload.engine.protocol import PromptLogprobs, SamplingParams
 from hotload.errors import SnapshotError, SnapshotValidationError, ValidationProblem
 from hotload.snapshot import layout
@@ -350,6 +351,8 @@ class ModelRunner:
         for name, tensor in state.items():
             groups.setdefault(id(tensor), []).append(name)
         self.targets: dict[str, torch.Tensor] = dict(state)
+        #: LoRA adapters installed on top of the weights (chosen per request).
+        self.lora = AdapterTable(model)
         self.groups: list[list[str]] = list(groups.values())
         self.info = ModelInfo(
             model_type=str(config.get("model_type", "?")),
@@ -569,11 +572,12 @@ class ModelRunner:
         pads: list[int],
         *,
         every_position: bool = False,
+        adapters: Sequence[str | None] | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
         """Run `tokens` ([rows, n]) after `kv`; return fp32 logits and the new KV.
 
         The logits are the last position's ([rows, vocab]), or with `every_position` every
-        position's ([rows, n, vocab]).
+        position's ([rows, n, vocab]). `adapters` names each row's LoRA adapter (None: base).
         """
         from transformers import DynamicCache
 
@@ -585,15 +589,19 @@ class ModelRunner:
             width = (kv[0][0].shape[2] if kv else 0) + tokens.shape[1]
             cols = torch.arange(width, device=self.device)[None, :]
             mask = (cols >= torch.tensor(pads, device=self.device)[:, None]).long()
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=tokens,
-                position_ids=positions,
-                attention_mask=mask,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=0 if every_position else 1,
-            )
+        set_rows(adapters)
+        try:
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=tokens,
+                    position_ids=positions,
+                    attention_mask=mask,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=0 if every_position else 1,
+                )
+        finally:
+            set_rows(None)
         logits = out.logits.float() if every_position else out.logits[:, -1].float()
         layers: list[Any] = list(cache.layers)
         return logits, [(layer.keys, layer.values) for layer in layers]
@@ -605,24 +613,33 @@ class ModelRunner:
         reuse: int = 0,
         *,
         every_position: bool = False,
+        adapter: str | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
         """Prefill one sequence, reusing the first `reuse` positions of `prefix`; return logits.
 
         The logits are the last position's ([vocab]), or with `every_position` those of every
-        position computed here ([n - reuse, vocab]).
+        position computed here ([n - reuse, vocab]); `adapter` is its LoRA adapter, if any.
         """
         kv = crop(prefix, reuse) if prefix is not None and reuse > 0 else None
         start = reuse if kv is not None else 0
         ids = torch.tensor([list(tokens[start:])], dtype=torch.long, device=self.device)
         pos = torch.arange(start, len(tokens), device=self.device)[None, :]
-        logits, new_kv = self.forward(ids, pos, kv, [0], every_position=every_position)
+        logits, new_kv = self.forward(
+            ids, pos, kv, [0], every_position=every_position, adapters=[adapter]
+        )
         return logits[0], new_kv
 
-    def decode(self, batch: BatchKV, tokens: Sequence[int]) -> torch.Tensor:
-        """One decode step of the whole batch: feed each row's next token; return [rows, vocab]."""
+    def decode(
+        self,
+        batch: BatchKV,
+        tokens: Sequence[int],
+        adapters: Sequence[str | None] | None = None,
+    ) -> torch.Tensor:
+        """One decode step of the whole batch: feed each row's next token (row i with LoRA
+        adapter `adapters[i]`, if any); return [rows, vocab]."""
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)[:, None]
         pos = torch.tensor(batch.lengths(), dtype=torch.long, device=self.device)[:, None]
-        logits, batch.layers = self.forward(ids, pos, batch.layers, batch.pads)
+        logits, batch.layers = self.forward(ids, pos, batch.layers, batch.pads, adapters=adapters)
         return logits
 
 

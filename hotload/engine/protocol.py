@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -142,6 +142,12 @@ class GenerationRequest:
     constraint: VersionConstraint = VersionConstraint()
     max_tokens_given: bool = False
     prompt_logprobs: int | None = None
+    #: The LoRA adapter named as `model` (None: the base model).
+    adapter: str | None = None
+
+    def model_name(self, served_name: str) -> str:
+        """The name responses give the model: the adapter's, or the served model's."""
+        return self.adapter or served_name
 
 
 @dataclass(frozen=True)
@@ -248,22 +254,26 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def parse_model_field(value: object, served_name: str) -> str | None:
-    """Check the request's `model` (`<name>` or `<name>@<identity>`); return the identity part."""
+def parse_model_field(
+    value: object, served_name: str, adapters: Collection[str] = ()
+) -> tuple[str | None, str | None]:
+    """Check the request's `model`: `<name>` or a loaded LoRA adapter's name, optionally with
+    `@<identity>` (a snapshot constraint); return (adapter or None, identity or None)."""
     if value is None:
-        return None
+        return None, None
     if not isinstance(value, str):
         raise bad_request("model must be a string", "model")
     name, sep, identity = value.partition("@")
-    if name != served_name:
+    if name != served_name and name not in adapters:
+        loaded = f"; adapters: {', '.join(sorted(adapters))}" if adapters else ""
         raise ApiError(
             404,
             "model_not_found",
             f"model {value!r} is not served here; this engine serves {served_name!r} "
-            f"(optionally {served_name}@<identity>)",
+            f"(optionally {served_name}@<identity>){loaded}",
             param="model",
         )
-    return identity if sep else None
+    return (name if name != served_name else None), (identity if sep else None)
 
 
 def parse_constraint(
@@ -301,9 +311,14 @@ def parse_constraint(
 
 
 def parse_generation_request(
-    body: object, kind: RequestKind, headers: Mapping[str, str], served_name: str
+    body: object,
+    kind: RequestKind,
+    headers: Mapping[str, str],
+    served_name: str,
+    adapters: Collection[str] = (),
 ) -> GenerationRequest:
-    """Validate an OpenAI completions/chat body (plus version headers) into a request."""
+    """Validate an OpenAI completions/chat body (plus version headers) into a request;
+    `adapters` are the LoRA adapters a request may name as its model."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     n = _int(body, "n", minimum=1)
@@ -322,7 +337,7 @@ def parse_generation_request(
             f"prompt_logprobs must be <= {MAX_PROMPT_LOGPROBS}, got {prompt_logprobs}",
             "prompt_logprobs",
         )
-    model_identity = parse_model_field(body.get("model"), served_name)
+    adapter, model_identity = parse_model_field(body.get("model"), served_name, adapters)
     max_tokens = _int(body, "max_tokens", minimum=1)
     if kind == "chat" and max_tokens is None:
         max_tokens = _int(body, "max_completion_tokens", minimum=1)
@@ -358,6 +373,7 @@ def parse_generation_request(
         constraint=parse_constraint(body, headers, model_identity),
         max_tokens_given=given,
         prompt_logprobs=prompt_logprobs,
+        adapter=adapter,
     )
 
 
@@ -411,20 +427,27 @@ def served_model(name: str, identity: str) -> str:
     return f"{name}@{identity}"
 
 
-def models_body(name: str, served: ServedSnapshot, created: int) -> dict[str, Any]:
-    """The `/v1/models` list: the one served model, named with its snapshot."""
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": served_model(name, served.identity),
-                "object": "model",
-                "created": created,
-                "owned_by": "hotload",
-                "root": name,
-            }
-        ],
-    }
+def models_body(
+    name: str, served: ServedSnapshot, created: int, adapters: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The `/v1/models` list: the served model, named with its snapshot, then each LoRA adapter
+    with the base as its `parent` (as vLLM lists them)."""
+    base = served_model(name, served.identity)
+    data: list[dict[str, Any]] = [
+        {"id": base, "object": "model", "created": created, "owned_by": "hotload", "root": name}
+    ]
+    data += [
+        {
+            "id": adapter,
+            "object": "model",
+            "created": created,
+            "owned_by": "hotload",
+            "root": adapter,
+            "parent": base,
+        }
+        for adapter in adapters
+    ]
+    return {"object": "list", "data": data}
 
 
 def new_id(kind: RequestKind) -> str:

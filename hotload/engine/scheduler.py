@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hotload.engine.batch import BatchKV, KVCache
+from hotload.engine.lora import StagedAdapter
 from hotload.engine.metrics import EngineMetrics
 from hotload.engine.model import (
     ModelRunner,
@@ -96,6 +97,7 @@ class Job:
     session: str | None = None
     constraint: VersionConstraint = field(default_factory=VersionConstraint)
     prompt_logprobs: int | None = None  # top-k of vLLM's `prompt_logprobs`; None: not asked
+    adapter: str | None = None  # the LoRA adapter the request named as its model
     cancelled: bool = False
 
 
@@ -125,6 +127,15 @@ class SwapOrder:
     future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
 
 
+@dataclass(eq=False)
+class AdapterOrder:
+    """Install a staged LoRA adapter, or remove one by name, at the next pause point."""
+
+    install: StagedAdapter | None = None
+    remove: str | None = None
+    future: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+
 class Scheduler:
     """The worker thread and its queue; see the module docstring for the semantics."""
 
@@ -149,6 +160,9 @@ class Scheduler:
         self._cond = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
         self._orders: collections.deque[SwapOrder] = collections.deque()
+        self._adapter_orders: collections.deque[AdapterOrder] = collections.deque()
+        #: Adapters unloaded while running rows still use them: removed once those finish.
+        self._retiring: set[str] = set()
         self._rows: list[_Row] = []
         self._batch = BatchKV()
         self._stop = False
@@ -205,6 +219,17 @@ class Scheduler:
             self._cond.notify_all()
         return order.future
 
+    def adapters(self, order: AdapterOrder) -> concurrent.futures.Future[None]:
+        """Hand an adapter install or removal to the worker (applied between two steps)."""
+        with self._cond:
+            self._adapter_orders.append(order)
+            self._cond.notify_all()
+        return order.future
+
+    def has_adapter(self, name: str) -> bool:
+        """Whether requests may name adapter `name` now."""
+        return name in self.runner.lora.adapters and name not in self._retiring
+
     def wake(self) -> None:
         """Let the worker notice cancelled requests promptly."""
         with self._cond:
@@ -217,10 +242,21 @@ class Scheduler:
             order: SwapOrder | None = None
             admit: list[Job] = []
             with self._cond:
-                while not (self._stop or self._pending or self._rows or self._orders):
+                while not (
+                    self._stop
+                    or self._pending
+                    or self._rows
+                    or self._orders
+                    or self._adapter_orders
+                ):
                     self._cond.wait()
                 if self._stop:
                     return
+                adapter_orders = list(self._adapter_orders)
+                self._adapter_orders.clear()
+            for adapter_order in adapter_orders:
+                self._apply_adapter_order(adapter_order)
+            with self._cond:
                 if self._orders:
                     head = self._orders[0]
                     # SYNC waits until everything accepted before the swap has finished.
@@ -244,8 +280,39 @@ class Scheduler:
                 self.metrics.running.set(len(self._rows))
                 self.metrics.queued.set(len(self._pending))
 
+    def _apply_adapter_order(self, order: AdapterOrder) -> None:
+        try:
+            if order.install is not None:
+                self._retiring.discard(order.install.name)
+                self.runner.lora.install(order.install)
+            if order.remove is not None:
+                self._retiring.add(order.remove)
+                self._drop_retired()
+        except Exception as exc:
+            order.future.set_exception(exc)
+            return
+        order.future.set_result(None)
+
+    def _drop_retired(self) -> None:
+        in_use = {r.job.adapter for r in self._rows}
+        for name in [n for n in self._retiring if n not in in_use]:
+            self.runner.lora.remove(name)
+            self._retiring.discard(name)
+
     def _admit(self, job: Job) -> None:
         if job.cancelled:
+            return
+        if job.adapter is not None and not self.has_adapter(job.adapter):
+            job.sink(
+                ErrorEvent(
+                    ApiError(
+                        404,
+                        "model_not_found",
+                        f"adapter {job.adapter!r} was unloaded before the request started",
+                        param="model",
+                    )
+                )
+            )
             return
         served = self._served
         reason = job.constraint.unmet(served)
@@ -262,7 +329,11 @@ class Scheduler:
             self.metrics.prefix_tokens.inc(reuse)
         try:
             logits, kv = self.runner.prefill(
-                job.prompt_ids, hit.kv if hit else None, reuse, every_position=wants_logprobs
+                job.prompt_ids,
+                hit.kv if hit else None,
+                reuse,
+                every_position=wants_logprobs,
+                adapter=job.adapter,
             )
             scored = None
             if job.prompt_logprobs is not None:
@@ -302,7 +373,11 @@ class Scheduler:
             if not self._rows:
                 return
         served = self._served
-        logits = self.runner.decode(self._batch, [r.generated[-1] for r in self._rows])
+        logits = self.runner.decode(
+            self._batch,
+            [r.generated[-1] for r in self._rows],
+            [r.job.adapter for r in self._rows],
+        )
         self.steps += 1
         for i, row in enumerate(self._rows):
             self._take_token(row, logits[i], served)
@@ -353,6 +428,8 @@ class Scheduler:
         if len(keep) != len(self._rows):
             self._rows = [self._rows[i] for i in keep]
             self._batch.keep(keep)
+            if self._retiring:
+                self._drop_retired()
 
     def _swap(self, order: SwapOrder) -> None:
         started = time.perf_counter()
@@ -383,7 +460,9 @@ class Scheduler:
         batch = BatchKV()
         for i, row in enumerate(self._rows):
             if i in stale:
-                _, kv = self.runner.prefill(row.job.prompt_ids + row.generated[:-1])
+                _, kv = self.runner.prefill(
+                    row.job.prompt_ids + row.generated[:-1], adapter=row.job.adapter
+                )
             else:
                 kv = self._batch.row(i)
             batch.add(kv)

@@ -57,6 +57,8 @@ def create_app(engine: Engine) -> web.Application:
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/hotload/v1/load", _load)
+    app.router.add_post("/v1/load_lora_adapter", _load_lora)
+    app.router.add_post("/v1/unload_lora_adapter", _unload_lora)
     app.router.add_get("/hotload/v1/status", _status)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
@@ -126,7 +128,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await _body(request)
-    req = parse_generation_request(body, kind, request.headers, engine.name)
+    req = parse_generation_request(body, kind, request.headers, engine.name, engine.adapter_names())
     stream = engine.submit(req, session_id(request.headers))
     try:
         first = await stream.next()
@@ -154,7 +156,7 @@ async def _collect(
             raise event.error
         if isinstance(event, DoneEvent):
             out = event.outcome
-            body = completion_body(req, engine.name, new_id(req.kind), now(), out)
+            body = completion_body(req, req.model_name(engine.name), new_id(req.kind), now(), out)
             return web.json_response(body, headers=_snapshot_headers(out.end))
 
 
@@ -165,7 +167,7 @@ async def _stream(
     stream: GenerationStream,
     first: TokenEvent | DoneEvent,
 ) -> web.StreamResponse:
-    rid, created, name = new_id(req.kind), now(), engine.name
+    rid, created, name = new_id(req.kind), now(), req.model_name(engine.name)
     opening = first.served if isinstance(first, TokenEvent) else first.outcome.start
     response = web.StreamResponse(
         headers={
@@ -218,7 +220,33 @@ async def _models(request: web.Request) -> web.Response:
     served = engine.served
     if served is None:
         raise ApiError(503, "not_ready", "the engine is still loading its initial weights")
-    return web.json_response(models_body(engine.name, served, engine.created))
+    body = models_body(engine.name, served, engine.created, engine.adapter_names())
+    return web.json_response(body)
+
+
+async def _load_lora(request: web.Request) -> web.Response:
+    """vLLM's runtime LoRA API: `{"lora_name": ..., "lora_path": ...}`, answered in plain text."""
+    engine = request.app[ENGINE]
+    name, path = _lora_body(await _body(request), need_path=True)
+    await engine.load_adapter(name, path)
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def _unload_lora(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    name, _ = _lora_body(await _body(request), need_path=False)
+    await engine.unload_adapter(name)
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _lora_body(body: object, *, need_path: bool) -> tuple[str, str]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "InvalidUserInput", "the request body must be a JSON object")
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not name or (need_path and not isinstance(path, str)):
+        what = "Both 'lora_name' and 'lora_path' must be provided." if need_path else "lora_name"
+        raise ApiError(400, "InvalidUserInput", what, param="lora_name")
+    return name, str(path or "")
 
 
 async def _load(request: web.Request) -> web.Response:

@@ -194,3 +194,93 @@ def broken_snapshot(src: Path, dst: Path, defect: Defect) -> Path:
     write_snapshot(dst, tensors, side_files_from=side, overwrite=True)
     shutil.rmtree(side)
     return dst
+
+
+# --- LoRA adapters -------------------------------------------------------------------------------
+
+#: What `adapter_config.json` of the tiny adapters names as their base model.
+TINY_BASE_MODEL = "hotload-tests/tiny-llama"
+#: Linear layers the tiny adapters target (in every layer).
+LORA_TARGETS = ("q_proj", "v_proj", "down_proj")
+
+
+def tiny_adapter(
+    path: Path,
+    config: dict[str, Any],
+    seed: int,
+    *,
+    rank: int = 4,
+    alpha: float = 8.0,
+    std: float = 0.3,
+    base_model: str = TINY_BASE_MODEL,
+) -> Path:
+    """Write a checksummed PEFT adapter for the tiny Llama of `config` (its config.json): LoRA
+    factors on `LORA_TARGETS` of every layer, large enough to change greedy outputs."""
+    import numpy as np
+
+    from hotload.snapshot.lora import write_adapter
+
+    rng = np.random.default_rng(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    kv = hidden // config["num_attention_heads"] * config["num_key_value_heads"]
+    shapes = {"q_proj": (hidden, hidden), "v_proj": (kv, hidden), "down_proj": (hidden, inter)}
+    tensors: dict[str, Any] = {}
+    for layer in range(config["num_hidden_layers"]):
+        for target in LORA_TARGETS:
+            out, inp = shapes[target]
+            group = "mlp" if target == "down_proj" else "self_attn"
+            stem = f"base_model.model.model.layers.{layer}.{group}.{target}"
+            tensors[f"{stem}.lora_A.weight"] = rng.normal(0, std, (rank, inp)).astype(np.float32)
+            tensors[f"{stem}.lora_B.weight"] = rng.normal(0, std, (out, rank)).astype(np.float32)
+    return write_adapter(
+        path,
+        tensors,
+        {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": rank,
+            "lora_alpha": alpha,
+            "target_modules": list(LORA_TARGETS),
+        },
+    )
+
+
+def lora_prompt_logprobs(snapshot: Path, adapter: Path | None, ids: list[int]) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= 1 under transformers' Llama on `snapshot` with the
+    adapter's LoRA added to the targeted layers (unmerged, in float32): the reference the
+    engines are compared with."""
+    import numpy as np
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hotload.snapshot import Snapshot
+    from hotload.snapshot.lora import lora_pairs, read_adapter_config, read_adapter_tensors
+    from hotload.snapshot.safetensors_io import iter_file
+
+    cfg = AutoConfig.from_pretrained(str(snapshot))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    snap = Snapshot(snapshot)
+    state: dict[str, torch.Tensor] = {}
+    for shard in snap.shard_files:
+        for name, raw in iter_file(snapshot / shard):
+            arr = np.array(raw.data).view(np.float32).reshape(raw.shape)
+            state[name] = torch.from_numpy(arr.copy())
+    model.load_state_dict(state, strict=False)
+    hooks = []
+    if adapter is not None:
+        conf = read_adapter_config(adapter)
+        for module, (a, b) in lora_pairs(read_adapter_tensors(adapter), str(adapter)).items():
+            ta = torch.from_numpy(np.array(a.data).view(np.float32).reshape(a.shape).copy())
+            tb = torch.from_numpy(np.array(b.data).view(np.float32).reshape(b.shape).copy())
+
+            def hook(_m: Any, inputs: Any, output: Any, ta: Any = ta, tb: Any = tb) -> Any:
+                return output + (inputs[0] @ ta.T @ tb.T) * conf.scaling
+
+            hooks.append(model.get_submodule(module).register_forward_hook(hook))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    for h in hooks:
+        h.remove()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [float(logp[i - 1, ids[i]]) for i in range(1, len(ids))]
