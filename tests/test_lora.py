@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
 
+from hotload.bucket import open_bucket, upload_snapshot
+from hotload.ledger import Ledger, NewEntry
+from hotload.sdk import publish_folder
 from support.engines import serve_engines
+from support.fleet import Replica, Trainer, http_json, wait_for
+from support.seaweedfs import SeaweedFS
 from support.tiny_llm import TinyLLM, build_tiny_llm, lora_prompt_logprobs, tiny_adapter
 
 PROMPT = "the chef cooked the old boat and then"
@@ -173,3 +180,127 @@ async def test_bad_adapters_are_refused_and_nothing_changes(
         assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
         status, body = await complete(client, "bad")
         assert status == 404 and body["error"]["param"] == "model"
+
+
+# --- the loader: the newest adapters of the ledger, loaded next to the base --------------------
+
+
+def adapter_states(replica: Replica) -> dict[str, str]:
+    """identity -> status of the adapters the loader reports."""
+    return {a["identity"]: a["status"] for a in replica.status()["adapters"]}
+
+
+def engine_adapters(replica: Replica) -> list[str]:
+    code, body = http_json("GET", replica.engine_url + "/v1/models")
+    assert code == 200, body
+    return [m["id"] for m in body["data"] if m.get("parent")]
+
+
+def model_tokens(replica: Replica, model: str) -> list[int]:
+    code, body = http_json(
+        "POST",
+        replica.engine_url + "/v1/completions",
+        {"model": model, "prompt": PROMPT, "max_tokens": 8, "return_token_ids": True},
+    )
+    assert code == 200, body
+    return list(body["choices"][0]["token_ids"])
+
+
+def test_loaders_keep_the_newest_adapters_loaded_and_recover_from_a_corrupt_one(
+    tiny: TinyLLM, adapters: list[Path], tmp_path: Path, s3_env: SeaweedFS
+) -> None:
+    from hotload.snapshot import describe_snapshot
+
+    env = {**os.environ, **s3_env.env, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    url = s3_env.url(f"lora-{uuid.uuid4().hex[:8]}")
+    ledger = Ledger(open_bucket(url), "policy")
+    trainer = Trainer(ledger, tiny.snapshots, tmp_path / "trainer")
+    trainer.publish(0)
+    fleet = [
+        Replica(f"r{i}", tmp_path / f"r{i}", f"{url}/policy", env, ["--max-adapters", "2"])
+        for i in range(2)
+    ]
+    try:
+        for r in fleet:
+            r.start()
+        for r in fleet:
+            r.wait_serving("step-000")
+        base_tokens = fleet[0].complete(PROMPT)["choices"][0]["token_ids"]
+        for i, path in enumerate(adapters):
+            publish_folder(ledger, path, identity=f"lora-{i}")
+        for r in fleet:
+            wait_for(
+                f"{r.name} with the two newest adapters",
+                lambda r=r: adapter_states(r) == {"lora-2": "loaded", "lora-1": "loaded"},
+                90,
+            )
+            assert sorted(engine_adapters(r)) == ["lora-1", "lora-2"]  # lora-0 was unloaded
+            assert [a["identity"] for a in r.status()["adapters"]] == ["lora-2", "lora-1"]
+            assert not (r.weights / "adapters" / "lora-0").exists()
+        # Adapters ride on the base, which is untouched; each replica answers the same.
+        assert fleet[1].complete(PROMPT)["choices"][0]["token_ids"] == base_tokens
+        with2 = model_tokens(fleet[0], "lora-2")
+        assert with2 != base_tokens and model_tokens(fleet[1], "lora-2") == with2
+
+        # A base update keeps the adapters; it changes what they answer.
+        trainer.publish(1)
+        for r in fleet:
+            r.wait_serving("step-001")
+            assert adapter_states(r) == {"lora-2": "loaded", "lora-1": "loaded"}
+        assert model_tokens(fleet[0], "lora-2") != with2
+
+        # An adapter whose bytes rotted in the bucket after admission: refused by its checksum,
+        # reported, retried; once the bucket holds the right bytes again it loads.
+        good = adapters[0]
+        bad = Path(shutil.copytree(good, tmp_path / "rotten"))
+        weights_file = bad / "adapter_model.safetensors"
+        data = bytearray(weights_file.read_bytes())
+        data[-5] ^= 0x10
+        weights_file.unlink()
+        weights_file.write_bytes(bytes(data))
+        desc = describe_snapshot(good)
+        assert describe_snapshot(bad).manifest_digest == desc.manifest_digest  # headers agree
+        upload_snapshot(
+            bad, ledger.bucket, "lora-3", files=desc.files, manifest_files=["adapter_config.json"]
+        )
+        ledger.append(
+            NewEntry("lora-3", "lora", desc.manifest_digest, desc.shipped_bytes, desc.full_bytes)
+        )
+        for r in fleet:
+            wait_for(
+                f"{r.name} reporting lora-3 failed",
+                lambda r=r: adapter_states(r).get("lora-3") == "failed",
+                60,
+            )
+            message = next(a for a in r.status()["adapters"] if a["identity"] == "lora-3")
+            assert "checksum" in message["message"], message
+            assert "lora-3" not in engine_adapters(r)
+            assert model_tokens(r, "lora-2")  # the others keep serving
+        ledger.bucket.put(
+            "lora-3/adapter_model.safetensors", (good / "adapter_model.safetensors").read_bytes()
+        )
+        for r in fleet:
+            wait_for(
+                f"{r.name} loading lora-3 after the repair",
+                lambda r=r: adapter_states(r) == {"lora-3": "loaded", "lora-2": "loaded"},
+                90,
+            )
+        assert model_tokens(fleet[0], "lora-3") == model_tokens(fleet[1], "lora-3")
+
+        # A restarted loader adopts what the engine holds instead of loading it again.
+        fleet[0].kill_loader()
+        fleet[0].start_loader()
+        fleet[0].wait_started()
+        wait_for(
+            "the restarted loader to adopt the adapters",
+            lambda: adapter_states(fleet[0]) == {"lora-3": "loaded", "lora-2": "loaded"},
+            60,
+        )
+        assert all(a["load_seconds"] is None for a in fleet[0].status()["adapters"])
+    except BaseException:
+        for r in fleet:
+            print(r.logs())
+        raise
+    finally:
+        for r in fleet:
+            r.stop()

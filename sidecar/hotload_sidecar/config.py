@@ -38,6 +38,7 @@ class Settings:
     poll_seconds: float = 2.0
     poll_jitter: float = 0.2
     keep: int = 2
+    max_adapters: int = 0
     prefetch: int = 2
     threads: int | None = None
     credentials_dir: Path | None = None
@@ -111,6 +112,14 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
         "poll in lockstep",
     ),
     ("--keep", "HOTLOAD_KEEP", int, 2, "verified snapshots kept on disk, newest first (>= 1)"),
+    (
+        "--max-adapters",
+        "HOTLOAD_MAX_ADAPTERS",
+        int,
+        0,
+        "LoRA adapters kept loaded in the engine: the newest ones in the ledger, older ones "
+        "are unloaded; 0 ignores adapter entries (the engine must be started with adapters on)",
+    ),
     (
         "--prefetch",
         "HOTLOAD_PREFETCH",
@@ -265,9 +274,11 @@ def load_settings(
     _choice(values, "report", REPORT_MODES, "--report")
     if values["cache_policy"] is not None:
         _choice(values, "cache_policy", CACHE_POLICIES, "--cache-policy")
-    for key, low in (("keep", 1), ("prefetch", 1), ("threads", 1)):
+    for key, low in (("keep", 1), ("prefetch", 1), ("threads", 1), ("max_adapters", 0)):
         if values[key] is not None and values[key] < low:
-            raise ConfigError(f"--{key}: must be at least {low}, not {values[key]}")
+            raise ConfigError(
+                f"--{key.replace('_', '-')}: must be at least {low}, not {values[key]}"
+            )
     for key in ("poll_seconds", "retry_seconds", "engine_wait_seconds", "load_timeout_seconds"):
         if values[key] <= 0:
             raise ConfigError(f"--{key.replace('_', '-')}: must be positive")

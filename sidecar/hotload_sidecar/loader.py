@@ -45,6 +45,7 @@ from hotload.ledger import (
     poll_pin_async,
 )
 from hotload.ledger.model import format_time, utc_now
+from hotload_sidecar.adapters import AdapterSync
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadRequest, ServedSnapshot
 from hotload_sidecar.materialize import BuildResult, MaterializeError, Materializer
@@ -153,6 +154,20 @@ class Loader:
             progress=self.metrics.bytes_fetched.inc,
             prebuilt=self._prebuilt if self.prefetcher is not None else None,
         )
+        #: LoRA adapters beside the base weights (None when `--max-adapters 0`).
+        self.adapters = (
+            AdapterSync(
+                ledger.bucket,
+                self.weights,
+                adapter,
+                max_adapters=settings.max_adapters,
+                retry_seconds=settings.retry_seconds,
+                event=reporter.event,
+                progress=self.metrics.bytes_fetched.inc,
+            )
+            if settings.max_adapters > 0
+            else None
+        )
         self.status = ReplicaStatus()
         #: Set once `current` points at a verified snapshot (the /startup endpoint).
         self.started = asyncio.Event()
@@ -192,10 +207,19 @@ class Loader:
         target = self.target()
         await self._note_pin_problem(target)
         entry = target.entry
-        if entry is None or not self._engine_live:
+        if not self._engine_live:
             return
-        if entry.identity != self.status.identity and self._may_try(entry.identity):
+        moving = entry is not None and entry.identity != self.status.identity
+        if entry is not None and moving and self._may_try(entry.identity):
             await self._update(entry)
+        await self._sync_adapters()
+
+    async def _sync_adapters(self) -> None:
+        """Load the newest adapters (and unload superseded ones) once the engine serves."""
+        if self.adapters is None or self.document is None or self.status.identity is None:
+            return
+        if await self.adapters.sync(self.document):
+            await self._set(adapters=self.adapters.statuses(self.document))
 
     def target(self) -> Target:
         """What this replica should serve now: the ledger head, or the pinned entry."""
@@ -220,7 +244,8 @@ class Loader:
                 built = await self.materializer.build(
                     self.document or LedgerDocument(""), head.identity
                 )
-            except (MaterializeError, BucketError, LedgerError) as err:
+            # OSError: a full or failing disk is a failed update to retry, not a dead loop.
+            except (MaterializeError, BucketError, LedgerError, OSError) as err:
                 await self._failed("rebuild", err, head)
                 await _sleep_or_stop(stop, self._interval())
                 continue
@@ -321,6 +346,8 @@ class Loader:
             return
         self._engine_live = health.live
         if not health.live:
+            if self.adapters is not None:
+                self.adapters.engine_restarted()
             log.warning("engine %s is down: %s", self.adapter.url, health.detail)
             await self.reporter.event("Warning", REASON_ENGINE_DOWN, health.detail)
             await self._publish()
@@ -372,7 +399,8 @@ class Loader:
         await self._set(state="fetching", target=target)
         try:
             built = await self.materializer.build(document, target.identity)
-        except (MaterializeError, BucketError, LedgerError) as err:
+        # OSError: a full or failing disk is a failed update to retry, not a dead loop.
+        except (MaterializeError, BucketError, LedgerError, OSError) as err:
             await self._failed("rebuild", err, target)
             return
         self._record_build(built)
@@ -454,10 +482,10 @@ class Loader:
         message = f"{stage} of {target.identity} failed: {err}"
         log.error("%s", message)
         self.metrics.failures.labels(stage).inc()
-        if isinstance(err, ChecksumMismatchError | CorruptDeltaError) or (
-            isinstance(err, MaterializeError)
-            and isinstance(err.__cause__, ChecksumMismatchError | CorruptDeltaError)
-        ):
+        if isinstance(err, MaterializeError):
+            # Both attempts of a fallback may have met bad bytes: count each detection.
+            self.metrics.checksum_failures.inc(err.corruptions)
+        elif isinstance(err, ChecksumMismatchError | CorruptDeltaError):
             self.metrics.checksum_failures.inc()
         if isinstance(err, MaterializeError) and err.fallback:
             self.metrics.fallbacks.inc()
@@ -478,6 +506,8 @@ class Loader:
     def _record_build(self, built: BuildResult) -> None:
         if built.fallback:
             self.metrics.fallbacks.inc()
+        # Bad bytes the build recovered from (fallback, refetch) still count as detections.
+        self.metrics.checksum_failures.inc(built.corruptions)
         t = built.timings
         if built.applied:
             self.metrics.fetch_seconds.observe(t.fetch_seconds)

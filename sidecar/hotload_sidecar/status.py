@@ -38,6 +38,8 @@ __all__ = [
     "REASON_STALE",
     "REASON_STARTING",
     "REASON_UPDATING",
+    "AdapterState",
+    "AdapterStatus",
     "EventType",
     "LoadTimings",
     "LoadingState",
@@ -62,6 +64,29 @@ class LoadTimings:
     bytes_fetched: int = 0
     #: Snapshots rebuilt on the way (deltas applied without loading each into the engine).
     steps: int = 0
+
+
+AdapterState = Literal["loaded", "loading", "failed"]
+
+
+@dataclass(frozen=True)
+class AdapterStatus:
+    """One LoRA adapter on this replica: loaded next to the base weights, loading, or failed."""
+
+    identity: str
+    status: AdapterState
+    load_seconds: float | None = None
+    message: str = ""
+
+    def to_annotation(self) -> dict[str, Any]:
+        """The adapter's entry in the pod annotation (camelCase)."""
+        seconds = None if self.load_seconds is None else round(self.load_seconds, 6)
+        return {
+            "identity": self.identity,
+            "status": self.status,
+            "loadSeconds": seconds,
+            "message": self.message[:1024],
+        }
 
 
 @dataclass(frozen=True)
@@ -89,6 +114,8 @@ class ReplicaStatus:
     updated_time: str | None = None
     #: The snapshot this replica is pinned to (None: it follows the ledger head).
     pin: str | None = None
+    #: LoRA adapters on top of the base weights, newest first.
+    adapters: tuple[AdapterStatus, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -136,6 +163,7 @@ class ReplicaStatus:
             "updatedTime": self.updated_time,
             "lastLoad": timings,
             "pin": self.pin,
+            "adapters": [a.to_annotation() for a in self.adapters],
         }
 
     def to_json(self) -> dict[str, Any]:

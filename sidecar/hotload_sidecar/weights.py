@@ -6,6 +6,7 @@
 <root>/.hotload/staging/        snapshots being rebuilt (renamed into snapshots/ when verified)
 <root>/.hotload/downloads/      deltas and full snapshots being fetched
 <root>/.hotload/early/          the same two, for hinted snapshots not yet admitted (early fetch)
+<root>/adapters/<identity>/     verified LoRA adapters, one weight file each (what engines load)
 ```
 
 A folder appears under `snapshots/` only by an atomic rename after every tensor verified, so a
@@ -29,6 +30,7 @@ log = logging.getLogger("hotload_sidecar.weights")
 
 CURRENT = "current"
 SNAPSHOTS = "snapshots"
+ADAPTERS = "adapters"
 WORK = ".hotload"
 
 
@@ -45,10 +47,17 @@ class WeightsFolder:
         #: the same identity the normal way never shares a folder with a background rebuild.
         self.early_root = self.work / "early"
         self.current_link = self.root / CURRENT
+        self.adapters = self.root / ADAPTERS
 
     def prepare(self) -> None:
         """Create the layout and drop whatever an interrupted run left half-done."""
-        for folder in (self.snapshots, self.staging_root, self.downloads_root, self.early_root):
+        for folder in (
+            self.snapshots,
+            self.staging_root,
+            self.downloads_root,
+            self.early_root,
+            self.adapters,
+        ):
             folder.mkdir(parents=True, exist_ok=True)
         for leftover in (self.staging_root, self.downloads_root, self.early_root):
             for child in leftover.iterdir():
@@ -118,6 +127,27 @@ class WeightsFolder:
             # trusting it as a parent: the caller rebuilds from a full snapshot instead.
             return
         remove_tree(self.path(identity))
+
+    def adapter_path(self, identity: str) -> Path:
+        """Where the verified LoRA adapter `identity` lives (whether or not it is there)."""
+        return self.adapters / validate_identity(identity)
+
+    def local_adapters(self) -> set[str]:
+        """Identities of the verified adapters on disk."""
+        if not self.adapters.is_dir():
+            return set()
+        return {p.name for p in self.adapters.iterdir() if p.is_dir()}
+
+    def commit_adapter(self, staged: Path, identity: str) -> Path:
+        """Move a verified adapter folder into `adapters/` (atomic rename; an existing copy of the
+        immutable identity is kept)."""
+        final = self.adapter_path(identity)
+        if final.exists():
+            remove_tree(staged)
+            return final
+        os.replace(staged, final)
+        _fsync_dir(self.adapters)
+        return final
 
     def current(self) -> str | None:
         """The identity `current` points at, or None."""

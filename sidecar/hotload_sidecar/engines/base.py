@@ -213,10 +213,32 @@ class EngineHTTP:
             self._session = None
 
 
+@dataclass(frozen=True)
+class LoraRoutes:
+    """Where an engine loads and unloads LoRA adapters at run time (JSON bodies with
+    `lora_name` and `lora_path`)."""
+
+    load: str
+    unload: str
+
+
+#: vLLM's routes (with VLLM_ALLOW_RUNTIME_LORA_UPDATING), which the reference engine serves too.
+OPENAI_LORA_ROUTES: Final = LoraRoutes("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+#: SGLang's routes (with --enable-lora).
+SGLANG_LORA_ROUTES: Final = LoraRoutes("/load_lora_adapter", "/unload_lora_adapter")
+
+# How engines say "that name is already loaded" / "no adapter by that name"; both are the state
+# we asked for, since an adapter identity never changes content.
+_ALREADY = ("already", "exists")
+_MISSING = ("cannot be found", "not found", "does not exist", "no lora", "not loaded")
+
+
 class EngineAdapter(ABC):
     """One running engine: load snapshots into it, ask what it serves, check its health."""
 
     kind: ClassVar[str]
+    #: Where this engine loads LoRA adapters at run time.
+    lora_routes: ClassVar[LoraRoutes] = OPENAI_LORA_ROUTES
 
     def __init__(self, url: str, *, timeouts: Timeouts | None = None) -> None:
         self.url = url.rstrip("/")
@@ -240,6 +262,63 @@ class EngineAdapter(ABC):
     async def aclose(self) -> None:
         """Release the HTTP connection pool."""
         await self.http.close()
+
+    # --- LoRA adapters -----------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> float:
+        """Load the LoRA adapter folder `path` (one `adapter_model.safetensors`) so requests
+        for model `name` use it; return the seconds it took. Already loaded counts as done."""
+        t0 = time.monotonic()
+        async with self._lock:
+            answer = await self.http.request(
+                "POST",
+                self.lora_routes.load,
+                step="load_adapter",
+                json_body={"lora_name": name, "lora_path": path},
+                timeout=self.timeouts.load,
+            )
+        if not self._lora_ok(answer, _ALREADY):
+            raise self.load_error(
+                f"loading adapter {name!r} from {path}: HTTP {answer.status}: "
+                f"{answer.error_message()}",
+                step="load_adapter",
+                status=answer.status,
+            )
+        return time.monotonic() - t0
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload adapter `name`; one the engine does not hold counts as unloaded."""
+        async with self._lock:
+            answer = await self.http.request(
+                "POST",
+                self.lora_routes.unload,
+                step="unload_adapter",
+                json_body={"lora_name": name},
+            )
+        if not self._lora_ok(answer, _MISSING):
+            raise self.unexpected(answer, step="unload_adapter", what=f"unloading adapter {name!r}")
+
+    async def loaded_adapters(self) -> set[str]:
+        """The adapters the engine holds now: `/v1/models` entries that name a parent model."""
+        answer = await self.http.request("GET", "/v1/models", step="list_adapters")
+        if answer.status != 200 or not isinstance(answer.body, dict):
+            raise self.unexpected(answer, step="list_adapters", what="listing models")
+        return {
+            str(m["id"])
+            for m in answer.body.get("data") or []
+            if isinstance(m, dict) and m.get("parent") and m.get("id")
+        }
+
+    @staticmethod
+    def _lora_ok(answer: Answer, benign: tuple[str, ...]) -> bool:
+        # SGLang answers 200 with {"success": false, ...} as well as 400.
+        body = answer.body
+        if answer.status == 200 and not (isinstance(body, dict) and body.get("success") is False):
+            return True
+        text = answer.error_message().lower()
+        if isinstance(body, dict) and body.get("error_message"):
+            text = str(body["error_message"]).lower()
+        return any(word in text for word in benign)
 
     async def __aenter__(self) -> EngineAdapter:
         return self

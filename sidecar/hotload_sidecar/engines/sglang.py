@@ -14,6 +14,10 @@ identity), `flush_cache` and `abort_all_requests`:
 Then `GET /get_weight_version` must name the identity and `GET /health` (which generates one
 token in SGLang) must answer 200. On a failed update SGLang reloads its previous weights itself
 and answers 400 `{"success": false, "message": ...}`.
+
+LoRA adapters (`--enable-lora`): `POST /load_lora_adapter` and `POST /unload_lora_adapter` with
+`lora_name` and `lora_path`, answered `{"success": ..., "error_message": ...}`; requests name an
+adapter as their `model` (shared with the other adapters: see `EngineAdapter.load_adapter`).
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from typing import Any, ClassVar, Literal
 
 from hotload.errors import EngineError, EngineUnavailableError, SnapshotError
 from hotload_sidecar.engines.base import (
+    SGLANG_LORA_ROUTES,
     EngineAdapter,
     EngineHealth,
     LoadRequest,
     LoadResult,
+    LoraRoutes,
     ServedSnapshot,
     StepTimer,
     Timeouts,
@@ -42,6 +48,7 @@ class SGLangAdapter(EngineAdapter):
     """Loads snapshots into a running SGLang server with `/update_weights_from_disk`."""
 
     kind: ClassVar[str] = "sglang"
+    lora_routes: ClassVar[LoraRoutes] = SGLANG_LORA_ROUTES
 
     def __init__(
         self,
