@@ -6,7 +6,9 @@ This is the one publishing path: `hotload publish`, tests and (later) the `Publi
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +129,39 @@ async def publish_folder_async(
             prune_hints_async(ledger.bucket, ledger.name, latest.document), "prune hints"
         )
     return Published(entry, up.transfer)
+
+
+@contextmanager
+def progress_bar(
+    description: str, total: int | None, enabled: bool | None = None
+) -> Iterator[Callable[[int], None] | None]:
+    """A byte progress bar on stderr (rich); yields its `advance(n)` callback, or None when
+    off. `enabled`: True always (rich falls back to a final line where there is no terminal),
+    False never, None only when stderr is a terminal (so logs and CI output stay clean)."""
+    if enabled is False or (enabled is None and not sys.stderr.isatty()):
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
 
 
 async def _best_effort(step: Awaitable[object], what: str) -> None:

@@ -10,32 +10,46 @@ for step in range(steps):
     pub.wait_ready(handle.identity, timeout=600)   # optional
 ```
 
-Every `full_every` steps (and whenever a delta is impossible: the first publish, after a
-ledger reset, after a refused snapshot, after a restart without the parent on disk) it writes a
-full snapshot; otherwise an arc_v2 delta against the previous one. Files go to the bucket
-first; then, with a `deployment`, a `Snapshot` object is created for the operator to admit,
-or, without one (no cluster), the entry is appended to the ledger directly.
+Every `full_every` steps (and whenever a delta is impossible or unwise: the first publish,
+after a ledger reset, after a refused snapshot, after a snapshot the replicas failed to load,
+after a restart without the head's full copy in `workdir`) it writes a full snapshot; otherwise
+an arc_v2 delta against the previous one. A restarted publisher given the same `workdir`
+resumes with a delta: each publish leaves the full copy it made there with a record of what
+the ledger holds, and the copy is used again only if that record names the ledger head (same
+identity, sequence and manifest digest) and the files still have the checksums recorded.
+With `rebuild_parent=True` a publisher without that copy downloads the head's chain and
+rebuilds it (verified tensor by tensor) instead of falling back to a full snapshot.
+
+Files go to the bucket first; then, with a `deployment`, a `Snapshot` object is created for
+the operator to admit, or, without one (no cluster), the entry is appended to the ledger
+directly. Uploads show a progress bar on a terminal (`progress=`: True always, False never,
+or a callable given the bytes as they go).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
+import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
-from hotload.bucket import Bucket, open_bucket, run_sync
+from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL, SnapshotReasons
+from hotload.bucket import Bucket, TransferResult, open_bucket, run_sync
 from hotload.errors import HotloadError, KubeConflictError, KubeError, KubeNotFoundError
-from hotload.ledger import Ledger, LedgerEntry, PromptCachePolicy
+from hotload.ledger import Ledger, LedgerDocument, LedgerEntry, PromptCachePolicy
 from hotload.ledger.hints import prune_hints_async
-from hotload.sdk.publish import publish_folder_async, upload_hinted_async
+from hotload.sdk.publish import progress_bar, publish_folder_async, upload_hinted_async
 from hotload.snapshot import describe_snapshot, validate_identity, write_snapshot
+
+log = logging.getLogger("hotload.sdk.publisher")
 
 Weights = Mapping[str, Any] | Iterable[tuple[str, Any]] | str | Path
 
@@ -53,11 +67,30 @@ class SnapshotRejectedError(PublishError):
 
 
 class NotReadyError(PublishError):
-    """`wait_ready` timed out; `failures` holds what replicas reported."""
+    """`wait_ready` gave up: the snapshot will not become ready (`reason` is the Snapshot's
+    `Ready` reason: LoadFailed, Superseded, DeploymentPinned, NotAccepted) or it timed out
+    (`reason` "Timeout"); `failures` holds what replicas reported ({"pod", "message"})."""
 
-    def __init__(self, message: str, failures: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, message: str, failures: list[dict[str, Any]], reason: str = "Timeout"
+    ) -> None:
         self.failures = failures
+        self.reason = reason
         super().__init__(message)
+
+
+#: Ready=False reasons after which waiting longer cannot help: the replicas gave up on the
+#: snapshot, a newer one replaced it, the fleet is pinned elsewhere, or it was never admitted.
+_HOPELESS = (
+    SnapshotReasons.FAILED,
+    SnapshotReasons.SUPERSEDED,
+    SnapshotReasons.PINNED_ELSEWHERE,
+    SnapshotReasons.NOT_ACCEPTED,
+)
+
+#: `progress=`: a callable given uploaded byte counts, True (a bar), False (none), None (a bar
+#: when stderr is a terminal).
+ProgressOption = Callable[[int], None] | bool | None
 
 
 @dataclass(frozen=True)
@@ -73,6 +106,10 @@ class PublishHandle:
     seconds: float
     #: The ledger entry when the publisher appended it itself (no cluster).
     entry: LedgerEntry | None = None
+    #: Its ledger sequence (known once appended or admitted).
+    sequence: int | None = None
+    #: What the upload moved (files, bytes, whether it was all there already).
+    transfer: TransferResult | None = None
 
 
 @dataclass(frozen=True)
@@ -87,7 +124,15 @@ class ReadyReport:
 
 
 class Publisher:
-    """Publishes policy snapshots for one deployment (or one ledger, without a cluster)."""
+    """Publishes policy snapshots for one deployment (or one ledger, without a cluster).
+
+    `workdir` keeps the last full copy (the next delta's parent); give a lasting folder to
+    resume with a delta after a restart. `progress`: a bar on a terminal by default, True
+    always, False never, or a callable given uploaded byte counts. `rebuild_parent`: with no
+    usable full copy of the ledger head on disk, download and rebuild it so the next publish
+    can still be a delta (costs a full download; off by default, `hotload publish` turns it
+    on).
+    """
 
     def __init__(
         self,
@@ -106,14 +151,20 @@ class Publisher:
         identity_format: str = "step-{step:08d}",
         threads: int | None = None,
         replicas: list[str] | None = None,
-        progress: Callable[[int], None] | None = None,
+        progress: ProgressOption = None,
         accept_timeout: float = 300.0,
+        rebuild_parent: bool = False,
+        concurrency: int | None = None,
     ) -> None:
         if full_every < 1:
             raise PublishError("full_every must be at least 1")
         if deployment is None and ledger is None:
             raise PublishError("name a deployment (with a cluster) or a ledger (without one)")
-        self.bucket: Bucket = open_bucket(bucket_url, credentials_dir=credentials_dir)
+        self.bucket: Bucket = (
+            open_bucket(bucket_url, credentials_dir=credentials_dir)
+            if concurrency is None
+            else open_bucket(bucket_url, credentials_dir=credentials_dir, concurrency=concurrency)
+        )
         self.deployment = deployment
         self.namespace = namespace
         self.ledger = Ledger(self.bucket, ledger or str(deployment))
@@ -130,6 +181,7 @@ class Publisher:
         self.replicas = list(replicas or [])
         self.progress = progress
         self.accept_timeout = accept_timeout
+        self.rebuild_parent = rebuild_parent
         #: The last published snapshot and its full copy on local disk (the next delta's parent).
         self._parent: tuple[str, Path] | None = None
         self._force_full = False
@@ -167,7 +219,8 @@ class Publisher:
         ident = validate_identity(identity or self.identity_format.format(step=step))
         policy = _policy(reset_prompt_cache)
         state = await self.ledger.read_async()
-        head = state.document.head
+        document = state.document
+        head = document.head
         parent = self._parent
         if parent is not None and (head is None or head.identity != parent[0]):
             # The ledger moved without us (another trainer, a reset, a refusal): restart.
@@ -175,10 +228,21 @@ class Publisher:
         want_full = (
             full is True
             or self._force_full
-            or parent is None
-            or state.document.pending_reset is not None
+            or head is None
+            or document.pending_reset is not None
             or (full is None and step % self.full_every == 0)
         )
+        if not want_full and head is not None:
+            if parent is None:
+                parent = await self._find_parent(head, document)
+            if (
+                parent is not None
+                and self.deployment is not None
+                and await self._rollout_failed(parent[0])
+            ):
+                # The replicas could not load the parent (e.g. bit rot in the bucket): a delta on
+                # it would fail the same way; a full snapshot heals the fleet.
+                parent = None
         full_dir = self._full_copy(weights, ident)
         if want_full or parent is None:
             folder, previous = full_dir, None
@@ -186,32 +250,40 @@ class Publisher:
             from hotload.arc import encode
 
             folder = self.workdir / "deltas" / ident
-            await asyncio.to_thread(
-                encode,
-                parent[1],
-                full_dir,
-                folder,
-                parent_identity=parent[0],
-                threads=self.threads,
-                overwrite=True,
-            )
+            full_size = describe_snapshot(full_dir).full_bytes
+            with self._progress_bar(f"delta {ident}", full_size, uploads=False) as advance:
+                await asyncio.to_thread(
+                    encode,
+                    parent[1],
+                    full_dir,
+                    folder,
+                    parent_identity=parent[0],
+                    threads=self.threads,
+                    overwrite=True,
+                    progress=advance,
+                )
             previous = parent[0]
         desc = describe_snapshot(folder)
         entry: LedgerEntry | None = None
+        sequence: int | None
         if self.deployment is None:
-            entry = (
-                await publish_folder_async(
-                    self.ledger, folder, identity=ident, prompt_cache=policy,
-                    progress=self.progress,
+            with self._progress_bar(f"upload {ident}", desc.shipped_bytes) as advance:
+                published = await publish_folder_async(
+                    self.ledger, folder, identity=ident, prompt_cache=policy, progress=advance
                 )
-            ).entry  # fmt: skip
+            entry, sequence, transfer = (
+                published.entry,
+                published.entry.sequence,
+                published.transfer,
+            )
         else:
             try:
-                await self.submit_folder_async(folder, ident, prompt_cache=policy)
+                sequence, transfer = await self._submit(folder, ident, policy)
             except SnapshotRejectedError:
                 self._parent = None
                 raise
         self._remember(ident, full_dir)
+        await asyncio.to_thread(self._record, ident, sequence, desc.manifest_digest, full_dir)
         if folder != full_dir:
             shutil.rmtree(folder, ignore_errors=True)
         self._force_full = False
@@ -224,7 +296,150 @@ class Publisher:
             full_bytes=desc.full_bytes,
             seconds=time.perf_counter() - started,
             entry=entry,
+            sequence=sequence,
+            transfer=transfer,
         )
+
+    @contextlib.contextmanager
+    def _progress_bar(
+        self, description: str, total: int, *, uploads: bool = True
+    ) -> Iterator[Callable[[int], None] | None]:
+        """The callback for one transfer: the caller's own (uploads only), a bar, or None."""
+        if callable(self.progress):
+            yield self.progress if uploads else None
+            return
+        if self.progress is False:
+            yield None
+            return
+        with progress_bar(description, total, self.progress) as advance:
+            yield advance
+
+    # --- the next delta's parent ---------------------------------------------------------------
+
+    async def _find_parent(
+        self, head: LedgerEntry, document: LedgerDocument
+    ) -> tuple[str, Path] | None:
+        """The head's full copy for a publisher that has none in memory (a restart): the one
+        this workdir recorded, else (with `rebuild_parent`) one rebuilt from the bucket."""
+        found = await asyncio.to_thread(self._recorded_copy, head)
+        if found is None and self.rebuild_parent and head.kind in ("full", "incremental"):
+            found = await self._rebuild(head, document)
+        if found is not None:
+            self._parent = found
+        return found
+
+    def _record_path(self, identity: str) -> Path:
+        return self.workdir / "published" / f"{identity}.json"
+
+    def _record(self, identity: str, sequence: int | None, digest: str, full_dir: Path) -> None:
+        """Note beside the full copy what the ledger holds for it and the copy's checksums, so a
+        restarted publisher can trust the copy (see `_recorded_copy`)."""
+        path = self._record_path(identity)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for old in path.parent.glob("*.json"):
+            if old != path:
+                old.unlink(missing_ok=True)
+        doc = {
+            "ledger": self.ledger.name,
+            "identity": identity,
+            "sequence": sequence,
+            "manifestDigest": digest,
+            "folder": full_dir.name,
+            "files": _file_checksums(full_dir),
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
+        os.replace(tmp, path)  # a crash leaves the old record or the new one, never half
+
+    def _recorded_copy(self, head: LedgerEntry) -> tuple[str, Path] | None:
+        """The full copy this workdir holds of `head`, if its record matches the ledger entry
+        (identity, sequence, manifest digest) and every file still has its recorded checksum."""
+        try:
+            doc = json.loads(self._record_path(head.identity).read_text())
+        except (OSError, ValueError):
+            return None
+        folder = self.workdir / "full" / str(doc.get("folder", ""))
+        why = None
+        if doc.get("ledger") != self.ledger.name or doc.get("identity") != head.identity:
+            why = "it records another ledger or snapshot"
+        elif doc.get("manifestDigest") != head.manifest_digest:
+            why = "the ledger entry has other manifests"
+        elif doc.get("sequence") not in (None, head.sequence):
+            why = f"it records sequence {doc.get('sequence')}, the ledger {head.sequence}"
+        elif not folder.is_dir() or _file_checksums(folder) != doc.get("files"):
+            why = "its files changed since it was published"
+        if why is not None:
+            log.info("not resuming from %s in %s: %s", head.identity, self.workdir, why)
+            return None
+        return head.identity, folder
+
+    async def _rebuild(
+        self, head: LedgerEntry, document: LedgerDocument
+    ) -> tuple[str, Path] | None:
+        """Download the head's chain (its latest full snapshot and the deltas after it) and
+        rebuild the head's full weights in the workdir, verifying every tensor; None if the
+        chain cannot be rebuilt (then the publish is full)."""
+        from hotload.arc import decode
+        from hotload.bucket import download_snapshot_async
+        from hotload.errors import ArcError, BucketError, LedgerError, SnapshotError
+
+        scratch = self.workdir / "rebuild"
+        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            chain = document.chain_to(head.identity)
+            base: Path | None = None
+            for entry in chain:
+                fetched = scratch / "fetched" / entry.identity
+                with self._progress_bar(f"fetch {entry.identity}", entry.shipped_bytes) as adv:
+                    await download_snapshot_async(
+                        self.bucket, entry.identity, fetched, progress=adv
+                    )
+                got = describe_snapshot(fetched).manifest_digest
+                if got != entry.manifest_digest:
+                    raise SnapshotError(
+                        f"manifests of {entry.identity!r} in the bucket do not match the ledger",
+                        path=str(fetched),
+                    )
+                if base is None:
+                    base = fetched
+                    continue
+                rebuilt = scratch / "full" / entry.identity
+                await asyncio.to_thread(
+                    decode, base, fetched, rebuilt, expected_parent=base.name,
+                    threads=self.threads, overwrite=True, durable=False,
+                )  # fmt: skip
+                shutil.rmtree(base, ignore_errors=True)
+                shutil.rmtree(fetched, ignore_errors=True)
+                base = rebuilt
+        except (ArcError, BucketError, LedgerError, SnapshotError) as err:
+            log.warning("cannot rebuild %s from the bucket (%s): publishing in full", head, err)
+            shutil.rmtree(scratch, ignore_errors=True)
+            return None
+        assert base is not None
+        out = self.workdir / "full" / head.identity
+        shutil.rmtree(out, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(base, out)
+        shutil.rmtree(scratch, ignore_errors=True)
+        return head.identity, out
+
+    async def _rollout_failed(self, identity: str) -> bool:
+        """Whether the replicas failed to load `identity` (its Snapshot's Ready is False with
+        reason LoadFailed)."""
+        from hotload.kube import resource_path
+
+        path = resource_path(API_VERSION, SNAPSHOT_PLURAL, self.namespace, _object_name(identity))
+        try:
+            async with self._kube() as kube:
+                obj = await kube.get(path)
+        except KubeNotFoundError:
+            return False  # published by another path (the ledger directly): nothing to learn
+        for c in (obj.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "Ready":
+                return bool(
+                    c.get("status") == "False" and c.get("reason") == SnapshotReasons.FAILED
+                )
+        return False
 
     def _full_copy(self, weights: Weights, identity: str) -> Path:
         out = self.workdir / "full" / identity
@@ -253,27 +468,34 @@ class Publisher:
 
     async def submit_folder_async(
         self, folder: str | Path, identity: str, *, prompt_cache: PromptCachePolicy = "all"
-    ) -> None:
-        """Upload a snapshot folder (full or delta) and create its `Snapshot` object; return
-        once the operator accepted it, raise `SnapshotRejectedError` if it refused it."""
+    ) -> int | None:
+        """Upload a snapshot folder (full or delta) as it is and create its `Snapshot` object;
+        return its ledger sequence once the operator accepted it, raise
+        `SnapshotRejectedError` if it refused it."""
+        return (await self._submit(folder, identity, prompt_cache))[0]
+
+    async def _submit(
+        self, folder: str | Path, identity: str, prompt_cache: PromptCachePolicy
+    ) -> tuple[int | None, TransferResult]:
         if self.deployment is None:
             raise PublishError("submit_folder needs a deployment (a cluster)")
         desc = describe_snapshot(folder)
         # Hinted, so replicas fetch and rebuild while the operator is still admitting it; the
         # operator, not this process, decides whether the ledger takes it.
-        await upload_hinted_async(
-            self.ledger,
-            folder,
-            identity=identity,
-            prompt_cache=prompt_cache,
-            progress=self.progress,
-            check_ledger=False,
-        )
+        with self._progress_bar(f"upload {identity}", desc.shipped_bytes) as advance:
+            uploaded = await upload_hinted_async(
+                self.ledger,
+                folder,
+                identity=identity,
+                prompt_cache=prompt_cache,
+                progress=advance,
+                check_ledger=False,
+            )
         await self._create_snapshot(identity, desc.kind, desc.parent, prompt_cache)
         # Wait for admission: a refusal surfaces here, and the next delta is made against
         # what the ledger really holds.
         try:
-            await self._wait_accepted(identity, self.accept_timeout)
+            status = await self._wait_accepted(identity, self.accept_timeout)
         except SnapshotRejectedError:
             self._force_full = True
             raise
@@ -281,6 +503,8 @@ class Publisher:
         with contextlib.suppress(HotloadError):
             document = (await self.ledger.read_async()).document
             await prune_hints_async(self.bucket, self.ledger.name, document)
+        sequence = status.get("sequence")
+        return (sequence if isinstance(sequence, int) else None), uploaded.transfer
 
     async def _create_snapshot(
         self, identity: str, kind: str, previous: str | None, policy: PromptCachePolicy
@@ -302,33 +526,23 @@ class Publisher:
             "spec": spec,
         }
         async with self._kube() as kube:
-            try:
-                await kube.get(
-                    resource_path(
-                        API_VERSION, DEPLOYMENT_PLURAL, self.namespace, str(self.deployment)
-                    )
-                )
-            except KubeNotFoundError:
-                raise PublishError(
-                    f"HotLoadDeployment {self.namespace}/{self.deployment} does not exist: "
-                    "create it first (see examples/), or check --namespace"
-                ) from None
+            await _get_deployment(kube, self.namespace, str(self.deployment))
             with contextlib.suppress(KubeConflictError):  # a retried publish of the same step
                 await kube.create(resource_path(API_VERSION, SNAPSHOT_PLURAL, self.namespace), body)
 
-    async def _wait_accepted(self, identity: str, timeout: float) -> None:
+    async def _wait_accepted(self, identity: str, timeout: float) -> dict[str, Any]:
         from hotload.kube import resource_path
 
         path = resource_path(API_VERSION, SNAPSHOT_PLURAL, self.namespace, _object_name(identity))
         deadline = time.monotonic() + timeout
         async with self._kube() as kube:
             while True:
-                status = (await kube.get(path)).get("status") or {}
+                status: dict[str, Any] = (await kube.get(path)).get("status") or {}
                 for c in status.get("conditions") or []:
                     if c.get("type") != "Accepted":
                         continue
                     if c.get("status") == "True":
-                        return
+                        return status
                     if c.get("status") == "False":
                         raise SnapshotRejectedError(identity, c["reason"], c.get("message", ""))
                 if time.monotonic() > deadline:
@@ -339,23 +553,20 @@ class Publisher:
                 await asyncio.sleep(0.2)
 
     def _kube(self) -> Any:
-        from hotload.kube import KubeClient, KubeConfig
-
-        try:
-            config = KubeConfig.auto(self.kubeconfig)
-        except KubeError as err:
-            raise PublishError(
-                f"no Kubernetes credentials: {err}. Pass kubeconfig=..., set KUBECONFIG, or "
-                "publish without a deployment (ledger=...) to append to the ledger directly"
-            ) from err
-        return KubeClient(config)
+        return _kube_client(self.kubeconfig)
 
     # --- waiting -------------------------------------------------------------------------------
 
     def wait_ready(
         self, identity: str, *, timeout: float = 600.0, min_fraction: float | None = None
     ) -> ReadyReport:
-        """Block until the snapshot is served (Ready, or `min_fraction` of replicas serve it)."""
+        """Block until the snapshot is served (Ready, or `min_fraction` of replicas serve it);
+        the report has each replica's timings (`loads`: pod, totalSeconds, loadSeconds).
+
+        Raises `NotReadyError` with the replicas' reasons as soon as the snapshot cannot become
+        ready (its Snapshot's Ready is False with reason LoadFailed, Superseded,
+        DeploymentPinned or NotAccepted) or after `timeout`; after LoadFailed the next publish
+        is a full snapshot. `SnapshotRejectedError` if the operator refused it."""
         return run_sync(self.wait_ready_async(identity, timeout=timeout, min_fraction=min_fraction))
 
     async def wait_ready_async(
@@ -406,13 +617,28 @@ class Publisher:
             raise SnapshotRejectedError(identity, accepted["reason"], accepted.get("message", ""))
         replicas = int(status.get("replicas") or 0)
         loaded = int(status.get("replicasLoaded") or 0)
-        last.update(replicas=replicas, loaded=loaded, failures=status.get("failures") or [])
-        ready = conditions.get("Ready", {}).get("status") == "True"
+        failures = list(status.get("failures") or [])
+        last.update(replicas=replicas, loaded=loaded, failures=failures)
+        ready_condition = conditions.get("Ready") or {}
+        ready = ready_condition.get("status") == "True"
         if min_fraction is not None and replicas:
             ready = loaded / replicas >= min_fraction
-        if not ready:
-            return None
-        return {"replicas": replicas, "loaded": loaded, "loads": status.get("loads") or []}
+        if ready:
+            return {"replicas": replicas, "loaded": loaded, "loads": status.get("loads") or []}
+        reason = str(ready_condition.get("reason") or "")
+        if ready_condition.get("status") == "False" and reason in _HOPELESS:
+            if reason == SnapshotReasons.FAILED:
+                self._force_full = True  # a delta on a snapshot the fleet cannot load fails too
+            detail = ready_condition.get("message") or "; ".join(
+                f"{f.get('pod')}: {f.get('message')}" for f in failures[:5]
+            )
+            raise NotReadyError(
+                f"snapshot {identity!r} will not become ready ({reason}, {loaded}/{replicas} "
+                f"replicas serve it): {detail}",
+                failures,
+                reason,
+            )
+        return None
 
     async def _check_local(
         self, identity: str, min_fraction: float | None, last: dict[str, Any]
@@ -466,9 +692,68 @@ def _object_name(identity: str) -> str:
     return name[:253] or "snapshot"
 
 
-def _link_or_copy(src: str, dst: str) -> str:
-    import os
+def _kube_client(kubeconfig: str | Path | None) -> Any:
+    """A `KubeClient`, or a `PublishError` that says how to give credentials."""
+    from hotload.kube import KubeClient, KubeConfig
 
+    try:
+        config = KubeConfig.auto(kubeconfig)
+    except KubeError as err:
+        raise PublishError(
+            f"no Kubernetes credentials: {err}. Pass kubeconfig=... (--kubeconfig), set "
+            "KUBECONFIG, or publish without a deployment (ledger=..., --ledger) to append to the "
+            "ledger directly"
+        ) from err
+    return KubeClient(config)
+
+
+async def _get_deployment(kube: Any, namespace: str, name: str) -> dict[str, Any]:
+    """The HotLoadDeployment, or a `PublishError` saying it does not exist."""
+    from hotload.kube import resource_path
+
+    try:
+        obj: dict[str, Any] = await kube.get(
+            resource_path(API_VERSION, DEPLOYMENT_PLURAL, namespace, name)
+        )
+    except KubeNotFoundError:
+        raise PublishError(
+            f"HotLoadDeployment {namespace}/{name} does not exist: create it first (see "
+            "examples/), or check --namespace"
+        ) from None
+    return obj
+
+
+async def deployment_bucket(
+    deployment: str, *, namespace: str = "default", kubeconfig: str | Path | None = None
+) -> tuple[str, str]:
+    """The bucket URL (`spec.bucket.url`) and ledger name (`spec.ledger`, default the
+    deployment's name) of HotLoadDeployment `namespace/deployment`, with the same errors as
+    publishing to it (no credentials, no such deployment)."""
+    async with _kube_client(kubeconfig) as kube:
+        hld = await _get_deployment(kube, namespace, deployment)
+    spec = hld.get("spec") or {}
+    url = (spec.get("bucket") or {}).get("url")
+    if not url:
+        raise PublishError(f"HotLoadDeployment {namespace}/{deployment} has no spec.bucket.url")
+    return str(url), str(spec.get("ledger") or deployment)
+
+
+def _file_checksums(folder: Path) -> dict[str, list[Any]]:
+    """{relative path: [size, adler32 as hex]} of every file under `folder`, read in 16 MiB
+    blocks (zlib-ng's SIMD adler32: one read of the folder at memory speed)."""
+    from hotload.arc.checksum import adler32
+
+    out: dict[str, list[Any]] = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        value = 1
+        with path.open("rb") as f:
+            while block := f.read(16 << 20):
+                value = adler32(block, value)
+        out[path.relative_to(folder).as_posix()] = [path.stat().st_size, f"{value:08x}"]
+    return out
+
+
+def _link_or_copy(src: str, dst: str) -> str:
     try:
         os.link(src, dst)
     except OSError:
