@@ -23,7 +23,7 @@ import math
 import os
 import shutil
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -348,3 +348,37 @@ def lora_pairs(tensors: Mapping[str, T], where: str) -> dict[str, tuple[T, T]]:
             )
         pairs[module] = (a, b)
     return pairs
+
+
+def check_adapter_fits(path: str | Path, base_shapes: Mapping[str, Sequence[int]]) -> None:
+    """Refuse (`SnapshotError` naming the tensor) an adapter whose factors do not fit the base
+    model's linear layers, given the base's tensor shapes (its `tensor_map`). Some engines
+    (vLLM 0.32) load a misfit adapter without complaint and then compute garbage."""
+    from hotload.snapshot.safetensors_io import read_header
+
+    root = Path(path)
+    headers: dict[str, Any] = {}
+    for w in adapter_weight_files(root):
+        tensors, _, _ = read_header(w)
+        headers.update(tensors)
+    for module, (a, b) in lora_pairs(headers, str(root)).items():
+        shape = base_shapes.get(f"{module}.weight")
+        field = f"{PEFT_PREFIX}{module}"
+        if shape is None:
+            raise SnapshotError(
+                "targets a layer the base model does not have", path=str(root), field=field
+            )
+        if len(shape) != 2:
+            raise SnapshotError(
+                f"targets a {len(shape)}-D weight; LoRA applies to linear layers",
+                path=str(root),
+                field=field,
+            )
+        out, inp = shape
+        if a.shape[1] != inp or b.shape[0] != out:
+            raise SnapshotError(
+                f"lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the base layer "
+                f"[{out}, {inp}]",
+                path=str(root),
+                field=field,
+            )

@@ -33,8 +33,8 @@ from hotload.snapshot import (
     validate_snapshot,
     validate_transition,
 )
-from hotload.snapshot.layout import ADAPTER_CONFIG_FILE, CONFIG_FILE
-from hotload.snapshot.lora import read_adapter_config
+from hotload.snapshot.layout import ADAPTER_CONFIG_FILE, CONFIG_FILE, SPEC_FILE
+from hotload.snapshot.lora import check_adapter_fits, read_adapter_config
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,16 @@ async def _validate(
         return text if len(text) <= limit else text[: limit - 20] + " ... (truncated)"
 
     if (folder / ADAPTER_CONFIG_FILE).exists():
-        return _validate_adapter(snapshot, deployment, folder, _short)
+        decision = _validate_adapter(snapshot, deployment, folder, _short)
+        if isinstance(decision, Admission):
+            return decision
+        shapes = await _base_shapes(bucket, state)
+        if shapes is not None:
+            try:
+                check_adapter_fits(folder, shapes)
+            except SnapshotError as err:
+                return refused(Reasons.INVALID, _short(str(err)))
+        return decision
     base = await _base_config(bucket, state, tmp)
     try:
         validate_snapshot(
@@ -265,6 +274,27 @@ def _validate_adapter(
         full_bytes=desc.full_bytes,
         prompt_cache=spec.prompt_cache,
     )
+
+
+async def _base_shapes(bucket: Bucket, state: LedgerState) -> dict[str, list[int]] | None:
+    """Tensor shapes of the latest full snapshot (None before the first one): adapters must
+    fit its layers."""
+    root = state.document.latest_root()
+    if root is None:
+        return None
+    try:
+        data = (await bucket.get_async(f"{root.identity}/{SPEC_FILE}")).data
+    except ObjectNotFoundError:
+        return None
+    doc = json.loads(data)
+    tensors = doc.get("tensor_map") if isinstance(doc, dict) else None
+    if not isinstance(tensors, dict):
+        return None
+    return {
+        name: list(spec["shape"])
+        for name, spec in tensors.items()
+        if isinstance(spec, dict) and isinstance(spec.get("shape"), list)
+    }
 
 
 async def _base_config(bucket: Bucket, state: LedgerState, tmp: Path) -> dict[str, Any] | None:

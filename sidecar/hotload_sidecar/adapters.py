@@ -8,7 +8,8 @@ the newest `max_adapters` of them, each under its identity as model name:
    adapter slots never overflow), and remove their folders;
 2. for each wanted adapter the engine lacks, newest first: download it into
    `.hotload/downloads/`, check its digest against the ledger entry and every tensor against
-   its checksum (`verify_adapter`), write the one-file folder engines read into
+   its checksum (`verify_adapter`) and its shapes against the served base's layers, write the
+   one-file folder engines read into
    `adapters/<identity>` (atomic rename), and ask the engine to load it.
 
 The base weights are never touched. A failure leaves the adapter reported `failed` with why,
@@ -27,7 +28,13 @@ from pathlib import Path
 from hotload.bucket import Bucket, download_snapshot_async
 from hotload.errors import EngineError, HotloadError
 from hotload.ledger import LedgerDocument, LedgerEntry
-from hotload.snapshot.lora import adapter_digest, merge_adapter, verify_adapter
+from hotload.snapshot import Snapshot
+from hotload.snapshot.lora import (
+    adapter_digest,
+    check_adapter_fits,
+    merge_adapter,
+    verify_adapter,
+)
 from hotload_sidecar.engines import EngineAdapter
 from hotload_sidecar.status import AdapterStatus, EventType
 from hotload_sidecar.weights import WeightsFolder, remove_tree
@@ -153,6 +160,14 @@ class AdapterSync:
         if self.event is not None:
             await self.event("Normal", "AdapterLoaded", f"adapter {identity} in {seconds:.2f}s")
 
+    def _check_fits(self, adapter: Path) -> None:
+        """Refuse an adapter whose factors do not fit the served base's layers."""
+        current = self.weights.current()
+        if current is None:
+            return
+        base = Snapshot(self.weights.path(current))
+        check_adapter_fits(adapter, {n: t.shape for n, t in base.tensor_map.items()})
+
     async def _materialize(self, entry: LedgerEntry) -> Path:
         """The verified one-file folder of `entry` under `adapters/` (fetched if missing)."""
         final = self.weights.adapter_path(entry.identity)
@@ -171,6 +186,7 @@ class AdapterSync:
                     f"{entry.manifest_digest}: the bucket copy changed after admission"
                 )
             await asyncio.to_thread(verify_adapter, download)
+            await asyncio.to_thread(self._check_fits, download)
             await asyncio.to_thread(merge_adapter, download, staged)
             return self.weights.commit_adapter(staged, entry.identity)
         finally:

@@ -222,8 +222,10 @@ def tiny_adapter(
 
     rng = np.random.default_rng(seed)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    kv = hidden // config["num_attention_heads"] * config["num_key_value_heads"]
-    shapes = {"q_proj": (hidden, hidden), "v_proj": (kv, hidden), "down_proj": (hidden, inter)}
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_out = head_dim * config["num_attention_heads"]
+    kv_out = head_dim * config["num_key_value_heads"]
+    shapes = {"q_proj": (q_out, hidden), "v_proj": (kv_out, hidden), "down_proj": (hidden, inter)}
     tensors: dict[str, Any] = {}
     for layer in range(config["num_hidden_layers"]):
         for target in LORA_TARGETS:

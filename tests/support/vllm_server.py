@@ -153,6 +153,7 @@ class VLLMServer:
         timeout: float = START_TIMEOUT,
         extra_args: tuple[str, ...] = (),
         kv_cache_gib: int = 1,
+        extra_env: dict[str, str] | None = None,
     ) -> VLLMServer:
         """Start vLLM on `model_dir` and wait until a 1-token completion works."""
         python = vllm_python()
@@ -169,6 +170,7 @@ class VLLMServer:
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
             "PYTHONUNBUFFERED": "1",
+            **(extra_env or {}),
         }
         # The main venv's variables must not leak into vLLM's interpreter.
         env.pop("VIRTUAL_ENV", None)
