@@ -4,7 +4,10 @@ including an S3 server killed in the middle of an upload."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ from hotload.errors import BucketUnreachableError
 from hotload.ledger import Ledger, NewEntry
 from hotload.snapshot import describe_snapshot, write_snapshot
 from support import snapshots
+from support.fleet import run_on_a_terminal
 from support.seaweedfs import SeaweedFS
 
 
@@ -94,7 +98,7 @@ def test_publish_full_then_deltas_and_show(
 
     # Re-publishing the same folder is a harmless no-op.
     code, out, _ = publish(capsys, s2, bucket_url)
-    assert code == 0 and "already in the bucket" in out
+    assert code == 0 and "already in the bucket" in out, err
 
     # What a replica fetches, from the CLI and for real.
     code, out, _ = run(
@@ -172,6 +176,161 @@ def test_cli_errors_are_clear(
     assert code == 1 and "not a valid snapshot identity" in err
     code, _, err = run(capsys, "ledger", "reset", f"{tmp_path}/bucket/policy")
     assert code == 2 and "--reason" in err
+
+
+def _fulls(root: Path, count: int) -> list[Path]:
+    """Full snapshot folders f0..fN-1 of one model, each a training step after the one before."""
+    states = [snapshots.weights(0)]
+    for step in range(1, count):
+        states.append(snapshots.nudged(states[-1], step))
+    return [snapshots.full(root / f"f{i}", w) for i, w in enumerate(states)]
+
+
+def _served(bucket_url: str, ledger: str, root: Path) -> dict[str, bytes]:
+    """What a replica rebuilds from the ledger head: tensor name -> bytes."""
+    import asyncio
+
+    from hotload.snapshot import Snapshot
+    from hotload_sidecar.materialize import Materializer
+    from hotload_sidecar.weights import WeightsFolder
+
+    led = Ledger(open_bucket(bucket_url), ledger)
+    w = WeightsFolder(root)
+    w.prepare()
+    built = asyncio.run(Materializer(led.bucket, w, threads=1).build(led.read().document))
+    return _tensors_of(Snapshot(built.path))
+
+
+def _tensors_of(snap: Any) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for shard in snap.shard_files:
+        with snap.open_shard(shard) as f:
+            for name in f.tensors:
+                out[name] = bytes(f.raw(name))
+    return out
+
+
+def test_full_folders_go_as_deltas_on_the_head(
+    bucket_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A full folder becomes an arc_v2 delta against the ledger head (rebuilt from the bucket,
+    or taken from --workdir), the ledger admits it and a replica rebuilds exactly the folder;
+    --full keeps it full; a delta folder goes as it is."""
+    from hotload.snapshot import Snapshot
+
+    f = _fulls(tmp_path / "snaps", 6)
+    code, out, err = publish(capsys, f[0], bucket_url, "-o", "json")
+    assert code == 0, err
+    assert json.loads(out)["entry"]["kind"] == "full"  # nothing to make a delta against
+    # No workdir: the head is downloaded and rebuilt here, then the delta made against it.
+    code, out, err = publish(capsys, f[1], bucket_url, "-o", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    entry = doc["entry"]
+    assert (entry["kind"], entry["previous"], entry["identity"]) == ("incremental", "f0", "f1")
+    assert doc["uploaded"] and entry["shippedBytes"] * 4 < entry["fullBytes"]
+    assert not list(f[1].parent.glob(".hotload-publish-*"))  # its scratch folder is gone
+    # --workdir keeps the full copy: the next publish does not need the bucket's copy at all.
+    work = tmp_path / "work"
+    code, out, err = publish(capsys, f[2], bucket_url, "--workdir", str(work))
+    assert code == 0, err
+    assert "published f2 (incremental on top of f1)" in out
+    if "://" not in bucket_url:  # a local bucket: make the head impossible to download
+        for shard in (Path(bucket_url) / "f2").glob("model-*.safetensors"):
+            shard.rename(shard.with_suffix(".moved"))
+    code, out, err = publish(capsys, f[3], bucket_url, "--workdir", str(work))
+    assert code == 0, err
+    assert "published f3 (incremental on top of f2)" in out
+    if "://" not in bucket_url:
+        for shard in (Path(bucket_url) / "f2").glob("model-*.moved"):
+            shard.rename(shard.with_suffix(".safetensors"))
+    # --full forces a full snapshot; a delta folder is published as it is.
+    code, out, err = publish(capsys, f[4], bucket_url, "--full")
+    assert code == 0, err
+    assert "published f4 (full)" in out
+    as_is = snapshots.delta(f[4], f[5], tmp_path / "deltas" / "f5")
+    code, out, err = publish(capsys, as_is, bucket_url, "-o", "json")
+    assert code == 0, err
+    assert json.loads(out)["entry"]["shippedBytes"] == describe_snapshot(as_is).shipped_bytes
+    # Re-running a full folder published as a delta changes nothing; other weights under
+    # that identity are refused.
+    code, out, err = publish(capsys, f[1], bucket_url)
+    assert code == 0 and "published f1 (incremental on top of f0)" in out, err
+    assert "already in the bucket" in out
+    code, out, err = publish(capsys, f[2], bucket_url, "--identity", "f1")
+    assert code == 1 and "already published (an arc_v2 delta) with other weights" in err
+
+    entries = Ledger(open_bucket(bucket_url), "policy").read().document.entries
+    assert [(e.identity, e.kind) for e in entries] == [
+        ("f0", "full"), ("f1", "incremental"), ("f2", "incremental"), ("f3", "incremental"),
+        ("f4", "full"), ("f5", "incremental"),
+    ]  # fmt: skip
+    assert [e.previous for e in entries if e.kind == "incremental"] == ["f0", "f1", "f2", "f4"]
+    assert _served(bucket_url, "policy", tmp_path / "replica") == _tensors_of(Snapshot(f[5]))
+    # And the chain through the CLI-made deltas rebuilds f3 bit for bit.
+    from hotload.bucket import download_snapshot
+
+    for name in ("f0", "f1", "f2", "f3"):
+        download_snapshot(open_bucket(bucket_url), name, tmp_path / "dl" / name)
+    from hotload.arc import decode
+
+    prev = tmp_path / "dl" / "f0"
+    for name in ("f1", "f2", "f3"):
+        decode(prev, tmp_path / "dl" / name, tmp_path / "rebuilt" / name, threads=1)
+        prev = tmp_path / "rebuilt" / name
+    assert _tensors_of(Snapshot(prev)) == _tensors_of(Snapshot(f[3]))
+
+
+def test_a_full_folder_after_a_reset_goes_full(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bucket = str(tmp_path / "bucket")
+    f = _fulls(tmp_path / "snaps", 2)
+    assert publish(capsys, f[0], bucket)[0] == 0
+    assert run(capsys, "ledger", "reset", f"{bucket}/policy", "--reason", "new run")[0] == 0
+    code, out, err = publish(capsys, f[1], bucket)
+    assert code == 0, err
+    assert "published f1 (full)" in out
+
+
+def test_progress_bars_on_a_terminal(tmp_path: Path) -> None:
+    """The CLI shows a byte progress bar on stderr when it is a terminal (and not with
+    --no-progress); the SDK's Publisher does too by default."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    bucket = str(tmp_path / "bucket")
+    f = _fulls(tmp_path / "snaps", 3)
+    cli = [sys.executable, "-m", "hotload", "publish"]
+    code, out, tty = run_on_a_terminal([*cli, str(f[0]), "--bucket", bucket, "--ledger", "p"], env)
+    assert code == 0, tty
+    assert "published f0 (full)" in out
+    assert "upload f0" in tty and "74.7 KiB" in tty  # the bar: name, bytes of the total
+    code, _, tty = run_on_a_terminal(
+        [*cli, str(f[1]), "--bucket", bucket, "--ledger", "p", "--no-progress"], env
+    )
+    assert code == 0 and "upload" not in tty and "KiB" not in tty, tty
+    script = (
+        "import sys; from hotload import Publisher\n"
+        f"with Publisher({bucket!r}, ledger='p') as pub:\n"
+        f"    print(pub.publish({str(f[2])!r}, step=1, identity='f2').kind)\n"
+    )
+    code, out, tty = run_on_a_terminal([sys.executable, "-c", script], env)
+    assert code == 0, tty
+    assert out.strip() == "full"  # a fresh publisher, no workdir: full
+    assert "upload f2" in tty and "KiB" in tty
+
+
+def test_no_kubernetes_credentials_is_a_clear_error(
+    tmp_path: Path,
+    chain: list[Path],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    code, out, err = run(capsys, "publish", chain[0], "--deployment", "fleet", "--no-progress")
+    assert code == 1 and out == ""
+    assert "no Kubernetes credentials" in err and "--kubeconfig" in err and "--ledger" in err
 
 
 @pytest.mark.parametrize(

@@ -10,14 +10,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
 from hotload.errors import HotloadError
 
@@ -65,20 +57,10 @@ def progress_bar(
     description: str, total: int | None, enabled: bool = True
 ) -> Iterator[Callable[[int], None]]:
     """Show a byte progress bar on stderr (only on a terminal); yield an `advance(n)` callback."""
-    if not enabled or not sys.stderr.isatty():
-        yield lambda n: None
-        return
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=stderr,
-        transient=True,
-    ) as progress:
-        task = progress.add_task(description, total=total)
-        yield lambda n: progress.advance(task, n)
+    from hotload.sdk.publish import progress_bar as bar
+
+    with bar(description, total, None if enabled else False) as advance:
+        yield advance if advance is not None else (lambda n: None)
 
 
 def print_json(doc: Any) -> None:

@@ -1,11 +1,18 @@
-"""`hotload publish`: upload a snapshot folder to a bucket, then append it to a ledger."""
+"""`hotload publish`: upload a snapshot folder to a bucket, then append it to a ledger (or hand
+it to the operator). A full snapshot folder becomes an arc_v2 delta against the ledger head
+when the head's full weights can be rebuilt here."""
 
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from hotload.bucket import open_bucket
+from hotload.bucket import TransferResult, download_snapshot, open_bucket, run_sync
 from hotload.cli.common import human_bytes, print_json, progress_bar
 from hotload.cli.ledger import say
 from hotload.errors import HotloadError, SnapshotError
@@ -18,12 +25,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `publish` command."""
     p = sub.add_parser(
         "publish",
-        help="upload a snapshot folder to a bucket and append it to a ledger",
-        description="Upload every shard and file of FOLDER to BUCKET/IDENTITY/, the manifests "
-        "last, and only then append the snapshot to the ledger with compare-and-swap. An "
-        "interrupted upload is never visible; re-running the same command finishes it. The "
-        "ledger is checked before uploading, so a delta that cannot be admitted (wrong parent, "
-        "or right after a reset) fails fast.",
+        help="publish a snapshot folder: a full one as a delta against the ledger head",
+        description="Publish FOLDER under IDENTITY: upload its files to BUCKET/IDENTITY/, the "
+        "manifests last, and only then append it to the ledger with compare-and-swap (--ledger) "
+        "or create a Snapshot object for the operator to admit (--deployment). A FULL snapshot "
+        "folder is published as an arc_v2 delta against the ledger head when the head's full "
+        "weights can be rebuilt here: from --workdir (where the previous publish left its full "
+        "copy, checked against the ledger entry and the recorded checksums) or else by "
+        "downloading the head's chain and rebuilding it (verified tensor by tensor, in a "
+        "temporary folder); when they cannot (an empty ledger, a pending reset, a broken chain) "
+        "it goes as a full snapshot. --full always publishes it as a full snapshot. A delta "
+        "or LoRA folder is published as it is. An interrupted upload is never visible; "
+        "re-running the same command finishes it. A delta that cannot be admitted (wrong "
+        "parent, or right after a reset) fails before any upload.",
+        epilog="Exit codes: 0 published (and, with --wait, ready), 1 refused or failed (the "
+        "message says why), 2 bad usage.",
     )
     p.add_argument(
         "folder", type=Path, metavar="FOLDER", help="snapshot folder (full, delta or LoRA)"
@@ -48,9 +64,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--namespace", "-n", default="default", help="namespace of --deployment")
     p.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig (default: $KUBECONFIG)")
     p.add_argument(
+        "--full",
+        action="store_true",
+        help="publish a full FOLDER as a full snapshot, not as a delta against the ledger head",
+    )
+    p.add_argument(
+        "--workdir",
+        metavar="DIR",
+        type=Path,
+        help="keep the full copy of what was published here (hard links where possible), so "
+        "the next publish with the same --workdir makes its delta without downloading the "
+        "ledger head (default: a temporary folder, removed afterwards)",
+    )
+    p.add_argument(
         "--wait",
         action="store_true",
-        help="with --deployment: also wait until the snapshot is Ready (served by the fleet)",
+        help="with --deployment: also wait until the snapshot is Ready (served by the fleet); "
+        "exit 1 with the replicas' reasons if it cannot become ready",
     )
     p.add_argument(
         "--timeout", type=float, default=600.0, help="seconds --wait waits (default: 600)"
@@ -71,7 +101,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--concurrency", type=int, default=8, help="parallel part uploads per file (default: 8)"
     )
-    p.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="do not show progress bars (shown on stderr when it is a terminal)",
+    )
     p.add_argument("-o", "--output", choices=["text", "json"], default="text", help="output format")
     p.set_defaults(func=_publish)
 
@@ -83,26 +117,195 @@ def _publish(args: argparse.Namespace) -> int:
     identity = validate_identity(args.identity or folder.resolve().name)
     if (args.deployment is None) == (args.ledger is None):
         raise HotloadError("give exactly one of --ledger (no cluster) or --deployment")
+    ledger_name = args.ledger
     if args.deployment is not None:
-        return _publish_to_deployment(args, folder, identity)
-    if args.bucket is None:
+        from hotload.sdk.publisher import deployment_bucket
+
+        bucket_url = args.bucket
+        if bucket_url is None:
+            # The SDK's errors: no credentials, no such deployment (each says what to do).
+            bucket_url, ledger_name = run_sync(
+                deployment_bucket(
+                    args.deployment, namespace=args.namespace, kubeconfig=args.kubeconfig
+                )
+            )
+    elif args.bucket is None:
         raise HotloadError("--ledger needs --bucket")
-    shipped = describe_snapshot(folder).shipped_bytes
+    else:
+        bucket_url = args.bucket
+    desc = describe_snapshot(folder)
     bucket = open_bucket(
-        args.bucket, credentials_dir=args.credentials_dir, concurrency=max(1, args.concurrency)
+        bucket_url, credentials_dir=args.credentials_dir, concurrency=max(1, args.concurrency)
     )
-    ledger = Ledger(bucket, args.ledger)
-    with progress_bar(f"upload {identity}", shipped, not args.no_progress) as advance:
+    ledger = Ledger(bucket, ledger_name or args.deployment)
+    if desc.kind == "full":
+        existing = ledger.read().document.find(identity)
+        if existing is None:
+            return _publish_full(args, folder, identity, bucket_url, ledger.name)
+        if existing.kind == "incremental":
+            # A re-run of a full folder this command turned into a delta: done already if the
+            # delta rebuilds exactly these shards.
+            _check_published_delta(ledger, folder, identity)
+            done = TransferResult(identity, 0, 0, already_present=True)
+            if args.deployment is None:
+                _print_ledger_result(args, bucket.url, ledger, existing, done)
+                return 0
+            # Through the operator as well: it reports the Snapshot accepted (and --wait waits).
+            return _submit_existing(args, identity, bucket_url, ledger.name)
+    if args.deployment is not None:
+        return _submit_as_is(args, folder, identity, bucket_url, ledger.name)
+
+    # A delta or LoRA folder (or a re-run of a published one): as it is, straight to the ledger.
+    with progress_bar(f"upload {identity}", desc.shipped_bytes, not args.no_progress) as advance:
         published = publish_folder(
             ledger, folder, identity=identity, prompt_cache=args.prompt_cache, progress=advance
         )
     entry, transfer = published.entry, published.transfer
+    _print_ledger_result(args, bucket.url, ledger, entry, transfer)
+    return 0
 
+
+@contextmanager
+def _publisher(
+    args: argparse.Namespace, folder: Path, bucket_url: str, ledger_name: str
+) -> Iterator[Any]:
+    """The SDK's Publisher for this command; its work folder is --workdir (kept) or a
+    temporary one beside FOLDER (same file system: the full copy is hard links, not a copy of
+    every shard), removed afterwards."""
+    from hotload.sdk import Publisher
+
+    scratch = None
+    workdir = args.workdir
+    if workdir is None:
+        try:
+            scratch = Path(
+                tempfile.mkdtemp(prefix=".hotload-publish-", dir=folder.resolve().parent)
+            )
+        except OSError:  # a read-only parent: the system's temp folder (copies if it must)
+            scratch = Path(tempfile.mkdtemp(prefix="hotload-publish-"))
+        workdir = scratch
+    pub = Publisher(
+        bucket_url,
+        deployment=args.deployment,
+        ledger=ledger_name,
+        namespace=args.namespace,
+        kubeconfig=args.kubeconfig,
+        credentials_dir=args.credentials_dir,
+        workdir=workdir,
+        progress=False if args.no_progress else None,
+        rebuild_parent=True,
+        concurrency=max(1, args.concurrency),
+    )
+    try:
+        yield pub
+    finally:
+        pub.close()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _publish_full(
+    args: argparse.Namespace, folder: Path, identity: str, bucket_url: str, ledger_name: str
+) -> int:
+    """A full folder through the SDK's Publisher: a delta on the head when it can be rebuilt."""
+
+    async def run(pub: Any) -> tuple[Any, Any]:
+        handle = await pub.publish_async(
+            folder,
+            step=0,
+            identity=identity,
+            reset_prompt_cache=args.prompt_cache,
+            # False, not None: the SDK's every-N-steps cadence means nothing here.
+            full=bool(args.full),
+        )
+        report = None
+        if args.wait and args.deployment is not None:
+            report = await pub.wait_ready_async(identity, timeout=args.timeout)
+        return handle, report
+
+    with _publisher(args, folder, bucket_url, ledger_name) as pub:
+        handle, report = run_sync(run(pub))
+    if args.deployment is None:
+        _print_ledger_result(args, pub.bucket.url, pub.ledger, handle.entry, handle.transfer)
+        return 0
+    return _print_deployment_result(
+        args,
+        identity=identity,
+        kind=handle.kind,
+        previous=handle.previous,
+        sequence=handle.sequence,
+        report=report,
+    )
+
+
+def _submit_as_is(
+    args: argparse.Namespace, folder: Path, identity: str, bucket_url: str, ledger_name: str
+) -> int:
+    """A delta or LoRA folder (or a published one again) to the operator, as it is."""
+    desc = describe_snapshot(folder)
+
+    async def run(pub: Any) -> tuple[int | None, Any]:
+        sequence = await pub.submit_folder_async(folder, identity, prompt_cache=args.prompt_cache)
+        report = None
+        if args.wait:
+            report = await pub.wait_ready_async(identity, timeout=args.timeout)
+        return sequence, report
+
+    with _publisher(args, folder, bucket_url, ledger_name) as pub:
+        sequence, report = run_sync(run(pub))
+    previous = desc.parent if desc.kind == "incremental" else None
+    return _print_deployment_result(
+        args, identity=identity, kind=desc.kind, previous=previous, sequence=sequence, report=report
+    )
+
+
+def _check_published_delta(ledger: Ledger, folder: Path, identity: str) -> None:
+    """Raise unless the delta published as `identity` rebuilds exactly `folder`'s shards: each
+    delta shard carries the rebuilt shard's safetensors header (per-tensor checksums
+    included), so the delta alone is downloaded, never the chain."""
+    from hotload.arc.container import read_header
+    from hotload.snapshot import Snapshot
+
+    local = Snapshot(folder)
+    with tempfile.TemporaryDirectory(prefix="hotload-published-") as tmp:
+        download_snapshot(ledger.bucket, identity, tmp)
+        for shard in local.shard_files:
+            remote = Path(tmp) / shard
+            target = read_header(remote).fields.get("target_header") if remote.is_file() else None
+            if target != _safetensors_header(folder / shard):
+                raise HotloadError(
+                    f"{identity!r} is already published (an arc_v2 delta) with other weights "
+                    f"(first difference: {shard}); published snapshots are immutable, so publish "
+                    "this one under a new identity"
+                )
+
+
+def _safetensors_header(path: Path) -> str:
+    """The JSON header of a safetensors file, exactly as stored (padding included)."""
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return f.read(size).decode()
+
+
+def _submit_existing(
+    args: argparse.Namespace, identity: str, bucket_url: str, ledger_name: str
+) -> int:
+    """A full folder already in the ledger as a delta (checked): submit the bucket's delta
+    again, a no-op upload whose Snapshot the operator already accepted; --wait waits."""
+    with tempfile.TemporaryDirectory(prefix="hotload-published-") as tmp:
+        download_snapshot(open_bucket(bucket_url, credentials_dir=args.credentials_dir),
+                          identity, tmp)  # fmt: skip
+        return _submit_as_is(args, Path(tmp), identity, bucket_url, ledger_name)
+
+
+def _print_ledger_result(
+    args: argparse.Namespace, bucket_url: str, ledger: Ledger, entry: Any, transfer: Any
+) -> None:
     if args.output == "json":
         print_json(
             {
-                "identity": identity,
-                "bucket": bucket.url,
+                "identity": entry.identity,
+                "bucket": bucket_url,
                 "ledger": ledger.url,
                 "uploaded": not transfer.already_present,
                 "files": transfer.files,
@@ -110,7 +313,7 @@ def _publish(args: argparse.Namespace) -> int:
                 "entry": entry.to_json(),
             }
         )
-        return 0
+        return
     parent = f" on top of {entry.previous}" if entry.kind == "incremental" else ""
     uploaded = (
         "already in the bucket"
@@ -118,56 +321,44 @@ def _publish(args: argparse.Namespace) -> int:
         else f"{transfer.files} files, {human_bytes(transfer.bytes)} uploaded"
     )
     say(
-        f"published {identity} ({entry.kind}{parent}) to {bucket.url}: {uploaded}; "
+        f"published {entry.identity} ({entry.kind}{parent}) to {bucket_url}: {uploaded}; "
         f"ledger {ledger.name} sequence {entry.sequence}"
     )
-    return 0
 
 
-def _publish_to_deployment(args: argparse.Namespace, folder: Path, identity: str) -> int:
-    from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL
-    from hotload.bucket import run_sync
-    from hotload.kube import KubeClient, KubeConfig, resource_path
-    from hotload.sdk import Publisher
-
-    async def run() -> dict[str, object]:
-        bucket_url = args.bucket
-        if bucket_url is None:
-            async with KubeClient(KubeConfig.auto(args.kubeconfig)) as kube:
-                hld = await kube.get(
-                    resource_path(API_VERSION, DEPLOYMENT_PLURAL, args.namespace, args.deployment)
-                )
-            bucket_url = hld["spec"]["bucket"]["url"]
-        pub = Publisher(
-            bucket_url,
-            deployment=args.deployment,
-            namespace=args.namespace,
-            kubeconfig=args.kubeconfig,
-            credentials_dir=args.credentials_dir,
-        )
-        try:
-            await pub.submit_folder_async(folder, identity, prompt_cache=args.prompt_cache)
-            result: dict[str, object] = {"identity": identity, "accepted": True}
-            if args.wait:
-                report = await pub.wait_ready_async(identity, timeout=args.timeout)
-                result |= {
-                    "ready": True,
-                    "replicas": report.replicas,
-                    "loaded": report.loaded,
-                    "seconds": round(report.seconds, 3),
-                }
-            return result
-        finally:
-            pub.close()
-
-    result = run_sync(run())
+def _print_deployment_result(
+    args: argparse.Namespace,
+    *,
+    identity: str,
+    kind: str,
+    previous: str | None,
+    sequence: int | None,
+    report: Any,
+) -> int:
+    result: dict[str, object] = {
+        "identity": identity,
+        "kind": kind,
+        "previous": previous,
+        "sequence": sequence,
+        "accepted": True,
+    }
+    if report is not None:
+        result |= {
+            "ready": True,
+            "replicas": report.replicas,
+            "loaded": report.loaded,
+            "seconds": round(report.seconds, 3),
+            "loads": report.loads,
+        }
     if args.output == "json":
         print_json(result)
-    elif args.wait:
+        return 0
+    what = f"{kind} on top of {previous}" if previous else kind
+    if report is not None:
         say(
-            f"{identity} accepted and ready: {result['loaded']}/{result['replicas']} replicas "
-            f"serve it ({result['seconds']}s)"
+            f"{identity} ({what}) accepted and ready: {report.loaded}/{report.replicas} "
+            f"replicas serve it ({report.seconds:.1f}s)"
         )
     else:
-        say(f"{identity} accepted by the operator into {args.namespace}/{args.deployment}")
+        say(f"{identity} ({what}) accepted by the operator into {args.namespace}/{args.deployment}")
     return 0

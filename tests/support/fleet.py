@@ -53,6 +53,43 @@ def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0) ->
         return status, raw.decode(errors="replace")
 
 
+def run_on_a_terminal(
+    args: list[str], env: dict[str, str], timeout: float = 120.0
+) -> tuple[int, str, str]:
+    """Run `args` with stderr on a pseudo-terminal (as a person at a shell sees it); return
+    (exit code, stdout, what the terminal received, escape codes included)."""
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            args, cwd=REPO, env={**env, "COLUMNS": "120"}, stdout=subprocess.PIPE, stderr=slave
+        )
+    finally:
+        os.close(slave)
+    import select
+
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([master], [], [], 0.5)[0]:
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    return proc.returncode, out.decode(), b"".join(chunks).decode(errors="replace")
+
+
 def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.1) -> Any:
     """Call `check` until it returns something truthy; fail naming `what` after `timeout`."""
     deadline = time.monotonic() + timeout
