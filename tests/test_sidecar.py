@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +66,49 @@ def replicas() -> Iterator[list[Replica]]:
 def _tokens(replica: Replica, max_tokens: int = 8) -> tuple[str, list[int]]:
     body = replica.complete_ids(PROMPT_IDS, max_tokens)
     return body["model"], list(body["choices"][0]["token_ids"])
+
+
+def _metric(text: str, sample: str) -> float:
+    """The value of one sample (name plus labels, as exposed) in Prometheus text."""
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{sample} is not in the metrics:\n{text}")
+
+
+def _stopped(pid: int) -> bool:
+    # SIGSTOP lands asynchronously: only once every thread is stopped is what we see on disk
+    # exactly what a kill would leave.
+    tasks = Path(f"/proc/{pid}/task")
+    return all(
+        (t / "stat").read_text().rsplit(")", 1)[1].split()[0] in "tT" for t in tasks.iterdir()
+    )
+
+
+def _freeze_mid_rebuild(replica: Replica, timeout: float = 60.0) -> list[str]:
+    """Run the loader in short slices, stopped in between, until a stopped loader has a rebuild
+    in `staging/` that is not yet a snapshot; return the names there, leaving it stopped.
+
+    Looking only while it is stopped makes the observation exactly the state a kill leaves, and
+    the slices (a few ms) are much shorter than rebuilding a shard."""
+    proc = replica.loader
+    assert proc is not None
+    staging = replica.weights / ".hotload" / "staging"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.005)
+        proc.send_signal(signal.SIGSTOP)
+        wait_for("the loader to stop", lambda: _stopped(proc.pid), 10, interval=0.001)
+        partial = [
+            p.name
+            for p in staging.iterdir()
+            if not (replica.weights / "snapshots" / p.name).exists()
+        ]
+        if partial:
+            return partial
+    proc.send_signal(signal.SIGCONT)
+    raise AssertionError(f"no rebuild in {staging} within {timeout:g}s\n{replica.logs()}")
 
 
 def _engine_loads(replica: Replica) -> int:
@@ -167,7 +213,10 @@ def test_failures_keep_serving_and_converge(
     trainer.publish(2)
     status = r.wait_serving("step-002")
     assert any(e["reason"] == "FellBackToFull" for e in status["events"])
-    assert "hotload_loader_fallbacks_total 1.0" in r.metrics()
+    metrics = r.metrics()
+    assert _metric(metrics, "hotload_loader_fallbacks_total") == 1
+    # The fallback recovered, yet the rotten parent is still a detection worth counting.
+    assert _metric(metrics, "hotload_loader_checksum_failures_total") == 1
     assert _tokens(r) == ("tiny@step-002", greedy_token_ids(tiny10.snapshots[2], PROMPT_IDS, 8))
 
     # 2. A delta corrupted in the bucket: reported, old weights keep answering.
@@ -184,8 +233,13 @@ def test_failures_keep_serving_and_converge(
     assert failed["reason"] == "LoadFailed" and failed["ready"]
     assert failed["identity"] == "step-002" and failed["target_identity"] == "step-003"
     assert "step-003" in failed["last_error"] and bad.name in failed["last_error"]
+    # The fallback was tried (and met the same bad bytes in the bucket's copy).
+    assert "after falling back to the latest full snapshot" in failed["last_error"]
+    metrics = r.metrics()
+    assert _metric(metrics, "hotload_loader_fallbacks_total") >= 2
+    # Seen on the local parent's rebuild and again on the fallback: two more than before.
+    assert _metric(metrics, "hotload_loader_checksum_failures_total") >= 3
     assert _tokens(r)[0] == "tiny@step-002"
-    assert "hotload_loader_checksum_failures_total" in r.metrics()
     # The next full snapshot heals the fleet.
     trainer.publish(4)
     r.wait_serving("step-004")
@@ -200,8 +254,12 @@ def test_failures_keep_serving_and_converge(
     assert any(e["reason"] == "EngineRejectedLoad" for e in rejected["events"])
     assert _tokens(r)[0] == "tiny@step-004"
     assert os.readlink(r.weights / "current") == "snapshots/step-004"
+    # One ledger entry behind while the engine refuses it, in the status and the gauge.
+    assert rejected["staleness"] == 1
+    assert _metric(r.metrics(), "hotload_loader_staleness") == 1
     trainer.publish(6, full=True)
-    r.wait_serving("step-006")
+    assert r.wait_serving("step-006")["staleness"] == 0
+    assert _metric(r.metrics(), "hotload_loader_staleness") == 0
 
     # 4. The bucket goes away: keep serving, report the ledger unreachable; then recover.
     hidden = tmp_path / "bucket-away"
@@ -216,24 +274,110 @@ def test_failures_keep_serving_and_converge(
         hidden.rename(bucket_dir)
     wait_for("ledger reachable", lambda: r.status()["ledger_reachable"], 30)
 
-    # 5. Kill the loader in the middle of a rebuild; a restarted loader converges.
+    # 5. Kill the loader while staging/ holds a rebuild; a restarted loader converges.
     assert r.loader is not None
-    trainer.publish(7)
     work = r.weights / ".hotload"
-    wait_for(
-        "the rebuild of step-007 to start",
-        lambda: any((work / "downloads").iterdir()) or any((work / "staging").iterdir()),
-        60,
-        interval=0.001,
-    )
+    # Stopped while publishing, the loader meets step-007 already admitted (its hint gone), so
+    # it rebuilds in staging/ rather than ahead of time from the hint.
+    r.loader.send_signal(signal.SIGSTOP)
+    trainer.publish(7)
+    partial = _freeze_mid_rebuild(r)
+    # The codec writes into a temporary folder it renames to staging/step-007 once decoded.
+    assert partial and all("step-007" in name for name in partial), partial
     r.kill_loader()
-    assert any((work / "downloads").iterdir()) or any((work / "staging").iterdir())
+    assert sorted(p.name for p in (work / "staging").iterdir()) == sorted(partial)
+    assert not (r.weights / "snapshots" / "step-007").exists()
     trainer.publish(8)
     r.start_loader()
     status = r.wait_serving("step-008")
     assert status["reason"] == "Current"
     assert not any((work / "downloads").iterdir()) and not any((work / "staging").iterdir())
     assert _tokens(r) == ("tiny@step-008", greedy_token_ids(tiny10.snapshots[8], PROMPT_IDS, 8))
+
+
+def test_a_full_disk_keeps_serving_reports_and_retries(
+    tiny10: TinyLLM, tmp_path: Path, env: dict[str, str], replicas: list[Replica]
+) -> None:
+    """A rebuild the disk cannot take is a failed update, not a dead loader: the old weights
+    keep answering, the status says why and how far behind the replica is, the loader retries
+    with backoff, and it converges once it can write again. The loader process gets a file size
+    limit (the kernel fails its writes with EFBIG, as a full disk fails them with ENOSPC)."""
+    bucket_dir = tmp_path / "bucket"
+    trainer = Trainer(
+        Ledger(open_bucket(str(bucket_dir)), "policy"), tiny10.snapshots, tmp_path / "trainer"
+    )
+    for step in range(2):
+        trainer.publish(step)
+    # No early fetch: the update path itself must meet the full disk.
+    r = Replica("r0", tmp_path / "r0", f"{bucket_dir}/policy", env, ["--hint-ttl-seconds", "0"])
+    replicas.append(r)
+    r.start()
+    assert r.wait_serving("step-001", timeout=180)["staleness"] == 0
+    assert r.loader is not None
+    pid = r.loader.pid
+
+    # Stopped, so that the limit is in place before the loader sees step-002.
+    r.loader.send_signal(signal.SIGSTOP)
+    try:
+        delta = trainer.publish(2)
+        # Between the two sizes: every delta file downloads, no rebuilt big shard fits.
+        biggest_download = max(p.stat().st_size for p in delta.iterdir())
+        biggest_shard = max(p.stat().st_size for p in tiny10.snapshots[2].iterdir())
+        limit = (biggest_download + biggest_shard) // 2
+        assert biggest_download < limit < biggest_shard
+        _, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit, hard))
+    finally:
+        r.loader.send_signal(signal.SIGCONT)
+
+    def failures() -> list[dict[str, str]]:
+        events: list[dict[str, str]] = r.status()["events"]
+        return [e for e in events if e["reason"] == "RebuildFailed" and "step-002" in e["message"]]
+
+    failed = wait_for(
+        "the full disk reported", lambda: (s := r.status())["state"] == "failed" and s, 60
+    )
+    assert failed["reason"] == "LoadFailed" and failed["ready"]
+    assert failed["identity"] == "step-001" and failed["target_identity"] == "step-002"
+    assert "File too large" in failed["last_error"], failed["last_error"]
+    assert failed["staleness"] == 1
+    assert _metric(r.metrics(), "hotload_loader_staleness") == 1
+    assert _tokens(r)[0] == "tiny@step-001"
+    # Retried, and further apart each time (--retry-seconds 1, doubling; polls every 0.3 s).
+    three = wait_for("two retries", lambda: (f := failures())[2:] and f, 60)
+    times = [datetime.fromisoformat(e["time"]).timestamp() for e in three[:3]]
+    assert times[1] - times[0] >= 0.95 and times[2] - times[1] >= 1.95, times
+    metrics = r.metrics()
+    assert _metric(metrics, 'hotload_loader_failures_total{stage="rebuild"}') >= 3
+    assert _metric(metrics, "hotload_loader_checksum_failures_total") == 0
+    assert _tokens(r)[0] == "tiny@step-001"
+
+    # Room again: the next retry rebuilds, loads, and the replica is current.
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, hard))
+    healed = r.wait_serving("step-002", timeout=60)
+    assert healed["staleness"] == 0 and healed["reason"] == "Current"
+    assert _metric(r.metrics(), "hotload_loader_staleness") == 0
+    assert _tokens(r) == ("tiny@step-002", greedy_token_ids(tiny10.snapshots[2], PROMPT_IDS, 8))
+    assert r.loader.poll() is None
+
+
+def test_a_crashed_loader_loop_ends_the_process(
+    tmp_path: Path, env: dict[str, str], replicas: list[Replica]
+) -> None:
+    """When the loader loop dies (here it cannot even lay out its weights folder, which is a
+    file), the process exits non-zero with a clear log line, so the kubelet restarts the
+    container, instead of answering /healthz while it does nothing."""
+    r = Replica("crash", tmp_path / "crash", f"{tmp_path / 'bucket'}/policy", env)
+    replicas.append(r)
+    r.root.mkdir()
+    r.weights.write_text("not a folder")
+    r.start_loader()
+    assert r.loader is not None
+    wait_for("the loader to exit", lambda: r.loader is not None and r.loader.poll() is not None, 60)
+    log = (r.root / "loader.log").read_text()
+    assert r.loader.returncode == 1, log
+    assert "the loader loop crashed" in log and "NotADirectoryError" in log, log
+    assert str(r.weights) in log, log
 
 
 def test_loader_help_and_bad_settings() -> None:

@@ -6,8 +6,12 @@ Real buckets (a local folder and SeaweedFS), real arc_v2 deltas, real safetensor
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import os
+import resource
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +106,9 @@ def test_a_corrupted_local_parent_falls_back_to_the_full_snapshot(
     built = _build(m, trainer)
     assert built.fallback and "step-001" in built.fallback_reason
     assert "checksum" in built.fallback_reason.lower()
+    # The fallback recovered, and the bad bytes are still counted (once: the full snapshot
+    # re-verified clean and the deltas fetched again were sound).
+    assert built.corruptions == 1
     assert _tensors(built.path) == _tensors(trainer.fulls[2])
 
 
@@ -123,10 +130,54 @@ def test_a_corrupted_delta_in_the_bucket_fails_and_leaves_nothing_half_built(
     with pytest.raises(MaterializeError) as info:
         _build(m, trainer)
     assert info.value.target == "step-002" and info.value.fallback
+    # Seen twice: rebuilding on the local parent, then again on the fallback's fresh fetch.
+    assert info.value.corruptions == 2
     assert shard.name in str(info.value)
     assert not w.has("step-002")
     assert not any(w.staging_root.iterdir()) and not any(w.downloads_root.iterdir())
     assert w.has("step-001")  # what was there stays
+
+
+@contextlib.contextmanager
+def _file_size_limit(limit: int) -> Iterator[None]:
+    """While inside, no file this process writes may grow past `limit` bytes: the kernel fails
+    the write with EFBIG, as a full disk fails it with ENOSPC (Python ignores SIGXFSZ)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_disk_that_cannot_take_the_rebuild_fails_cleanly_without_a_fallback(
+    trainer: Trainer, tmp_path: Path
+) -> None:
+    for step in range(2):
+        trainer.publish(step)
+    w = WeightsFolder(tmp_path / "w")
+    w.prepare()
+    m = Materializer(trainer.ledger.bucket, w, threads=1)
+    _build(m, trainer)
+    folder = trainer.publish(2)
+    # The delta's files still download; the rebuilt shard it changes cannot be written.
+    limit = 8192
+    assert max(p.stat().st_size for p in folder.iterdir()) < limit
+    assert max(p.stat().st_size for p in trainer.fulls[2].iterdir()) > limit
+    with _file_size_limit(limit), pytest.raises(MaterializeError) as info:
+        _build(m, trainer)
+    cause = info.value.__cause__
+    assert isinstance(cause, OSError) and cause.errno == errno.EFBIG, repr(cause)
+    assert info.value.target == "step-002" and "File too large" in str(info.value)
+    # Our disk, not the chain, failed: no fallback (it would only need more space), nothing
+    # counted as corrupt, and the partial rebuild is gone so the space is free again.
+    assert not info.value.fallback and info.value.corruptions == 0
+    assert not w.has("step-002") and w.has("step-001")
+    assert not any(w.staging_root.iterdir()) and not any(w.downloads_root.iterdir())
+    # Room again: the same build succeeds from the same local parent.
+    built = _build(m, trainer)
+    assert built.applied == ["step-002"] and built.base == "step-001" and not built.fallback
+    assert _tensors(built.path) == _tensors(trainer.fulls[2])
 
 
 def test_replaced_manifests_are_refused(trainer: Trainer, tmp_path: Path) -> None:

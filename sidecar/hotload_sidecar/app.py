@@ -11,6 +11,7 @@ from aiohttp import web
 
 from hotload.bucket import open_bucket
 from hotload.bucket.url import split_ledger_url
+from hotload.errors import HotloadError
 from hotload.ledger import Ledger
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import Timeouts, make_adapter
@@ -19,6 +20,11 @@ from hotload_sidecar.server import create_app
 from hotload_sidecar.status import LocalReporter, Reporter
 
 log = logging.getLogger("hotload_sidecar")
+
+
+class LoaderCrashedError(HotloadError):
+    """The loader loop ended without being asked to: the process exits non-zero so that the
+    kubelet restarts the container (a restarted loader converges from whatever it left)."""
 
 
 class _Fanout:
@@ -65,7 +71,8 @@ def build_loader(settings: Settings, reporter: Reporter) -> Loader:
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
-    """Run the loader and its endpoints until `stop` is set (or SIGTERM/SIGINT arrives)."""
+    """Run the loader and its endpoints until `stop` is set (or SIGTERM/SIGINT arrives); raise
+    `LoaderCrashedError` as soon as the loader loop dies on its own."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -85,15 +92,34 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
         settings.engine_url,
         settings.listen,
     )
-    task = asyncio.create_task(loader.run(stop))
+    task = asyncio.create_task(loader.run(stop), name="loader")
+    stopped = asyncio.create_task(stop.wait(), name="stop")
     try:
-        await stop.wait()
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            _check_ended(task, stop)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
     finally:
+        stopped.cancel()
         if not task.done():
             task.cancel()
         await runner.cleanup()
         await loader.adapter.aclose()
         await reporter.aclose()
+
+
+def _check_ended(task: asyncio.Task[None], stop: asyncio.Event) -> None:
+    # Exiting beats a failing /healthz: the kubelet restarts an exited sidecar at once, while a
+    # liveness probe needs its period times its failure threshold to notice.
+    err = None if task.cancelled() else task.exception()
+    if err is None and stop.is_set():
+        return
+    how = (
+        f"crashed: {type(err).__name__}: {err}"
+        if err is not None
+        else "ended before a stop was asked"
+    )
+    log.critical("the loader loop %s; exiting so that the container restarts", how, exc_info=err)
+    raise LoaderCrashedError(f"the loader loop {how}") from err

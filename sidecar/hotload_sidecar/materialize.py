@@ -8,7 +8,11 @@ snapshots are rebuilt only as parents: the engine is asked to load the target al
 
 A rebuild that fails from a local parent (bit rot, a parent that is not what the ledger says,
 a corrupted download) falls back once to the latest full snapshot plus its deltas, all fetched
-fresh; a failure there too is reported as `MaterializeError` and nothing is switched.
+fresh; a failure there too is reported as `MaterializeError` and nothing is switched. An `OSError`
+while writing (a full disk, a quota) is reported the same way, without a fallback: fetching the
+whole chain again would only need more space. Every checksum mismatch, corrupted payload or
+parent that does not match its delta is counted (`BuildResult.corruptions`,
+`MaterializeError.corruptions`), including the ones the fallback recovers from.
 
 A snapshot the `Prefetcher` already rebuilt and verified from a hint (same manifest digest and
 parent as the ledger entry) is neither fetched nor rebuilt again: it is only committed.
@@ -28,9 +32,12 @@ from hotload.bucket import Bucket, download_snapshot_async
 from hotload.errors import (
     ArcError,
     BucketError,
+    ChecksumMismatchError,
+    CorruptDeltaError,
     HotloadError,
     ObjectNotFoundError,
     SnapshotError,
+    WrongParentError,
 )
 from hotload.ledger import LedgerDocument, LedgerEntry
 from hotload.snapshot import describe_snapshot
@@ -42,15 +49,29 @@ log = logging.getLogger("hotload_sidecar.materialize")
 #: Errors that mean "this chain could not be rebuilt from what we have", as opposed to the
 #: bucket being unreachable (which a later poll retries without a fallback).
 REBUILD_ERRORS: tuple[type[HotloadError], ...] = (ArcError, SnapshotError, ObjectNotFoundError)
+#: What ends a fallback: nothing is left to fall back to, whether the chain or the disk failed.
+_FALLBACK_ERRORS: tuple[type[Exception], ...] = (*REBUILD_ERRORS, OSError)
+
+
+def is_corruption(err: BaseException) -> bool:
+    """Whether `err` means bytes that fail their checksums: a rebuilt tensor, a payload that
+    does not decode, or a parent whose data differ from the base the delta was made against."""
+    # The ledger names each delta's parent, so a parent the delta does not match is bit rot
+    # (or a bad copy), never a normal event: that is how a rotten local parent shows up.
+    return isinstance(err, ChecksumMismatchError | CorruptDeltaError | WrongParentError)
 
 
 class MaterializeError(HotloadError):
-    """A snapshot could not be rebuilt and verified; `identity` names the step that failed."""
+    """A snapshot could not be rebuilt and verified; `identity` names the step that failed and
+    `corruptions` counts the checksum mismatches and corrupted payloads met on the way."""
 
-    def __init__(self, message: str, *, identity: str, target: str, fallback: bool) -> None:
+    def __init__(
+        self, message: str, *, identity: str, target: str, fallback: bool, corruptions: int = 0
+    ) -> None:
         self.identity = identity
         self.target = target
         self.fallback = fallback
+        self.corruptions = corruptions
         super().__init__(message)
 
 
@@ -69,6 +90,8 @@ class BuildResult:
     fallback: bool = False
     fallback_reason: str = ""
     timings: LoadTimings = field(default_factory=LoadTimings)
+    #: Checksum mismatches and corrupted payloads detected, and recovered from, on the way.
+    corruptions: int = 0
 
 
 @dataclass
@@ -77,6 +100,7 @@ class _Clock:
     rebuild: float = 0.0
     verify: float = 0.0
     bytes: int = 0
+    corruptions: int = 0
 
 
 class Materializer:
@@ -125,10 +149,16 @@ class Materializer:
         try:
             applied = await self._apply(base, chain[start + 1 :], clock)
             fallback, reason = False, ""
+        except OSError as err:
+            # Our own disk failed us (full, quota, I/O error), not the chain: free the space
+            # the partial rebuild holds and let the caller retry later.
+            self._drop_partial(chain)
+            raise self._failed(err, goal, fallback=False, clock=clock) from err
         except REBUILD_ERRORS as err:
+            clock.corruptions += is_corruption(err)
             if base is None:
                 self._drop_partial(chain)
-                raise self._failed(err, goal, fallback=False) from err
+                raise self._failed(err, goal, fallback=False, clock=clock) from err
             reason = f"rebuilding from {base.identity!r} failed: {err}"
             log.warning("%s; falling back to %s and its deltas", reason, chain[0].identity)
             # The local parent (or what was fetched for it) is not trustworthy: rebuild from
@@ -139,9 +169,10 @@ class Materializer:
                 applied = await self._apply(
                     None, chain, clock, distrusted=distrusted | {chain[0].identity}
                 )
-            except REBUILD_ERRORS as err2:
+            except _FALLBACK_ERRORS as err2:
+                clock.corruptions += is_corruption(err2)
                 self._drop_partial(chain)
-                raise self._failed(err2, goal, fallback=True) from err2
+                raise self._failed(err2, goal, fallback=True, clock=clock) from err2
             fallback = True
         timings = LoadTimings(
             fetch_seconds=clock.fetch,
@@ -160,6 +191,7 @@ class Materializer:
             fallback,
             reason,
             timings,
+            clock.corruptions,
         )
 
     # --- internals -----------------------------------------------------------------------------
@@ -273,6 +305,7 @@ class Materializer:
             return True
         except REBUILD_ERRORS as err:
             log.warning("local copy of %s does not verify (%s); fetching it again", entry, err)
+            clock.corruptions += is_corruption(err)
             return False
         finally:
             clock.verify += time.perf_counter() - checked
@@ -304,11 +337,14 @@ class Materializer:
             remove_tree(self.weights.downloads_root / entry.identity)
             remove_tree(self.weights.staging_root / entry.identity)
 
-    def _failed(self, err: BaseException, goal: LedgerEntry, *, fallback: bool) -> MaterializeError:
+    def _failed(
+        self, err: BaseException, goal: LedgerEntry, *, fallback: bool, clock: _Clock
+    ) -> MaterializeError:
         where = " after falling back to the latest full snapshot" if fallback else ""
         return MaterializeError(
             f"cannot rebuild {goal.identity!r}{where}: {err}",
             identity=getattr(err, "identity", None) or goal.identity,
             target=goal.identity,
             fallback=fallback,
+            corruptions=clock.corruptions,
         )

@@ -48,7 +48,8 @@ class LoaderMetrics:
         )
         self.checksum_failures = Counter(
             "hotload_loader_checksum_failures",
-            "Rebuilds that failed verification (checksum mismatch or corrupted payload)",
+            "Checksum mismatches, corrupted payloads and parents that do not match their delta, "
+            "detected while rebuilding (including the ones a fallback or a refetch recovered from)",
             registry=r,
         )
         self.fallbacks = Counter(
