@@ -43,18 +43,21 @@ def delta(parent: Path, current_full: Path, out: Path) -> Path:
     return out
 
 
-def lora(path: Path, seed: int, base_model: str = "tiny/base") -> Path:
-    """Write a minimal, checksummed LoRA adapter folder (PEFT layout)."""
+def lora(
+    path: Path, seed: int, base_model: str = "tiny/base", layer: str = "model.layers.0.mlp"
+) -> Path:
+    """Write a minimal, checksummed LoRA adapter folder (PEFT layout) for `weights()`'s model:
+    rank 8 on `layer` (a [64, 64] weight there)."""
     from hotload.snapshot.lora import write_adapter
 
     rng = np.random.default_rng(seed)
     return write_adapter(
         path,
         {
-            "base_model.model.layers.0.q_proj.lora_A.weight": rng.standard_normal(
+            f"base_model.model.{layer}.lora_A.weight": rng.standard_normal(
                 (8, 64), dtype=np.float32
             ),
-            "base_model.model.layers.0.q_proj.lora_B.weight": rng.standard_normal(
+            f"base_model.model.{layer}.lora_B.weight": rng.standard_normal(
                 (64, 8), dtype=np.float32
             ),
         },
@@ -63,7 +66,7 @@ def lora(path: Path, seed: int, base_model: str = "tiny/base") -> Path:
             "base_model_name_or_path": base_model,
             "r": 8,
             "lora_alpha": 16,
-            "target_modules": ["q_proj"],
+            "target_modules": [layer.rsplit(".", 1)[1]],
         },
     )
 
