@@ -16,6 +16,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from hotload.bucket import open_bucket, upload_snapshot
+from hotload.errors import HotloadError
 from hotload.ledger import Ledger, NewEntry
 from hotload.sdk import publish_folder
 from support.engines import serve_engines
@@ -397,3 +398,49 @@ def engine_adapters_at(url: str) -> list[str]:
     code, body = http_json("GET", url + "/v1/models")
     assert code == 200, body
     return [m["id"] for m in body["data"] if m.get("parent")]
+
+
+# --- the trainer's side --------------------------------------------------------------------------
+
+
+def test_publisher_publishes_peft_folders_and_tensors_as_verified_adapters(
+    tiny: TinyLLM, adapters: list[Path], tmp_path: Path
+) -> None:
+    from safetensors.numpy import save_file
+
+    from hotload import Publisher
+    from hotload.bucket import download_snapshot
+    from hotload.snapshot.lora import read_adapter_tensors, verify_adapter
+
+    # A folder as PEFT's save_pretrained writes it: no checksums anywhere.
+    plain = tmp_path / "peft"
+    plain.mkdir()
+    tensors = {
+        n: r.data.view("float32").reshape(r.shape)
+        for n, r in read_adapter_tensors(adapters[0]).items()
+    }
+    save_file(tensors, str(plain / "adapter_model.safetensors"))
+    shutil.copy(adapters[0] / "adapter_config.json", plain / "adapter_config.json")
+    config = json.loads((plain / "adapter_config.json").read_text())
+
+    bucket = tmp_path / "bucket"
+    with Publisher(str(bucket), ledger="policy", workdir=tmp_path / "work") as pub:
+        pub.publish(tiny.snapshots[0], step=0)
+        from_folder = pub.publish_adapter(plain, step=1)
+        from_tensors = pub.publish_adapter(tensors, step=2, config=config, identity="lora-t")
+        with pytest.raises(HotloadError, match="needs its config"):
+            pub.publish_adapter(tensors, step=3)
+    assert (from_folder.kind, from_folder.previous) == ("lora", None)
+    document = Ledger(open_bucket(str(bucket)), "policy").read().document
+    assert [(e.identity, e.kind) for e in document.entries] == [
+        ("step-00000000", "full"),
+        ("step-00000001", "lora"),
+        ("lora-t", "lora"),
+    ]
+    assert document.head is not None and document.head.identity == "step-00000000"
+    assert document.find("lora-t").prompt_cache == "none"  # type: ignore[union-attr]
+    for handle in (from_folder, from_tensors):
+        out = tmp_path / "check" / handle.identity
+        download_snapshot(open_bucket(str(bucket)), handle.identity, out)
+        assert verify_adapter(out) == len(tensors)
+    assert not (plain / "adapter_model.safetensors.tmp").exists()

@@ -466,6 +466,88 @@ class Publisher:
         if old is not None and old[1] != full_dir:
             shutil.rmtree(old[1], ignore_errors=True)
 
+    # --- LoRA adapters -----------------------------------------------------------------------
+
+    def publish_adapter(
+        self,
+        adapter: str | Path | Mapping[str, Any],
+        *,
+        step: int,
+        identity: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        reset_prompt_cache: bool | PromptCachePolicy = "none",
+    ) -> PublishHandle:
+        """Publish a LoRA adapter snapshot at training `step` (complete, never a delta).
+
+        `adapter` is a PEFT folder (`adapter_config.json` and `adapter_model*.safetensors`, as
+        `save_pretrained` writes it) or a mapping of PEFT tensor names to tensors with
+        `config` as its `adapter_config.json`. Checksums are added on the way, so replicas
+        verify every tensor. The base's prompt caches stay valid by default (`none`)."""
+        return run_sync(
+            self.publish_adapter_async(
+                adapter, step=step, identity=identity, config=config,
+                reset_prompt_cache=reset_prompt_cache,
+            )
+        )  # fmt: skip
+
+    async def publish_adapter_async(
+        self,
+        adapter: str | Path | Mapping[str, Any],
+        *,
+        step: int,
+        identity: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        reset_prompt_cache: bool | PromptCachePolicy = "none",
+    ) -> PublishHandle:
+        """`publish_adapter`, awaitable."""
+        from hotload.snapshot import validate_adapter
+        from hotload.snapshot.lora import add_checksums, write_adapter
+
+        started = time.perf_counter()
+        ident = validate_identity(identity or self.identity_format.format(step=step))
+        policy = _policy(reset_prompt_cache)
+        folder = self.workdir / "adapters" / ident
+        shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(adapter, str | Path):
+            if config is not None:
+                raise PublishError("config is read from the adapter folder; pass one or the other")
+            await asyncio.to_thread(add_checksums, adapter, folder)
+        else:
+            if config is None:
+                raise PublishError("an adapter given as tensors needs its config (adapter_config)")
+            await asyncio.to_thread(write_adapter, folder, adapter, config)
+        try:
+            await asyncio.to_thread(validate_adapter, folder)
+            desc = describe_snapshot(folder)
+            entry: LedgerEntry | None = None
+            sequence: int | None
+            if self.deployment is None:
+                with self._progress_bar(f"upload {ident}", desc.shipped_bytes) as advance:
+                    published = await publish_folder_async(
+                        self.ledger, folder, identity=ident, prompt_cache=policy, progress=advance
+                    )
+                entry, sequence, transfer = (
+                    published.entry,
+                    published.entry.sequence,
+                    published.transfer,
+                )
+            else:
+                sequence, transfer = await self._submit(folder, ident, policy)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return PublishHandle(
+            identity=ident,
+            step=step,
+            kind="lora",
+            previous=None,
+            shipped_bytes=desc.shipped_bytes,
+            full_bytes=desc.full_bytes,
+            seconds=time.perf_counter() - started,
+            entry=entry,
+            sequence=sequence,
+            transfer=transfer,
+        )
+
     async def submit_folder_async(
         self, folder: str | Path, identity: str, *, prompt_cache: PromptCachePolicy = "all"
     ) -> int | None:
