@@ -38,7 +38,9 @@ class OperatorImages:
     """Images the operator puts into pods when the spec does not name one."""
 
     loader: str = "ghcr.io/hotload-dev/hotload:latest"
-    router: str = "ghcr.io/hotload-dev/hotload:latest"
+    #: `hotload router` runs from the loader image (sidecar/Dockerfile installs the whole
+    #: distribution: the CLI and aiohttp); the chart sets HOTLOAD_ROUTER_IMAGE.
+    router: str = "ghcr.io/hotload-dev/hotload-loader:0.1.0"
     #: imagePullPolicy of the loader container ("" leaves Kubernetes' default).
     loader_pull_policy: str = ""
 
