@@ -375,9 +375,13 @@ class SGLangStub(Stub):
     paused: bool = False
     fail_paths: set[str] = field(default_factory=set)
     healthy: bool = True
+    loras: dict[str, str] = field(default_factory=dict)
 
     def routes(self) -> list[web.RouteDef]:
         return [
+            web.post("/load_lora_adapter", self.load_lora),
+            web.post("/unload_lora_adapter", self.unload_lora),
+            web.get("/v1/models", self.models),
             web.post("/update_weights_from_disk", self.update),
             web.post("/pause_generation", self.pause),
             web.post("/continue_generation", self.resume),
@@ -413,6 +417,57 @@ class SGLangStub(Stub):
             self.weight_version = body["weight_version"]
             message += f" Weight version updated to {self.weight_version}."
         return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        # LoadLoRAAdapterReqInput -> LoRAUpdateOutput (sglang/srt/managers/io_struct.py).
+        body = await body_of(request)
+        self.record(request, body)
+        name, path = (body or {}).get("lora_name"), (body or {}).get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str):
+            return web.json_response({"message": "lora_name, lora_path"}, status=400)
+        if name in self.loras:
+            return web.json_response(
+                {
+                    "success": False,
+                    "error_message": f"Failed to load LoRA adapter {name} because it is "
+                    "already loaded",
+                    "loaded_adapters": dict(self.loras),
+                },
+                status=400,
+            )
+        if path in self.fail_paths:
+            return web.json_response(
+                {"success": False, "error_message": "rank 64 exceeds --max-lora-rank 16"},
+                status=400,
+            )
+        self.loras[name] = path
+        return web.json_response(
+            {"success": True, "error_message": None, "loaded_adapters": dict(self.loras)}
+        )
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        body = await body_of(request)
+        self.record(request, body)
+        name = (body or {}).get("lora_name")
+        if name not in self.loras:
+            return web.json_response(
+                {
+                    "success": False,
+                    "error_message": f"LoRA with name {name} does not exist. Loaded LoRAs: "
+                    f"{list(self.loras)}",
+                },
+                status=400,
+            )
+        del self.loras[name]
+        return web.json_response({"success": True, "loaded_adapters": dict(self.loras)})
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.record(request, None)
+        data = [{"id": "base", "object": "model", "root": self.model_path, "parent": None}]
+        data += [
+            {"id": n, "object": "model", "root": p, "parent": "base"} for n, p in self.loras.items()
+        ]
+        return web.json_response({"object": "list", "data": data})
 
     async def pause(self, request: web.Request) -> web.Response:
         body = await body_of(request)
@@ -787,3 +842,26 @@ async def test_vllm_rollback_target_after_a_sidecar_restart(
         assert info.value.serving == "previous"
         assert vllm.loaded == str(snap_b)
         assert await adapter.current() == ServedSnapshot("step-b", 2)
+
+
+@pytest.mark.asyncio
+async def test_sglang_lora_adapters_follow_its_documented_api(sglang: SGLangStub) -> None:
+    """SGLang's runtime LoRA routes (no /v1 prefix), `{"success": ...}` answers; an adapter
+    already loaded or already gone is the state asked for; a refusal names the engine's reason."""
+    async with SGLangAdapter(sglang.url) as adapter:
+        assert await adapter.loaded_adapters() == set()
+        await adapter.load_adapter("lora-1", "/w/adapters/lora-1")
+        await adapter.load_adapter("lora-1", "/w/adapters/lora-1")  # idempotent
+        assert await adapter.loaded_adapters() == {"lora-1"}
+        sglang.fail_paths.add("/w/adapters/big")
+        with pytest.raises(EngineLoadError, match="exceeds --max-lora-rank"):
+            await adapter.load_adapter("big", "/w/adapters/big")
+        await adapter.unload_adapter("lora-1")
+        await adapter.unload_adapter("lora-1")  # already gone
+        assert await adapter.loaded_adapters() == set()
+    bodies = [(p, b) for m, p, b in sglang.calls if m == "POST"]
+    assert bodies[0] == (
+        "/load_lora_adapter",
+        {"lora_name": "lora-1", "lora_path": "/w/adapters/lora-1"},
+    )
+    assert bodies[-1] == ("/unload_lora_adapter", {"lora_name": "lora-1"})
