@@ -77,8 +77,22 @@ def test_the_examples_the_guide_promises_exist() -> None:
         "snapshot-full.yaml",
         "snapshot-incremental.yaml",
         "snapshot-lora.yaml",
+        "vllm-lora.yaml",
         "follower-second-cluster.yaml",
     } <= names
+
+
+def test_adapter_snapshots_name_a_fleet_that_serves_adapters(everything: list[JSON]) -> None:
+    hlds = deployments(everything)
+    loras = [
+        Snapshot.model_validate(o)
+        for o in everything
+        if o["kind"] == SNAPSHOT_KIND and o["spec"].get("kind") == "lora"
+    ]
+    assert loras
+    for snap in loras:
+        hld = hlds[(snap.metadata["namespace"], snap.spec.deployment)]
+        assert hld.spec.adapters.enabled and hld.spec.adapters.base_model
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
