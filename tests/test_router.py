@@ -184,6 +184,18 @@ async def test_thirty_sessions_stay_on_their_replicas(tiny: TinyLLM) -> None:
             assert r.count(200) == 3 * spread[url]
             assert r.engine.sessions.stats.hits == 2 * spread[url]
         assert metric(router, "hotload_router_session_moves_total") == 0
+        # Its metrics count the same: requests per replica, and the latency it added to each.
+        for url in by_url:
+            assert metric(
+                router, "hotload_router_requests_total", {"replica": url, "code": "200"}
+            ) == 3 * spread[url]  # fmt: skip
+        added = "hotload_router_added_latency_seconds"
+        assert metric(router, f"{added}_count") == 90
+        assert metric(router, f"{added}_bucket", {"le": "+Inf"}) == 90
+        # Something was added, but little: the mean is far below a request's own time.
+        assert 0 < metric(router, f"{added}_sum") / 90 < 0.25
+        text = (await (await client.get("/metrics")).text()).splitlines()
+        assert sum(1 for ln in text if ln.startswith("hotload_router_requests_total{")) == 3
         # A second, independent router copy makes the same choices (stateless routing).
         async with router_for([r.url for r in fleet]) as (_, twin):
             answers = await asyncio.gather(*(complete(twin, s) for s in sessions))
