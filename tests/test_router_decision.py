@@ -236,3 +236,37 @@ def test_inferencepool_example_matches_the_router() -> None:
     ]
     service_ports = {p["port"] for p in docs["Service"]["spec"]["ports"]}
     assert service_ports == {8080, 9002}
+
+
+def test_a_request_naming_an_adapter_goes_only_where_it_is_loaded() -> None:
+    from hotload.router.discovery import replica_from_pod
+
+    replicas = fleet(4)
+    replicas[1] = replace(replicas[1], adapters=frozenset({"lora-7", "lora-6"}))
+    replicas[3] = replace(replicas[3], adapters=frozenset({"lora-7"}))
+    for s in range(20):
+        got = picked(replicas, RouteRequest(session=f"s{s}", model="lora-7"))
+        assert got.name in {"r1", "r3"}
+    assert picked(replicas, RouteRequest(model="lora-6")).name == "r1"
+    # The base model's name (no replica holds an adapter by that name) filters nothing.
+    names = {
+        picked(replicas, RouteRequest(session=f"s{s}", model="policy")).name for s in range(40)
+    }
+    assert names == {"r0", "r1", "r2", "r3"}
+    # Held only by an unhealthy replica: refused with the reason, not sent to a 404.
+    sick = [replace(r, healthy=r.name != "r1") for r in replicas]
+    decision = decide(sick, RouteRequest(model="lora-6"))
+    assert isinstance(decision, NoReplica) and decision.reason == "adapter_not_loaded"
+    # Discovery reads the adapters a loader reports loaded on its pod.
+    pod = {
+        "metadata": {
+            "name": "p",
+            "annotations": {
+                "hotload.dev/snapshot": '{"identity": "s", "sequence": 1, "adapters": ['
+                '{"identity": "a1", "status": "loaded"}, {"identity": "a2", "status": "failed"}]}'
+            },
+        },
+        "status": {"podIP": "10.1.0.9", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    replica = replica_from_pod(pod)
+    assert replica is not None and replica.adapters == frozenset({"a1"})

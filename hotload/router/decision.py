@@ -6,7 +6,9 @@ says why none fits:
 
 1. filter: inside the gateway's subset (when given), healthy, meeting the constraint (the same
    `VersionConstraint.unmet` rule the engine applies, so the router never forwards a request
-   that the replica would refuse with 409), and not in the middle of a hot load. The last rule
+   that the replica would refuse with 409), holding the LoRA adapter the request names as its
+   model (when any replica holds one by that name), and not in the middle of a hot load. The
+   last rule
    yields when every otherwise qualifying replica is loading: fleets usually load together,
    and an ASYNC load keeps serving the old weights until its swap, which beats a 503 for all;
 2. with a session key: rendezvous (highest-random-weight) hashing of the key over the replicas
@@ -33,13 +35,16 @@ from hotload.engine.protocol import ServedSnapshot, VersionConstraint
 #: Loader states (the `state` of the `hotload.dev/snapshot` annotation) meaning a hot load runs.
 LOADING_STATES: Final = frozenset({"fetching", "rebuilding", "loading"})
 
-Reason = Literal["no_replicas", "not_in_subset", "unhealthy", "constraint_unmet"]
+Reason = Literal[
+    "no_replicas", "not_in_subset", "unhealthy", "constraint_unmet", "adapter_not_loaded"
+]
 #: Every reason `decide` can give, in the order the filters apply.
 REASONS: Final[tuple[Reason, ...]] = (
     "no_replicas",
     "not_in_subset",
     "unhealthy",
     "constraint_unmet",
+    "adapter_not_loaded",
 )
 
 
@@ -58,6 +63,8 @@ class Replica:
     healthy: bool = True
     loading: bool = False
     scheme: str = "http"
+    #: LoRA adapters it has loaded (requests name one as their model).
+    adapters: frozenset[str] = frozenset()
 
     @property
     def url(self) -> str:
@@ -108,6 +115,9 @@ class RouteRequest:
     subset: frozenset[str] | None = None
     #: Replica names not to pick (a retry after one of them failed).
     exclude: frozenset[str] = frozenset()
+    #: The request's `model` (without `@identity`): when some replica has a LoRA adapter of
+    #: that name loaded, only replicas that have it qualify.
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +203,17 @@ def qualifying(replicas: Sequence[Replica], request: RouteRequest) -> list[Repli
             f"no healthy replica serves {_describe(request.constraint)}; "
             f"{_served_summary(healthy)}",
         )
+    adapter = request.model
+    if adapter is not None and any(adapter in r.adapters for r in pool):
+        # An adapter some replica serves: the others would answer 404 (it is not loaded there
+        # yet, or was unloaded as superseded).
+        with_it = [r for r in fit if adapter in r.adapters]
+        if not with_it:
+            return NoReplica(
+                "adapter_not_loaded",
+                f"no healthy replica meeting the request has adapter {adapter!r} loaded",
+            )
+        return with_it
     return fit
 
 

@@ -158,6 +158,7 @@ def replica_from_status(base: Replica, status: Mapping[str, Any]) -> Replica:
         sequence=sequence if isinstance(sequence, int) else None,
         loading=bool(status.get("loading")),
         healthy=status.get("ready") is not False,
+        adapters=frozenset(a for a in status.get("adapters") or [] if isinstance(a, str)),
     )
 
 
@@ -307,6 +308,13 @@ def replica_from_pod(pod: JSON, default_port: int = DEFAULT_ENGINE_PORT) -> Repl
         sequence=sequence if identity is not None else None,
         healthy=ready and not meta.get("deletionTimestamp"),
         loading=report.get("state") in LOADING_STATES,
+        adapters=frozenset(
+            a["identity"]
+            for a in report.get("adapters") or []
+            if isinstance(a, dict)
+            and a.get("status") == "loaded"
+            and isinstance(a.get("identity"), str)
+        ),
     )
 
 

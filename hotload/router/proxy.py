@@ -12,8 +12,9 @@ constraint is read exactly as the engine reads it (`min_snapshot_sequence`/`snap
 in the body, the `x-hotload-min-sequence`/`x-hotload-snapshot` headers, `model:
 "<name>@<identity>"`), so a request is never forwarded to a replica that would answer 409 by
 the router's view. When no replica qualifies the router answers 503 with `Retry-After` and the
-reason (`no_replicas`, `not_in_subset`, `unhealthy`, `constraint_unmet`, or `upstream_failed`
-when the replicas tried failed).
+reason (`no_replicas`, `not_in_subset`, `unhealthy`, `constraint_unmet`, `adapter_not_loaded`,
+or `upstream_failed` when the replicas tried failed). A request naming a LoRA adapter goes only
+to replicas that have it loaded.
 
 Responses are relayed as they arrive (SSE unbuffered). A replica that fails before the response
 starts (connection refused or reset, or 409/425/502/503/504) is retried once on another
@@ -28,7 +29,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import aiohttp
@@ -147,6 +148,11 @@ class RouterConfig:
 def request_constraint(body: bytes, headers: Mapping[str, str]) -> VersionConstraint:
     """The version constraint of a request, read as the engine reads it (400 `ApiError` when a
     field is malformed); a body that is not a JSON object contributes nothing."""
+    return request_route(body, headers)[0]
+
+
+def request_route(body: bytes, headers: Mapping[str, str]) -> tuple[VersionConstraint, str | None]:
+    """The version constraint and the model name (without `@identity`) of a request."""
     doc: Any = None
     if body:
         try:
@@ -157,10 +163,11 @@ def request_constraint(body: bytes, headers: Mapping[str, str]) -> VersionConstr
         doc = {}
     model = doc.get("model")
     model_identity = None
+    name = None
     if isinstance(model, str):
-        _, sep, ident = model.partition("@")
+        name, sep, ident = model.partition("@")
         model_identity = ident if sep and ident else None
-    return parse_constraint(doc, headers, model_identity)
+    return parse_constraint(doc, headers, model_identity), name or None
 
 
 def _forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
@@ -248,16 +255,18 @@ class Router:
         started = time.perf_counter()
         body = await request.read()
         try:
-            constraint = request_constraint(body, request.headers)
+            constraint, model = request_route(body, request.headers)
         except ApiError as err:
             return web.json_response(err.body(), status=err.status, headers=err.headers)
-        route = RouteRequest(session=session_id(request.headers), constraint=constraint)
+        route = RouteRequest(
+            session=session_id(request.headers), constraint=constraint, model=model
+        )
         headers = _forward_headers(request.headers)
         tried: set[str] = set()
         last_error = ""
         for attempt in range(2):
             if attempt:
-                route = RouteRequest(route.session, route.constraint, exclude=frozenset(tried))
+                route = replace(route, exclude=frozenset(tried))
             decision = self.choose(route)
             if isinstance(decision, NoReplica):
                 if attempt:
