@@ -8,7 +8,9 @@ with RBAC, build the new object, then run the `ValidatingAdmissionPolicy`s that 
   `UserInfo` as the real server builds it, `extra` with the bound pod's name and uid
   included. Any other request is the all-powerful admin (`system:masters`).
 * RBAC: Role, ClusterRole, RoleBinding and ClusterRoleBinding with the real rule matching
-  (`*`, `*/subresource`, resourceNames); a refusal is the real 403 `Status`.
+  (`*`, `*/subresource`, resourceNames); a refusal is the real 403 `Status`. Writing a Role or
+  a binding runs the real escalation check: grant only what you hold, unless you have
+  `escalate` (roles) or `bind` (the bound role).
 * Admission: `admissionregistration.k8s.io/v1` policies and bindings: matchConstraints and
   binding matchResources (resourceRules with subresources, operations and scope,
   excludeResourceRules, namespaceSelector, objectSelector), matchConditions, variables,
@@ -215,6 +217,82 @@ def authorize(user: UserInfo, attrs: Attributes, objects: Objects) -> None:
     if attrs.name:
         details["name"] = attrs.name
     raise error(403, "Forbidden", f"{subject} is forbidden: {reason}", **details)
+
+
+def _rule_permissions(rule: JSON) -> Iterator[tuple[str, str, str, str | None]]:
+    """(group, resource, verb, resourceName or None) for every combination a rule grants."""
+    for group in rule.get("apiGroups") or []:
+        for resource in rule.get("resources") or []:
+            for verb in rule.get("verbs") or []:
+                for name in rule.get("resourceNames") or [None]:
+                    yield group, resource, verb, name
+
+
+def _held(user: UserInfo, namespace: str | None, objects: Objects, permission: Any) -> bool:
+    group, resource, verb, name = permission
+    res, _, sub = resource.partition("/")
+    attrs = Attributes(verb, group, "", res, sub or None, namespace, name)
+    return user.is_admin or any(_rule_allows(r, attrs) for r in _rules(user, namespace, objects))
+
+
+def _not_held(rule: JSON) -> str:
+    """A rule as the real server prints it in an escalation refusal."""
+    parts = []
+    for key, field in (
+        ("APIGroups", "apiGroups"),
+        ("Resources", "resources"),
+        ("ResourceNames", "resourceNames"),
+        ("Verbs", "verbs"),
+    ):
+        if rule.get(field):
+            parts.append(f"{key}:[" + " ".join(f'"{v}"' for v in rule[field]) + "]")
+    return "{" + ", ".join(parts) + "}"
+
+
+def confirm_no_escalation(request: AdmissionRequest, objects: Objects) -> None:
+    """RBAC's escalation check on writes of Roles, ClusterRoles and their bindings, as the real
+    server runs it for every user: a Role may only grant what its author holds in that
+    namespace (unless the author has `escalate` on it), a binding may only bind a role whose
+    every permission its author holds (unless the author has `bind` on that role). Raises the
+    real 403."""
+    a, user, obj = request.attrs, request.user, request.object
+    if a.group != RBAC_GROUP or a.subresource or obj is None or user.is_admin:
+        return
+    namespace = a.namespace if a.resource in ("roles", "rolebindings") else None
+    if a.resource in ("roles", "clusterroles"):
+        if _held(user, namespace, objects, (RBAC_GROUP, a.resource, "escalate", request.name)):
+            return
+        rules = obj.get("rules") or []
+    elif a.resource in ("rolebindings", "clusterrolebindings"):
+        ref = obj.get("roleRef") or {}
+        kind, role_name = ref.get("kind"), str(ref.get("name") or "")
+        plural = "roles" if kind == "Role" else "clusterroles"
+        if _held(user, namespace, objects, (RBAC_GROUP, plural, "bind", role_name)):
+            return
+        role_namespace = (namespace or "") if kind == "Role" else ""
+        role = objects.get((RBAC_GROUP, plural, role_namespace, role_name))
+        rules = (role or {}).get("rules") or []
+    else:
+        return
+    missing = [
+        rule
+        for rule in rules
+        if rule.get("nonResourceURLs")
+        or not all(_held(user, namespace, objects, p) for p in _rule_permissions(rule))
+    ]
+    if not missing:
+        return
+    groups = " ".join(f'"{g}"' for g in user.groups)
+    raise error(
+        403,
+        "Forbidden",
+        f'{a.qualified} "{request.name}" is forbidden: user "{user.username}" '
+        f"(groups=[{groups}]) is attempting to grant RBAC permissions not currently held:\n"
+        + "\n".join(_not_held(rule) for rule in missing),
+        name=request.name,
+        group=a.group,
+        kind=a.resource,
+    )
 
 
 # --- admission (ValidatingAdmissionPolicy) ---------------------------------------------------

@@ -38,7 +38,9 @@ store behind a fallback reaction. That store adds what kmock lacks (see NOTES.md
   (`POST .../serviceaccounts/NAME/token`, bound to a pod) and `add_service_account_token`
   give tokens whose requests authenticate as the account (the pod's name and uid in
   `userInfo.extra`), are authorized by RBAC (Roles, ClusterRoles and their bindings; real 403
-  messages) and die with their pod; every other request is the all-powerful admin;
+  messages; an apply that creates is authorized as a create too; writing a Role or binding
+  passes the escalation check) and die with their pod; every other request is the
+  all-powerful admin;
 * ValidatingAdmissionPolicies with their bindings, in CEL, on every create, update (patches and
   status writes included: `object` is the result) and delete that comes in over HTTP, with the
   real denial (`ValidatingAdmissionPolicy 'P' with binding 'B' denied request: ...`).
@@ -86,6 +88,7 @@ from support.kubeaccess import (
     UserInfo,
     admit,
     authorize,
+    confirm_no_escalation,
     request_verb,
     service_account_user,
 )
@@ -750,6 +753,7 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
             target.name,
         )
         request = AdmissionRequest(operation, attrs, self._kind(info, target), user, new, old)
+        confirm_no_escalation(request, self.objects)
         admit(request, self.objects)
 
     def _token_request(self, target: Target, body: Any) -> JSON:
@@ -849,6 +853,19 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
     ) -> tuple[int, JSON]:
         key = self._key(target)
         if "apply-patch" in ctype and key not in self.objects:
+            user = _REQUEST_USER.get()
+            if user is not None:
+                # An apply that creates the object is authorized as a create as well.
+                attrs = Attributes(
+                    "create",
+                    target.group,
+                    target.version,
+                    target.plural,
+                    None,
+                    target.namespace,
+                    target.name,
+                )
+                authorize(user, attrs, self.objects)
             create = Target(
                 target.group, target.version, target.plural, target.namespace, None, None
             )

