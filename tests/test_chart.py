@@ -198,8 +198,24 @@ NAMESPACED_PERMISSIONS = permissions(
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+        # Removing the router when spec.router.enabled is switched off.
+        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["delete"]},
+        {"apiGroups": [""], "resources": ["services", "serviceaccounts"], "verbs": ["delete"]},
+        {
+            "apiGroups": ["rbac.authorization.k8s.io"],
+            "resources": ["roles", "rolebindings"],
+            "verbs": ["delete"],
+        },
     ]
 )
+# The kinds of the router's objects, the only ones the operator may delete.
+ROUTER_KINDS = {
+    ("apps", "deployments"),
+    ("", "services"),
+    ("", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "roles"),
+    ("rbac.authorization.k8s.io", "rolebindings"),
+}
 CRD_DISCOVERY = {
     ("apiextensions.k8s.io", "customresourcedefinitions", v, ()) for v in ("list", "watch")
 }
@@ -420,13 +436,33 @@ def _all_rules(objs: list[JSON]) -> list[tuple[JSON, JSON]]:
 def test_rbac_never_grants_wildcards_escalation_deletion_or_secret_listing(
     scenarios: dict[str, list[JSON]], name: str
 ) -> None:
+    from hotload.api.models import HotLoadDeployment
+    from hotload_operator.builders import OperatorImages, build_router
+
+    hld = HotLoadDeployment.model_validate(
+        {
+            "metadata": {"name": "p", "namespace": "team-a", "uid": "u"},
+            "spec": {"bucket": {"url": "s3://b/p"}, "engine": {"image": "e"}},
+        }
+    )
+    plurals = {"Deployment": "deployments", "Service": "services"}
+    plurals |= {"ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings"}
+    built = {
+        (o["apiVersion"].rpartition("/")[0], plurals[o["kind"]])
+        for o in build_router(hld, OperatorImages())
+    }
+    assert built == ROUTER_KINDS  # delete is granted on exactly what the router consists of
     for role, rule in _all_rules(scenarios[name]):
         where = f"{role['kind']}/{role['metadata']['name']}: {rule}"
         for field in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[field], where
-        assert not {"escalate", "bind", "impersonate", "delete", "deletecollection"} & set(
-            rule["verbs"]
-        ), where
+        assert not {"escalate", "bind", "impersonate", "deletecollection"} & set(rule["verbs"]), (
+            where
+        )
+        if "delete" in rule["verbs"]:
+            # Only in a rule of its own, only on the router's kinds (switching it off).
+            assert rule["verbs"] == ["delete"], where
+            assert {(g, r) for g in rule["apiGroups"] for r in rule["resources"]} <= ROUTER_KINDS
         if "update" in rule["verbs"]:
             assert rule["resources"] == ["hotloaddeployments/finalizers"], where
         if "secrets" in rule["resources"]:
@@ -457,7 +493,7 @@ def test_cluster_wide_rbac_is_exactly_what_the_operator_does(
 def test_every_rule_says_why() -> None:
     lines = (CHART / "templates" / "rbac.yaml").read_text().splitlines()
     rules = [i for i, line in enumerate(lines) if line.strip().startswith("- apiGroups:")]
-    assert len(rules) >= 14
+    assert len(rules) >= 17
     for i in rules:
         assert lines[i - 1].strip().startswith("#"), f"rbac.yaml:{i + 1}: no comment says why"
 

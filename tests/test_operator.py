@@ -18,6 +18,7 @@ from hotload.ledger import Ledger
 from hotload.snapshot import describe_snapshot
 from support.kubeapi import KubeAPI
 from support.operator import (
+    create_fleet,
     eventually,
     hld_path,
     install_crds,
@@ -235,7 +236,8 @@ async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
             )
             await eventually("the fleet Ready on step-001", fleet_ready)
 
-            # Scaling up: the Deployment follows the spec.
+            # Scaling up: the Deployment follows the spec; the added replica starts with
+            # nothing, the status counts it behind, and it catches up from the ledger.
             await kube.patch(hld_path(ns, "fleet"), {"spec": {"replicas": 3}}, "merge")
 
             async def scaled() -> bool:
@@ -243,6 +245,41 @@ async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
                 return bool(await _field(kube, path, "spec", "replicas") == 3)
 
             await eventually("the Deployment scaled", scaled)
+            pods = await play_deployment_controller(kube, ns, "fleet")
+            assert pods == ["fleet-0", "fleet-1", "fleet-2"]
+
+            async def behind() -> JSON | None:
+                obj = await kube.get(hld_path(ns, "fleet"))
+                status = obj.get("status") or {}
+                seen = {r["pod"] for r in status.get("replicaStatuses") or []}
+                return obj if "fleet-2" in seen and status.get("replicas") == 3 else None
+
+            obj = await eventually("the new replica in the status", behind)
+            assert obj["status"]["updatedReplicas"] == 2
+            assert condition(obj, "Ready")["reason"] == "ReplicasBehind"
+            assert condition(obj, "Progressing")["status"] == "True"
+            new = next(r for r in obj["status"]["replicaStatuses"] if r["pod"] == "fleet-2")
+            assert new["snapshot"] is None and new["loaded"] is False
+
+            # The new loader reads the ledger head and loads it, as a real one starting up does.
+            head = (await ledger.read_async()).document.head
+            assert head is not None and head.identity == "step-001"
+            await play_loader(
+                kube, ns, "fleet-2", serving(head.identity, head.sequence), ready=True
+            )
+
+            async def caught_up() -> JSON | None:
+                obj = await kube.get(hld_path(ns, "fleet"))
+                return obj if obj["status"].get("updatedReplicas") == 3 else None
+
+            status = (await eventually("the new replica caught up", caught_up))["status"]
+            assert status["readyReplicas"] == 3 and status["currentSnapshot"] == "step-001"
+            assert condition({"status": status}, "Ready")["reason"] == "AllReplicasCurrent"
+            assert condition({"status": status}, "Progressing")["reason"] == "UpToDate"
+            new = next(r for r in status["replicaStatuses"] if r["pod"] == "fleet-2")
+            assert new["snapshot"] == "step-001" and new["loaded"] is True
+            snap1 = await kube.get(snapshot_path(ns, "step-001"))
+            assert snap1["status"]["replicasLoaded"] == 3
 
             # The optional router: created from the spec, its endpoint in the status; removed
             # again when switched off.
@@ -269,6 +306,104 @@ async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
                 "the Deployment garbage-collected",
                 lambda: _gone(kube, resource_path("apps/v1", "deployments", ns, "fleet")),
             )
+
+
+@pytest.mark.asyncio
+async def test_a_restart_between_the_ledger_append_and_the_status_write(
+    kube_api: KubeAPI,
+    tmp_path: Path,
+    snapshots: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The operator appends a snapshot to the ledger, then its status write is lost (it stops
+    before retrying). The next operator admits it again from the ledger, even though a shard
+    has since gone from the bucket (validating again would refuse it): Accepted=True with the
+    same sequence, and the ledger holds the entry once."""
+    import re
+
+    monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig))
+    ns = kube_api.namespace
+    bucket_dir = tmp_path / "bucket"
+    bucket_dir.mkdir()
+    ledger = Ledger(open_bucket(str(bucket_dir)), "fleet")
+    status_path = snapshot_path(ns, "step-000", "status")
+    async with kube_api.client() as kube:
+        await install_crds(kube)
+        async with running_operator(kube_api):
+            await create_fleet(kube, ns, bucket_dir)
+            await upload(bucket_dir, snapshots["step-000"])
+            if kube_api.emulator is not None:
+                # The status write after the append fails (once); kopf would retry it only
+                # after its backoff, and the operator stops before that.
+                kube_api.emulator["patch", re.compile(f".*{re.escape(status_path)}$")][:1] << 403
+            await kube.create(snapshot_path(ns), snapshot_object("step-000", "fleet"))
+
+            async def appended() -> bool:
+                head = (await ledger.read_async()).document.head
+                return head is not None and head.identity == "step-000"
+
+            await eventually("step-000 in the ledger", appended)
+            if kube_api.emulator is None:
+                # A real cluster: lose the status write by removing what it wrote.
+                await eventually(
+                    "step-000 accepted", lambda: _status_has(kube, status_path[:-7], "Accepted")
+                )
+                await kube.patch(status_path, {"status": None}, "merge")
+        obj = await kube.get(snapshot_path(ns, "step-000"))
+        assert not condition(obj, "Accepted"), obj.get("status")
+
+        # Meanwhile a shard goes (a lifecycle rule, a cleanup): the files no longer validate.
+        shard = next(p for p in (bucket_dir / "step-000").iterdir() if p.name.startswith("model-"))
+        shard.unlink()
+
+        async with running_operator(kube_api):
+            obj = await eventually(
+                "step-000 accepted after the restart",
+                lambda: _status_has(kube, snapshot_path(ns, "step-000"), "Accepted"),
+            )
+        accepted = condition(obj, "Accepted")
+        assert accepted["status"] == "True" and accepted["reason"] == "Admitted", accepted
+        assert "already in ledger 'fleet' as sequence 1" in accepted["message"]
+        assert obj["status"]["sequence"] == 1 and obj["status"]["kind"] == "full"
+        entries = (await ledger.read_async()).document.entries
+        assert [e.identity for e in entries] == ["step-000"]
+
+
+@pytest.mark.asyncio
+async def test_a_spec_the_api_server_refuses_is_degraded_invalid_spec(
+    kube_api: KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A name the CRD accepts but a label value cannot hold (over 63 characters): every owned
+    object is refused (422), and the status says so instead of only the operator's log."""
+    monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig))
+    ns = kube_api.namespace
+    name = "policy-" + "x" * 60
+    async with kube_api.client() as kube:
+        await install_crds(kube)
+        async with running_operator(kube_api):
+            await kube.create(
+                hld_path(ns),
+                {
+                    "apiVersion": "hotload.dev/v1alpha1",
+                    "kind": "HotLoadDeployment",
+                    "metadata": {"name": name},
+                    "spec": {
+                        "bucket": {"url": f"file://{tmp_path}"},
+                        "engine": {"image": "registry.example/engine:1"},
+                    },
+                },
+            )
+
+            async def degraded() -> JSON | None:
+                obj = await _get(kube, hld_path(ns, name))
+                return obj if obj and condition(obj, "Degraded").get("status") == "True" else None
+
+            obj = await eventually("Degraded=True", degraded)
+        cond = condition(obj, "Degraded")
+        assert cond["reason"] == "InvalidSpec", cond
+        assert "the API server refused ServiceAccount" in cond["message"]
+        assert "422" in cond["message"] and "label" in cond["message"], cond["message"]
+        assert await _get(kube, resource_path("apps/v1", "deployments", ns, name)) is None
 
 
 async def _get(kube: Any, path: str) -> JSON | None:

@@ -70,7 +70,7 @@ class DeploymentReasons:
     ADAPTER_FAILURES: Final = "AdapterLoadFailures"  # True: a LoRA adapter failed to load
     REPLICAS_UNAVAILABLE: Final = "ReplicasUnavailable"  # True: pods not ready
     HEALTHY: Final = "Healthy"  # False
-    INVALID_SPEC: Final = "InvalidSpec"  # True: the spec cannot be turned into objects
+    INVALID_SPEC: Final = "InvalidSpec"  # True: the API server refuses an object built from it
 
 
 class SnapshotReasons:
@@ -78,7 +78,6 @@ class SnapshotReasons:
 
     # Accepted
     ADMITTED: Final = "Admitted"  # True: validated and appended to the ledger
-    PENDING: Final = "Pending"  # Unknown: not looked at yet
     DEPLOYMENT_NOT_FOUND: Final = "DeploymentNotFound"  # False
     NOT_IN_BUCKET: Final = "NotInBucket"  # False: files missing (not uploaded, or unfinished)
     INVALID: Final = "InvalidSnapshot"  # False: format validation failed
@@ -87,7 +86,7 @@ class SnapshotReasons:
     LEDGER_REJECTED: Final = "LedgerRejected"  # False: the ledger refused the entry
     ADAPTERS_NOT_ENABLED: Final = "AdaptersNotEnabled"  # False: LoRA for a fleet without adapters
     BASE_MODEL_MISMATCH: Final = "BaseModelMismatch"  # False: the adapter names another base
-    BUCKET_UNREACHABLE: Final = "BucketUnreachable"  # Unknown: retried
+    BUCKET_UNREACHABLE: Final = "BucketUnreachable"  # Unknown: the bucket cannot be read; retried
     # Ready
     LOADED: Final = "Loaded"  # True: the ready fraction of replicas serves it
     LOADING: Final = "Loading"  # False: replicas are loading it

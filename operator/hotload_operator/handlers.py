@@ -9,7 +9,14 @@ from typing import Any
 
 import kopf
 
-from hotload.api.names import DEPLOYMENT_PLURAL, GROUP, LABEL_DEPLOYMENT, SNAPSHOT_PLURAL, VERSION
+from hotload.api.names import (
+    CONDITION_ACCEPTED,
+    DEPLOYMENT_PLURAL,
+    GROUP,
+    LABEL_DEPLOYMENT,
+    SNAPSHOT_PLURAL,
+    VERSION,
+)
 from hotload.errors import BucketError, KubeError
 from hotload.kube import KubeClient, KubeConfig
 from hotload_operator import reconcile
@@ -21,6 +28,12 @@ log = logging.getLogger("hotload_operator")
 #: How often each deployment's roll-up runs even without pod events (the ledger head moves
 #: without touching any Kubernetes object).
 ROLLUP_INTERVAL = float(os.environ.get("HOTLOAD_ROLLUP_INTERVAL", "5"))
+#: Seconds between admission attempts while a Snapshot's bucket cannot be read.
+BUCKET_RETRY_SECONDS = 15.0
+#: Seconds before admission runs again after an unexpected error (e.g. its status write
+#: failed after the ledger append; kopf's default, 60 s, would hold a trainer's
+#: `wait_ready` that long). Kept across operator restarts in kopf's progress annotations.
+ADMISSION_BACKOFF_SECONDS = 5.0
 
 
 @kopf.on.login()
@@ -117,6 +130,8 @@ async def deployment_changed(
     try:
         applied = await reconcile.apply_children(ctx, hld)
     except KubeError as err:
+        # Roll up anyway: a refused (invalid) object shows as Degraded=True, InvalidSpec.
+        await reconcile.guarded("roll-up", lambda: reconcile.rollup(ctx, *_key(body)))
         raise kopf.TemporaryError(f"applying owned objects failed: {err}", delay=10) from err
     logger.info("applied %s", ", ".join(applied))
     try:
@@ -146,18 +161,21 @@ async def pod_event(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     await reconcile.guarded("roll-up", lambda: reconcile.rollup(ctx, namespace, name))
 
 
-@kopf.on.resume(GROUP, VERSION, SNAPSHOT_PLURAL)
-@kopf.on.create(GROUP, VERSION, SNAPSHOT_PLURAL)
+@kopf.on.resume(GROUP, VERSION, SNAPSHOT_PLURAL, backoff=ADMISSION_BACKOFF_SECONDS)
+@kopf.on.create(GROUP, VERSION, SNAPSHOT_PLURAL, backoff=ADMISSION_BACKOFF_SECONDS)
 async def snapshot_created(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """Admit a new Snapshot into its deployment's ledger (once; the spec is immutable)."""
     ctx: Context = memo["ctx"]
     status = body.get("status") or {}
-    if any(c.get("type") == "Accepted" for c in status.get("conditions") or []):
-        return  # decided before a restart; admission is not re-run
+    if any(
+        c.get("type") == CONDITION_ACCEPTED and c.get("status") in ("True", "False")
+        for c in status.get("conditions") or []
+    ):
+        return  # decided before a restart; admission is not re-run (Unknown is retried)
     try:
         result = await reconcile.admit_snapshot(ctx, dict(body))
-    except BucketError as err:
-        raise kopf.TemporaryError(f"bucket unreachable: {err}", delay=15) from err
+    except reconcile.AdmissionDeferredError as err:
+        raise kopf.TemporaryError(str(err), delay=BUCKET_RETRY_SECONDS) from err
     if result.accepted:
         kopf.info(body, reason=result.reason, message=result.message)
         await reconcile.guarded(

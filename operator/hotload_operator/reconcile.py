@@ -23,15 +23,24 @@ from hotload.api.models import HotLoadDeployment, Snapshot
 from hotload.api.names import (
     API_VERSION,
     CONDITION_ACCEPTED,
+    CONDITION_DEGRADED,
     CONDITION_READY,
     DEPLOYMENT_PLURAL,
     LABEL_DEPLOYMENT,
     SNAPSHOT_PLURAL,
+    DeploymentReasons,
     SnapshotReasons,
 )
 from hotload.bucket import Bucket, open_bucket
 from hotload.bucket.url import S3_SETTINGS
-from hotload.errors import BucketError, KubeError, KubeNotFoundError, LedgerError
+from hotload.errors import (
+    BucketError,
+    KubeError,
+    KubeForbiddenError,
+    KubeInvalidError,
+    KubeNotFoundError,
+    LedgerError,
+)
 from hotload.kube import KubeClient, resource_path
 from hotload.ledger import Ledger, LedgerDocument, Pin, write_pin_async
 from hotload_operator.admission import Admission, admit
@@ -60,6 +69,34 @@ _PLURALS = {
     "Service": ("v1", "services"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
 }
+
+
+class CredentialsUnreadableError(BucketError):
+    """A bucket cannot be opened: its `spec.bucket.credentialsSecret` cannot be read (a
+    `BucketError`, so every caller that retries an unreachable bucket retries this too)."""
+
+    reason = "credentials unreadable"
+
+    @classmethod
+    def of(
+        cls, namespace: str, secret: str, url: str, err: KubeError
+    ) -> CredentialsUnreadableError:
+        """The error for Secret `namespace/secret` failing with `err`, saying what to do."""
+        if isinstance(err, KubeForbiddenError):
+            why = (
+                "the operator may not read it: add it to the chart's rbac.bucketSecrets for "
+                f"namespace {namespace} and run helm upgrade ({err})"
+            )
+        elif isinstance(err, KubeNotFoundError):
+            why = f"it does not exist ({err})"
+        else:
+            why = str(err)
+        return cls(f"Secret {namespace}/{secret} (spec.bucket.credentialsSecret): {why}", url=url)
+
+
+class AdmissionDeferredError(Exception):
+    """Admission could not read the bucket; the Snapshot says so (`Accepted=Unknown`,
+    `BucketUnreachable`) and the caller retries."""
 
 
 @dataclass
@@ -94,16 +131,26 @@ class Context:
     _pending: set[tuple[str, str]] = field(default_factory=set)
     #: Per deployment: the ledger's ETag and when it was last rolled up (for the cheap timer).
     _ticks: dict[tuple[str, str], tuple[str | None, float]] = field(default_factory=dict)
+    #: Per deployment: why the API server refused an object built from its spec (422), until
+    #: an apply succeeds; the roll-up shows it as Degraded=True, InvalidSpec.
+    _invalid: dict[tuple[str, str], str] = field(default_factory=dict)
 
     async def bucket(self, hld: HotLoadDeployment) -> Bucket:
-        """The deployment's bucket, with credentials from its Secret (cached per secret)."""
+        """The deployment's bucket, with credentials from its Secret (cached per secret).
+
+        Raises `CredentialsUnreadableError` (a `BucketError`) when the Secret cannot be read."""
         url = hld.spec.bucket.url
         secret = hld.spec.bucket.credentials_secret
         key = (namespace_of(hld), url, secret)
         if key not in self._buckets:
             credentials_dir = None
             if secret:
-                credentials_dir = await self._secret_dir(namespace_of(hld), secret)
+                try:
+                    credentials_dir = await self._secret_dir(namespace_of(hld), secret)
+                except KubeError as err:
+                    raise CredentialsUnreadableError.of(
+                        namespace_of(hld), secret, url, err
+                    ) from err
             self._buckets[key] = open_bucket(url, credentials_dir=credentials_dir)
         return self._buckets[key]
 
@@ -143,21 +190,33 @@ def parse_snapshot(body: JSON) -> Snapshot:
 
 
 async def apply_children(ctx: Context, hld: HotLoadDeployment) -> list[str]:
-    """Create or update every object the deployment owns (server-side apply); return names."""
+    """Create or update every object the deployment owns (server-side apply); return names.
+
+    An object the API server refuses as invalid (422) is remembered for the roll-up
+    (Degraded=True, InvalidSpec) and re-raised, so the caller retries."""
     applied = []
+    key = (namespace_of(hld), name_of(hld))
     for obj in build_children(hld, ctx.images):
         api_version, plural = _PLURALS[obj["kind"]]
         meta = obj["metadata"]
         path = resource_path(api_version, plural, meta["namespace"], meta["name"])
-        await ctx.kube.patch(path, obj, "apply", field_manager=FIELD_MANAGER, force=True)
+        try:
+            await ctx.kube.patch(path, obj, "apply", field_manager=FIELD_MANAGER, force=True)
+        except KubeInvalidError as err:
+            ctx._invalid[key] = f"the API server refused {obj['kind']} {meta['name']}: {err}"
+            raise
         applied.append(f"{obj['kind']}/{meta['name']}")
+    ctx._invalid.pop(key, None)
     if not hld.spec.router.enabled:
-        # A router switched off: remove what an earlier spec created (absent is fine).
+        # A router switched off: remove what an earlier spec created (absent is fine). The
+        # deployment stays, so owner garbage collection would not; `<name>-router` is the
+        # operator's name, as `<name>` is, and the chart grants delete on these kinds for it.
+        # The Deployment goes first: its pods run as the ServiceAccount deleted last.
         for kind in ("Deployment", "Service", "RoleBinding", "Role", "ServiceAccount"):
             api_version, plural = _PLURALS[kind]
             path = resource_path(api_version, plural, namespace_of(hld), router_name(hld))
             with contextlib.suppress(KubeNotFoundError):
-                await ctx.kube.delete(path)
+                await ctx.kube.delete(path, propagation_policy="Background")
     ctx.metrics.reconciles.labels("applied").inc()
     return applied
 
@@ -191,12 +250,46 @@ async def admit_snapshot(ctx: Context, body: JSON) -> Admission:
             f"HotLoadDeployment {ns}/{snap.spec.deployment} does not exist",
         )
     else:
-        bucket = await ctx.bucket(hld)
-        ledger = Ledger(bucket, hld.spec.ledger or name_of(hld))
-        result = await admit(snap, hld, bucket, ledger)
+        try:
+            bucket = await ctx.bucket(hld)
+            ledger = Ledger(bucket, hld.spec.ledger or name_of(hld))
+            result = await admit(snap, hld, bucket, ledger)
+        except BucketError as err:
+            # Not a verdict on the snapshot: say why on the object (Accepted=Unknown), so that
+            # `kubectl get snap` shows it, and let the caller retry.
+            reason = SnapshotReasons.BUCKET_UNREACHABLE
+            ctx.metrics.admissions.labels(reason).inc()
+            message = f"cannot read the bucket: {err} (admission is retried)"
+            await write_condition(
+                ctx, snap, CONDITION_ACCEPTED, None, reason=reason, message=message
+            )
+            raise AdmissionDeferredError(message) from err
     ctx.metrics.admissions.labels(result.reason).inc()
     await write_admission(ctx, snap, result)
     return result
+
+
+async def write_condition(
+    ctx: Context, snap: Snapshot, type_: str, status: bool | None, *, reason: str, message: str
+) -> None:
+    """Set one condition on the snapshot's status (None: Unknown), keeping the others."""
+    previous = snap.status.to_json() if snap.status else {}
+    gen = snap.metadata.get("generation")
+    generation = gen if isinstance(gen, int) else None
+    conditions = set_condition(
+        list(previous.get("conditions") or []),
+        type_,
+        status,
+        reason,
+        message,
+        generation=generation,
+        now=ctx.now(),
+    )
+    ns = str(snap.metadata.get("namespace") or "default")
+    path = resource_path(API_VERSION, SNAPSHOT_PLURAL, ns, str(snap.metadata["name"]), "status")
+    await ctx.kube.patch(
+        path, {"status": {"observedGeneration": generation, "conditions": conditions}}, "merge"
+    )
 
 
 async def write_admission(ctx: Context, snap: Snapshot, result: Admission) -> None:
@@ -298,6 +391,18 @@ async def _rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
     kept_adapters = [e.identity for e in kept]
     previous = body.get("status") or {}
     status = rollup_deployment(hld, pods, head, entries, now=ctx.now(), previous=previous)
+    invalid = ctx._invalid.get((namespace, name))
+    if invalid is not None:
+        # The pods say nothing about a spec the API server refuses: that outranks them.
+        status["conditions"] = set_condition(
+            status["conditions"],
+            CONDITION_DEGRADED,
+            True,
+            DeploymentReasons.INVALID_SPEC,
+            invalid,
+            generation=status.get("observedGeneration"),
+            now=ctx.now(),
+        )
     if status != {k: previous.get(k) for k in status}:
         await ctx.kube.patch(path + "/status", {"status": status}, "merge")
     snaps = await ctx.kube.list(resource_path(API_VERSION, SNAPSHOT_PLURAL, namespace))

@@ -1,0 +1,267 @@
+"""The real kopf operator running as the chart's ServiceAccount, with nothing but the chart's
+rendered RBAC (`helm template`), on an API server that enforces RBAC for service-account tokens:
+the emulator, or HOTLOAD_E2E_KUBECONFIG's cluster.
+
+Everything the operator does in a fleet's life must be allowed: owned objects (and the Roles it
+hands to loaders and the router, which Kubernetes lets it create only when it holds every
+permission in them), admission with a bucket Secret the chart lists, the router switched on and
+off again, a pin. A Secret the chart does not list is the one refusal, and it shows on the
+Snapshot as `Accepted=Unknown`, `BucketUnreachable`, until the chart's Role lists it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hotload.bucket import open_bucket, upload_snapshot_async
+from hotload.errors import KubeNotFoundError
+from hotload.kube import KubeClient, resource_path
+from hotload.ledger import Ledger
+from hotload.snapshot import describe_snapshot
+from hotload_operator import handlers
+from support.kubeapi import KubeAPI
+from support.kubetools import helm, render_chart
+from support.operator import eventually, hld_path, install_crds, running_operator, snapshot_path
+from support.snapshots import full, weights
+
+JSON = dict[str, Any]
+RBAC_KINDS = {
+    "ServiceAccount": ("v1", "serviceaccounts"),
+    "ClusterRole": ("rbac.authorization.k8s.io/v1", "clusterroles"),
+    "ClusterRoleBinding": ("rbac.authorization.k8s.io/v1", "clusterrolebindings"),
+    "Role": ("rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
+}
+ROUTER_OBJECTS = [
+    ("apps/v1", "deployments"),
+    ("v1", "services"),
+    ("v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io/v1", "roles"),
+    ("rbac.authorization.k8s.io/v1", "rolebindings"),
+]
+
+
+def condition(obj: JSON, type_: str) -> JSON:
+    """Condition `type_` of `obj`'s status ({} when absent)."""
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return dict(c)
+    return {}
+
+
+def _path(obj: JSON) -> str:
+    api_version, plural = RBAC_KINDS[obj["kind"]]
+    return resource_path(api_version, plural, obj["metadata"].get("namespace"))
+
+
+@contextlib.asynccontextmanager
+async def chart_rbac(kube: KubeClient, objs: list[JSON]) -> AsyncIterator[list[JSON]]:
+    """Create the chart's ServiceAccount and RBAC objects (as `helm install` would, as an
+    admin); remove them afterwards (the cluster-scoped ones outlive the test namespace)."""
+    rbac = [o for o in objs if o["kind"] in RBAC_KINDS]
+    try:
+        for obj in rbac:
+            await kube.create(_path(obj), obj)
+        yield rbac
+    finally:
+        for obj in rbac:
+            with contextlib.suppress(KubeNotFoundError):
+                await kube.delete(_path(obj) + "/" + obj["metadata"]["name"])
+
+
+async def _get(kube: KubeClient, path: str) -> JSON | None:
+    try:
+        return dict(await kube.get(path))
+    except KubeNotFoundError:
+        return None
+
+
+async def upload(bucket_dir: Path, folder: Path) -> None:
+    """The trainer's part: every file in the bucket before the Snapshot object exists."""
+    desc = describe_snapshot(folder)
+    await upload_snapshot_async(
+        folder,
+        open_bucket(str(bucket_dir)),
+        folder.name,
+        files=desc.files,
+        manifest_files=desc.manifest_files,
+    )
+
+
+def fleet(name: str, bucket_dir: Path, secret: str) -> JSON:
+    """A HotLoadDeployment whose bucket credentials come from `secret`."""
+    return {
+        "apiVersion": "hotload.dev/v1alpha1",
+        "kind": "HotLoadDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": 1,
+            "bucket": {"url": f"file://{bucket_dir}", "credentialsSecret": secret},
+            "engine": {"image": "registry.example/engine:1"},
+        },
+    }
+
+
+def snapshot(name: str, deployment: str, identity: str) -> JSON:
+    """A Snapshot object as a trainer creates it."""
+    return {
+        "apiVersion": "hotload.dev/v1alpha1",
+        "kind": "Snapshot",
+        "metadata": {"name": name},
+        "spec": {"deployment": deployment, "identity": identity},
+    }
+
+
+def secret(name: str) -> JSON:
+    """A bucket-credentials Secret (a file:// bucket ignores what it says)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name},
+        "data": {"AWS_REGION": base64.b64encode(b"eu-west-1").decode()},
+    }
+
+
+@pytest.mark.asyncio
+async def test_the_operator_needs_nothing_beyond_the_charts_rbac(
+    kube_api: KubeAPI,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ns = kube_api.namespace
+    release = f"t{ns[-8:]}"
+    values = {
+        "operator": {"watchNamespaces": [ns]},
+        "rbac": {"bucketSecrets": [{"namespace": ns, "names": ["bucket-creds"]}]},
+    }
+    objs = render_chart(helm(tmp_path / "helm"), release, ns, values)
+    account = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    bucket_dir = tmp_path / "bucket"
+    bucket_dir.mkdir()
+    await upload(bucket_dir, full(tmp_path / "snaps" / "step-000", weights(0)))
+    # Retries of an unreachable bucket come quickly here (15 s in production).
+    monkeypatch.setattr(handlers, "BUCKET_RETRY_SECONDS", 1.0)
+    caplog.set_level(logging.INFO)
+
+    async with kube_api.client() as kube:
+        await install_crds(kube)
+        async with chart_rbac(kube, objs):
+            for name in ("bucket-creds", "other-creds"):
+                await kube.create(resource_path("v1", "secrets", ns), secret(name))
+            kubeconfig = await kube_api.service_account_kubeconfig(
+                tmp_path / "operator-kubeconfig", account
+            )
+            monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+            async with running_operator(kube_api):
+                await _a_fleets_life(kube, ns, bucket_dir)
+                await _an_unlisted_secret(kube, ns, bucket_dir, release)
+
+    # The only refusal in the operator's log is the Secret the chart did not list.
+    forbidden = [r.getMessage() for r in caplog.records if "forbidden" in r.getMessage()]
+    assert forbidden, "the unlisted Secret should have been refused"
+    unexpected = [m for m in forbidden if 'secrets "other-creds"' not in m]
+    assert not unexpected, unexpected
+
+
+async def _a_fleets_life(kube: KubeClient, ns: str, bucket_dir: Path) -> None:
+    """Owned objects, admission, the router on and off, a pin: all allowed."""
+    await kube.create(hld_path(ns), fleet("fleet", bucket_dir, "bucket-creds"))
+    for api_version, plural in [*ROUTER_OBJECTS[:3], ("policy/v1", "poddisruptionbudgets")]:
+        name = "fleet-hotload-loader" if plural == "serviceaccounts" else "fleet"
+        path = resource_path(api_version, plural, ns, name)
+        await eventually(f"{plural}/{name}", lambda path=path: _get(kube, path))
+    for plural in ("roles", "rolebindings"):  # the loader's, created by the operator
+        path = resource_path("rbac.authorization.k8s.io/v1", plural, ns, "fleet-hotload-loader")
+        await eventually(f"the loader's {plural}", lambda path=path: _get(kube, path))
+
+    # Admission, with credentials from the Secret the chart lists.
+    await kube.create(snapshot_path(ns), snapshot("step-000", "fleet", "step-000"))
+
+    async def accepted() -> JSON | None:
+        obj = await _get(kube, snapshot_path(ns, "step-000"))
+        return obj if obj and condition(obj, "Accepted").get("status") == "True" else None
+
+    await eventually("step-000 Accepted", accepted)
+
+    # The router: on (its objects, including a Role the operator grants), then off (deleted).
+    await kube.patch(hld_path(ns, "fleet"), {"spec": {"router": {"enabled": True}}}, "merge")
+    for api_version, plural in ROUTER_OBJECTS:
+        path = resource_path(api_version, plural, ns, "fleet-router")
+        await eventually(f"the router's {plural}", lambda path=path: _get(kube, path))
+
+    async def endpoint() -> Any:
+        obj = await _get(kube, hld_path(ns, "fleet"))
+        return ((obj or {}).get("status") or {}).get("routerEndpoint")
+
+    await eventually("the router endpoint", endpoint)
+    await kube.patch(hld_path(ns, "fleet"), {"spec": {"router": {"enabled": False}}}, "merge")
+    for api_version, plural in ROUTER_OBJECTS:
+        path = resource_path(api_version, plural, ns, "fleet-router")
+
+        async def gone(path: str = path) -> bool:
+            return await _get(kube, path) is None
+
+        await eventually(f"the router's {plural} deleted", gone)
+
+    async def no_endpoint() -> bool:
+        obj = await _get(kube, hld_path(ns, "fleet"))
+        return not ((obj or {}).get("status") or {}).get("routerEndpoint")
+
+    await eventually("the router endpoint cleared", no_endpoint)
+
+    # A pin: written to the bucket (sync_pin runs after the owned objects) and in the status.
+    await kube.patch(hld_path(ns, "fleet"), {"spec": {"pin": "step-000"}}, "merge")
+
+    async def pinned() -> JSON | None:
+        obj = await _get(kube, hld_path(ns, "fleet"))
+        status = (obj or {}).get("status") or {}
+        ok = status.get("mode") == "Pinned" and status.get("targetSnapshot") == "step-000"
+        return obj if ok else None
+
+    obj = await eventually("the fleet pinned", pinned)
+    uid = obj["metadata"]["uid"]
+    pin = json.loads((bucket_dir / ".hotload" / "pins" / ns / "fleet" / f"{uid}.json").read_text())
+    assert pin["pin"] == "step-000" and pin["deployment"] == f"{ns}/fleet", pin
+
+
+async def _an_unlisted_secret(kube: KubeClient, ns: str, bucket_dir: Path, release: str) -> None:
+    """A Secret the chart does not list: the Snapshot says why it waits (Accepted=Unknown,
+    BucketUnreachable, naming the Secret and the value to change), and is admitted once the
+    chart's Role lists it (what `helm upgrade` with it in rbac.bucketSecrets does)."""
+    await kube.create(hld_path(ns), fleet("other", bucket_dir, "other-creds"))
+    await kube.create(snapshot_path(ns), snapshot("other-step-000", "other", "step-000"))
+
+    async def waiting() -> JSON | None:
+        obj = await _get(kube, snapshot_path(ns, "other-step-000"))
+        return obj if obj and condition(obj, "Accepted") else None
+
+    obj = await eventually("the unreachable bucket noted", waiting)
+    accepted = condition(obj, "Accepted")
+    assert accepted["status"] == "Unknown" and accepted["reason"] == "BucketUnreachable", accepted
+    for text in (f"Secret {ns}/other-creds", "403", "rbac.bucketSecrets", str(bucket_dir)):
+        assert text in accepted["message"], accepted["message"]
+    assert not condition(obj, "Ready")
+    assert (await Ledger(open_bucket(str(bucket_dir)), "other").read_async()).document.head is None
+
+    role_path = resource_path(
+        "rbac.authorization.k8s.io/v1", "roles", ns, f"{release}-hotload-bucket-secrets"
+    )
+    role = await kube.get(role_path)
+    role["rules"][0]["resourceNames"] = ["bucket-creds", "other-creds"]
+    await kube.replace(role_path, role)
+
+    async def admitted() -> JSON | None:
+        obj = await _get(kube, snapshot_path(ns, "other-step-000"))
+        return obj if obj and condition(obj, "Accepted").get("status") == "True" else None
+
+    obj = await eventually("admitted once the Secret is listed", admitted, timeout=60)
+    assert obj["status"]["sequence"] == 1
