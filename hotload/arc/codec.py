@@ -1,8 +1,9 @@
 """arc_v2 encode, decode and verify, shard by shard and for whole snapshot folders.
 
-Shards stream one at a time; inside a shard, chunks are coded on a thread pool (numpy, zlib
-and zstd release the GIL). Decoding copies the parent's bytes with copy_file_range, patches
-only the changed elements through a memory map, and checks every tensor's adler32: the parent's
+Shards stream one at a time (two overlap when there are several threads); inside a shard,
+chunks are coded on a thread pool (numpy, zlib-ng, zstd and file writes release the GIL).
+Decoding copies unchanged chunks with copy_file_range, assembles every other chunk in a reused
+per-thread buffer written with one pwrite, and checks every tensor's adler32: the parent's
 against the delta's base checksum (wrong parent) and the result against the target checksum.
 """
 
@@ -15,10 +16,9 @@ import os
 import shutil
 import struct
 import time
-import zlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +32,7 @@ from hotload.arc.checksum import (
     CHECKSUM_ALIASES,
     adler32,
     adler32_combine,
+    crc32,
     format_checksum,
     parse_checksum,
 )
@@ -106,6 +107,37 @@ def default_threads() -> int:
 def _pool(threads: int | None) -> Iterator[Executor]:
     with ThreadPoolExecutor(max_workers=threads or default_threads()) as pool:
         yield pool
+
+
+# Shards coded at once when there is more than one thread: the chunks of the next shard keep
+# every worker busy while one finishes a large chunk or the shard's serial steps (header,
+# checks, rename) run. Two bounds memory to two shards' maps and buffers.
+SHARDS_IN_FLIGHT = 2
+
+
+def _each_shard(
+    shards: list[str], fn: Callable[[str], ShardStats], threads: int | None
+) -> list[ShardStats]:
+    """Run `fn` on every shard, in order; with several threads, overlap consecutive shards."""
+    if (threads or default_threads()) <= 1:
+        return [fn(shard) for shard in shards]
+    results: list[ShardStats] = []
+    pending: deque[Future[ShardStats]] = deque()
+    # Leaving the with block waits for a shard still running when another one failed (or on
+    # Ctrl-C), so a caller that removes the output folder never races a writer.
+    with ThreadPoolExecutor(max_workers=SHARDS_IN_FLIGHT) as shard_pool:
+        try:
+            for shard in shards:
+                pending.append(shard_pool.submit(fn, shard))
+                if len(pending) >= SHARDS_IN_FLIGHT:
+                    results.append(pending.popleft().result())
+            while pending:
+                results.append(pending.popleft().result())
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+    return results
 
 
 def _chunk_bounds(n: int, chunk_elements: int) -> list[tuple[int, int]]:
@@ -198,7 +230,7 @@ def encode_shard(
                 meta = dict(res.meta)
                 meta["offset"] = offset
                 meta["length"] = res.size
-                meta["crc32"] = format_checksum(zlib.crc32(b"".join(res.payload)))
+                meta["crc32"] = format_checksum(crc32(b"".join(res.payload)))
                 chunks_meta.append(meta)
                 payload.extend(res.payload)
                 offset += res.size
@@ -287,6 +319,24 @@ def _copy_range(src: int, dst: int, count: int, src_off: int, dst_off: int) -> N
         count -= done
         src_off += done
         dst_off += done
+
+
+@dataclass
+class _ChunkResult:
+    """One decoded chunk: parent checksum, rebuilt checksum (None on error), changed count."""
+
+    base: int
+    target: int | None
+    changed: int
+    error: ArcError | None
+
+
+def _pwrite_all(fd: int, data: np.ndarray | bytes, offset: int) -> None:
+    view = data.view(np.uint8).data if isinstance(data, np.ndarray) else memoryview(data)
+    while view:
+        done = os.pwrite(fd, view, offset)
+        view = view[done:]
+        offset += done
 
 
 def decode_shard(
@@ -392,30 +442,82 @@ def decode_shard(
         )
         tmp = out.with_name(out.name + ".tmp") if out is not None else None
         out_fd: int | None = None
-        out_map: mmap.mmap | None = None
+        prev_fd: int | None = None
         delta_file = delta.open("rb")
         delta_map = mmap.mmap(delta_file.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             if tmp is not None and not link:
                 out_fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
                 prefix = struct.pack("<Q", len(target_raw)) + target_raw
-                os.pwrite(out_fd, prefix, 0)
+                _pwrite_all(out_fd, prefix, 0)
+                # Sized up front: bytes no tensor covers read as zeros (§9 of the spec).
                 os.ftruncate(out_fd, stats.full_bytes)
-                if stats.full_bytes > 0:
-                    out_map = mmap.mmap(out_fd, 0, access=mmap.ACCESS_WRITE)
+                prev_fd = os.open(previous, os.O_RDONLY)
             data_start = 8 + len(target_raw)
 
-            # The parent is checked before any chunk is decoded, so a delta applied to the
-            # wrong parent reports that, not the corruption decoding it would look like.
-            def parent_sum(item: tuple[TensorInfo, int, int, dict[str, Any]]) -> int:
-                info, s, e, _ = item
-                return adler32(_elements(prev, prev.tensors[info.name])[s:e])
+            def run(item: tuple[TensorInfo, int, int, dict[str, Any]]) -> _ChunkResult:
+                # One task per chunk does all of its work (parent checksum, CRC, decode, write),
+                # so no stage waits for the slowest chunk of another stage.
+                info, s, e, meta = item
+                udtype = uint_view_dtype(info.dtype)
+                width = udtype.itemsize
+                ptensor = prev.tensors[info.name]
+                old = _elements(prev, ptensor)[s:e]
+                base = adler32(old)
+                try:
+                    begin = header.payload_offset + meta["offset"]
+                    data = memoryview(delta_map)[begin : begin + meta["length"]]
+                    # A CRC over the stored bytes catches what adler32 of the result cannot: a
+                    # flipped gap moves every later position, which keeps the bytes' sums.
+                    want_crc = parse_checksum(meta.get("crc32"), shard=shard, tensor=info.name)
+                    if crc32(data) != want_crc:
+                        raise CorruptDeltaError(
+                            f"elements {s}..{e}: stored bytes fail their CRC-32 "
+                            "(corrupted payload)",
+                            shard=shard,
+                            tensor=info.name,
+                        )
+                    what = f"{shard}: tensor {info.name!r}: elements {s}..{e}"
+                    same = meta.get("encoding") == ck.SAME
+                    # The rebuilt chunk is assembled in a reused per-thread buffer and written
+                    # with one pwrite: patching a shared file map instead costs a page fault
+                    # per touched page, which dominated decoding at a few percent changed.
+                    buf = None if same else ck.scratch("chunk", e - s, udtype)
+                    res = ck.decode_chunk(meta, data, old, what, info.dtype, base=base, out=buf)
+                except ArcError as exc:
+                    # Chunk decoders know no shard or tensor: attach them for callers. The error
+                    # is raised only after every parent checksum was compared (wrong parent first).
+                    exc.shard, exc.tensor = exc.shard or shard, exc.tensor or info.name
+                    return _ChunkResult(base, None, 0, exc)
+                if out_fd is not None:
+                    out_off = data_start + info.begin + s * width
+                    if res.dense is not None:
+                        _pwrite_all(out_fd, res.dense, out_off)
+                    else:  # same: the kernel copies the parent's bytes, no pass in this process
+                        assert prev_fd is not None
+                        _copy_range(
+                            prev_fd,
+                            out_fd,
+                            (e - s) * width,
+                            prev.data_start + ptensor.begin + s * width,
+                            out_off,
+                        )
+                if progress:
+                    progress((e - s) * width)
+                return _ChunkResult(base, res.target_checksum, res.changed, None)
 
-            chunk_bases = list(pool.map(parent_sum, plan))
+            results = list(pool.map(run, plan))
             parent_parts: dict[str, list[tuple[int, int]]] = {}
-            for (info, s, e, _), value in zip(plan, chunk_bases, strict=True):
+            per_tensor: dict[str, list[tuple[int, int]]] = {}
+            for (info, s, e, meta), res in zip(plan, results, strict=True):
                 width = info.nbytes // max(1, info.numel)
-                parent_parts.setdefault(info.name, []).append((value, (e - s) * width))
+                parent_parts.setdefault(info.name, []).append((res.base, (e - s) * width))
+                if res.target is not None:
+                    per_tensor.setdefault(info.name, []).append((res.target, (e - s) * width))
+                stats.changed += res.changed
+                stats.encodings[str(meta.get("encoding"))] += 1
+            # A delta applied to the wrong parent is reported as such, not as the corruption
+            # decoding it looks like: parents first, then chunk errors, then results.
             for entry in entries:
                 tname = entry["name"]
                 want_base = parse_checksum(entry.get("base_checksum"), shard=shard, tensor=tname)
@@ -428,73 +530,9 @@ def decode_shard(
                         shard=shard,
                         tensor=tname,
                     )
-            prev_fd = os.open(previous, os.O_RDONLY)
-
-            def run(
-                item: tuple[TensorInfo, int, int, dict[str, Any], int],
-            ) -> tuple[int, int, int]:
-                info, s, e, meta, chunk_base = item
-                udtype = uint_view_dtype(info.dtype)
-                width = udtype.itemsize
-                ptensor = prev.tensors[info.name]
-                old = _elements(prev, ptensor)[s:e]
-                begin = header.payload_offset + meta["offset"]
-                data = memoryview(delta_map)[begin : begin + meta["length"]]
-                what = f"{shard}: tensor {info.name!r}: elements {s}..{e}"
-                # A CRC over the stored bytes catches what adler32 of the result cannot: a
-                # flipped gap moves every later position, which keeps the bytes' sums.
-                want_crc = parse_checksum(meta.get("crc32"), shard=shard, tensor=info.name)
-                if zlib.crc32(data) != want_crc:
-                    raise CorruptDeltaError(
-                        f"elements {s}..{e}: stored bytes fail their CRC-32 (corrupted payload)",
-                        shard=shard,
-                        tensor=info.name,
-                    )
-                try:
-                    res = ck.decode_chunk(meta, data, old, what, info.dtype, base=chunk_base)
-                except ArcError as exc:
-                    # Chunk decoders know no shard or tensor: attach them for callers.
-                    exc.shard, exc.tensor = exc.shard or shard, exc.tensor or info.name
-                    raise
-                if out_map is not None and out_fd is not None:
-                    out_off = data_start + info.begin + s * width
-                    view = np.frombuffer(out_map, dtype=udtype, count=e - s, offset=out_off)
-                    if res.dense is not None:
-                        view[:] = res.dense
-                    else:
-                        # The kernel copies the parent's bytes (no page faults in this process),
-                        # then only the changed elements are touched through the map.
-                        _copy_range(
-                            prev_fd,
-                            out_fd,
-                            (e - s) * width,
-                            prev.data_start + ptensor.begin + s * width,
-                            out_off,
-                        )
-                        if res.positions is not None and res.values is not None:
-                            view[res.positions] = res.values
-                if progress:
-                    progress((e - s) * width)
-                # Dense forms count every element as changed.
-                changed = (
-                    int(res.positions.size)
-                    if res.positions is not None
-                    else (e - s if res.dense is not None else 0)
-                )
-                return res.base_checksum, res.target_checksum, changed
-
-            try:
-                results = list(
-                    pool.map(run, [(*item, b) for item, b in zip(plan, chunk_bases, strict=True)])
-                )
-            finally:
-                os.close(prev_fd)
-            per_tensor: dict[str, list[tuple[int, int]]] = {}
-            for (info, s, e, meta), (_, target, changed) in zip(plan, results, strict=True):
-                width = info.nbytes // max(1, info.numel)
-                per_tensor.setdefault(info.name, []).append((target, (e - s) * width))
-                stats.changed += changed
-                stats.encodings[str(meta.get("encoding"))] += 1
+            for res in results:
+                if res.error is not None:
+                    raise res.error
             for entry in entries:
                 tname = entry["name"]
                 want = parse_checksum(entry.get("checksum"), shard=shard, tensor=tname)
@@ -513,20 +551,16 @@ def decode_shard(
                     except OSError:
                         shutil.copyfile(previous, tmp)
                     stats.hardlinked = True
-                else:
+                elif durable:
                     assert out_fd is not None
-                    if out_map is not None and durable:
-                        out_map.flush()
-                    if durable:
-                        os.fsync(out_fd)
+                    os.fsync(out_fd)
                 os.replace(tmp, out)
         finally:
-            # A traceback may still hold views into the maps: then they are freed with it.
-            if out_map is not None:
-                with contextlib.suppress(BufferError):
-                    out_map.close()
+            if prev_fd is not None:
+                os.close(prev_fd)
             if out_fd is not None:
                 os.close(out_fd)
+            # A traceback may still hold views into the map: then it is freed with it.
             with contextlib.suppress(BufferError):
                 delta_map.close()
             delta_file.close()
@@ -664,34 +698,36 @@ def decode(
     stats = CodecStats()
     with _pool(threads) as pool:
         if out is None:
-            for shard in dsnap.shard_files:
-                stats.shards.append(
-                    decode_shard(
-                        prev_path / shard,
-                        delta_path / shard,
-                        None,
-                        expected_parent=expected_parent,
-                        pool=pool,
-                        progress=progress,
-                    )
-                )
+            stats.shards = _each_shard(
+                dsnap.shard_files,
+                lambda shard: decode_shard(
+                    prev_path / shard,
+                    delta_path / shard,
+                    None,
+                    expected_parent=expected_parent,
+                    pool=pool,
+                    progress=progress,
+                ),
+                threads,
+            )
         else:
             with _staging(Path(out), overwrite) as tmp:
                 for name in _side_files(delta_path, dsnap.shard_files):
                     (tmp / name).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(delta_path / name, tmp / name)
-                for shard in dsnap.shard_files:
-                    stats.shards.append(
-                        decode_shard(
-                            prev_path / shard,
-                            delta_path / shard,
-                            tmp / shard,
-                            expected_parent=expected_parent,
-                            pool=pool,
-                            progress=progress,
-                            durable=durable,
-                        )
-                    )
+                stats.shards = _each_shard(
+                    dsnap.shard_files,
+                    lambda shard: decode_shard(
+                        prev_path / shard,
+                        delta_path / shard,
+                        tmp / shard,
+                        expected_parent=expected_parent,
+                        pool=pool,
+                        progress=progress,
+                        durable=durable,
+                    ),
+                    threads,
+                )
                 for name in layout.MANIFEST_FILES:
                     shutil.copyfile(delta_path / name, tmp / name)
     stats.seconds = time.perf_counter() - started

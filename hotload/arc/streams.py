@@ -6,6 +6,7 @@ header and enforced here, so a crafted frame cannot expand past what the manifes
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -111,17 +112,33 @@ def pack_symbols(plane: np.ndarray, bits: int) -> np.ndarray:
     return out
 
 
+_UNPACK_TABLES: dict[int, np.ndarray] = {}
+
+
+def _unpack_table(bits: int) -> np.ndarray:
+    # Entry b holds the 8 // bits symbols of byte b as one 2- or 4-byte word, so unpacking is
+    # one scalar gather per byte (a gather of rows is several times slower in numpy).
+    table: np.ndarray | None = _UNPACK_TABLES.get(bits)
+    if table is None:
+        per = 8 // bits
+        byte = np.arange(256, dtype=np.uint8)[:, None]
+        rows = (byte >> (np.arange(per, dtype=np.uint8) * np.uint8(bits))) & np.uint8(
+            (1 << bits) - 1
+        )
+        table = np.ascontiguousarray(rows).view(f"u{per}").reshape(256)
+        _UNPACK_TABLES[bits] = table
+    return table
+
+
 def unpack_symbols(packed: bytes, bits: int, count: int) -> np.ndarray:
     """Invert `pack_symbols` for `count` symbols."""
     data = np.frombuffer(packed, dtype=np.uint8)
     if bits == 8:
         return data[:count]
-    per = 8 // bits
-    mask = np.uint8((1 << bits) - 1)
-    grid = np.empty((data.size, per), dtype=np.uint8)
-    for i in range(per):
-        grid[:, i] = (data >> np.uint8(i * bits)) & mask
-    return grid.reshape(-1)[:count]
+    if bits == 1:
+        return np.unpackbits(data, count=count, bitorder="little")
+    words: np.ndarray = np.take(_unpack_table(bits), data)
+    return words.view(np.uint8)[:count]
 
 
 def packed_len(count: int, bits: int) -> int:
@@ -137,21 +154,44 @@ def bytes_needed(max_value: int) -> int:
 
 def split_planes(values: np.ndarray, planes: int) -> list[np.ndarray]:
     """Split unsigned integers into `planes` byte planes, least significant first."""
-    if values.dtype.itemsize == 1:
+    width = values.dtype.itemsize
+    if width == 1:
         return [values] if planes else []
+    if values.dtype.byteorder in "<" + ("=" if sys.byteorder == "little" else ""):
+        # Little-endian in memory: plane j is every width-th byte from j, one strided copy.
+        grid = np.ascontiguousarray(values).view(np.uint8).reshape(-1, width)
+        return [np.ascontiguousarray(grid[:, j]) for j in range(planes)]
     t = values.dtype.type
     return [(values >> t(8 * j)).astype(np.uint8) for j in range(planes)]
 
 
 def join_planes(
-    planes: list[np.ndarray], count: int, dtype: np.dtype[np.unsignedinteger]
+    planes: list[np.ndarray],
+    count: int,
+    dtype: np.dtype[np.unsignedinteger],
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Reassemble unsigned integers of `dtype` from byte planes (missing high planes are zero)."""
+    """Reassemble unsigned integers of `dtype` from byte planes (missing high planes are zero).
+
+    With `out` (`count` elements of `dtype`), the integers are written there and `out` returned.
+    """
     width = dtype.itemsize
-    out = np.zeros((count, width), dtype=np.uint8)
-    for j, plane in enumerate(planes):
-        out[:, j] = plane[:count]
-    return out.reshape(-1).view(dtype)
+    if out is None:
+        out = np.empty(count, dtype=dtype)
+    if len(planes) == 1 or width == 1:
+        # One plane: a widening copy, much cheaper than interleaving bytes.
+        if planes:
+            np.copyto(out, planes[0][:count], casting="unsafe")
+        else:
+            out.fill(0)
+        return out
+    grid = out.view(np.uint8).reshape(count, width)
+    for j in range(width):
+        if j < len(planes):
+            grid[:, j] = planes[j][:count]
+        else:
+            grid[:, j] = 0
+    return out
 
 
 def zigzag(diff: np.ndarray) -> np.ndarray:
@@ -164,7 +204,11 @@ def zigzag(diff: np.ndarray) -> np.ndarray:
 def unzigzag(z: np.ndarray) -> np.ndarray:
     """Invert `zigzag`: recover the wrapping difference as an unsigned integer."""
     one = z.dtype.type(1)
-    out: np.ndarray = (z >> one) ^ (np.zeros_like(z) - (z & one))
+    # In place on two temporaries: about 2.5x faster than the expression with four.
+    sign = z & one
+    np.negative(sign, out=sign)  # 0 or all ones (wrapping)
+    out: np.ndarray = z >> one
+    np.bitwise_xor(out, sign, out=out)
     return out
 
 
@@ -181,11 +225,25 @@ def remainder_planes(shift: int) -> int:
     return (shift + 7) // 8
 
 
-def estimate_rice_bits(gaps: np.ndarray, shift: int) -> float:
-    """Estimate the coded bits of gaps split at `shift`: remainder bits + quotient entropy."""
-    q = gaps >> gaps.dtype.type(shift)
-    counts = np.bincount(np.minimum(q, 255).astype(np.int64))
-    p = counts[counts > 0] / gaps.size
-    # Huffman cannot code a symbol in under one bit: model that floor.
-    entropy = float(max(1.0, -(p * np.log2(p)).sum()))
-    return gaps.size * (shift + entropy)
+def estimate_rice_bits(gaps: np.ndarray, shifts: list[int]) -> list[float]:
+    """Estimate the coded bits of gaps split at each of `shifts` (ascending, at most 2 apart):
+    remainder bits + quotient entropy, with quotients above 255 lumped together.
+
+    One histogram of the quotients at the smallest shift serves every shift: a quotient at
+    shift s + d is the one at s shifted right by d, and binning at 1023 keeps every bin of
+    the lumped top (255 << 2 = 1020) exact.
+    """
+    base = shifts[0]
+    top = 1023
+    assert shifts[-1] - base <= 2, "quotients are binned for shifts at most 2 apart"
+    q = np.minimum(gaps >> gaps.dtype.type(base), gaps.dtype.type(top))
+    hist = np.bincount(q.astype(np.intp), minlength=top + 1)
+    values = np.arange(top + 1)
+    out = []
+    for shift in shifts:
+        counts = np.bincount(np.minimum(values >> (shift - base), 255), weights=hist, minlength=256)
+        p = counts[counts > 0] / gaps.size
+        # Huffman cannot code a symbol in under one bit: model that floor.
+        entropy = float(max(1.0, -(p * np.log2(p)).sum()))
+        out.append(gaps.size * (shift + entropy))
+    return out
