@@ -40,6 +40,8 @@ from hotload.errors import (
 )
 from hotload.snapshot import RawTensor, Snapshot, write_snapshot
 from hotload.snapshot.dtypes import ELEMENT_SIZE, uint_view_dtype
+from hotload.snapshot.lora import write_adapter
+from hotload.snapshot.safetensors_io import SafetensorsFile, write_safetensors
 from hotload.snapshot.safetensors_io import read_header as read_st_header
 
 CONFIG = {"model_type": "llama", "hidden_size": 64}
@@ -547,6 +549,92 @@ def test_verify_delta_against_previous_writes_nothing(trio: Trio) -> None:
     with pytest.raises(WrongParentError):
         verify(trio.delta, trio.other, threads=2)
     assert listing(trio.root) == before
+
+
+def _strip_checksums(shard: Path) -> None:
+    """Rewrite a full shard as another tool would write it: no hotload checksum metadata."""
+    with SafetensorsFile(shard) as f:
+        tensors = [
+            (i.name, RawTensor(i.dtype, i.shape, f.raw(i.name).copy()))
+            for i in sorted(f.tensors.values(), key=lambda i: i.begin)
+        ]
+    write_safetensors(shard, tensors, {"format": "pt"})
+
+
+def test_verify_refuses_a_full_shard_without_checksums(trio: Trio) -> None:
+    """A shard that records no checksums cannot be verified: verify says so, naming the shard,
+    instead of reporting success with its tensors unchecked."""
+    shard = trio.shard(DENSE_SHARD)
+    _strip_checksums(trio.cur / shard)
+    with pytest.raises(SnapshotError) as exc:
+        verify(trio.cur)
+    assert exc.value.path == str(trio.cur / shard)
+    assert "no tensor checksums" in str(exc.value) and "allow_unchecked" in str(exc.value)
+    report = verify(trio.cur, allow_unchecked=True)
+    assert report.unchecked_shards == [shard]
+    assert report.tensors_checked == 5 and report.shards_checked == 4
+    # Opting in skips only the shards without checksums: the others are still checked.
+    _flip_byte(trio.cur / trio.shard(SPARSE_SHARD), read_st_header(trio.cur / trio.shard(1))[2])
+    with pytest.raises(ChecksumMismatchError):
+        verify(trio.cur, allow_unchecked=True)
+
+
+def test_verify_reports_progress_in_tensor_bytes(trio: Trio) -> None:
+    full = Snapshot(trio.cur).full_bytes
+    seen: list[int] = []
+    verify(trio.cur, progress=seen.append)
+    assert sum(seen) == full and len(seen) == 6
+    seen.clear()
+    verify(trio.delta, trio.prev, threads=2, progress=seen.append)
+    assert sum(seen) == full
+    seen.clear()
+    _strip_checksums(trio.cur / trio.shard(DENSE_SHARD))
+    verify(trio.cur, allow_unchecked=True, progress=seen.append)
+    assert sum(seen) == full  # skipped shards count as done, so a bar always completes
+
+
+LORA_CONFIG = {
+    "peft_type": "LORA",
+    "base_model_name_or_path": "org/base-model",
+    "r": 2,
+    "lora_alpha": 4,
+    "target_modules": ["q_proj"],
+}
+
+
+def _adapter(path: Path, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    return write_adapter(
+        path,
+        {
+            "model.layers.0.self_attn.q_proj.lora_A.weight": rng.standard_normal(
+                (2, 8), np.float32
+            ),
+            "model.layers.0.self_attn.q_proj.lora_B.weight": rng.standard_normal(
+                (8, 2), np.float32
+            ),
+        },
+        LORA_CONFIG,
+    )
+
+
+def test_verify_checks_a_lora_adapters_tensors(tmp_path: Path) -> None:
+    root = _adapter(tmp_path / "lora", 0)
+    report = verify(root)
+    assert report.kind == "lora" and report.tensors_checked == 2 and report.shards_checked == 1
+    weights = root / "adapter_model.safetensors"
+    _flip_byte(weights, weights.stat().st_size - 3)
+    with pytest.raises(ChecksumMismatchError):
+        verify(root)
+
+
+def test_encode_refuses_a_lora_adapter(tmp_path: Path) -> None:
+    a, b = _adapter(tmp_path / "lora-0", 0), _adapter(tmp_path / "lora-1", 1)
+    before = listing(tmp_path)
+    with pytest.raises(SnapshotError, match="LoRA adapter: adapters are published whole") as exc:
+        encode(a, b, tmp_path / "delta")
+    assert exc.value.path == str(a)
+    assert listing(tmp_path) == before
 
 
 # --- failures: nothing is left behind -------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ import numpy as np
 import pytest
 
 from hotload.snapshot import RawTensor, write_snapshot
+from hotload.snapshot.lora import write_adapter
+from hotload.snapshot.safetensors_io import SafetensorsFile, write_safetensors
 
 CONFIG = {"model_type": "toy", "hidden_size": 64}
 
@@ -134,6 +137,109 @@ def test_verify_catches_a_flipped_bit(chain: tuple[Path, Path]) -> None:
     res = hotload("snapshot", "verify", prev)
     assert res.returncode == 1
     assert shard.name in res.stderr and "checksum" in res.stderr
+
+
+def _strip_checksums(shard: Path) -> None:
+    with SafetensorsFile(shard) as f:
+        tensors = [
+            (i.name, RawTensor(i.dtype, i.shape, f.raw(i.name).copy()))
+            for i in sorted(f.tensors.values(), key=lambda i: i.begin)
+        ]
+    write_safetensors(shard, tensors, {"format": "pt"})
+
+
+def test_verify_refuses_shards_without_checksums_unless_allowed(
+    chain: tuple[Path, Path],
+) -> None:
+    prev, _ = chain
+    shard = sorted(prev.glob("model-*.safetensors"))[0]
+    _strip_checksums(shard)
+    res = hotload("snapshot", "verify", prev)
+    assert res.returncode == 1
+    assert shard.name in res.stderr and "no tensor checksums" in res.stderr
+    assert "--allow-unchecked" in res.stderr
+    allowed = hotload("snapshot", "verify", prev, "--allow-unchecked", "-o", "json")
+    assert allowed.returncode == 0, allowed.stderr
+    doc = json.loads(allowed.stdout)
+    assert doc["unchecked_shards"] == [shard.name] and doc["tensors_checked"] == 2
+    text = hotload("snapshot", "verify", prev, "--allow-unchecked")
+    assert text.returncode == 0 and "NOT verified" in text.stdout and shard.name in text.stdout
+
+
+def test_delta_of_a_lora_adapter_is_refused(tmp_path: Path) -> None:
+    config = {
+        "peft_type": "LORA",
+        "base_model_name_or_path": "org/base-model",
+        "r": 2,
+        "lora_alpha": 4,
+        "target_modules": ["q_proj"],
+    }
+    adapters = []
+    for seed in (0, 1):
+        rng = np.random.default_rng(seed)
+        a = rng.standard_normal((2, 8), np.float32)
+        b = rng.standard_normal((8, 2), np.float32)
+        adapters.append(
+            write_adapter(
+                tmp_path / f"lora-{seed}",
+                {
+                    "model.layers.0.self_attn.q_proj.lora_A.weight": a,
+                    "model.layers.0.self_attn.q_proj.lora_B.weight": b,
+                },
+                config,
+            )
+        )
+    res = hotload("snapshot", "delta", *adapters, tmp_path / "delta")
+    assert res.returncode == 1
+    assert "lora-0" in res.stderr and "LoRA adapter" in res.stderr and "never" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "delta").exists()
+
+
+# Runs the real CLI after wrapping encode_shard so that, once a shard is written into the
+# staging folder, the command sits in a long (interruptible) wait: the test interrupts a
+# delta mid-way every time, however fast the machine encodes.
+_SLOW_DELTA = """
+import sys, time
+import hotload.arc.codec as codec
+real = codec.encode_shard
+def slow(*args, **kwargs):
+    stats = real(*args, **kwargs)
+    print("shard encoded", file=sys.stderr, flush=True)
+    time.sleep(120)
+    return stats
+codec.encode_shard = slow
+from hotload.cli.main import console
+sys.argv = ["hotload", *sys.argv[1:]]
+console()
+"""
+
+
+def test_interrupted_delta_exits_130_and_leaves_nothing(
+    chain: tuple[Path, Path], tmp_path: Path
+) -> None:
+    prev, cur = chain
+    out = tmp_path / "delta"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_DELTA, "snapshot", "delta", prev, cur, out, "--threads", "1"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        assert proc.stderr.readline().strip() == "shard encoded"
+        staging = [p for p in tmp_path.iterdir() if p.name.startswith(".delta.tmp")]
+        assert staging and any(staging[0].glob("model-*.safetensors"))  # work under way
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert code == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".delta")]
 
 
 def test_usage_errors_exit_2() -> None:

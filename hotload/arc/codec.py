@@ -631,6 +631,12 @@ def encode(
     prev = validate_snapshot(prev_path)
     cur = validate_snapshot(cur_path)
     for snap, role in ((prev, "previous"), (cur, "current")):
+        if snap.kind == "lora":
+            raise SnapshotError(
+                f"the {role} snapshot is a LoRA adapter: adapters are published whole, never "
+                "as arc_v2 deltas (an adapter is small, and no delta chain exists for it)",
+                path=str(snap.path),
+            )
         if snap.kind != "full":
             raise SnapshotError(
                 f"the {role} snapshot must be full, it is {snap.kind}", path=str(snap.path)
@@ -736,19 +742,32 @@ def decode(
 
 @dataclass
 class VerifyReport:
-    """Result of `verify`: what was checked."""
+    """Result of `verify`: what was checked, and the full shards that could not be."""
 
     kind: str
     tensors_checked: int = 0
     shards_checked: int = 0
     parent: str | None = None
+    unchecked_shards: list[str] = field(default_factory=list)
 
 
 def verify(
-    path: str | Path, previous: str | Path | None = None, *, threads: int | None = None
+    path: str | Path,
+    previous: str | Path | None = None,
+    *,
+    threads: int | None = None,
+    allow_unchecked: bool = False,
+    progress: ProgressFn | None = None,
 ) -> VerifyReport:
-    """Verify a snapshot: structure always; tensor checksums of a full snapshot, or a delta
-    rebuilt (in memory, nothing written) against `previous`."""
+    """Verify a snapshot: structure always; tensor checksums of a full snapshot or a LoRA
+    adapter, or of a delta rebuilt (in memory, nothing written) against `previous`.
+
+    A full shard without recorded checksums (`hotload.checksums` metadata: shards not written
+    by hotload) cannot be verified. It raises `SnapshotError` naming the shard, unless
+    `allow_unchecked` is set: then the shard is listed in `unchecked_shards` and skipped, so a
+    caller never mistakes an unverified snapshot for a verified one. `progress` receives the
+    bytes of tensor data as they are checked (skipped shards count as done).
+    """
     from hotload.snapshot.validate import validate_snapshot
     from hotload.snapshot.writer import META_CHECKSUMS
 
@@ -756,16 +775,32 @@ def verify(
     report = VerifyReport(snap.kind, parent=snap.parent)
     if snap.kind == "incremental":
         if previous is not None:
-            stats = decode(previous, path, None, threads=threads)
+            stats = decode(previous, path, None, threads=threads, progress=progress)
             report.shards_checked = len(stats.shards)
             report.tensors_checked = len(snap.tensor_map)
         return report
     if snap.kind == "lora":
+        from hotload.snapshot.lora import adapter_weight_files, verify_adapter
+
+        # Adapters always record checksums (validation refuses them otherwise): check the data.
+        report.tensors_checked = verify_adapter(snap.path)
+        report.shards_checked = len(adapter_weight_files(snap.path))
         return report
     for shard in snap.shard_files:
         with snap.open_shard(shard) as f:
             raw = f.metadata.get(META_CHECKSUMS)
             if raw is None:
+                if not allow_unchecked:
+                    raise SnapshotError(
+                        f"records no tensor checksums (no __metadata__.{META_CHECKSUMS}), so its "
+                        "tensors cannot be verified; rebuild the snapshot with hotload "
+                        "(`hotload snapshot build`), or accept it unverified "
+                        "(allow_unchecked=True, `--allow-unchecked`)",
+                        path=str(snap.path / shard),
+                    )
+                report.unchecked_shards.append(shard)
+                if progress:
+                    progress(sum(i.nbytes for i in f.tensors.values()))
                 continue
             try:
                 sums = json.loads(raw)
@@ -788,6 +823,8 @@ def verify(
                         tensor=tname,
                     )
                 report.tensors_checked += 1
+                if progress:
+                    progress(info.nbytes)
             report.shards_checked += 1
     return report
 

@@ -84,8 +84,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "verify",
         help="validate a snapshot and check its tensor checksums",
         description="Validate the folder's structure. For a full snapshot, check every tensor "
-        "against the checksums its shards record; for an incremental one with --previous, "
-        "rebuild it in memory against PREV and check every tensor (nothing is written).",
+        "against the checksums its shards record (a shard that records none fails, unless "
+        "--allow-unchecked); for an incremental one with --previous, rebuild it in memory "
+        "against PREV and check every tensor (nothing is written).",
     )
     v.add_argument("dir", type=Path, metavar="DIR")
     v.add_argument(
@@ -95,6 +96,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--base-config", type=Path, help="config.json the snapshot must be equivalent to"
     )
     v.add_argument("--identity", help="also check this identity is valid")
+    v.add_argument("--threads", type=int, help="worker threads (default: all cores)")
+    v.add_argument(
+        "--allow-unchecked",
+        action="store_true",
+        help="accept full shards that record no checksums (not written by hotload): they are "
+        "listed as unchecked instead of failing the verification",
+    )
     v.add_argument("-o", "--output", choices=["text", "json"], default="text")
     v.set_defaults(func=_verify)
 
@@ -218,19 +226,29 @@ def _apply(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from hotload.arc import verify
-    from hotload.snapshot import validate_snapshot
+    from hotload.snapshot import Snapshot, validate_snapshot
     from hotload.snapshot.reader import load_json
 
-    if args.base_config is not None or args.identity is not None:
-        base = load_json(args.base_config) if args.base_config is not None else None
-        validate_snapshot(args.dir, identity=args.identity, base_config=base)
-    report = verify(args.dir, args.previous)
+    base = load_json(args.base_config) if args.base_config is not None else None
+    snap = validate_snapshot(args.dir, identity=args.identity, base_config=base)
+    # Tensor bytes are read only for a full snapshot, or for a delta rebuilt against --previous.
+    reads = snap.kind == "full" or (snap.kind == "incremental" and args.previous is not None)
+    total = Snapshot(args.dir).full_bytes if reads else 0
+    with progress_bar("verify", total, args.output == "text" and reads) as advance:
+        report = verify(
+            args.dir,
+            args.previous,
+            threads=args.threads,
+            allow_unchecked=args.allow_unchecked,
+            progress=advance,
+        )
     doc = {
         "path": str(args.dir),
         "kind": report.kind,
         "parent": report.parent,
         "shards_checked": report.shards_checked,
         "tensors_checked": report.tensors_checked,
+        "unchecked_shards": report.unchecked_shards,
         "ok": True,
     }
     if args.output == "json":
@@ -243,6 +261,11 @@ def _verify(args: argparse.Namespace) -> int:
             if report.kind == "incremental"
             else "structure valid"
         )
+        if report.unchecked_shards:
+            what += (
+                f"; {len(report.unchecked_shards)} shard(s) record no checksums and were NOT "
+                f"verified: {', '.join(report.unchecked_shards)}"
+            )
         stdout.print(f"{args.dir}: {report.kind} snapshot OK, {what}")
     return 0
 
