@@ -713,3 +713,137 @@ def test_notes_tell_the_next_step(helm_cli: Helm, tmp_path: Path) -> None:
     assert "runs HotLoadDeployments in: team-a, team-b" in notes
     assert "namespace team-a: bucket-creds, bucket-creds-eu" in notes
     assert f"http://{FULLNAME}-metrics.{NAMESPACE}.svc:9123/metrics" in notes
+
+
+# --- the Fireworks-compatible API and the router image ------------------------------------------
+
+FIREWORKS: JSON = {
+    "fireworksApi": {
+        "enabled": True,
+        "port": 8443,
+        "namespace": "team-a",
+        "tokenSecret": {"name": "fw-token", "key": "api-key"},
+    }
+}
+
+
+def test_fireworks_api_from_the_chart(helm_cli: Helm, tmp_path: Path) -> None:
+    """fireworksApi.enabled: the operator serves the API on its port with the token from a
+    mounted Secret, behind a Service; every object still validates strictly."""
+    objs = render(helm_cli, tmp_path, FIREWORKS)
+    container = operator_container(objs)
+    env = env_of(container)
+    assert env["HOTLOAD_FIREWORKS_PORT"] == "8443"
+    assert env["HOTLOAD_FIREWORKS_NAMESPACE"] == "team-a"
+    source = "\n".join(p.read_text() for p in (REPO / "operator" / "hotload_operator").glob("*.py"))
+    for variable in ("HOTLOAD_FIREWORKS_PORT", "HOTLOAD_FIREWORKS_TOKEN_FILE"):
+        assert f'"{variable}"' in source
+    assert {"name": "fireworks", "containerPort": 8443, "protocol": "TCP"} in container["ports"]
+    # The token file the operator reads is the Secret's key, mounted read-only.
+    pod = find(objs, "Deployment", FULLNAME)["spec"]["template"]
+    (volume,) = [v for v in pod["spec"]["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == "fw-token"
+    (item,) = volume["secret"]["items"]
+    assert item["key"] == "api-key"
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True
+    assert env["HOTLOAD_FIREWORKS_TOKEN_FILE"] == f"{mount['mountPath']}/{item['path']}"
+    assert volume["secret"]["defaultMode"] == 0o440
+    # The tmp volume is still the only writable path.
+    assert {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")} == {"/tmp"}
+    service = find(objs, "Service", f"{FULLNAME}-fireworks")
+    assert service["spec"]["ports"] == [
+        {"name": "fireworks", "port": 8443, "targetPort": "fireworks", "protocol": "TCP"}
+    ]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    for version in K8S_VERSIONS:
+        for obj in objs:
+            kubernetes_validate.validate(obj, version, strict=True)
+    # Without a namespace of its own, names resolve in the release namespace.
+    plain = {"fireworksApi": {"enabled": True, "tokenSecret": {"name": "fw-token"}}}
+    env = env_of(operator_container(render(helm_cli, tmp_path, plain)))
+    assert env["HOTLOAD_FIREWORKS_NAMESPACE"] == NAMESPACE
+    assert env["HOTLOAD_FIREWORKS_PORT"] == "8090"
+    # Off by default: no variable, port, volume or Service.
+    default = render(helm_cli, tmp_path, {})
+    assert not [v for v in env_of(operator_container(default)) if "FIREWORKS" in v]
+    assert not [o for o in default if o["kind"] == "Service"]
+
+
+def test_fireworks_api_needs_its_token_secret(helm_cli: Helm, tmp_path: Path) -> None:
+    values = {"fireworksApi": {"enabled": True, "tokenSecret": {"name": "", "key": "token"}}}
+    proc = helm_cli.run(
+        "template", RELEASE, str(CHART), "--values", str(_values_file(tmp_path, values)),
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "fireworksApi.tokenSecret.name" in proc.stderr
+    bad = {"fireworksApi": {"enabled": True, "port": 0, "tokenSecret": {"name": "t", "key": "k"}}}
+    proc = helm_cli.run(
+        "template", RELEASE, str(CHART), "--values", str(_values_file(tmp_path, bad)),
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "/fireworksApi/port" in proc.stderr
+
+
+def test_notes_name_the_fireworks_endpoint(helm_cli: Helm, tmp_path: Path) -> None:
+    def notes(values: JSON) -> str:
+        proc = helm_cli.run(
+            "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
+            "--values", str(_values_file(tmp_path, values)),
+        )  # fmt: skip
+        return proc.stdout.split("NOTES:", 1)[1]
+
+    text = notes(FIREWORKS)
+    assert f"http://{FULLNAME}-fireworks.{NAMESPACE}.svc:8443" in text
+    assert f"key api-key of Secret {NAMESPACE}/fw-token" in text
+    assert "Fireworks-compatible hot-load API: off (fireworksApi.enabled)" in notes({})
+
+
+def test_router_image_is_built_and_set_by_the_chart(helm_cli: Helm, tmp_path: Path) -> None:
+    """The router runs `hotload router`: by default from the loader image, which
+    sidecar/Dockerfile builds from the whole distribution; the chart passes it to the
+    operator, and the operator's own default is the same image."""
+    import subprocess
+    import sys
+
+    from hotload import __version__
+    from hotload_operator.builders import OperatorImages, build_router
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    default = env_of(operator_container(render(helm_cli, tmp_path, {})))
+    loader_image = f"ghcr.io/hotload-dev/hotload-loader:{chart['appVersion']}"
+    assert default["HOTLOAD_ROUTER_IMAGE"] == default["HOTLOAD_LOADER_IMAGE"] == loader_image
+    assert OperatorImages().router == f"ghcr.io/hotload-dev/hotload-loader:{__version__}"
+    assert chart["appVersion"] == __version__
+    # The image a repository Dockerfile builds (its build command names the tag) ...
+    assert f"-t {OperatorImages().router} " in (REPO / "sidecar" / "Dockerfile").read_text()
+    # ... installs the distribution, whose `hotload` script runs the router's command.
+    from hotload.api.models import HotLoadDeployment
+
+    hld = HotLoadDeployment.model_validate(
+        {
+            "metadata": {"name": "p", "namespace": "rl", "uid": "u"},
+            "spec": {
+                "bucket": {"url": "s3://b/p"},
+                "engine": {"image": "e"},
+                "router": {"enabled": True},
+            },
+        }
+    )
+    (router,) = [o for o in build_router(hld, OperatorImages()) if o["kind"] == "Deployment"]
+    (container,) = router["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == OperatorImages().router
+    program = Path(sys.executable).parent / container["command"][0]
+    proc = subprocess.run(
+        [str(program), *container["command"][1:2], "--help"],
+        capture_output=True, text=True, timeout=60, check=False, cwd="/",
+    )  # fmt: skip
+    assert proc.returncode == 0 and "--kubernetes" in proc.stdout, proc.stderr
+    custom = {
+        "router": {
+            "image": {"repository": "registry.example.com/r", "digest": "sha256:" + "cd" * 32}
+        }
+    }
+    env = env_of(operator_container(render(helm_cli, tmp_path, custom)))
+    assert env["HOTLOAD_ROUTER_IMAGE"] == "registry.example.com/r@sha256:" + "cd" * 32
