@@ -43,7 +43,15 @@ store behind a fallback reaction. That store adds what kmock lacks (see NOTES.md
   all-powerful admin;
 * ValidatingAdmissionPolicies with their bindings, in CEL, on every create, update (patches and
   status writes included: `object` is the result) and delete that comes in over HTTP, with the
-  real denial (`ValidatingAdmissionPolicy 'P' with binding 'B' denied request: ...`).
+  real denial (`ValidatingAdmissionPolicy 'P' with binding 'B' denied request: ...`);
+* what kubectl needs: `dryRun=All` (validated and admitted, nothing stored),
+  `fieldValidation=Strict` (fields a custom resource's CRD schema does not declare are refused
+  with the real `strict decoding error: unknown field "spec.x"`; built-in kinds carry no schema
+  here), OpenAPI v3 (`/openapi/v3`: PATCH operations declaring `fieldValidation`, so kubectl
+  leaves validation to the server, and CRD schemas for `kubectl explain`), Table output for
+  custom resources (their printer columns, evaluated with a JSONPath subset; built-in kinds
+  answer JSON and kubectl prints NAME and AGE), the scale subresource of CRDs that declare it,
+  and discovery that lists subresources without short names or categories.
 
 kmock cannot parse `/api/v1/namespaces` (its path parser fails before any reaction runs), so
 `KubeAPIEmulator.__call__` routes that one path itself.
@@ -103,6 +111,11 @@ CRD_GROUP = "apiextensions.k8s.io"
 _REQUEST_USER: contextvars.ContextVar[UserInfo | None] = contextvars.ContextVar(
     "hotload_kube_request_user", default=None
 )
+#: The request's `dryRun=All` (validate and admit, store nothing) and `fieldValidation=Strict`.
+_DRY_RUN: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "hotload_kube_dry_run", default=False
+)
+_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("hotload_kube_strict", default=False)
 
 
 def now_rfc3339() -> str:
@@ -357,6 +370,122 @@ def _merge_list(
     return result
 
 
+# --- printer columns and schemas -------------------------------------------------------------
+
+_JSONPATH_STEP = re.compile(
+    r"\.(?P<field>[A-Za-z0-9_$-]+)"
+    r"|\[(?P<index>-?\d+|\*)\]"
+    r"|\[\?\(@(?P<path>(?:\.[A-Za-z0-9_$-]+)+)\s*(?P<op>==|!=)\s*"
+    r"(?P<value>\"[^\"]*\"|'[^']*'|-?\d+(?:\.\d+)?|true|false)\)\]"
+)
+
+
+def jsonpath(obj: Any, expression: str) -> list[Any]:
+    """The values a printer-column JSONPath selects: `.a.b`, `[n]`, `[*]` and filters like
+    `[?(@.type=="Ready")]` (the subset CRDs use; kubectl's `{}` braces are optional)."""
+    text = expression.strip()
+    if text.startswith("{") and text.endswith("}"):
+        text = text[1:-1]
+    current = [obj]
+    position = 0
+    while position < len(text):
+        m = _JSONPATH_STEP.match(text, position)
+        if m is None:
+            raise api_error(400, "BadRequest", f"unsupported JSONPath {expression!r}")
+        position = m.end()
+        nxt: list[Any] = []
+        for value in current:
+            if m["field"] is not None:
+                if isinstance(value, dict) and m["field"] in value:
+                    nxt.append(value[m["field"]])
+            elif m["index"] is not None and isinstance(value, list):
+                if m["index"] == "*":
+                    nxt.extend(value)
+                elif -len(value) <= int(m["index"]) < len(value):
+                    nxt.append(value[int(m["index"])])
+            elif m["path"] is not None and isinstance(value, list):
+                wanted = json.loads(m["value"].replace("'", '"'))
+                for item in value:
+                    got = jsonpath(item, m["path"])
+                    if bool(got and got[0] == wanted) == (m["op"] == "=="):
+                        nxt.append(item)
+        current = nxt
+    return current
+
+
+def human_duration(seconds: float) -> str:
+    """Kubernetes' `duration.HumanDuration` (AGE columns): 5s, 3m10s, 5h, 2d3h, 1y."""
+    s = int(seconds)
+    if s < -1:
+        return "<invalid>"
+    if s < 0:
+        return "0s"
+    if s < 120:
+        return f"{s}s"
+    minutes, hours = s // 60, s // 3600
+    if minutes < 10:
+        return f"{minutes}m{s % 60}s" if s % 60 else f"{minutes}m"
+    if minutes < 180:
+        return f"{minutes}m"
+    if hours < 8:
+        return f"{hours}h{minutes % 60}m" if minutes % 60 else f"{hours}h"
+    if hours < 48:
+        return f"{hours}h"
+    if hours < 24 * 8:
+        return f"{hours // 24}d{hours % 24}h" if hours % 24 else f"{hours // 24}d"
+    if hours < 24 * 365 * 2:
+        return f"{hours // 24}d"
+    if hours < 24 * 365 * 8:
+        days = hours // 24 % 365
+        return f"{hours // 24 // 365}y{days}d" if days else f"{hours // 24 // 365}y"
+    return f"{hours // 24 // 365}y"
+
+
+def _cell(type_: str, value: Any) -> Any:
+    """A table cell as the server's CRD table convertor makes it (None when absent)."""
+    if value is None:
+        return None
+    if type_ == "string":
+        return value if isinstance(value, str) else json.dumps(value)
+    if type_ == "integer" and isinstance(value, int | float) and not isinstance(value, bool):
+        return int(value)
+    if type_ == "number" and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if type_ == "boolean" and isinstance(value, bool):
+        return value
+    if type_ == "date" and isinstance(value, str):
+        try:
+            moment = datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+        except ValueError:
+            return "<invalid>"
+        return human_duration((datetime.now(UTC) - moment).total_seconds())
+    return None
+
+
+def _unknown_fields(value: Any, schema: JSON, path: str) -> list[str]:
+    """Dotted paths of fields in `value` that `schema` (structural) does not declare."""
+    if schema.get("x-kubernetes-preserve-unknown-fields") or schema.get(
+        "x-kubernetes-int-or-string"
+    ):
+        return []
+    found: list[str] = []
+    if isinstance(value, dict):
+        properties = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else key
+            if properties is not None and key in properties:
+                found += _unknown_fields(item, properties[key], where)
+            elif isinstance(extra, dict):
+                found += _unknown_fields(item, extra, where)
+            elif properties is not None or extra is False:
+                found.append(where)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            found += _unknown_fields(item, schema["items"], f"{path}[{i}]")
+    return found
+
+
 # --- the emulator ----------------------------------------------------------------------------
 
 
@@ -411,6 +540,7 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
         for res in bundled:
             self.resources[res] = copy.deepcopy(bundled[res])
         self.fallback[self._is_resource_request] << self._serve
+        self.fallback["get", re.compile(r"/openapi/v3(/.*)?")] << self._serve_openapi
         for name in ("default", "kube-system", "kube-public"):
             self.put_object({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
 
@@ -443,6 +573,19 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
             raise exc.__cause__ or exc from None
         except Exception as exc:
             return await self._render_error(exc)
+
+    async def _serve_version(self, request: rendering.Request) -> Any:
+        """kmock's resource discovery, with subresources listed as the real server lists them:
+        no short names or categories (else `kubectl get hld` warns of an ambiguity and
+        `kubectl get hotload` tries to list `hotloaddeployments/status`)."""
+        listing = await super()._serve_version(request)
+        for entry in listing.get("resources") or [] if isinstance(listing, dict) else []:
+            if "/" in entry["name"]:
+                entry.update(shortNames=[], categories=[], singularName="")
+                entry["verbs"] = ["get", "patch", "update"]
+                if entry["name"].endswith("/scale"):
+                    entry.update(kind="Scale", group="autoscaling", version="v1")
+        return listing
 
     def _namespaced_plurals(self) -> set[str]:
         return {
@@ -516,9 +659,13 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
         authorize(user, attrs, self.objects)
         info = self._info(target)
         reset = _REQUEST_USER.set(user)
+        dry = _DRY_RUN.set(params.get("dryRun") == "All")
+        strict = _STRICT.set(params.get("fieldValidation") == "Strict")
         try:
             return await self._serve_as(request, target, info, method, params)
         finally:
+            _STRICT.reset(strict)
+            _DRY_RUN.reset(dry)
             _REQUEST_USER.reset(reset)
 
     async def _serve_as(
@@ -535,10 +682,12 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
             token_request = json.loads(request.body) if request.body else {}
             payload = self._token_request(target, token_request)
             return rendering.Response(status=201, payload=payload)
-        if target.subresource not in (None, "status") or (
-            target.subresource == "status" and "status" not in info.subresources
+        if target.subresource not in (None, "status", "scale") or (
+            target.subresource and target.subresource not in info.subresources
         ):
             raise api_error(404, "NotFound", "the server could not find the requested resource")
+        if target.subresource == "scale":
+            return rendering.Response(status=200, payload=self._scale(request, target, method))
         if method == "GET" and params.get("watch") in ("true", "1"):
             return rendering.Response(
                 status=200,
@@ -568,6 +717,10 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
             result = self._delete(target, info, policy or "Background")
         else:
             raise api_error(405, "MethodNotAllowed", f"{method} is not allowed on this path")
+        if method == "GET" and "as=Table" in str(request.headers.get("Accept", "")):
+            table = self._table(target, result)
+            if table is not None:
+                result = table
         return rendering.Response(status=status, payload=result)
 
     # --- the store -----------------------------------------------------------------------------
@@ -680,7 +833,10 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
             obj["status"] = {"phase": "Active"}
         meta.pop("resourceVersion", None)
         meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=now_rfc3339())
+        self._check_fields(target, obj)
         self._admit("CREATE", target, info, obj, None)
+        if _DRY_RUN.get():
+            return self._present(obj, target)  # validated and admitted; nothing stored
         meta["resourceVersion"] = str(self._next_rv())
         if target.group == CRD_GROUP and target.plural == "customresourcedefinitions":
             self._register_crd(obj)
@@ -717,9 +873,13 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
         new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
         meta["resourceVersion"] = old_meta["resourceVersion"]
         validate_metadata(new)
+        if target.subresource is None:
+            self._check_fields(target, new)
         self._admit("UPDATE", target, info, new, old)
         if new == old:
             return old  # a no-op write: no new resourceVersion, no event
+        if _DRY_RUN.get():
+            return new
         if _spec_of(new) != _spec_of(old):
             meta["generation"] = int(old_meta.get("generation", 1)) + 1
         meta["resourceVersion"] = str(self._next_rv())
@@ -900,6 +1060,8 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
         key = self._key(target)
         obj = self._get(target, info)
         self._admit("DELETE", target, info, None, obj)
+        if _DRY_RUN.get():
+            return self._present(obj, target)
         meta = obj["metadata"]
         if policy == "Foreground":
             self._collect(meta["uid"], orphan=False)
@@ -970,6 +1132,202 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
         while self._gc_tasks:
             await asyncio.gather(*list(self._gc_tasks))
 
+    # --- what kubectl needs: field validation, tables, OpenAPI, scale ---------------------------
+
+    def _scale(self, request: rendering.Request, target: Target, method: str) -> JSON:
+        """The scale subresource of a custom resource (`kubectl scale`, autoscalers): an
+        `autoscaling/v1` Scale read from and written to the CRD's replica paths."""
+        version = self._crd_version(target.group, target.plural, target.version) or {}
+        paths = (version.get("subresources") or {}).get("scale") or {}
+        main = Target(
+            target.group, target.version, target.plural, target.namespace, target.name, None
+        )
+        info = self._info(main)
+        obj = self._get(main, info)
+
+        def scale_of(obj: JSON) -> JSON:
+            replicas = jsonpath(obj, paths.get("specReplicasPath", ".spec.replicas"))
+            current = jsonpath(obj, paths.get("statusReplicasPath", ".status.replicas"))
+            selector = (
+                jsonpath(obj, paths["labelSelectorPath"]) if "labelSelectorPath" in paths else []
+            )
+            meta = obj["metadata"]
+            return {
+                "apiVersion": "autoscaling/v1",
+                "kind": "Scale",
+                "metadata": {
+                    k: meta[k]
+                    for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+                    if k in meta
+                },
+                "spec": {"replicas": replicas[0] if replicas else 0},
+                "status": {
+                    "replicas": current[0] if current else 0,
+                    **({"selector": selector[0]} if selector else {}),
+                },
+            }
+
+        if method == "GET":
+            return scale_of(obj)
+        body = json.loads(request.body) if request.body else {}
+        if method == "PUT":
+            self._precondition(main, obj, (body.get("metadata") or {}).get("resourceVersion"))
+            wanted = body
+        elif method == "PATCH" and "json-patch" not in _ctype(request):
+            wanted = merge_patch(scale_of(obj), body)
+        else:
+            raise api_error(405, "MethodNotAllowed", f"{method} is not supported on scale here")
+        replicas = (wanted.get("spec") or {}).get("replicas")
+        if not isinstance(replicas, int) or replicas < 0:
+            raise api_error(422, "Invalid", f"Scale.spec.replicas: Invalid value: {replicas!r}")
+        field = paths.get("specReplicasPath", ".spec.replicas").lstrip(".").split(".")
+        new = copy.deepcopy(obj)
+        node = new
+        for key in field[:-1]:
+            node = node.setdefault(key, {})
+        node[field[-1]] = replicas
+        return scale_of(self._write(main, info, obj, new))
+
+    def _crd_version(self, group: str, plural: str, version: str) -> JSON | None:
+        """The `spec.versions[]` entry of the CRD serving `group/version` `plural`, if any."""
+        for (g, p, _, _), crd in self.objects.items():
+            spec = crd.get("spec") or {}
+            if (g, p) != (CRD_GROUP, "customresourcedefinitions") or spec.get("group") != group:
+                continue
+            if (spec.get("names") or {}).get("plural") != plural:
+                continue
+            for entry in spec.get("versions") or []:
+                if entry.get("name") == version:
+                    return dict(entry)
+        return None
+
+    def _check_fields(self, target: Target, obj: JSON) -> None:
+        """`fieldValidation=Strict` on a custom resource: fields its CRD's schema does not
+        declare are refused as the real server refuses them (400, strict decoding error).
+        Built-in kinds carry no schema here and are not checked."""
+        if not _STRICT.get():
+            return
+        version = self._crd_version(target.group, target.plural, target.version)
+        schema = ((version or {}).get("schema") or {}).get("openAPIV3Schema")
+        if not schema:
+            return
+        body = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata")}
+        unknown = _unknown_fields(body, schema, "")
+        if unknown:
+            kind = obj.get("kind", target.plural)
+            raise api_error(
+                400,
+                "BadRequest",
+                f'{kind} in version "{target.version}" cannot be handled as a {kind}: strict '
+                "decoding error: " + ", ".join(f'unknown field "{f}"' for f in unknown),
+            )
+
+    def _table(self, target: Target, result: JSON) -> JSON | None:
+        """A `meta.k8s.io/v1` Table of a custom resource list or object, with the CRD's printer
+        columns (or Name and Age when it declares none), as the server converts them for
+        `kubectl get`. Built-in kinds keep their JSON (their server-side printers are not
+        emulated)."""
+        version = self._crd_version(target.group, target.plural, target.version)
+        if version is None:
+            return None
+        columns = version.get("additionalPrinterColumns")
+        if columns is None:
+            columns = [{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
+        definitions = [
+            {
+                "name": "Name",
+                "type": "string",
+                "format": "name",
+                "description": "Name must be unique within a namespace.",
+                "priority": 0,
+            }
+        ] + [
+            {
+                "name": c["name"],
+                "type": c.get("type", "string"),
+                "format": c.get("format", ""),
+                "description": c.get("description", ""),
+                "priority": int(c.get("priority", 0)),
+            }
+            for c in columns
+        ]
+        items = result.get("items") if "items" in result else [result]
+        rows = []
+        for obj in items or []:
+            cells: list[Any] = [obj["metadata"]["name"]]
+            for column in columns:
+                found = jsonpath(obj, column["jsonPath"])
+                cells.append(_cell(column.get("type", "string"), found[0] if found else None))
+            meta = {k: v for k, v in obj["metadata"].items() if k != "managedFields"}
+            rows.append(
+                {
+                    "cells": cells,
+                    "object": {
+                        "kind": "PartialObjectMetadata",
+                        "apiVersion": "meta.k8s.io/v1",
+                        "metadata": meta,
+                    },
+                }
+            )
+        rv = (result.get("metadata") or {}).get("resourceVersion", str(self._rv))
+        return {
+            "kind": "Table",
+            "apiVersion": "meta.k8s.io/v1",
+            "metadata": {"resourceVersion": rv},
+            "columnDefinitions": definitions,
+            "rows": rows,
+        }
+
+    async def _serve_openapi(self, request: rendering.Request) -> Any:
+        """OpenAPI v3 as far as kubectl reads it: the index of group versions, and per group
+        version its paths (PATCH declaring `fieldValidation`, so kubectl leaves validation to
+        the server) and the schemas of its custom resources (`kubectl explain`)."""
+        path = request.url.path.rstrip("/")
+        versions: dict[str, list[tuple[kmock.resource, kmock.ResourceInfo]]] = {}
+        for res in self.resources:
+            if not res.plural or "/" in res.plural:
+                continue
+            key = f"apis/{res.group}/{res.version}" if res.group else f"api/{res.version}"
+            versions.setdefault(key, []).append((res, self.resources[res]))
+        if path == "/openapi/v3":
+            return {
+                "paths": {
+                    key: {"serverRelativeURL": f"/openapi/v3/{key}?hash={self._rv}"}
+                    for key in sorted(versions)
+                }
+            }
+        key = path.removeprefix("/openapi/v3/")
+        if key not in versions:
+            raise api_error(404, "NotFound", f"the server could not find {path}")
+        paths: JSON = {}
+        schemas: JSON = {}
+        for res, info in versions[key]:
+            gvk = {"group": res.group, "version": res.version, "kind": info.kind}
+            scope = "namespaces/{namespace}/" if info.namespaced else ""
+            params = [
+                {"name": n, "in": "query", "schema": {"type": "string"}}
+                for n in ("dryRun", "fieldManager", "fieldValidation", "force")
+            ]
+            paths[f"/{key}/{scope}{res.plural}/{{name}}"] = {
+                "patch": {
+                    "operationId": f"patch{info.kind}",
+                    "parameters": params,
+                    "x-kubernetes-action": "patch",
+                    "x-kubernetes-group-version-kind": gvk,
+                }
+            }
+            version = self._crd_version(res.group, res.plural, res.version)
+            schema = ((version or {}).get("schema") or {}).get("openAPIV3Schema")
+            if schema:
+                name = ".".join(reversed(res.group.split("."))) + f".{res.version}.{info.kind}"
+                schemas[name] = {**schema, "x-kubernetes-group-version-kind": [gvk]}
+        return {
+            "openapi": "3.0.0",
+            "info": {"title": "Kubernetes", "version": "v1.30.0"},
+            "paths": paths,
+            "components": {"schemas": schemas},
+        }
+
     # --- CRDs ----------------------------------------------------------------------------------
 
     def _register_crd(self, crd: JSON) -> None:
@@ -989,9 +1347,7 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
                 singular=names.get("singular") or names["kind"].lower(),
                 shortnames=set(names.get("shortNames") or []),
                 categories=set(names.get("categories") or []),
-                subresources={"status"}
-                if "status" in (version.get("subresources") or {})
-                else set(),
+                subresources={"status", "scale"} & set(version.get("subresources") or {}),
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             )
             registered.append(res)

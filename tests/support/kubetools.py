@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -87,31 +88,39 @@ def render_chart(
 
 @dataclass
 class Kubectl:
-    """kubectl 1.37 pointed at one kubeconfig, with its discovery cache in a folder of its own."""
+    """kubectl 1.37 pointed at one kubeconfig, with its discovery cache in a folder of its own.
+
+    `run` is async: an emulated API server serves from the test's own event loop."""
 
     binary: Path
     kubeconfig: Path
     home: Path
 
-    def run(
+    async def run(
         self, *args: str, check: bool = True, stdin: str | None = None
     ) -> subprocess.CompletedProcess[str]:
         """Run kubectl; with `check`, fail the test with its output when it exits non-zero."""
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), HOME=str(self.home))
-        proc = subprocess.run(
-            [str(self.binary), "--cache-dir", str(self.home / "cache"), *args],
+        command = [str(self.binary), "--cache-dir", str(self.home / "cache"), *args]
+        proc = await asyncio.create_subprocess_exec(
+            *command,
             env=env,
-            input=stdin,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
-        if check and proc.returncode != 0:
+        out, err = await asyncio.wait_for(
+            proc.communicate(stdin.encode() if stdin is not None else None), 120
+        )
+        result = subprocess.CompletedProcess(
+            command, proc.returncode or 0, out.decode(), err.decode()
+        )
+        if check and result.returncode != 0:
             pytest.fail(
-                f"kubectl {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+                f"kubectl {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n"
+                f"{result.stderr}"
             )
-        return proc
+        return result
 
 
 def kubectl(kubeconfig: Path, home: Path) -> Kubectl:

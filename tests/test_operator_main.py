@@ -1,0 +1,194 @@
+"""`python -m hotload_operator` as the chart runs it: a process of its own, started with
+`--standalone --liveness URL`, `HOTLOAD_NAMESPACES` (a list) and `HOTLOAD_METRICS_PORT`, against
+the `kube_api` fixture's API server (the emulator, or HOTLOAD_E2E_KUBECONFIG's cluster).
+
+It must answer its liveness probe, reconcile what lives in the listed namespaces (every one of
+them), count that in its `hotload_operator_*` metrics, leave other namespaces alone, and keep
+kopf's bookkeeping under `hotload.dev/` annotations."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hotload.errors import KubeNotFoundError
+from hotload.kube import KubeClient, resource_path
+from support.fleet import free_port
+from support.kubeapi import KubeAPI
+from support.operator import eventually, hld_path, install_crds
+
+JSON = dict[str, Any]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fleet(name: str, bucket: Path) -> JSON:
+    """A minimal HotLoadDeployment."""
+    return {
+        "apiVersion": "hotload.dev/v1alpha1",
+        "kind": "HotLoadDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "bucket": {"url": f"file://{bucket}"},
+            "engine": {"image": "registry.example/engine:1"},
+        },
+    }
+
+
+def http_get(url: str) -> tuple[int, str]:
+    """GET `url`: (status, body); (0, why) when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+    except OSError as err:
+        return 0, str(err)
+
+
+@contextlib.asynccontextmanager
+async def namespaces(kube: KubeClient, *names: str) -> AsyncIterator[None]:
+    """Extra namespaces for the test (deleted afterwards, which matters on a real cluster)."""
+    try:
+        for name in names:
+            await kube.create("/api/v1/namespaces", {"metadata": {"name": name}})
+        yield
+    finally:
+        for name in names:
+            with contextlib.suppress(KubeNotFoundError):
+                await kube.delete(f"/api/v1/namespaces/{name}")
+
+
+async def _get(kube: KubeClient, path: str) -> JSON | None:
+    try:
+        return dict(await kube.get(path))
+    except KubeNotFoundError:
+        return None
+
+
+@pytest.mark.asyncio
+async def test_the_entry_point_serves_listed_namespaces_with_liveness_and_metrics(
+    kube_api: KubeAPI, tmp_path: Path
+) -> None:
+    listed, also_listed, unlisted = (
+        kube_api.namespace,
+        f"{kube_api.namespace}-b",
+        f"{kube_api.namespace}-x",
+    )
+    liveness, metrics = free_port(), free_port()
+    env = dict(
+        os.environ,
+        KUBECONFIG=str(kube_api.kubeconfig),
+        HOTLOAD_NAMESPACES=f"{listed},{also_listed}",
+        HOTLOAD_METRICS_PORT=str(metrics),
+        HOTLOAD_LOG_LEVEL="info",
+    )
+    async with kube_api.client() as kube, namespaces(kube, also_listed, unlisted):
+        await install_crds(kube)
+        # Created before the operator starts, so a namespace filter that let it through would
+        # certainly have seen it by the time the listed ones are reconciled.
+        await kube.create(hld_path(unlisted), fleet("outsider", tmp_path / "b"))
+        log = (tmp_path / "operator.log").open("w")
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hotload_operator",
+                "--standalone",
+                "--liveness",
+                f"http://127.0.0.1:{liveness}/healthz",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            await _check(
+                kube,
+                tmp_path,
+                proc,
+                liveness=liveness,
+                metrics=metrics,
+                listed=listed,
+                also_listed=also_listed,
+                unlisted=unlisted,
+            )
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                code = await asyncio.to_thread(proc.wait, 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+            log.close()
+        assert code == 0, (tmp_path / "operator.log").read_text()[-3000:]
+
+
+async def _check(
+    kube: KubeClient,
+    tmp_path: Path,
+    proc: subprocess.Popen[bytes],
+    *,
+    liveness: int,
+    metrics: int,
+    listed: str,
+    also_listed: str,
+    unlisted: str,
+) -> None:
+    def alive() -> None:
+        assert proc.poll() is None, (tmp_path / "operator.log").read_text()[-3000:]
+
+    async def healthy() -> bool:
+        alive()
+        return (await asyncio.to_thread(http_get, f"http://127.0.0.1:{liveness}/healthz"))[0] == 200
+
+    await eventually("/healthz answering 200", healthy, timeout=60, interval=0.3)
+
+    # Both listed namespaces are served (the list is parsed, not just its first entry).
+    for ns in (listed, also_listed):
+        await kube.create(hld_path(ns), fleet("fleet", tmp_path / "b"))
+    for ns in (listed, also_listed):
+        path = resource_path("apps/v1", "deployments", ns, "fleet")
+
+        async def made(path: str = path) -> JSON | None:
+            alive()
+            return await _get(kube, path)
+
+        await eventually(f"the Deployment in {ns}", made, timeout=60)
+
+    async def counted() -> str | None:
+        alive()
+        status, text = await asyncio.to_thread(http_get, f"http://127.0.0.1:{metrics}/metrics")
+        done = 'hotload_operator_reconciles_total{result="applied"} 2.0' in text
+        return text if status == 200 and done else None
+
+    text = await eventually("two reconciles in the metrics", counted, timeout=30)
+    for series in ("hotload_operator_rollup_seconds_count", "hotload_operator_admissions_total"):
+        assert series in text or series.removesuffix("_total") in text, series
+
+    # kopf's bookkeeping on a served object: only under hotload.dev/.
+    obj = await kube.get(hld_path(listed, "fleet"))
+    annotations = obj["metadata"].get("annotations") or {}
+    assert "hotload.dev/last-handled-configuration" in annotations, annotations
+    assert all(key.startswith("hotload.dev/") for key in annotations), sorted(annotations)
+    assert not [k for k in obj["metadata"].get("labels") or {} if "kopf" in k]
+
+    # The unlisted namespace: untouched, no owned objects, no kopf annotations or finalizer.
+    outsider = await kube.get(hld_path(unlisted, "outsider"))
+    assert not outsider["metadata"].get("annotations"), outsider["metadata"]
+    assert not outsider["metadata"].get("finalizers"), outsider["metadata"]
+    assert not outsider.get("status")
+    for kind, plural in (("apps/v1", "deployments"), ("v1", "services")):
+        assert (await kube.list(resource_path(kind, plural, unlisted)))["items"] == []
