@@ -1,7 +1,10 @@
 """End to end through the operator: CRDs, the real kopf operator, a HotLoadDeployment whose pods
 are played by real loader + reference-engine processes (the loaders report on their pods through
 the API), a trainer publishing a chain with the SDK, clients sending requests the whole time,
-and a corrupted local snapshot in the middle of the chain that a replica must recover from.
+and two corruptions in the middle of the chain: a delta that rots in the bucket after its
+admission (every loader detects it, keeps serving, the Snapshot says LoadFailed with their
+messages, wait_ready raises with them, and the trainer's next publish is full by itself), and a
+replica's local copy that rots (it falls back to the full snapshot).
 
 Runs on the emulated API server; with HOTLOAD_E2E_KUBECONFIG the API calls go to a real
 cluster, but the replicas still run here as processes (see tests/README.md).
@@ -18,7 +21,7 @@ import aiohttp
 import pytest
 
 from hotload.kube import resource_path
-from hotload.sdk import Publisher
+from hotload.sdk import NotReadyError, Publisher
 from hotload.snapshot import Snapshot
 from support.fleet import Replica
 from support.kubeapi import KubeAPI
@@ -35,6 +38,8 @@ from support.vllm_server import greedy_token_ids
 
 PROMPT_IDS = [101, 1996, 7570, 2001, 2019, 2214, 102]
 STEPS = 7  # step-00000000 .. step-00000006, a full snapshot every 3 steps
+ROT_STEP = 1  # its delta rots in the bucket after admission: step 2 is published full
+LOCAL_ROT_STEP = 5  # a replica's copy of step 4 rots before step 5's delta arrives
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +114,24 @@ async def test_a_fleet_follows_a_chain_through_the_operator(
                     clients = asyncio.create_task(traffic.run())
                     kinds = [first.kind]
                     for step in range(1, STEPS):
-                        if step == 5:
+                        if step == ROT_STEP:
+                            handle = await _rot_in_the_bucket(
+                                kube, ns, pub, weights=chain.snapshots[step], step=step,
+                                replicas=replicas, bucket_dir=bucket_dir,
+                            )  # fmt: skip
+                            kinds.append(handle.kind)
+                            continue
+                        if step == LOCAL_ROT_STEP:
                             # Bit rot in one replica's served snapshot, the parent of the next
                             # delta: it must fall back to the full snapshot and still end right.
                             _corrupt(replicas[1].weights / "current")
                         handle = await pub.publish_async(chain.snapshots[step], step=step)
                         kinds.append(handle.kind)
                         await pub.wait_ready_async(handle.identity, timeout=180)
+                    # Step 2 would be a delta by the cadence; after the failed rollout of step 1
+                    # the publisher made it full by itself.
                     assert kinds == [
-                        "full", "incremental", "incremental", "full", "incremental",
+                        "full", "incremental", "full", "full", "incremental",
                         "incremental", "full",
                     ]  # fmt: skip
                     await asyncio.sleep(1.0)  # a little traffic on the final snapshot
@@ -127,10 +141,12 @@ async def test_a_fleet_follows_a_chain_through_the_operator(
                         task.cancel()
                     await asyncio.gather(*tasks, return_exceptions=True)
                 last = f"step-{STEPS - 1:08d}"
-                # Every replica moved forward through the chain, never back.
+                # Every replica moved forward through the chain, never back, and skipped only
+                # the snapshot it could not verify.
                 for r in replicas:
                     sequences = seen.sequences[r.name]
                     assert sequences == sorted(sequences) and sequences[-1] == STEPS, sequences
+                    assert ROT_STEP + 1 not in sequences, sequences
                 # No request failed while snapshots rolled through the fleet.
                 assert traffic.failed == [], traffic.failed[:5]
                 assert traffic.ok > 20
@@ -140,17 +156,33 @@ async def test_a_fleet_follows_a_chain_through_the_operator(
                     and e["involvedObject"]["name"] == replicas[1].name
                     for e in fallback_events
                 ), "the corrupted replica did not report its fallback"
-                # Statuses: the fleet Ready on the last step, every snapshot Ready.
+                # Statuses: the fleet Ready on the last step with every replica on it; every
+                # snapshot Ready but the rotten one, which a newer one replaced; only the last is
+                # served now (replicasLoaded counts the replicas serving a snapshot).
                 hld = await eventually(
                     "the fleet Ready on the last step",
                     lambda: _fleet_on(kube, ns, last),
                 )
                 assert hld["status"]["updatedReplicas"] == 2
+                assert hld["status"]["readyReplicas"] == 2
                 assert condition(hld, "Ready")["reason"] == "AllReplicasCurrent"
-                for step in range(STEPS):
-                    snap = await kube.get(snapshot_path(ns, f"step-{step:08d}"))
+                assert condition(hld, "Degraded")["status"] == "False"
+                snaps = await eventually(
+                    "every Snapshot rolled up", lambda: _snapshots_rolled_up(kube, ns)
+                )
+                for step, snap in enumerate(snaps):
+                    st = snap["status"]
                     assert condition(snap, "Accepted")["status"] == "True"
-                    assert condition(snap, "Ready")["status"] == "True", snap["status"]
+                    assert st["replicas"] == 2, st
+                    if step == ROT_STEP:
+                        assert condition(snap, "Ready")["status"] == "False", st
+                        assert condition(snap, "Ready")["reason"] == "Superseded", st
+                    else:
+                        assert condition(snap, "Ready")["status"] == "True", st
+                    assert st["replicasLoaded"] == (2 if step == STEPS - 1 else 0), st
+                final = snaps[-1]["status"]
+                assert sorted(x["pod"] for x in final["loads"]) == sorted(pods)
+                assert all(x["totalSeconds"] > 0 for x in final["loads"]), final["loads"]
                 # And they serve the trainer's weights.
                 expected = greedy_token_ids(chain.snapshots[-1], PROMPT_IDS, 8)
                 for r in replicas:
@@ -161,6 +193,104 @@ async def test_a_fleet_follows_a_chain_through_the_operator(
                 for r in replicas:
                     await asyncio.to_thread(r.stop)
                 pub.close()
+
+
+async def _rot_in_the_bucket(
+    kube: Any,
+    ns: str,
+    pub: Publisher,
+    *,
+    weights: Path,
+    step: int,
+    replicas: list[Replica],
+    bucket_dir: Path,
+) -> Any:
+    """Publish step `step` as a delta; once admitted, flip a byte of it in the bucket before
+    any loader reads it (the loaders are held back meanwhile, as slow replicas would be). Every
+    loader must detect it, keep serving, and say why; the Snapshot says LoadFailed with their
+    messages and `wait_ready` raises with them at once."""
+    served = replicas[0].status()["identity"]
+    for r in replicas:
+        await asyncio.to_thread(r.pause_loader)
+    try:
+        handle = await pub.publish_async(weights, step=step)
+        assert handle.kind == "incremental"
+        snap = await kube.get(snapshot_path(ns, handle.identity))
+        assert condition(snap, "Accepted")["status"] == "True"  # admitted intact ...
+        _corrupt_file(bucket_dir / handle.identity)  # ... then rots where it lies
+    finally:
+        for r in replicas:
+            await asyncio.to_thread(r.resume_loader)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(NotReadyError) as failed:
+        await pub.wait_ready_async(handle.identity, timeout=180)
+    # Raised once the replicas failed, not after the timeout.
+    assert asyncio.get_running_loop().time() - started < 120
+    assert failed.value.reason == "LoadFailed"
+    assert failed.value.failures, str(failed.value)
+    for f in failed.value.failures:
+        assert f"{f['pod']}: {f['message']}" in str(failed.value)
+
+    async def both_failed() -> dict[str, Any] | None:
+        obj = await kube.get(snapshot_path(ns, handle.identity))
+        failures = (obj.get("status") or {}).get("failures") or []
+        return obj if len(failures) == len(replicas) else None
+
+    snap = await eventually("every replica to report the rotten delta", both_failed, 120)
+    st, ready = snap["status"], condition(snap, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "LoadFailed"), st
+    assert (st["replicas"], st["replicasLoaded"]) == (2, 0), st
+    assert {f["pod"] for f in st["failures"]} == {r.name for r in replicas}
+    for f in st["failures"]:
+        assert f"{f['pod']}: {f['message']}" in ready["message"]
+        # What the loader found: the bytes do not match their checksum (a chunk's CRC-32, or a
+        # tensor's adler32), after a fallback to the full snapshot that needs the same delta.
+        assert any(word in f["message"].lower() for word in ("checksum", "crc", "corrupt")), f
+        assert handle.identity in f["message"], f
+    # Every replica kept serving the snapshot before it, and counted what it detected.
+    for r in replicas:
+        doc = await asyncio.to_thread(r.status)
+        assert doc["identity"] == served and doc["target_identity"] == handle.identity, doc
+        # (It retries, as it would a bucket outage: the state may read fetching again.)
+        assert doc["last_error"] and doc["state"] != "idle", doc
+        metrics = await asyncio.to_thread(r.metrics)
+        assert _sample(metrics, "hotload_loader_checksum_failures_total") >= 1, r.name
+    hld = await eventually(
+        "the fleet degraded by load failures",
+        lambda: _hld_when(
+            kube, ns, lambda h: condition(h, "Degraded").get("reason") == "LoadFailures"
+        ),
+    )
+    assert hld["status"]["targetSnapshot"] == handle.identity
+    assert (hld["status"]["readyReplicas"], hld["status"]["updatedReplicas"]) == (2, 0)
+    return handle
+
+
+async def _hld_when(kube: Any, ns: str, check: Any) -> dict[str, Any] | None:
+    obj = await kube.get(hld_path(ns, "fleet"))
+    return obj if obj.get("status") and check(obj) else None
+
+
+async def _snapshots_rolled_up(kube: Any, ns: str) -> list[dict[str, Any]] | None:
+    """Every step's Snapshot once the roll-up saw the fleet on the last step."""
+    snaps = [await kube.get(snapshot_path(ns, f"step-{s:08d}")) for s in range(STEPS)]
+    loaded = [(x.get("status") or {}).get("replicasLoaded") for x in snaps]
+    return snaps if loaded == [0] * (STEPS - 1) + [2] else None
+
+
+def _sample(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _corrupt_file(snapshot: Path) -> None:
+    """Flip one bit in the payload of the snapshot's largest shard (bit rot at rest)."""
+    shard = max(snapshot.glob("model-*.safetensors"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x10
+    shard.write_bytes(bytes(data))
 
 
 async def _fleet_on(kube: Any, ns: str, identity: str) -> dict[str, Any] | None:

@@ -289,6 +289,17 @@ class Replica:
         assert code == 200, body
         return dict(body)
 
+    def pause_loader(self) -> None:
+        """SIGSTOP the loader: it reads nothing until `resume_loader` (a slow replica); the
+        engine keeps serving."""
+        if self.loader is not None and self.loader.poll() is None:
+            self.loader.send_signal(signal.SIGSTOP)
+
+    def resume_loader(self) -> None:
+        """SIGCONT a paused loader."""
+        if self.loader is not None and self.loader.poll() is None:
+            self.loader.send_signal(signal.SIGCONT)
+
     def kill_loader(self) -> None:
         """SIGKILL the loader (no clean-up runs)."""
         if self.loader is not None and self.loader.poll() is None:
@@ -299,6 +310,7 @@ class Replica:
         """Stop both processes (SIGTERM, then SIGKILL)."""
         for proc in (self.loader, self.engine):
             if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a paused process handles SIGTERM only then
                 proc.send_signal(signal.SIGTERM)
         for proc in (self.loader, self.engine):
             if proc is None:
