@@ -144,3 +144,63 @@ async def test_a_fireworks_trainer_works_unchanged(
             finally:
                 playing.cancel()
                 await server.close()
+
+
+@pytest.mark.asyncio
+async def test_the_operator_serves_it_as_the_chart_configures_it(
+    kube_api: KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator started with the environment the chart renders for fireworksApi (port,
+    namespace, token file) serves the API a Fireworks client drives."""
+    from support.fleet import free_port
+    from support.kubetools import helm, render_chart
+
+    port = free_port()
+    values = {
+        "fireworksApi": {
+            "enabled": True,
+            "port": port,
+            "namespace": kube_api.namespace,
+            "tokenSecret": {"name": "fw-token", "key": "api-key"},
+        }
+    }
+    objs = render_chart(helm(tmp_path / "helm"), "hl", "hotload-system", values)
+    (operator,) = [o for o in objs if o["kind"] == "Deployment"]
+    (container,) = operator["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if "FIREWORKS" in e["name"]}
+    assert set(env) == {
+        "HOTLOAD_FIREWORKS_PORT", "HOTLOAD_FIREWORKS_TOKEN_FILE", "HOTLOAD_FIREWORKS_NAMESPACE",
+    }  # fmt: skip
+    # The Secret's key, where the kubelet would mount it; here a file of our own.
+    token_file = tmp_path / "secret" / Path(env["HOTLOAD_FIREWORKS_TOKEN_FILE"]).name
+    token_file.parent.mkdir()
+    token_file.write_text(TOKEN + "\n")
+    env["HOTLOAD_FIREWORKS_TOKEN_FILE"] = str(token_file)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig))
+    monkeypatch.setenv("HOTLOAD_ROLLUP_INTERVAL", "0.5")
+    ns = kube_api.namespace
+    bucket_dir = tmp_path / "bucket"
+    s0 = full(tmp_path / "snaps" / "policy-0", weights(0))
+    desc = describe_snapshot(s0)
+    await upload_snapshot_async(
+        s0, open_bucket(str(bucket_dir)), "policy-0", files=desc.files,
+        manifest_files=desc.manifest_files,
+    )  # fmt: skip
+    async with kube_api.client() as kube:
+        await install_crds(kube)
+        async with running_operator(kube_api):
+            pods = await create_fleet(kube, ns, bucket_dir)
+            playing = asyncio.create_task(loaders_follow_the_ledger(kube, ns, bucket_dir, pods))
+            try:
+                client = FireworksStyleClient(f"http://127.0.0.1:{port}", "fleet", TOKEN)
+                async with aiohttp.ClientSession() as http:
+                    code, doc = await client.hot_load(http, "policy-0")
+                    assert code == 200 and doc["status"] == "ACCEPTED", doc
+                    loaded = await client.wait_loaded(http, "policy-0")
+                    assert len(loaded["replicas"]) == 2
+                    bad = FireworksStyleClient(f"http://127.0.0.1:{port}", "fleet", "nope")
+                    assert (await bad.status(http))[0] == 401
+            finally:
+                playing.cancel()
