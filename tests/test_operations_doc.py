@@ -1,5 +1,5 @@
 """docs/operations.md covers what SREs will see: every condition reason in `hotload.api.names`
-and every metric the operator, the loader and the reference engine export."""
+and every metric the operator, the loader, the reference engine and the router export."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from hotload.api import names
 from hotload.engine.metrics import EngineMetrics
+from hotload.router.proxy import RouterMetrics
 from hotload_operator.reconcile import OperatorMetrics
 from hotload_sidecar.metrics import LoaderMetrics
 
@@ -41,13 +42,21 @@ def test_every_reason_is_explained() -> None:
         assert f"`{condition}`" in GUIDE
 
 
-def test_every_metric_is_listed() -> None:
-    metrics = (
+def all_metrics() -> set[str]:
+    """Every series name the operator, a loader, the reference engine and a router export."""
+    return (
         exported(OperatorMetrics().registry)
         | exported(LoaderMetrics().registry)
         | exported(EngineMetrics().registry)
+        | exported(RouterMetrics().registry)
     )
-    assert len(metrics) >= 25
+
+
+def test_every_metric_is_listed() -> None:
+    metrics = all_metrics()
+    router = exported(RouterMetrics().registry)
+    assert len(router) >= 7 and router <= metrics
+    assert len(metrics) >= 32
     missing = sorted(m for m in metrics if f"`{m}`" not in GUIDE)
     assert not missing, f"docs/operations.md does not list: {missing}"
     # ... and lists nothing that does not exist.
@@ -58,12 +67,31 @@ def test_every_metric_is_listed() -> None:
 def test_suggested_alerts_use_exported_metrics() -> None:
     alerts = GUIDE.split("### Suggested alerts", 1)[1]
     used = set(re.findall(r"\b(hotload_[a-z_]+?)(?:_bucket)?\b", alerts))
-    metrics = (
-        exported(OperatorMetrics().registry)
-        | exported(LoaderMetrics().registry)
-        | exported(EngineMetrics().registry)
-    )
+    metrics = all_metrics()
     assert used and used <= metrics, used - metrics
+    # Every component has at least one alert.
+    for prefix in ("hotload_operator_", "hotload_loader_", "hotload_engine_", "hotload_router_"):
+        assert any(m.startswith(prefix) for m in used), prefix
+
+
+def test_the_router_section_covers_spec_and_status() -> None:
+    section = GUIDE.split("## The router", 1)[1].split("\n## ", 1)[0]
+    for text in ("spec.router.enabled", "spec.router.replicas", "status.routerEndpoint"):
+        assert text in section, text
+    from hotload.api.models import HotLoadDeployment
+    from hotload_operator.builders import router_endpoint
+
+    hld = HotLoadDeployment.model_validate(
+        {
+            "metadata": {"name": "policy", "namespace": "rl"},
+            "spec": {
+                "bucket": {"url": "s3://b/p"},
+                "engine": {"image": "e"},
+                "router": {"enabled": True},
+            },
+        }
+    )
+    assert f"# {router_endpoint(hld)}" in section  # the endpoint shown is the one written
 
 
 def test_runbook_covers_the_issues_cases() -> None:
