@@ -187,7 +187,9 @@ class RouterSpec(_Model):
     enabled: bool = Field(default=False, description="Deploy the router.")
     replicas: int = Field(default=1, ge=1, le=32, description="Router replicas.")
     image: str | None = Field(
-        default=None, max_length=1024, description="Router image (default: the operator's)."
+        default=None,
+        max_length=1024,
+        description="Router image (default: the operator's HOTLOAD_ROUTER_IMAGE, the loader image).",
     )
 
 

@@ -37,7 +37,8 @@ VAP_NAME = "hotload-loader-own-pod"
 class OperatorImages:
     """Images the operator puts into pods when the spec does not name one."""
 
-    loader: str = "ghcr.io/hotload-dev/hotload:latest"
+    #: What sidecar/Dockerfile builds (the chart sets HOTLOAD_LOADER_IMAGE to its own tag).
+    loader: str = "ghcr.io/hotload-dev/hotload-loader:0.1.0"
     #: `hotload router` runs from the loader image (sidecar/Dockerfile installs the whole
     #: distribution: the CLI and aiohttp); the chart sets HOTLOAD_ROUTER_IMAGE.
     router: str = "ghcr.io/hotload-dev/hotload-loader:0.1.0"
