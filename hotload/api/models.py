@@ -189,7 +189,8 @@ class RouterSpec(_Model):
     image: str | None = Field(
         default=None,
         max_length=1024,
-        description="Router image (default: the operator's HOTLOAD_ROUTER_IMAGE, the loader image).",
+        description="Router image (default: the operator's HOTLOAD_ROUTER_IMAGE, the loader "
+        "image).",
     )
 
 
