@@ -444,3 +444,17 @@ def test_publisher_publishes_peft_folders_and_tensors_as_verified_adapters(
         download_snapshot(open_bucket(str(bucket)), handle.identity, out)
         assert verify_adapter(out) == len(tensors)
     assert not (plain / "adapter_model.safetensors.tmp").exists()
+
+    # The CLI does the same with a PEFT folder; a re-run is a no-op, not a second entry.
+    from hotload.cli.main import run
+
+    for _ in range(2):
+        args = ["publish", str(plain), "--bucket", str(bucket), "--ledger", "policy"]
+        assert run([*args, "--identity", "lora-cli", "--no-progress"]) == 0
+    document = Ledger(open_bucket(str(bucket)), "policy").read().document
+    entry = document.find("lora-cli")
+    assert entry is not None and (entry.kind, entry.prompt_cache) == ("lora", "none")
+    assert [e.identity for e in document.entries].count("lora-cli") == 1
+    out = tmp_path / "check" / "lora-cli"
+    download_snapshot(open_bucket(str(bucket)), "lora-cli", out)
+    assert verify_adapter(out) == len(tensors)

@@ -35,7 +35,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "downloading the head's chain and rebuilding it (verified tensor by tensor, in a "
         "temporary folder); when they cannot (an empty ledger, a pending reset, a broken chain) "
         "it goes as a full snapshot. --full always publishes it as a full snapshot. A delta "
-        "or LoRA folder is published as it is. An interrupted upload is never visible; "
+        "folder is published as it is; a LoRA adapter folder (PEFT's adapter_config.json and "
+        "adapter_model*.safetensors) gets per-tensor checksums added on the way, so replicas "
+        "verify it (docs/lora.md). An interrupted upload is never visible; "
         "re-running the same command finishes it. A delta that cannot be admitted (wrong "
         "parent, or right after a reset) fails before any upload.",
         epilog="Exit codes: 0 published (and, with --wait, ready), 1 refused or failed (the "
@@ -89,8 +91,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--prompt-cache",
         choices=PROMPT_CACHE_POLICIES,
-        default="all",
-        help="prompt-cache policy replicas apply when loading it (default: all)",
+        default=None,
+        help="prompt-cache policy replicas apply when loading it (default: all; none for a "
+        "LoRA adapter, which leaves the base's caches valid)",
     )
     p.add_argument(
         "--credentials-dir",
@@ -138,6 +141,10 @@ def _publish(args: argparse.Namespace) -> int:
         bucket_url, credentials_dir=args.credentials_dir, concurrency=max(1, args.concurrency)
     )
     ledger = Ledger(bucket, ledger_name or args.deployment)
+    if args.prompt_cache is None:
+        args.prompt_cache = "none" if desc.kind == "lora" else "all"
+    if desc.kind == "lora":
+        return _publish_adapter(args, folder, identity, bucket_url, ledger.name)
     if desc.kind == "full":
         existing = ledger.read().document.find(identity)
         if existing is None:
@@ -155,7 +162,7 @@ def _publish(args: argparse.Namespace) -> int:
     if args.deployment is not None:
         return _submit_as_is(args, folder, identity, bucket_url, ledger.name)
 
-    # A delta or LoRA folder (or a re-run of a published one): as it is, straight to the ledger.
+    # A delta folder (or a re-run of a published one): as it is, straight to the ledger.
     with progress_bar(f"upload {identity}", desc.shipped_bytes, not args.no_progress) as advance:
         published = publish_folder(
             ledger, folder, identity=identity, prompt_cache=args.prompt_cache, progress=advance
@@ -238,10 +245,34 @@ def _publish_full(
     )
 
 
+def _publish_adapter(
+    args: argparse.Namespace, folder: Path, identity: str, bucket_url: str, ledger_name: str
+) -> int:
+    """A LoRA adapter folder through the SDK (checksums added), to the ledger or the operator."""
+
+    async def run(pub: Any) -> tuple[Any, Any]:
+        handle = await pub.publish_adapter_async(
+            folder, step=0, identity=identity, reset_prompt_cache=args.prompt_cache
+        )
+        report = None
+        if args.wait and args.deployment is not None:
+            report = await pub.wait_ready_async(identity, timeout=args.timeout)
+        return handle, report
+
+    with _publisher(args, folder, bucket_url, ledger_name) as pub:
+        handle, report = run_sync(run(pub))
+    if args.deployment is None:
+        _print_ledger_result(args, pub.bucket.url, pub.ledger, handle.entry, handle.transfer)
+        return 0
+    return _print_deployment_result(
+        args, identity=identity, kind="lora", previous=None, sequence=handle.sequence, report=report
+    )
+
+
 def _submit_as_is(
     args: argparse.Namespace, folder: Path, identity: str, bucket_url: str, ledger_name: str
 ) -> int:
-    """A delta or LoRA folder (or a published one again) to the operator, as it is."""
+    """A delta folder (or a published one again) to the operator, as it is."""
     desc = describe_snapshot(folder)
 
     async def run(pub: Any) -> tuple[int | None, Any]:
