@@ -8,6 +8,8 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -240,6 +242,20 @@ def test_loaders_keep_the_newest_adapters_loaded_and_recover_from_a_corrupt_one(
         assert fleet[1].complete(PROMPT)["choices"][0]["token_ids"] == base_tokens
         with2 = model_tokens(fleet[0], "lora-2")
         assert with2 != base_tokens and model_tokens(fleet[1], "lora-2") == with2
+
+        # `hotload status` shows each replica's adapters.
+        loaders = ",".join(r.loader_url for r in fleet)
+        command = [sys.executable, "-m", "hotload", "status", "--ledger", f"{url}/policy"]
+        shown = subprocess.run(
+            [*command, "--replicas", loaders],
+            check=False,
+            env={**env, "COLUMNS": "250"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0, shown.stderr
+        assert "ADAPTERS" in shown.stdout and shown.stdout.count("lora-2, lora-1") == 2
 
         # A base update keeps the adapters; it changes what they answer.
         trainer.publish(1)

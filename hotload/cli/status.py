@@ -154,11 +154,13 @@ def _print_cluster(doc: JSON, *, detail: bool) -> None:
         return
     st = doc["deployments"][0].get("status") or {}
     replicas = Table(title="replicas", title_justify="left")
-    for col in ("POD", "SERVES", "SEQ", "LOADED", "READY", "STATE", "LAST LOAD", "MESSAGE"):
+    with_adapters = any(r.get("adapters") for r in st.get("replicaStatuses") or [])
+    columns = ["POD", "SERVES", "SEQ", "LOADED", "READY", "STATE", "LAST LOAD", "MESSAGE"]
+    for col in columns[:7] + (["ADAPTERS"] if with_adapters else []) + columns[7:]:
         replicas.add_column(col)
     for r in st.get("replicaStatuses") or []:
         seconds = r.get("lastLoadSeconds")
-        replicas.add_row(
+        cells = [
             r.get("pod", ""),
             r.get("snapshot") or "-",
             str(r.get("sequence") if r.get("sequence") is not None else "-"),
@@ -166,8 +168,10 @@ def _print_cluster(doc: JSON, *, detail: bool) -> None:
             "yes" if r.get("ready") else "no",
             r.get("state") or "-",
             f"{seconds:.2f}s" if isinstance(seconds, int | float) else "-",
-            r.get("message") or "",
-        )
+        ]
+        if with_adapters:
+            cells.append(_adapters(r.get("adapters") or []))
+        replicas.add_row(*cells, r.get("message") or "")
     console.print(replicas)
     for c in st.get("conditions") or []:
         console.print(f"{c['type']}={c['status']} {c['reason']}: {c.get('message', '')}")
@@ -196,11 +200,13 @@ def _print_local(doc: JSON) -> None:
     if doc["ledger"]:
         console.print(f"ledger {doc['ledger']}: head {doc['head']} (sequence {doc['sequence']})")
     table = Table()
-    for col in ("LOADER", "SERVES", "SEQ", "TARGET", "STATE", "REASON", "LAST LOAD", "ERROR"):
+    with_adapters = any(r.get("adapters") for r in doc["replicas"])
+    columns = ["LOADER", "SERVES", "SEQ", "TARGET", "STATE", "REASON", "LAST LOAD", "ERROR"]
+    for col in columns[:7] + (["ADAPTERS"] if with_adapters else []) + columns[7:]:
         table.add_column(col)
     for r in doc["replicas"]:
         last = r.get("last_load") or {}
-        table.add_row(
+        cells = [
             r["url"],
             r.get("identity") or "-",
             str(r.get("sequence") if r.get("sequence") is not None else "-"),
@@ -208,6 +214,17 @@ def _print_local(doc: JSON) -> None:
             r.get("state") or "-",
             r.get("reason") or "-",
             f"{last['total_seconds']:.2f}s" if last.get("total_seconds") is not None else "-",
-            r.get("error") or r.get("last_error") or "",
-        )
+        ]
+        if with_adapters:
+            cells.append(_adapters(r.get("adapters") or []))
+        table.add_row(*cells, r.get("error") or r.get("last_error") or "")
     console.print(table)
+
+
+def _adapters(items: list[JSON]) -> str:
+    """A replica's LoRA adapters, newest first: `name` when loaded, else `name (status)`."""
+    out = []
+    for a in items:
+        status = a.get("status")
+        out.append(a.get("identity", "?") + ("" if status == "loaded" else f" ({status})"))
+    return ", ".join(out) or "-"
