@@ -6,7 +6,8 @@ Everything the operator does in a fleet's life must be allowed: owned objects (a
 hands to loaders and the router, which Kubernetes lets it create only when it holds every
 permission in them), admission with a bucket Secret the chart lists, the router switched on and
 off again, a pin. A Secret the chart does not list is the one refusal, and it shows on the
-Snapshot as `Accepted=Unknown`, `BucketUnreachable`, until the chart's Role lists it.
+Snapshot as `Accepted=Unknown`, `BucketUnreachable`, until the chart's Role lists it. And with
+RBAC that lacks delete (an older chart), a pin is still followed while the router stays.
 """
 
 from __future__ import annotations
@@ -265,3 +266,76 @@ async def _an_unlisted_secret(kube: KubeClient, ns: str, bucket_dir: Path, relea
 
     obj = await eventually("admitted once the Secret is listed", admitted, timeout=60)
     assert obj["status"]["sequence"] == 1
+
+
+@pytest.mark.asyncio
+async def test_a_pin_is_followed_even_where_the_router_cannot_be_removed(
+    kube_api: KubeAPI,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An operator whose RBAC lacks delete (a chart from before it was granted): switching the
+    router off fails, with a message saying so, but the pin is still written and followed."""
+    ns = kube_api.namespace
+    release = f"t{ns[-8:]}"
+    objs = render_chart(
+        helm(tmp_path / "helm"), release, ns, {"operator": {"watchNamespaces": [ns]}}
+    )
+    for obj in objs:
+        if obj["kind"] in ("Role", "ClusterRole"):
+            obj["rules"] = [r for r in obj["rules"] if "delete" not in r["verbs"]]
+    account = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    bucket_dir = tmp_path / "bucket"
+    bucket_dir.mkdir()
+    await upload(bucket_dir, full(tmp_path / "snaps" / "step-000", weights(0)))
+    caplog.set_level(logging.INFO)
+    async with kube_api.client() as kube:
+        await install_crds(kube)
+        async with chart_rbac(kube, objs):
+            kubeconfig = await kube_api.service_account_kubeconfig(
+                tmp_path / "operator-kubeconfig", account
+            )
+            monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+            async with running_operator(kube_api):
+                body = fleet("fleet", bucket_dir, "unused")
+                del body["spec"]["bucket"]["credentialsSecret"]
+                body["spec"]["router"] = {"enabled": True}
+                await kube.create(hld_path(ns), body)
+                router = resource_path("apps/v1", "deployments", ns, "fleet-router")
+                await eventually("the router", lambda: _get(kube, router))
+                await kube.create(snapshot_path(ns), snapshot("step-000", "fleet", "step-000"))
+
+                async def accepted() -> JSON | None:
+                    obj = await _get(kube, snapshot_path(ns, "step-000"))
+                    ok = obj and condition(obj, "Accepted").get("status") == "True"
+                    return obj if ok else None
+
+                await eventually("step-000 Accepted", accepted)
+                # Off and pinned in one change.
+                await kube.patch(
+                    hld_path(ns, "fleet"),
+                    {"spec": {"router": {"enabled": False}, "pin": "step-000"}},
+                    "merge",
+                )
+
+                async def pinned() -> JSON | None:
+                    obj = await _get(kube, hld_path(ns, "fleet"))
+                    status = (obj or {}).get("status") or {}
+                    return obj if status.get("mode") == "Pinned" else None
+
+                obj = await eventually("the fleet pinned", pinned)
+                uid = obj["metadata"]["uid"]
+                pin = bucket_dir / ".hotload" / "pins" / ns / "fleet" / f"{uid}.json"
+                assert json.loads(pin.read_text())["pin"] == "step-000"
+
+                async def said_so() -> list[str]:
+                    return [
+                        r.getMessage()
+                        for r in caplog.records
+                        if "removing the router failed" in r.getMessage()
+                    ]
+
+                (message, *_) = await eventually("the failed removal logged", said_so)
+                assert 'cannot delete resource "deployments"' in message, message
+                assert await _get(kube, router) is not None

@@ -124,7 +124,9 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 async def deployment_changed(
     body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
-    """Apply the owned objects for the current spec, then roll up."""
+    """Apply the owned objects for the current spec, write the pin, remove a router switched
+    off, then roll up. The pin comes before the router's removal: a fleet must follow a pin
+    even while removing the router fails (e.g. the operator's RBAC lacks delete)."""
     ctx: Context = memo["ctx"]
     hld = reconcile.parse_deployment(dict(body))
     try:
@@ -138,6 +140,10 @@ async def deployment_changed(
         await reconcile.sync_pin(ctx, hld)
     except BucketError as err:
         raise kopf.TemporaryError(f"writing the pin object failed: {err}", delay=10) from err
+    try:
+        await reconcile.remove_router(ctx, hld)
+    except KubeError as err:
+        raise kopf.TemporaryError(f"removing the router failed: {err}", delay=10) from err
     await reconcile.guarded("roll-up", lambda: reconcile.rollup(ctx, *_key(body)))
 
 

@@ -207,18 +207,23 @@ async def apply_children(ctx: Context, hld: HotLoadDeployment) -> list[str]:
             raise
         applied.append(f"{obj['kind']}/{meta['name']}")
     ctx._invalid.pop(key, None)
-    if not hld.spec.router.enabled:
-        # A router switched off: remove what an earlier spec created (absent is fine). The
-        # deployment stays, so owner garbage collection would not; `<name>-router` is the
-        # operator's name, as `<name>` is, and the chart grants delete on these kinds for it.
-        # The Deployment goes first: its pods run as the ServiceAccount deleted last.
-        for kind in ("Deployment", "Service", "RoleBinding", "Role", "ServiceAccount"):
-            api_version, plural = _PLURALS[kind]
-            path = resource_path(api_version, plural, namespace_of(hld), router_name(hld))
-            with contextlib.suppress(KubeNotFoundError):
-                await ctx.kube.delete(path, propagation_policy="Background")
     ctx.metrics.reconciles.labels("applied").inc()
     return applied
+
+
+async def remove_router(ctx: Context, hld: HotLoadDeployment) -> None:
+    """With the router switched off, delete what an earlier spec created (absent is fine).
+
+    The deployment stays, so owner garbage collection would not; `<name>-router` is the
+    operator's name, as `<name>` is, and the chart grants delete on these kinds for it. The
+    Deployment goes first: its pods run as the ServiceAccount deleted last."""
+    if hld.spec.router.enabled:
+        return
+    for kind in ("Deployment", "Service", "RoleBinding", "Role", "ServiceAccount"):
+        api_version, plural = _PLURALS[kind]
+        path = resource_path(api_version, plural, namespace_of(hld), router_name(hld))
+        with contextlib.suppress(KubeNotFoundError):
+            await ctx.kube.delete(path, propagation_policy="Background")
 
 
 async def sync_pin(ctx: Context, hld: HotLoadDeployment) -> bool:
