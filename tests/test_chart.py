@@ -764,8 +764,22 @@ def test_fireworks_api_from_the_chart(helm_cli: Helm, tmp_path: Path) -> None:
     env = env_of(operator_container(render(helm_cli, tmp_path, plain)))
     assert env["HOTLOAD_FIREWORKS_NAMESPACE"] == NAMESPACE
     assert env["HOTLOAD_FIREWORKS_PORT"] == "8090"
-    # Off by default: no variable, port, volume or Service.
+
+    # It creates and reads Snapshot objects: exactly that is granted, and only when it is on.
+    def snapshot_verbs(rendered: list[JSON]) -> set[str]:
+        return {
+            verb
+            for o in rendered
+            if o["kind"] in ("ClusterRole", "Role")
+            for rule in o.get("rules") or []
+            if "snapshots" in rule.get("resources", [])
+            for verb in rule["verbs"]
+        }
+
+    assert snapshot_verbs(objs) == {"list", "watch", "patch", "create", "get"}
+    # Off by default: no variable, port, volume, Service or Snapshot creation.
     default = render(helm_cli, tmp_path, {})
+    assert snapshot_verbs(default) == {"list", "watch", "patch"}
     assert not [v for v in env_of(operator_container(default)) if "FIREWORKS" in v]
     assert not [o for o in default if o["kind"] == "Service"]
 

@@ -185,7 +185,8 @@ _KINDS: dict[str, _Kind] = {
                 "name": "Ready",
                 "type": "string",
                 "jsonPath": _condition(names.CONDITION_READY, "status"),
-                "description": "Whether the ready fraction of replicas serves it.",
+                "description": "Whether the ready fraction of replicas serves it, or did: it "
+                "stays True once reached (reason Superseded when a newer one replaced it).",
             },
             _AGE,
             {
@@ -200,7 +201,8 @@ _KINDS: dict[str, _Kind] = {
                 "type": "string",
                 "priority": 1,
                 "jsonPath": _condition(names.CONDITION_READY, "reason"),
-                "description": "Why it is (not) Ready.",
+                "description": "Why it is (not) Ready: Loaded, Superseded, Loading, LoadFailed, "
+                "DeploymentPinned, NotAccepted.",
             },
         ],
         spec_validations=[
