@@ -339,3 +339,58 @@ async def test_a_pin_is_followed_even_where_the_router_cannot_be_removed(
                 (message, *_) = await eventually("the failed removal logged", said_so)
                 assert 'cannot delete resource "deployments"' in message, message
                 assert await _get(kube, router) is not None
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("enabled", [True, False], ids=["fireworks-on", "fireworks-off"])
+async def test_the_fireworks_api_needs_the_charts_snapshot_rule(
+    kube_api: KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: bool
+) -> None:
+    """The Fireworks-compatible API creates and reads Snapshots as the operator's account: the
+    chart grants that only with fireworksApi.enabled, and without it the API says why."""
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from hotload_operator.fireworks import PATH, create_app
+
+    ns = kube_api.namespace
+    release = f"f{ns[-8:]}"
+    values: JSON = {
+        "operator": {"watchNamespaces": [ns]},
+        "rbac": {"bucketSecrets": [{"namespace": ns, "names": ["bucket-creds"]}]},
+        "fireworksApi": {"enabled": enabled, "tokenSecret": {"name": "fw-token"}},
+    }
+    objs = render_chart(helm(tmp_path / "helm"), release, ns, values)
+    account = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    bucket_dir = tmp_path / "bucket"
+    bucket_dir.mkdir()
+    await upload(bucket_dir, full(tmp_path / "snaps" / "step-000", weights(0)))
+    async with kube_api.client() as kube:
+        await install_crds(kube)
+        async with chart_rbac(kube, objs):
+            await kube.create(resource_path("v1", "secrets", ns), secret("bucket-creds"))
+            kubeconfig = await kube_api.service_account_kubeconfig(
+                tmp_path / "operator-kubeconfig", account
+            )
+            monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+            config = await kube_api.service_account_config(account)
+            async with running_operator(kube_api), KubeClient(config) as as_operator:
+                await kube.create(hld_path(ns), fleet("fleet", bucket_dir, "bucket-creds"))
+                app = create_app(as_operator, namespace=ns, token="t", accept_timeout=30)
+                server = TestServer(app, host="127.0.0.1")
+                await server.start_server()
+                try:
+                    async with aiohttp.ClientSession() as http:
+                        resp = await http.post(
+                            str(server.make_url(PATH)),
+                            json={"identity": "step-000"},
+                            headers={"Authorization": "Bearer t", "fireworks-deployment": "fleet"},
+                        )
+                        body = await resp.json()
+                finally:
+                    await server.close()
+    if enabled:
+        assert resp.status == 200 and body["status"] == "ACCEPTED", body
+    else:
+        assert resp.status == 403 and body["error"]["code"] == "PERMISSION_DENIED", body
+        assert "fireworksApi.enabled" in body["error"]["message"]

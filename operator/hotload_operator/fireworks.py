@@ -31,7 +31,13 @@ from hotload.api.names import (
     SNAPSHOT_PLURAL,
 )
 from hotload.bucket import Bucket, open_bucket
-from hotload.errors import BucketError, KubeConflictError, KubeError, KubeNotFoundError
+from hotload.errors import (
+    BucketError,
+    KubeConflictError,
+    KubeError,
+    KubeForbiddenError,
+    KubeNotFoundError,
+)
 from hotload.kube import KubeClient, resource_path
 from hotload.ledger.hints import Hint, HintFile, HintKind, write_hint_async
 from hotload.snapshot import validate_identity
@@ -210,9 +216,27 @@ async def _post(request: web.Request) -> web.Response:
         "metadata": {"name": object_name},
         "spec": spec,
     }
-    with contextlib.suppress(KubeConflictError):  # a retry: report what the operator decided
-        await kube.create(resource_path(API_VERSION, SNAPSHOT_PLURAL, ns), body)
     path = resource_path(API_VERSION, SNAPSHOT_PLURAL, ns, object_name)
+    try:
+        with contextlib.suppress(KubeConflictError):  # a retry: report what the operator decided
+            await kube.create(resource_path(API_VERSION, SNAPSHOT_PLURAL, ns), body)
+        return await _await_admission(request, path, identity, name)
+    except KubeForbiddenError as err:
+        return _error(
+            403,
+            f"the operator may not create or read Snapshots here ({err}); install the chart "
+            "with fireworksApi.enabled, which grants it",
+            "PERMISSION_DENIED",
+        )
+    except KubeError as err:
+        return _error(503, str(err), "UNAVAILABLE")
+
+
+async def _await_admission(
+    request: web.Request, path: str, identity: str, name: str
+) -> web.Response:
+    """Poll the Snapshot at `path` until the operator accepted or refused it (or time ran out)."""
+    kube = request.app[KUBE]
     deadline = asyncio.get_running_loop().time() + request.app[SETTINGS]["timeout"]
     while True:
         obj = await kube.get(path)
