@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import struct
 import tempfile
+import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from hotload.arc import (
     verify,
 )
 from hotload.arc import chunk as ck
+from hotload.arc import codec as codec_module
 from hotload.arc.checksum import adler32, adler32_combine, adler32_sparse_update, format_checksum
 from hotload.arc.container import MAX_HEADER_BYTES, PREFIX_LEN, read_header, write_prefix
 from hotload.errors import (
@@ -709,6 +712,61 @@ def test_wrong_parent(trio: Trio) -> None:
     err = _decode_fails(trio, WrongParentError, previous=trio.other)
     assert err.shard == trio.shard(0) and err.tensor == "model.embed.weight"
     assert trio.shard(0) in str(err) and "another snapshot" in str(err)
+
+
+def test_many_threads_code_the_same_bytes(trio: Trio) -> None:
+    """More threads than shards (threads help with other shards' chunks): the same delta, the
+    same rebuilt snapshot, stats in shard order."""
+    one = encode(trio.prev, trio.cur, trio.work / "d1", chunk_elements=1024, threads=1)
+    many = encode(trio.prev, trio.cur, trio.work / "d8", chunk_elements=1024, threads=8)
+    assert tree_bytes(trio.work / "d8") == tree_bytes(trio.work / "d1")
+    assert (
+        [s.name for s in many.shards]
+        == [s.name for s in one.shards]
+        == Snapshot(trio.cur).shard_files
+    )
+    assert [s.encodings for s in many.shards] == [s.encodings for s in one.shards]
+    rebuilt = decode(trio.prev, trio.work / "d8", trio.work / "out", threads=8)
+    assert tree_bytes(trio.work / "out") == tree_bytes(trio.cur)
+    assert [s.name for s in rebuilt.shards] == [s.name for s in one.shards]
+    alone = decode(trio.prev, trio.work / "d8", trio.work / "out1", threads=1)
+    assert [(s.changed, s.encodings) for s in rebuilt.shards] == [
+        (s.changed, s.encodings) for s in alone.shards
+    ]
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_the_first_failing_shard_is_reported(trio: Trio, threads: int) -> None:
+    """Shards run at once, but the error is that of the first failing shard in order."""
+    for i in (SPARSE_SHARD, DENSE_SHARD):
+        header = read_header(trio.delta / trio.shard(i))
+        _flip_byte(trio.delta / trio.shard(i), header.file_size - 1)
+    before = listing(trio.root)
+    with pytest.raises((ChecksumMismatchError, CorruptDeltaError)) as exc:
+        decode(trio.prev, trio.delta, trio.work / "out", threads=threads)
+    assert exc.value.shard == trio.shard(SPARSE_SHARD)
+    assert listing(trio.root) == before
+
+
+def test_interrupt_stops_every_lane(trio: Trio) -> None:
+    """Ctrl-C (in the caller's thread) lets the shards under way finish, starts no other, and
+    leaves no thread behind."""
+    started: list[str] = []
+    baseline = threading.active_count()
+    main = threading.main_thread()
+
+    def fn(shard: str, runner: Any) -> Any:
+        started.append(shard)
+        if threading.current_thread() is main:
+            raise KeyboardInterrupt
+        time.sleep(0.05)
+        return shard
+
+    shards = [f"s{i}" for i in range(40)]
+    with pytest.raises(KeyboardInterrupt):
+        codec_module._Lanes(3).each_shard(shards, fn)
+    assert threading.active_count() == baseline
+    assert len(started) < len(shards)
 
 
 def test_expected_parent(trio: Trio) -> None:

@@ -65,6 +65,11 @@ def scratch(name: str, count: int, dtype: np.dtype[Any]) -> np.ndarray:
     return buf[:need].view(dtype)
 
 
+def release_scratch() -> None:
+    """Free this thread's `scratch` buffers."""
+    _scratch_local.__dict__.pop("buffers", None)
+
+
 @dataclass
 class EncodedChunk:
     """An encoded chunk: its header entry (without offset) and its stream bytes, in order."""
