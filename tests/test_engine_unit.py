@@ -413,3 +413,19 @@ def test_row_size_probe_keeps_only_sizes_that_reproduce_large_blocks() -> None:
             ref = torch.nn.functional.linear(x, w)
             for s in sizes[:-1]:
                 assert torch.equal(torch.nn.functional.linear(x[:s], w), ref[:s])
+
+
+def test_device_auto_takes_the_gpu_only_when_there_is_one() -> None:
+    import torch
+
+    from hotload.engine.model import resolve_device
+    from hotload.errors import SnapshotError
+
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == want
+    assert resolve_device("cpu").type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(SnapshotError, match="CUDA is not available"):
+            resolve_device("cuda")
+    with pytest.raises(SnapshotError, match="unsupported device"):
+        resolve_device("mps")

@@ -79,7 +79,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="LoRA adapters loaded at once through POST /v1/load_lora_adapter; requests name "
         "one as their model (default: 8; 0 refuses adapters)",
     )
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda, cuda:N, or auto: the GPU when one is visible, else the CPU "
+        "(default: auto)",
+    )
     p.add_argument(
         "--dtype",
         default="float32",

@@ -215,7 +215,7 @@ class Engine:
             self.name,
             served.identity,
             served.sequence,
-            cfg.device,
+            runner.device,
             runner.info.numerics,
             runner.info.batch_invariant,
         )
@@ -263,7 +263,7 @@ class Engine:
             "sync_swap_in_progress": self.sync_gate is not None,
             "running": self.scheduler.running if self.scheduler else 0,
             "queued": self.scheduler.queued if self.scheduler else 0,
-            "device": self.config.device,
+            "device": str(self.runner.device) if self.runner is not None else self.config.device,
             "dtype": self.config.dtype,
             "max_batch": self.config.max_batch,
             "numerics": info.numerics if info else None,

@@ -74,7 +74,10 @@ class WeightsMismatchError(SnapshotValidationError):
 
 
 def resolve_device(name: str) -> torch.device:
-    """`cpu`, `cuda` or `cuda:N`; a CUDA device must exist."""
+    """`cpu`, `cuda` or `cuda:N` (a CUDA device must exist), or `auto`: the GPU when there is
+    one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SnapshotError(f"device {name!r} requested but CUDA is not available", field="device")
