@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 import tempfile
 import threading
@@ -30,7 +31,13 @@ from hotload.arc import (
 from hotload.arc import chunk as ck
 from hotload.arc import codec as codec_module
 from hotload.arc.checksum import adler32, adler32_combine, adler32_sparse_update, format_checksum
-from hotload.arc.container import MAX_HEADER_BYTES, PREFIX_LEN, read_header, write_prefix
+from hotload.arc.container import (
+    MAX_HEADER_BYTES,
+    PREFIX_LEN,
+    parse_once,
+    read_header,
+    write_prefix,
+)
 from hotload.errors import (
     ArcError,
     ChecksumMismatchError,
@@ -767,6 +774,20 @@ def test_interrupt_stops_every_lane(trio: Trio) -> None:
         codec_module._Lanes(3).each_shard(shards, fn)
     assert threading.active_count() == baseline
     assert len(started) < len(shards)
+
+
+def test_headers_parsed_once_are_keyed_by_content(trio: Trio) -> None:
+    """Inside a decode, a header is parsed once; a rewritten file is never served the old parse."""
+    path = trio.delta / trio.shard(SPARSE_SHARD)
+    fields, payload = load_delta(path)
+    with parse_once():
+        first = read_header(path)
+        assert read_header(path).fields is first.fields
+        changed = json.loads(json.dumps(fields))
+        changed["identity"] = "other"
+        save_delta(path, changed, payload)
+        assert read_header(path).identity == "other"
+    assert read_header(path).fields is not read_header(path).fields  # nothing kept after
 
 
 def test_expected_parent(trio: Trio) -> None:

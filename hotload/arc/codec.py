@@ -37,7 +37,16 @@ from hotload.arc.checksum import (
     format_checksum,
     parse_checksum,
 )
-from hotload.arc.container import FORMAT, LAYOUT_VERSION, ArcHeader, read_header, write_prefix
+from hotload.arc.container import (
+    FORMAT,
+    LAYOUT_VERSION,
+    ArcHeader,
+    parse_once,
+    parsed,
+    read_header,
+    remember,
+    write_prefix,
+)
 from hotload.errors import (
     ArcError,
     ChecksumMismatchError,
@@ -443,12 +452,16 @@ def _target(header: ArcHeader, shard: str) -> tuple[bytes, dict[str, TensorInfo]
     text = header.fields.get("target_header")
     if not isinstance(text, str):
         raise CorruptDeltaError("header has no target_header", shard=shard)
+    known: tuple[bytes, dict[str, TensorInfo], int] | None = parsed("target", text)
+    if known is not None:
+        return known
     raw = text.encode()
     try:
         infos, _ = parse_header(raw, None, shard)
     except SnapshotError as exc:
         raise CorruptDeltaError(f"target_header is invalid: {exc.message}", shard=shard) from None
     data_len = max((i.end for i in infos.values()), default=0)
+    remember("target", text, (raw, infos, data_len))
     return raw, infos, data_len
 
 
@@ -839,10 +852,33 @@ def decode(
     With `out=None` the delta is only verified. Nothing appears at `out` unless every shard
     rebuilt and verified.
     """
+    with parse_once():
+        return _decode(
+            Path(previous),
+            Path(delta),
+            None if out is None else Path(out),
+            expected_parent=expected_parent,
+            threads=threads,
+            overwrite=overwrite,
+            progress=progress,
+            durable=durable,
+        )
+
+
+def _decode(
+    prev_path: Path,
+    delta_path: Path,
+    out: Path | None,
+    *,
+    expected_parent: str | None,
+    threads: int | None,
+    overwrite: bool,
+    progress: ProgressFn | None,
+    durable: bool,
+) -> CodecStats:
     from hotload.snapshot.validate import validate_snapshot, validate_transition
 
     started = time.perf_counter()
-    prev_path, delta_path = Path(previous), Path(delta)
     prev = validate_snapshot(prev_path)
     if prev.kind != "full":
         raise SnapshotError(

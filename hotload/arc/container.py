@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,53 @@ LAYOUT_VERSION = 1
 PREFIX_LEN = len(MAGIC) + 8 + 4
 # A header that claims more than this is refused before it is decompressed.
 MAX_HEADER_BYTES = 64 * 1024 * 1024
+
+
+class _Parsed:
+    """Parsed headers shared while a `parse_once` block runs anywhere in the process, keyed by
+    content (the header frame's bytes, a target header's text): a file rewritten in between
+    can never be served a stale parse, whatever its timestamps say."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, bytes | str], Any] = {}
+        self.users = 0
+        self.lock = threading.Lock()
+
+
+_PARSED = _Parsed()
+_PARSED_MAX = 4096
+
+
+@contextmanager
+def parse_once() -> Iterator[None]:
+    """Within this block, each distinct delta header is decompressed and parsed only once.
+
+    Decoding a snapshot reads every header three times (folder validation, the target check,
+    the shard itself): parsing the JSON again is about a tenth of decoding a small model. The
+    parsed values are shared, so code inside the block must not modify `ArcHeader.fields`.
+    """
+    with _PARSED.lock:
+        _PARSED.users += 1
+    try:
+        yield
+    finally:
+        with _PARSED.lock:
+            _PARSED.users -= 1
+            if _PARSED.users == 0:
+                _PARSED.values.clear()
+
+
+def parsed(kind: str, key: bytes | str) -> Any:
+    """The value `remember` stored for (`kind`, `key`) in a `parse_once` block, or None."""
+    return _PARSED.values.get((kind, key)) if _PARSED.users else None
+
+
+def remember(kind: str, key: bytes | str, value: Any) -> None:
+    """Keep `value` for (`kind`, `key`) while a `parse_once` block runs."""
+    if _PARSED.users:
+        if len(_PARSED.values) >= _PARSED_MAX:  # blocks that keep overlapping: stay bounded
+            _PARSED.values.clear()
+        _PARSED.values[(kind, key)] = value
 
 
 def is_arc_file(path: Path) -> bool:
@@ -88,6 +138,9 @@ def read_header(path: Path) -> ArcHeader:
         raise CorruptDeltaError("file not found", shard=name) from None
     if zlib.crc32(frame) != frame_crc:
         raise CorruptDeltaError("header is corrupted (CRC-32 mismatch)", shard=name)
+    known = parsed("header", frame)
+    if known is not None:
+        return ArcHeader(known, PREFIX_LEN + frame_len, size)
     try:
         declared = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as exc:
@@ -116,4 +169,5 @@ def read_header(path: Path) -> ArcHeader:
             f"{LAYOUT_VERSION}); upgrade hotload",
             shard=name,
         )
+    remember("header", frame, fields)
     return ArcHeader(fields, PREFIX_LEN + frame_len, size)
