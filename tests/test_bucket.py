@@ -3,10 +3,14 @@ parallel transfers, snapshot upload order, error messages and configuration."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
 import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -24,7 +28,7 @@ from hotload.bucket import (
     split_ledger_url,
     upload_snapshot,
 )
-from hotload.bucket.core import gcs_config
+from hotload.bucket.core import MIN_UPLOAD_PART, gcs_config
 from hotload.errors import (
     AccessDeniedError,
     BucketError,
@@ -35,7 +39,7 @@ from hotload.errors import (
     PreconditionFailedError,
 )
 from support import snapshots
-from support.seaweedfs import ACCESS_KEY, SECRET_KEY, SeaweedFS
+from support.seaweedfs import ACCESS_KEY, SECRET_KEY, HTTPProxy, ProxiedRequest, SeaweedFS
 
 
 class SimulatedCrashError(Exception):
@@ -43,6 +47,36 @@ class SimulatedCrashError(Exception):
 
 
 FAST_RETRY = RetryPolicy(attempts=2, initial_backoff=0.05, max_backoff=0.1)
+
+
+@dataclass(frozen=True)
+class CountingRetry(RetryPolicy):
+    """A retry policy that notes every retry hotload makes (`retrying` asks `delay` for the
+    back-off before each one) and keeps the back-off short so tests stay quick."""
+
+    retries: list[int] = field(default_factory=list)
+
+    def delay(self, attempt: int) -> float:
+        self.retries.append(attempt)
+        return 0.01
+
+
+@pytest.fixture
+def wire(bucket_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[HTTPProxy | None]:
+    """On the S3 variant of `bucket_url`, a recording proxy between hotload and SeaweedFS, so a
+    test can see the requests that really went over the wire; None on a local folder."""
+    if "://" not in bucket_url:
+        yield None
+        return
+    with HTTPProxy(os.environ["AWS_ENDPOINT_URL"]) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        yield proxy
+
+
+def _range(request: ProxiedRequest) -> tuple[int, int]:
+    """The inclusive byte range of a ranged GET (`Range: bytes=START-END`)."""
+    start, _, end = request.headers["range"].removeprefix("bytes=").partition("-")
+    return int(start), int(end)
 
 
 # --- plain objects -------------------------------------------------------------------------------
@@ -147,7 +181,9 @@ def test_invalid_keys_are_refused(bucket_url: str) -> None:
 # --- large files ---------------------------------------------------------------------------------
 
 
-def test_large_file_multipart_upload_and_parallel_download(bucket_url: str, tmp_path: Path) -> None:
+def test_large_file_multipart_upload_and_parallel_download(
+    bucket_url: str, wire: HTTPProxy | None, tmp_path: Path
+) -> None:
     part = 1 << 20
     bucket = open_bucket(bucket_url, part_size=part, concurrency=4)
     src = tmp_path / "shard.bin"
@@ -155,17 +191,54 @@ def test_large_file_multipart_upload_and_parallel_download(bucket_url: str, tmp_
     src.write_bytes(payload)
 
     sent: list[int] = []
-    bucket.upload_file(src, "big/shard.bin", progress=sent.append)
+    etag = bucket.upload_file(src, "big/shard.bin", progress=sent.append)
     assert sum(sent) == len(payload)
     assert bucket.head("big/shard.bin").size == len(payload)
+    if wire is not None:
+        # S3 refuses parts under 5 MiB (but the last), so hotload's parts are never smaller.
+        upload_part = max(part, MIN_UPLOAD_PART)
+        parts = [payload[i : i + upload_part] for i in range(0, len(payload), upload_part)]
+        assert len(parts) == 2
+        # S3's multipart ETag is the MD5 of the parts' MD5s plus "-<parts>": it proves the server
+        # assembled exactly these parts, which one plain PUT (ETag = MD5 of the bytes) cannot fake.
+        digest = hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest()
+        assert etag is not None and etag.strip('"') == f"{digest}-{len(parts)}"
+        assert bucket.head("big/shard.bin").etag == etag
+        calls = wire.recorded()
+        part_puts = [r for r in calls if r.method == "PUT" and "partNumber=" in r.query]
+        assert sorted(int(r.headers["content-length"]) for r in part_puts) == sorted(
+            len(p) for p in parts
+        )
+        assert [r.method for r in calls if "uploads" in r.query.split("&")[0]] == ["POST"]
+        assert not [r for r in calls if r.method == "PUT" and "partNumber=" not in r.query]
+
+        # At the threshold itself a file still goes as one PUT: a plain MD5 ETag, no parts.
+        wire.clear()
+        edge = tmp_path / "edge.bin"
+        edge.write_bytes(payload[:upload_part])
+        single = bucket.upload_file(edge, "big/edge.bin")
+        assert single is not None
+        assert single.strip('"') == hashlib.md5(payload[:upload_part]).hexdigest()
+        assert [(r.method, r.query) for r in wire.recorded()] == [("PUT", "")]
+        wire.clear()
 
     got: list[int] = []
     dest = tmp_path / "out" / "shard.bin"
     assert bucket.download_file("big/shard.bin", dest, progress=got.append) == len(payload)
     assert dest.read_bytes() == payload
     assert sum(got) == len(payload)
-    if not bucket.is_local:
-        assert len(got) == 10  # ten ranged reads
+    if wire is not None:
+        gets = [r for r in wire.recorded() if r.method == "GET"]
+        # Only ranged reads, one per part, covering every byte exactly once.
+        assert all("range" in r.headers for r in gets)
+        assert sorted(_range(r) for r in gets) == [
+            (start, min(start + part, len(payload)) - 1) for start in range(0, len(payload), part)
+        ]
+        assert sorted(got) == sorted(end - start + 1 for start, end in map(_range, gets))
+        # Each range is pinned to the revision it started with, so a replaced object fails.
+        assert {r.headers.get("if-match") for r in gets} == {etag}
+        # In parallel, but never more than `concurrency` at once.
+        assert 2 <= wire.max_in_flight(gets) <= 4
     assert sorted(p.name for p in dest.parent.iterdir()) == ["shard.bin"]  # no temp files left
 
 
@@ -257,17 +330,139 @@ def test_interrupted_upload_is_never_visible(bucket_url: str, tmp_path: Path) ->
     assert snapshot_present(bucket, "s0")
 
 
-# --- S3 specifics --------------------------------------------------------------------------------
+# --- errors and retries: permanent failures fail at once, transient ones are retried ------------
 
 
-def test_wrong_credentials_are_access_denied(
-    s3_env: SeaweedFS, monkeypatch: pytest.MonkeyPatch
+def test_missing_objects_fail_at_once(
+    bucket_url: str, wire: HTTPProxy | None, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    bucket = open_bucket(s3_env.url("denied"), retry=FAST_RETRY)
-    with pytest.raises(AccessDeniedError) as err:
-        bucket.get("some/object")
-    assert "access denied" in str(err.value) and "some/object" in str(err.value)
+    policy = CountingRetry(attempts=4)
+    bucket = open_bucket(bucket_url, retry=policy)
+    bucket.put("present", b"x")  # the bucket exists: only the key is missing
+    key = "gone/shard.bin"
+    reads: dict[str, Callable[[], object]] = {
+        "GET": lambda: bucket.get(key),
+        "conditional GET": lambda: bucket.get_if_changed(key, '"some-etag"'),
+        "HEAD": lambda: bucket.head(key),
+        "GET range": lambda: bucket.get_range(key, 0, 10),
+        "download": lambda: bucket.download_file(key, tmp_path / "dl" / "shard.bin"),
+    }
+    for what, read in reads.items():
+        if wire is not None:
+            wire.clear()
+        with pytest.raises(ObjectNotFoundError) as err:
+            read()
+        assert str(err.value).startswith(f"{bucket.url}/{key}: not found: "), what
+        assert policy.retries == [], what  # hotload did not retry it
+        if wire is not None:  # nor did obstore: one request, answered 404
+            assert [r.status for r in wire.recorded()] == [404], what
+    assert not bucket.exists(key)
+    assert policy.retries == []
+
+
+def test_failed_conditions_are_not_retried(bucket_url: str, wire: HTTPProxy | None) -> None:
+    policy = CountingRetry(attempts=4)
+    bucket = open_bucket(bucket_url, retry=policy)
+    stale = bucket.put("doc", b"one")
+    assert stale is not None
+    bucket.put("doc", b"two")
+    writes: list[tuple[Callable[[], object], type[BucketError]]] = [
+        (lambda: bucket.put("doc", b"three", create_only=True), ObjectExistsError),
+        (lambda: bucket.put("doc", b"three", if_match=stale), PreconditionFailedError),
+    ]
+    for write, error in writes:
+        if wire is not None:
+            wire.clear()
+        with pytest.raises(error) as err:
+            write()
+        assert str(err.value).startswith(f"{bucket.url}/doc: "), err.value
+        assert policy.retries == []
+        if wire is not None:
+            assert [r.status for r in wire.recorded()] == [412]
+    assert bucket.get("doc").data == b"two"
+
+
+@pytest.mark.parametrize("credentials", ["wrong secret", "unknown access key"])
+def test_access_denied_fails_at_once(
+    s3_env: SeaweedFS, monkeypatch: pytest.MonkeyPatch, credentials: str
+) -> None:
+    # The session's SeaweedFS has an identity (ACCESS_KEY/SECRET_KEY) and checks signatures.
+    url = s3_env.url(f"t-{uuid.uuid4().hex[:12]}")
+    open_bucket(url).put("some/object", b"x")  # exists, readable with the right credentials
+    with HTTPProxy(s3_env.endpoint) as proxy, monkeypatch.context() as env:
+        env.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        if credentials == "wrong secret":
+            env.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        else:
+            env.setenv("AWS_ACCESS_KEY_ID", "nobody-we-know")
+        policy = CountingRetry(attempts=4)
+        bucket = open_bucket(url, retry=policy)
+        calls: dict[str, tuple[str, Callable[[], object]]] = {
+            "GET": ("some/object", lambda: bucket.get("some/object")),
+            "HEAD": ("some/object", lambda: bucket.head("some/object")),
+            "PUT": ("some/object", lambda: bucket.put("some/object", b"y")),
+            "LIST": ("some", lambda: bucket.list("some")),
+        }
+        for what, (key, call) in calls.items():
+            proxy.clear()
+            with pytest.raises(AccessDeniedError) as err:
+                call()
+            assert str(err.value).startswith(f"{url}/{key}: access denied: {what}"), err.value
+            assert policy.retries == [], what
+            assert [r.status for r in proxy.recorded()] == [403], what
+    assert open_bucket(url).get("some/object").data == b"x"  # the denied PUT changed nothing
+
+
+@pytest.mark.parametrize("status", [503, 500, 429, 408])
+def test_transient_errors_are_retried(
+    s3_env: SeaweedFS, monkeypatch: pytest.MonkeyPatch, status: int
+) -> None:
+    url = s3_env.url(f"t-{uuid.uuid4().hex[:12]}")
+    with HTTPProxy(s3_env.endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        policy = CountingRetry(attempts=3)
+        bucket = open_bucket(url, retry=policy)
+        bucket.put("doc", b"payload")
+        # obstore retries each request a few times itself; failing that many requests in a row
+        # fails one whole attempt, so only hotload's own retry can still succeed.
+        per_attempt = 1 + policy.obstore_config()["max_retries"]
+
+        def read() -> bytes:
+            return bucket.get("doc").data
+
+        def write() -> bytes:
+            bucket.put("doc", b"written")
+            return bucket.get("doc").data
+
+        calls: dict[str, tuple[Callable[[], bytes], bytes]] = {
+            "GET": (read, b"payload"),
+            "PUT": (write, b"written"),
+        }
+        for what, (call, expected) in calls.items():
+            proxy.clear()
+            policy.retries.clear()
+            proxy.fail_next(per_attempt, status)
+            assert call() == expected, what
+            assert policy.retries == [1], what
+            # The failed requests, then the one that got through (for PUT, then the check's GET).
+            seen = [(r.method, r.status) for r in proxy.recorded()]
+            check = [("GET", 200)] if what == "PUT" else []
+            assert seen == [(what, status)] * per_attempt + [(what, 200), *check], what
+
+        # A failure that does not go away: every attempt the policy allows, then "unreachable".
+        proxy.clear()
+        policy.retries.clear()
+        proxy.fail_next(100, status)
+        with pytest.raises(BucketUnreachableError) as err:
+            bucket.get("doc")
+        assert str(err.value).startswith(
+            f"{url}/doc: unreachable: GET: gave up after 3 attempt(s): HTTP {status}"
+        )
+        assert policy.retries == [1, 2]
+        assert len(proxy.recorded()) == 3 * per_attempt
+
+
+# --- S3 specifics --------------------------------------------------------------------------------
 
 
 def test_missing_bucket_is_not_found(s3_env: SeaweedFS) -> None:

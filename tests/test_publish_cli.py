@@ -3,29 +3,27 @@ including an S3 server killed in the middle of an upload."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from hotload.bucket import (
-    RetryPolicy,
-    download_snapshot,
-    open_bucket,
-    snapshot_present,
-    upload_snapshot,
-)
+from hotload.bucket import RetryPolicy, download_snapshot, open_bucket, snapshot_present
 from hotload.cli.main import main
-from hotload.errors import BucketUnreachableError
-from hotload.ledger import Ledger, NewEntry
+from hotload.ledger import Ledger
+from hotload.ledger.hints import read_hint_async
+from hotload.sdk import publish_folder
 from hotload.snapshot import describe_snapshot, write_snapshot
 from support import snapshots
 from support.fleet import run_on_a_terminal
-from support.seaweedfs import SeaweedFS
+from support.seaweedfs import HTTPProxy, SeaweedFS
 
 
 @pytest.fixture(scope="module")
@@ -349,9 +347,30 @@ def test_help(args: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None
     assert code == 0 and "usage: hotload" in out and len(out) > 300
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="hotload/sdk/publish.py hands HintWriter.landed to the upload unguarded, so a hint "
+    "rewrite that fails after a file lands fails the publish (docs/ledger.md: it never does)",
+)
+def test_a_failed_hint_write_does_not_fail_the_publish(
+    s3_env: SeaweedFS, chain: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = s3_env.url(f"t-{uuid.uuid4().hex[:12]}")
+    with HTTPProxy(s3_env.endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        # Every hint write fails (a bucket policy refusing that prefix would do the same).
+        proxy.fail_next(1000, 503, lambda r: r.method == "PUT" and "/.hotload/hints/" in r.target)
+        bucket = open_bucket(url, retry=RetryPolicy(attempts=2, initial_backoff=0.01))
+        published = publish_folder(Ledger(bucket, "policy"), chain[0])
+    assert published.entry.identity == "s0" and snapshot_present(bucket, "s0")
+
+
 def test_server_killed_mid_upload(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """`hotload publish` (the real path: Publisher, publish_folder_async, upload, ledger) with
+    SeaweedFS killed while the shards are on their way: a clear error naming the object, no
+    ledger entry, nothing committed; the same command succeeds once the server is back."""
     # Its own server: this test kills it.
     server = SeaweedFS.start(tmp_path / "weed")
     try:
@@ -365,45 +384,49 @@ def test_server_killed_mid_upload(
         }
         folder = write_snapshot(tmp_path / "big-0", layers, config=snapshots.CONFIG).path
         desc = describe_snapshot(folder)
-        assert desc.shipped_bytes > 60 << 20
+        shards = [n for n in desc.files if n.endswith(".safetensors")]
+        smallest = min((folder / n).stat().st_size for n in shards)
+        assert len(shards) == 4 and smallest > 16 << 20
 
-        bucket = open_bucket(
-            url,
-            retry=RetryPolicy(attempts=2, initial_backoff=0.1, max_backoff=0.2),
-            part_size=8 << 20,
-            concurrency=2,
-        )
-        sent = 0
-
-        def kill_midway(n: int) -> None:
-            nonlocal sent
-            sent += n
-            if sent > 24 << 20 and server.process is not None and server.process.poll() is None:
-                server.kill()
-
-        # The publish steps as the CLI runs them: upload, and only then the ledger.
-        with pytest.raises(BucketUnreachableError) as err:
-            upload_snapshot(
-                folder,
-                bucket,
-                "big-0",
-                files=desc.files,
-                manifest_files=desc.manifest_files,
-                progress=kill_midway,
-            )
-            Ledger(bucket, "policy").append(NewEntry("big-0", "full", desc.manifest_digest, 1, 1))
-        message = str(err.value)
-        assert "unreachable" in message and url in message and "big-0/" in message
+        # The command talks to SeaweedFS through a proxy that kills the server once 12 MiB of
+        # request bodies have gone through: well into the shards' upload, yet less than any one
+        # shard, so no shard has landed (config.json, sent beside the first shard, may have).
+        killed_after = 12 << 20
+        with HTTPProxy(server.endpoint) as proxy, monkeypatch.context() as env:
+            env.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+            proxy.after_upload_bytes(killed_after, server.kill)
+            code, out, err = publish(capsys, folder, url)
+            assert server.process is not None and server.process.poll() is not None  # killed
+            sent = [r for r in proxy.recorded() if r.method in ("PUT", "POST")]
+        assert {r.target.split("?")[0].rsplit("/", 1)[-1] for r in sent} & set(shards)
+        assert code == 1 and out == "", err
+        # One line naming the object that failed and why: a shard, or (until the bug that
+        # test_a_failed_hint_write_does_not_fail_the_publish pins is fixed; then only a shard)
+        # the hint rewrite that follows config.json when it races the kill.
+        failed = r"(big-0/model-\d{5}-of-\d{5}\.safetensors|\.hotload/hints/policy/big-0\.json)"
+        assert re.fullmatch(
+            rf"hotload: error: {re.escape(url)}/{failed}: "
+            r"unreachable: PUT: gave up after \d+ attempt\(s\): .+\n",
+            err,
+        ), err
 
         server.restart()
         after = open_bucket(url)
         assert not Ledger(after, "policy").read().exists  # no ledger entry
-        assert not snapshot_present(after, "big-0")  # and nothing visible as a snapshot
+        # Not committed: no commit manifest (nor any other manifest), so not present.
+        keys = {i.key for i in after.list("big-0")}
+        assert not keys & {f"big-0/{n}" for n in desc.manifest_files}
+        assert not after.exists("big-0/model.safetensors.index.json")
+        assert not snapshot_present(after, "big-0")
+        # The early-fetch hint, written before the upload, never says complete.
+        hint = asyncio.run(read_hint_async(after, "policy", "big-0"))
+        assert hint is None or not hint.complete
 
-        code, _, err_text = publish(capsys, folder, url)  # the retry succeeds
-        assert code == 0, err_text
+        code, out, err = publish(capsys, folder, url)  # the same command, server back: succeeds
+        assert code == 0, err
+        assert "published big-0 (full)" in out
         doc = Ledger(after, "policy").read().document
-        assert [(e.sequence, e.identity) for e in doc.entries] == [(1, "big-0")]
+        assert [(e.sequence, e.identity, e.kind) for e in doc.entries] == [(1, "big-0", "full")]
         download_snapshot(after, "big-0", tmp_path / "fetched")
         for name in desc.files:
             assert (tmp_path / "fetched" / name).read_bytes() == (folder / name).read_bytes()
