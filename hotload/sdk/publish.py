@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hotload.bucket import Progress, TransferResult, upload_snapshot_async
+from hotload.bucket.transfer import Landed
 from hotload.errors import BucketError, LedgerRejectedError, SnapshotError
 from hotload.ledger import Ledger, LedgerEntry, NewEntry, PromptCachePolicy
 from hotload.ledger.hints import Hint, HintKind, HintWriter, prune_hints_async
@@ -95,7 +96,7 @@ async def upload_hinted_async(
         files=desc.files,
         manifest_files=desc.manifest_files,
         progress=progress,
-        landed=writer.landed if writer is not None else None,
+        landed=_guarded_landed(writer) if writer is not None else None,
     )
     if writer is not None:
         await _best_effort(writer.finish(desc.manifest_digest), "complete the hint")
@@ -162,6 +163,15 @@ def progress_bar(
     ) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+def _guarded_landed(writer: HintWriter) -> Landed:
+    """`writer.landed` that logs, never raises: a hint only lets replicas start early."""
+
+    async def landed(name: str, size: int, etag: str | None) -> None:
+        await _best_effort(writer.landed(name, size, etag), "update the hint")
+
+    return landed
 
 
 async def _best_effort(step: Awaitable[object], what: str) -> None:

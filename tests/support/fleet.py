@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,10 +28,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on loopback now, outside the kernel's ephemeral range (a port from
+    `bind(0)` can go to an outgoing connection before a server started later binds it)."""
+    from hotload.demo.processes import free_port as outside_ephemeral
+
+    return outside_ephemeral()
 
 
 def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:

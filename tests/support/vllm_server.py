@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -110,10 +109,11 @@ def greedy_token_ids(model_dir: Path, prompt_ids: list[int], max_tokens: int) ->
 
 
 def free_port() -> int:
-    """A TCP port that is free on loopback right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on loopback now, outside the kernel's ephemeral range (a port from
+    `bind(0)` can go to an outgoing connection before a server started later binds it)."""
+    from hotload.demo.processes import free_port as outside_ephemeral
+
+    return outside_ephemeral()
 
 
 def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
