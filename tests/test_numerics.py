@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
-from hotload.engine.engine import Engine, EngineConfig
-from hotload.engine.server import create_app
 from hotload.sdk import NumericsReport, numerics_check_async
 from hotload.sdk.numerics import compare_position, default_sequences
+from support.engines import serve_engines
 from support.tiny_llm import TinyLLM, build_tiny_llm
 
 #: float32 rounding of logprobs around -10 (one ulp is 9.5e-7): the same weights, another kernel.
@@ -40,21 +37,8 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-@asynccontextmanager
-async def replicas(*snapshots: tuple[Path, str]) -> AsyncIterator[list[TestClient[Any, Any]]]:
-    """Started reference engines on `(folder, identity)` pairs behind real HTTP servers."""
-    async with AsyncExitStack() as stack:
-        clients = []
-        for path, identity in snapshots:
-            engine = Engine(EngineConfig(model_path=path, name="policy", identity=identity))
-            client: TestClient[Any, Any] = TestClient(
-                TestServer(create_app(engine), host="127.0.0.1")
-            )
-            await client.start_server()
-            stack.push_async_callback(client.close)
-            await engine.start()
-            clients.append(client)
-        yield clients
+#: Started reference engines named "policy" on `(folder, identity)` pairs.
+replicas = serve_engines
 
 
 def url(client: TestClient[Any, Any]) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -215,16 +215,52 @@ def _publish_full(
     args: argparse.Namespace, folder: Path, identity: str, bucket_url: str, ledger_name: str
 ) -> int:
     """A full folder through the SDK's Publisher: a delta on the head when it can be rebuilt."""
-
-    async def run(pub: Any) -> tuple[Any, Any]:
-        handle = await pub.publish_async(
+    return _through_publisher(
+        args,
+        folder,
+        identity,
+        bucket_url,
+        ledger_name,
+        publish=lambda pub: pub.publish_async(
             folder,
             step=0,
             identity=identity,
             reset_prompt_cache=args.prompt_cache,
             # False, not None: the SDK's every-N-steps cadence means nothing here.
             full=bool(args.full),
-        )
+        ),
+    )
+
+
+def _publish_adapter(
+    args: argparse.Namespace, folder: Path, identity: str, bucket_url: str, ledger_name: str
+) -> int:
+    """A LoRA adapter folder through the SDK (checksums added), to the ledger or the operator."""
+    return _through_publisher(
+        args,
+        folder,
+        identity,
+        bucket_url,
+        ledger_name,
+        publish=lambda pub: pub.publish_adapter_async(
+            folder, step=0, identity=identity, reset_prompt_cache=args.prompt_cache
+        ),
+    )
+
+
+def _through_publisher(
+    args: argparse.Namespace,
+    folder: Path,
+    identity: str,
+    bucket_url: str,
+    ledger_name: str,
+    *,
+    publish: Callable[[Any], Awaitable[Any]],
+) -> int:
+    """Run `publish(pub)` (returning a `PublishHandle`), wait with --wait, print the result."""
+
+    async def run(pub: Any) -> tuple[Any, Any]:
+        handle = await publish(pub)
         report = None
         if args.wait and args.deployment is not None:
             report = await pub.wait_ready_async(identity, timeout=args.timeout)
@@ -242,30 +278,6 @@ def _publish_full(
         previous=handle.previous,
         sequence=handle.sequence,
         report=report,
-    )
-
-
-def _publish_adapter(
-    args: argparse.Namespace, folder: Path, identity: str, bucket_url: str, ledger_name: str
-) -> int:
-    """A LoRA adapter folder through the SDK (checksums added), to the ledger or the operator."""
-
-    async def run(pub: Any) -> tuple[Any, Any]:
-        handle = await pub.publish_adapter_async(
-            folder, step=0, identity=identity, reset_prompt_cache=args.prompt_cache
-        )
-        report = None
-        if args.wait and args.deployment is not None:
-            report = await pub.wait_ready_async(identity, timeout=args.timeout)
-        return handle, report
-
-    with _publisher(args, folder, bucket_url, ledger_name) as pub:
-        handle, report = run_sync(run(pub))
-    if args.deployment is None:
-        _print_ledger_result(args, pub.bucket.url, pub.ledger, handle.entry, handle.transfer)
-        return 0
-    return _print_deployment_result(
-        args, identity=identity, kind="lora", previous=None, sequence=handle.sequence, report=report
     )
 
 

@@ -264,24 +264,11 @@ class Publisher:
                 )
             previous = parent[0]
         desc = describe_snapshot(folder)
-        entry: LedgerEntry | None = None
-        sequence: int | None
-        if self.deployment is None:
-            with self._progress_bar(f"upload {ident}", desc.shipped_bytes) as advance:
-                published = await publish_folder_async(
-                    self.ledger, folder, identity=ident, prompt_cache=policy, progress=advance
-                )
-            entry, sequence, transfer = (
-                published.entry,
-                published.entry.sequence,
-                published.transfer,
-            )
-        else:
-            try:
-                sequence, transfer = await self._submit(folder, ident, policy)
-            except SnapshotRejectedError:
-                self._parent = None
-                raise
+        try:
+            entry, sequence, transfer = await self._send(folder, ident, policy, desc.shipped_bytes)
+        except SnapshotRejectedError:
+            self._parent = None
+            raise
         self._remember(ident, full_dir)
         await asyncio.to_thread(self._record, ident, sequence, desc.manifest_digest, full_dir)
         if folder != full_dir:
@@ -519,20 +506,7 @@ class Publisher:
         try:
             await asyncio.to_thread(validate_adapter, folder)
             desc = describe_snapshot(folder)
-            entry: LedgerEntry | None = None
-            sequence: int | None
-            if self.deployment is None:
-                with self._progress_bar(f"upload {ident}", desc.shipped_bytes) as advance:
-                    published = await publish_folder_async(
-                        self.ledger, folder, identity=ident, prompt_cache=policy, progress=advance
-                    )
-                entry, sequence, transfer = (
-                    published.entry,
-                    published.entry.sequence,
-                    published.transfer,
-                )
-            else:
-                sequence, transfer = await self._submit(folder, ident, policy)
+            entry, sequence, transfer = await self._send(folder, ident, policy, desc.shipped_bytes)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         return PublishHandle(
@@ -547,6 +521,20 @@ class Publisher:
             sequence=sequence,
             transfer=transfer,
         )
+
+    async def _send(
+        self, folder: Path, identity: str, policy: PromptCachePolicy, shipped: int
+    ) -> tuple[LedgerEntry | None, int | None, TransferResult]:
+        """Upload `folder` and register it: a ledger entry without a cluster (returned), else a
+        Snapshot object the operator admits (its sequence); plus what the upload moved."""
+        if self.deployment is not None:
+            sequence, transfer = await self._submit(folder, identity, policy)
+            return None, sequence, transfer
+        with self._progress_bar(f"upload {identity}", shipped) as advance:
+            published = await publish_folder_async(
+                self.ledger, folder, identity=identity, prompt_cache=policy, progress=advance
+            )
+        return published.entry, published.entry.sequence, published.transfer
 
     async def submit_folder_async(
         self, folder: str | Path, identity: str, *, prompt_cache: PromptCachePolicy = "all"

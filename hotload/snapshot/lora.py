@@ -30,11 +30,9 @@ from typing import Any, Protocol, TypeVar
 
 from hotload.errors import ChecksumMismatchError, SnapshotError
 from hotload.snapshot import layout
-from hotload.snapshot.safetensors_io import RawTensor, SafetensorsFile, write_safetensors
+from hotload.snapshot.safetensors_io import RawTensor, SafetensorsFile
+from hotload.snapshot.writer import META_CHECKSUMS, write_shard_file
 
-#: Metadata keys of a checksummed weight file (shared with full shards; see `writer`).
-META_CHECKSUM_FORMAT = "hotload.checksum"
-META_CHECKSUMS = "hotload.checksums"
 #: dtypes an adapter's LoRA factors may have.
 ADAPTER_DTYPES = ("F32", "F16", "BF16")
 #: PEFT prefixes every adapter tensor name with this; the rest is the target module's path.
@@ -203,16 +201,9 @@ def verify_adapter(path: str | Path) -> int:
 
 
 def write_adapter_weights(path: str | Path, tensors: list[tuple[str, RawTensor]]) -> int:
-    """Write one adapter weight file with per-tensor checksums (atomically); return its size."""
-    from hotload.arc.checksum import ADLER32, adler32, format_checksum
-
-    sums = {n: format_checksum(adler32(t.data)) for n, t in tensors}
-    metadata = {
-        "format": "pt",
-        META_CHECKSUM_FORMAT: ADLER32,
-        META_CHECKSUMS: json.dumps(sums, separators=(",", ":")),
-    }
-    return write_safetensors(Path(path), tensors, metadata)
+    """Write one adapter weight file with per-tensor checksums (atomically); return its size.
+    The same checksummed layout as a full shard."""
+    return write_shard_file(path, tensors)
 
 
 def write_adapter(

@@ -20,13 +20,13 @@ from hotload.errors import (
 )
 from hotload.snapshot import layout
 from hotload.snapshot.lora import (
-    META_CHECKSUMS,
     AdapterConfig,
     adapter_weight_files,
     lora_pairs,
 )
 from hotload.snapshot.reader import Snapshot, TensorSpec, load_json
 from hotload.snapshot.safetensors_io import TensorInfo, read_header
+from hotload.snapshot.writer import META_CHECKSUMS
 
 # Fields that legitimately differ between a snapshot's config.json and the deployment's base.
 DEFAULT_IGNORED_CONFIG_FIELDS = frozenset(
