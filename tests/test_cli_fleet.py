@@ -152,7 +152,9 @@ def test_status_without_a_cluster(tmp_path: Path) -> None:
     ledger = Ledger(open_bucket(str(bucket)), "policy")
     Trainer(ledger, tiny.snapshots, tmp_path / "trainer").publish(0)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    replica = Replica("r0", tmp_path / "r0", f"{bucket}/policy", env)
+    # A long retry pause: the refused delta must stay "failed" while the commands look at it
+    # (with the fleet's default of 1 s the loader is soon "fetching" it again).
+    replica = Replica("r0", tmp_path / "r0", f"{bucket}/policy", env, ["--retry-seconds", "600"])
 
     def status(*args: str) -> tuple[int, str, str]:
         proc = subprocess.run(

@@ -178,10 +178,15 @@ async def _check(
     for series in ("hotload_operator_rollup_seconds_count", "hotload_operator_admissions_total"):
         assert series in text or series.removesuffix("_total") in text, series
 
-    # kopf's bookkeeping on a served object: only under hotload.dev/.
-    obj = await kube.get(hld_path(listed, "fleet"))
+    # kopf's bookkeeping on a served object (written once the handler finished): only under
+    # hotload.dev/.
+    async def handled() -> JSON | None:
+        obj = await kube.get(hld_path(listed, "fleet"))
+        notes = obj["metadata"].get("annotations") or {}
+        return obj if "hotload.dev/last-handled-configuration" in notes else None
+
+    obj = await eventually("kopf's last-handled annotation", handled, timeout=30)
     annotations = obj["metadata"].get("annotations") or {}
-    assert "hotload.dev/last-handled-configuration" in annotations, annotations
     assert all(key.startswith("hotload.dev/") for key in annotations), sorted(annotations)
     assert not [k for k in obj["metadata"].get("labels") or {} if "kopf" in k]
 
