@@ -64,3 +64,18 @@ def test_codec_only_demo_through_the_cli(tmp_path: Path) -> None:
     assert "incremental" in res.stdout
     # Without --workdir the snapshots went to a temporary folder, removed at the end.
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("hotload-demo-")]
+
+
+def test_a_bad_option_says_why_and_exits_2() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "hotload", "demo", "--codec-only", "--steps", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "--steps must be at least 1" in proc.stderr

@@ -77,6 +77,9 @@ def console() -> None:
     try:
         code = run()
     except SystemExit as exc:  # argparse: --help, --version, bad usage
+        if isinstance(exc.code, str):
+            # A command's own usage error, raised as SystemExit("message"): say it.
+            print(exc.code, file=sys.stderr)
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     exit_now(code)
 
