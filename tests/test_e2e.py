@@ -297,7 +297,9 @@ async def _fleet_on(kube: Any, ns: str, identity: str) -> dict[str, Any] | None:
     obj = await kube.get(hld_path(ns, "fleet"))
     st = obj.get("status") or {}
     ready = condition(obj, "Ready").get("status") == "True"
-    return obj if ready and st.get("currentSnapshot") == identity else None
+    # Every replica updated and its pod Ready (the kubelet's write may land a roll-up later).
+    settled = st.get("updatedReplicas") == st.get("readyReplicas") == st.get("replicas")
+    return obj if ready and settled and st.get("currentSnapshot") == identity else None
 
 
 async def _play_kubelet(kube: Any, ns: str, replicas: list[Replica]) -> None:

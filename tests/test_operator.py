@@ -149,10 +149,12 @@ async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
             async def fleet_ready() -> JSON | None:
                 obj = await kube.get(hld_path(ns, "fleet"))
                 ok = condition(obj, "Ready").get("status") == "True"
-                return obj if ok and obj["status"].get("updatedReplicas") == 2 else None
+                st = obj["status"]
+                both = st.get("updatedReplicas") == 2 == st.get("readyReplicas")
+                return obj if ok and both else None
 
             status = (await eventually("the fleet Ready on step-000", fleet_ready))["status"]
-            assert status["readyReplicas"] == 2 and status["currentSnapshot"] == "step-000"
+            assert status["currentSnapshot"] == "step-000"
             assert status["targetSnapshot"] == "step-000" and status["targetSequence"] == 1
             assert condition({"status": status}, "Ready")["reason"] == "AllReplicasCurrent"
             assert {r["pod"] for r in status["replicaStatuses"]} == set(pods)
@@ -268,12 +270,14 @@ async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
                 kube, ns, "fleet-2", serving(head.identity, head.sequence), ready=True
             )
 
+            # The loader's report and the kubelet's Ready are two writes: a roll-up may see one.
             async def caught_up() -> JSON | None:
                 obj = await kube.get(hld_path(ns, "fleet"))
-                return obj if obj["status"].get("updatedReplicas") == 3 else None
+                st = obj["status"]
+                return obj if st.get("updatedReplicas") == 3 == st.get("readyReplicas") else None
 
             status = (await eventually("the new replica caught up", caught_up))["status"]
-            assert status["readyReplicas"] == 3 and status["currentSnapshot"] == "step-001"
+            assert status["currentSnapshot"] == "step-001"
             assert condition({"status": status}, "Ready")["reason"] == "AllReplicasCurrent"
             assert condition({"status": status}, "Progressing")["reason"] == "UpToDate"
             new = next(r for r in status["replicaStatuses"] if r["pod"] == "fleet-2")
