@@ -254,9 +254,6 @@ class Scheduler:
                     return
                 adapter_orders = list(self._adapter_orders)
                 self._adapter_orders.clear()
-            for adapter_order in adapter_orders:
-                self._apply_adapter_order(adapter_order)
-            with self._cond:
                 if self._orders:
                     head = self._orders[0]
                     # SYNC waits until everything accepted before the swap has finished.
@@ -265,6 +262,9 @@ class Scheduler:
                 if order is None:
                     while self._pending and len(self._rows) + len(admit) < self.max_batch:
                         admit.append(self._pending.popleft())
+            # Adapter changes never touch the queue or the batch: applied first, outside the lock.
+            for adapter_order in adapter_orders:
+                self._apply_adapter_order(adapter_order)
             try:
                 if order is not None:
                     self._swap(order)

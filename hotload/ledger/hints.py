@@ -16,11 +16,11 @@ import json
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Literal
 
 from hotload.bucket.core import Bucket
 from hotload.errors import InvalidIdentityError, LedgerError, ObjectNotFoundError
-from hotload.ledger.model import LedgerDocument, _time, format_time, utc_now
+from hotload.ledger.model import LedgerDocument, _time, format_time, load_versioned, utc_now
 from hotload.snapshot.layout import validate_identity
 
 #: Where hint objects live inside a bucket.
@@ -87,15 +87,7 @@ class Hint:
     @classmethod
     def loads(cls, data: bytes, where: str) -> Hint:
         """Parse a stored hint; `LedgerError` naming `where` and the field when it is invalid."""
-        try:
-            doc: Any = json.loads(data)
-        except ValueError as exc:
-            raise LedgerError(f"{where}: not valid JSON: {exc}") from None
-        if not isinstance(doc, dict):
-            raise LedgerError(f"{where}: must be a JSON object")
-        version = doc.get("formatVersion")
-        if not isinstance(version, int) or version > HINT_FORMAT_VERSION:
-            raise LedgerError(f"{where}: formatVersion {version!r} is not supported")
+        doc = load_versioned(data, where, HINT_FORMAT_VERSION)
         try:
             identity = validate_identity(doc.get("identity"))
             previous = doc.get("previous")

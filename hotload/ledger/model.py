@@ -494,6 +494,21 @@ class LedgerDocument:
 # --- field parsing helpers ---------------------------------------------------------------------
 
 
+def load_versioned(data: bytes, where: str, newest: int) -> dict[str, Any]:
+    """Parse a small stored JSON object (a pin, a hint) whose `formatVersion` this hotload
+    understands (at most `newest`); `LedgerError` naming `where` otherwise."""
+    try:
+        doc: Any = json.loads(data)
+    except ValueError as exc:
+        raise LedgerError(f"{where}: not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise LedgerError(f"{where}: must be a JSON object")
+    version = doc.get("formatVersion")
+    if not isinstance(version, int) or version > newest:
+        raise LedgerError(f"{where}: formatVersion {version!r} is not supported")
+    return doc
+
+
 def _object(doc: object, where: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise LedgerError(f"{where}: must be a JSON object")

@@ -17,11 +17,17 @@ import json
 import re
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Literal
 
 from hotload.bucket.core import Bucket, NotModified
 from hotload.errors import InvalidIdentityError, LedgerError, ObjectNotFoundError
-from hotload.ledger.model import LedgerDocument, LedgerEntry, format_time, utc_now
+from hotload.ledger.model import (
+    LedgerDocument,
+    LedgerEntry,
+    format_time,
+    load_versioned,
+    utc_now,
+)
 from hotload.snapshot.layout import validate_identity
 
 #: Where pin objects live inside a bucket.
@@ -64,15 +70,7 @@ class Pin:
     @classmethod
     def loads(cls, data: bytes, where: str) -> Pin:
         """Parse a stored pin; `LedgerError` naming `where` and the field when it is invalid."""
-        try:
-            doc: Any = json.loads(data)
-        except ValueError as exc:
-            raise LedgerError(f"{where}: not valid JSON: {exc}") from None
-        if not isinstance(doc, dict):
-            raise LedgerError(f"{where}: must be a JSON object")
-        version = doc.get("formatVersion")
-        if not isinstance(version, int) or version > PIN_FORMAT_VERSION:
-            raise LedgerError(f"{where}: formatVersion {version!r} is not supported")
+        doc = load_versioned(data, where, PIN_FORMAT_VERSION)
         identity = doc.get("pin")
         try:
             validate_identity(identity)

@@ -324,13 +324,14 @@ def rollup_snapshot(
     out: JSON = {
         "replicas": hld.spec.replicas,
         "replicasLoaded": len(serving),
-        "loads": [_load(r, identity if lora else None) for r in serving],
+        "loads": [
+            load for r in serving if (load := _load(r, identity if lora else None)) is not None
+        ],
         "failures": [
             {"pod": r.pod, "message": _failure(r, identity if lora else None)[:4096]}
             for r in failures
         ],
     }
-    out["loads"] = [x for x in out["loads"] if x is not None]
 
     def put(state: bool, reason: str, message: str) -> None:
         out["conditions"] = set_condition(

@@ -42,6 +42,8 @@ from hotload_sidecar.weights import WeightsFolder, remove_tree
 log = logging.getLogger("hotload_sidecar.adapters")
 
 Event = Callable[[EventType, str, str], Awaitable[None]]
+#: With every wanted adapter loaded, the engine's list is re-read this often (not every poll).
+RELIST_SECONDS = 30.0
 
 
 @dataclass
@@ -74,8 +76,9 @@ class AdapterSync:
         #: What this replica reports, by identity (loaded, loading or failed).
         self.states: dict[str, AdapterStatus] = {}
         self._retries: dict[str, _Retry] = {}
-        #: Whether the engine's own list was read since it (re)started.
+        #: Whether the engine's own list was read since it (re)started, and when it last was.
         self._adopted = False
+        self._listed_at = 0.0
 
     def statuses(self, document: LedgerDocument | None) -> tuple[AdapterStatus, ...]:
         """The adapters to report, newest first in ledger order."""
@@ -91,6 +94,14 @@ class AdapterSync:
         """One pass (see the module docstring); True when anything changed."""
         wanted = document.adapters(self.max_adapters)
         wanted_ids = {e.identity for e in wanted}
+        settled = set(self.states) == wanted_ids and all(
+            a.status == "loaded" for a in self.states.values()
+        )
+        if self._adopted and settled and time.monotonic() - self._listed_at < RELIST_SECONDS:
+            # Nothing to do: spare the engine a /v1/models call on every poll. A restarted
+            # engine is noticed by the health check (`engine_restarted`), or at the next
+            # re-list at the latest, so the replica still converges.
+            return False
         before = dict(self.states)
         try:
             held = await self._held()
@@ -126,6 +137,7 @@ class AdapterSync:
     async def _held(self) -> set[str]:
         """The adapters the engine holds; after a (re)start also adopts what it already had."""
         held = await self.engine.loaded_adapters()
+        self._listed_at = time.monotonic()
         if not self._adopted:
             self._adopted = True
             # Loaded by an earlier run of this loader (adapters that are not ours are left).
