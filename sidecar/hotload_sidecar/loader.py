@@ -532,7 +532,10 @@ class Loader:
             changes["target_identity"] = target.identity
             changes["target_sequence"] = target.sequence
         status = self.status.evolve(**changes)
-        if status.state == "failed" and status.loaded:
+        moved = "state" not in changes and status.target_identity != self.status.target_identity
+        if status.state == "failed" and (status.loaded or moved):
+            # A failure is about the target it happened on: once the head moves on, the pod
+            # must not read as failing the new target (roll-ups attribute failures by target).
             status = status.evolve(state="idle")
         await self._publish(status)
 
