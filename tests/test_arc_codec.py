@@ -34,7 +34,6 @@ from hotload.arc.checksum import adler32, adler32_combine, adler32_sparse_update
 from hotload.arc.container import (
     MAX_HEADER_BYTES,
     PREFIX_LEN,
-    parse_once,
     read_header,
     write_prefix,
 )
@@ -51,7 +50,9 @@ from hotload.errors import (
 from hotload.snapshot import RawTensor, Snapshot, write_snapshot
 from hotload.snapshot.dtypes import ELEMENT_SIZE, uint_view_dtype
 from hotload.snapshot.lora import write_adapter
+from hotload.snapshot.parse_cache import parse_once
 from hotload.snapshot.safetensors_io import SafetensorsFile, write_safetensors
+from hotload.snapshot.safetensors_io import read_header as read_safetensors_header
 from hotload.snapshot.safetensors_io import read_header as read_st_header
 
 CONFIG = {"model_type": "llama", "hidden_size": 64}
@@ -788,6 +789,23 @@ def test_headers_parsed_once_are_keyed_by_content(trio: Trio) -> None:
         save_delta(path, changed, payload)
         assert read_header(path).identity == "other"
     assert read_header(path).fields is not read_header(path).fields  # nothing kept after
+
+
+def test_safetensors_headers_parsed_once_are_keyed_by_content(trio: Trio) -> None:
+    """A parent shard's header is parsed once per decode; callers get their own dicts, and a
+    shard rewritten meanwhile is parsed afresh."""
+    path = trio.prev / trio.shard(SPARSE_SHARD)
+    with parse_once():
+        tensors, _, _ = read_safetensors_header(path)
+        tensors.clear()  # a caller's copy: the cached parse is untouched
+        again, _, _ = read_safetensors_header(path)
+        assert again and again == read_safetensors_header(path)[0]
+        with SafetensorsFile(path) as f:
+            data = {n: f.raw(n).copy() for n in f.tensors}
+            meta = dict(f.metadata)
+        renamed = {f"renamed.{n}": RawTensor("U8", (a.size,), a) for n, a in data.items()}
+        write_safetensors(path, list(renamed.items()), meta)
+        assert set(read_safetensors_header(path)[0]) == set(renamed)
 
 
 def test_expected_parent(trio: Trio) -> None:

@@ -498,8 +498,9 @@ def decode_chunk(
     """Decode one chunk against the parent's elements `old`; never reads past `data`.
 
     `base` is adler32(old) when the caller computed it already. With `out` (a writable array
-    like `old`, not overlapping it), every encoding but `same` writes the whole rebuilt chunk
-    there and returns it as `dense`; without it a sparse chunk returns only its patch.
+    like `old`: either `old` itself, rebuilt in place, or one not overlapping it), every
+    encoding but `same` writes the whole rebuilt chunk there and returns it as `dense`; without
+    it a sparse chunk returns only its patch.
     """
     encoding = meta.get("encoding")
     n = int(old.size)
@@ -579,7 +580,8 @@ def decode_chunk(
         if out is None:
             target = adler32_sparse_update(base, int(old.nbytes), idx, before, after)
             return DecodedChunk(base, target, positions=idx, values=after, changed=k)
-        np.copyto(out, old)
+        if out is not old:
+            np.copyto(out, old)
         out[idx] = after
         # The O(k) update costs a few ns per change; zlib-ng rereads the fresh copy (in cache)
         # at tens of GB/s, so past a change every ~128 bytes rereading is cheaper.

@@ -41,10 +41,7 @@ from hotload.arc.container import (
     FORMAT,
     LAYOUT_VERSION,
     ArcHeader,
-    parse_once,
-    parsed,
     read_header,
-    remember,
     write_prefix,
 )
 from hotload.errors import (
@@ -57,6 +54,7 @@ from hotload.errors import (
 )
 from hotload.snapshot import layout
 from hotload.snapshot.dtypes import uint_view_dtype
+from hotload.snapshot.parse_cache import parse_once, parsed, remember
 from hotload.snapshot.safetensors_io import SafetensorsFile, TensorInfo, parse_header
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 23
@@ -467,7 +465,12 @@ def _target(header: ArcHeader, shard: str) -> tuple[bytes, dict[str, TensorInfo]
 
 def target_tensors(path: Path) -> dict[str, TensorInfo]:
     """Tensors (dtype, shape, offsets) of the full shard a delta shard rebuilds."""
-    return _target(read_header(path), path.name)[1]
+    return target_tensors_of(read_header(path), path.name)
+
+
+def target_tensors_of(header: ArcHeader, shard: str) -> dict[str, TensorInfo]:
+    """Like `target_tensors`, from a delta shard's header already read."""
+    return _target(header, shard)[1]
 
 
 def _copy_range(src: int, dst: int, count: int, src_off: int, dst_off: int) -> None:
@@ -629,7 +632,19 @@ def decode_shard(
                 width = udtype.itemsize
                 ptensor = prev.tensors[info.name]
                 old = _elements(prev, ptensor)[s:e]
-                base = adler32(old)
+                encoding = meta.get("encoding")
+                buf = None
+                if encoding in (ck.SAME, ck.RAW):  # the parent's bytes are read once, here
+                    base = adler32(old)
+                else:
+                    # The rebuilt chunk is assembled in a reused per-thread buffer and written
+                    # with one pwrite (patching a shared file map instead costs a page fault per
+                    # touched page). Copied first, the parent's bytes are summed from cache
+                    # rather than read from the page cache twice.
+                    buf = ck.scratch("chunk", e - s, udtype)
+                    np.copyto(buf, old)
+                    base = adler32(buf)
+                    old = buf
                 try:
                     begin = header.payload_offset + meta["offset"]
                     data = memoryview(delta_map)[begin : begin + meta["length"]]
@@ -644,11 +659,8 @@ def decode_shard(
                             tensor=info.name,
                         )
                     what = f"{shard}: tensor {info.name!r}: elements {s}..{e}"
-                    same = meta.get("encoding") == ck.SAME
-                    # The rebuilt chunk is assembled in a reused per-thread buffer and written
-                    # with one pwrite: patching a shared file map instead costs a page fault
-                    # per touched page, which dominated decoding at a few percent changed.
-                    buf = None if same else ck.scratch("chunk", e - s, udtype)
+                    if buf is None and encoding != ck.SAME:
+                        buf = ck.scratch("chunk", e - s, udtype)
                     res = ck.decode_chunk(meta, data, old, what, info.dtype, base=base, out=buf)
                 except ArcError as exc:
                     # Chunk decoders know no shard or tensor: attach them for callers. The error
@@ -1028,5 +1040,6 @@ __all__ = [
     "encode",
     "encode_shard",
     "target_tensors",
+    "target_tensors_of",
     "verify",
 ]

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
-import threading
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,7 @@ import zstandard
 
 from hotload.arc import streams as st
 from hotload.errors import CorruptDeltaError, PayloadTooLargeError
+from hotload.snapshot.parse_cache import parsed, remember
 
 MAGIC = b"\x89ARCv2\r\n"
 FORMAT = "arc_v2"
@@ -31,53 +29,6 @@ LAYOUT_VERSION = 1
 PREFIX_LEN = len(MAGIC) + 8 + 4
 # A header that claims more than this is refused before it is decompressed.
 MAX_HEADER_BYTES = 64 * 1024 * 1024
-
-
-class _Parsed:
-    """Parsed headers shared while a `parse_once` block runs anywhere in the process, keyed by
-    content (the header frame's bytes, a target header's text): a file rewritten in between
-    can never be served a stale parse, whatever its timestamps say."""
-
-    def __init__(self) -> None:
-        self.values: dict[tuple[str, bytes | str], Any] = {}
-        self.users = 0
-        self.lock = threading.Lock()
-
-
-_PARSED = _Parsed()
-_PARSED_MAX = 4096
-
-
-@contextmanager
-def parse_once() -> Iterator[None]:
-    """Within this block, each distinct delta header is decompressed and parsed only once.
-
-    Decoding a snapshot reads every header three times (folder validation, the target check,
-    the shard itself): parsing the JSON again is about a tenth of decoding a small model. The
-    parsed values are shared, so code inside the block must not modify `ArcHeader.fields`.
-    """
-    with _PARSED.lock:
-        _PARSED.users += 1
-    try:
-        yield
-    finally:
-        with _PARSED.lock:
-            _PARSED.users -= 1
-            if _PARSED.users == 0:
-                _PARSED.values.clear()
-
-
-def parsed(kind: str, key: bytes | str) -> Any:
-    """The value `remember` stored for (`kind`, `key`) in a `parse_once` block, or None."""
-    return _PARSED.values.get((kind, key)) if _PARSED.users else None
-
-
-def remember(kind: str, key: bytes | str, value: Any) -> None:
-    """Keep `value` for (`kind`, `key`) while a `parse_once` block runs."""
-    if _PARSED.users:
-        if len(_PARSED.values) >= _PARSED_MAX:  # blocks that keep overlapping: stay bounded
-            _PARSED.values.clear()
-        _PARSED.values[(kind, key)] = value
 
 
 def is_arc_file(path: Path) -> bool:

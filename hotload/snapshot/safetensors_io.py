@@ -21,6 +21,7 @@ import numpy as np
 
 from hotload.errors import SnapshotError
 from hotload.snapshot.dtypes import ELEMENT_SIZE
+from hotload.snapshot.parse_cache import parsed, remember
 
 # A header larger than this is not a plausible safetensors file; refuse before allocating it.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -76,7 +77,14 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], int]
 def parse_header(
     header_bytes: bytes, data_len: int | None, path: str
 ) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and check a safetensors JSON header; `data_len` bounds the offsets when known."""
+    """Parse and check a safetensors JSON header; `data_len` bounds the offsets when known.
+
+    Inside a `parse_once` block a header already parsed is not parsed again.
+    """
+    key = (header_bytes, data_len)
+    known: tuple[dict[str, TensorInfo], dict[str, str]] | None = parsed("safetensors", key)
+    if known is not None:
+        return dict(known[0]), dict(known[1])
     try:
         header = json.loads(header_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -118,7 +126,8 @@ def parse_header(
                 field=field,
             )
         tensors[name] = info
-    return tensors, dict(metadata)
+    remember("safetensors", key, (tensors, dict(metadata)))
+    return dict(tensors), dict(metadata)
 
 
 class SafetensorsFile:

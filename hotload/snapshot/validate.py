@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hotload.errors import (
     HotloadError,
@@ -27,6 +27,9 @@ from hotload.snapshot.lora import (
 from hotload.snapshot.reader import Snapshot, TensorSpec, load_json
 from hotload.snapshot.safetensors_io import TensorInfo, read_header
 from hotload.snapshot.writer import META_CHECKSUMS
+
+if TYPE_CHECKING:
+    from hotload.arc.container import ArcHeader
 
 # Fields that legitimately differ between a snapshot's config.json and the deployment's base.
 DEFAULT_IGNORED_CONFIG_FIELDS = frozenset(
@@ -46,15 +49,13 @@ class _Problems:
             raise SnapshotValidationError(self.items)
 
 
-def _shard_tensors(path: Path) -> dict[str, TensorSpec]:
-    """Tensors stored in a shard, full (safetensors) or delta (arc_v2 target header)."""
-    from hotload.arc.container import is_arc_file
-
+def _shard_tensors(path: Path, delta: ArcHeader | None) -> dict[str, TensorSpec]:
+    """Tensors stored in a shard: full (safetensors), or the target header of a delta shard."""
     infos: dict[str, TensorInfo]
-    if is_arc_file(path):
-        from hotload.arc.codec import target_tensors
+    if delta is not None:
+        from hotload.arc.codec import target_tensors_of
 
-        infos = target_tensors(path)
+        infos = target_tensors_of(delta, path.name)
     else:
         infos, _, _ = read_header(path)
     return {n: TensorSpec(i.shape, i.dtype) for n, i in infos.items()}
@@ -181,16 +182,18 @@ def validate_snapshot(
             continue
         is_delta = is_arc_file(shard_path)
         kinds.add(is_delta)
+        delta: ArcHeader | None = None
         if is_delta:
             from hotload.arc.container import read_header as read_arc_header
 
             try:
-                parents[shard] = read_arc_header(shard_path).parent
+                delta = read_arc_header(shard_path)
             except HotloadError as exc:
                 problems.add(shard_path, None, f"unreadable: {exc}")
                 continue
+            parents[shard] = delta.parent
         try:
-            stored = _shard_tensors(shard_path)
+            stored = _shard_tensors(shard_path, delta)
         except HotloadError as exc:
             problems.add(shard_path, None, f"unreadable: {exc}")
             continue
