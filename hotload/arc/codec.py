@@ -751,13 +751,20 @@ def decode_shard(
 # --- snapshot folders -------------------------------------------------------------------------
 
 
-def _side_files(root: Path, shards: list[str]) -> list[str]:
+def _copy_side_files(src: Path, dst: Path, shards: list[str]) -> None:
+    """Copy what is neither a shard nor a manifest (config, tokenizer files) from src to dst."""
     skip = set(shards) | set(layout.MANIFEST_FILES)
-    return sorted(
-        str(p.relative_to(root))
-        for p in root.rglob("*")
-        if p.is_file() and str(p.relative_to(root)) not in skip and not p.name.startswith(".")
-    )
+    for path in sorted(src.rglob("*")):
+        name = str(path.relative_to(src))
+        if path.is_file() and name not in skip and not path.name.startswith("."):
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, dst / name)
+
+
+def _copy_manifests(src: Path, dst: Path) -> None:
+    """Copy the manifests, last: a folder with them names every shard it needs."""
+    for name in layout.MANIFEST_FILES:
+        shutil.copyfile(src / name, dst / name)
 
 
 @contextmanager
@@ -822,9 +829,7 @@ def encode(
     validate_transition(prev, cur)
     stats = CodecStats()
     with _staging(out_path, overwrite) as tmp, _released_scratch():
-        for name in _side_files(cur_path, cur.shard_files):
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(cur_path / name, tmp / name)
+        _copy_side_files(cur_path, tmp, cur.shard_files)
         stats.shards = _Lanes(threads).each_shard(
             cur.shard_files,
             lambda shard, runner: encode_shard(
@@ -842,8 +847,7 @@ def encode(
                 durable=durable,
             ),
         )
-        for name in layout.MANIFEST_FILES:  # manifests last
-            shutil.copyfile(cur_path / name, tmp / name)
+        _copy_manifests(cur_path, tmp)
     stats.seconds = time.perf_counter() - started
     return stats
 
@@ -919,9 +923,7 @@ def _decode(
             )
         else:
             with _staging(Path(out), overwrite) as tmp:
-                for name in _side_files(delta_path, dsnap.shard_files):
-                    (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(delta_path / name, tmp / name)
+                _copy_side_files(delta_path, tmp, dsnap.shard_files)
                 stats.shards = lanes.each_shard(
                     dsnap.shard_files,
                     lambda shard, runner: decode_shard(
@@ -934,8 +936,7 @@ def _decode(
                         durable=durable,
                     ),
                 )
-                for name in layout.MANIFEST_FILES:
-                    shutil.copyfile(delta_path / name, tmp / name)
+                _copy_manifests(delta_path, tmp)
     stats.seconds = time.perf_counter() - started
     return stats
 
