@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import baselines
 
-from hotload.arc import decode, encode
+from hotload.arc import chunk, decode, encode
 from hotload.snapshot import RawTensor, write_snapshot
 
 HERE = Path(__file__).parent
@@ -227,6 +227,16 @@ def _same_shards(a: Path, b: Path) -> None:
         assert (b / shard.name).read_bytes() == shard.read_bytes(), f"rebuild differs: {shard.name}"
 
 
+def _decode_without_kernel(prev: Path, delta: Path, out: Path) -> None:
+    """Decode on one thread with the C kernel switched off: what an install without a C
+    compiler runs (the numpy reference path)."""
+    saved, chunk.native = chunk.native, None
+    try:
+        decode(prev, delta, out, threads=1, durable=False)
+    finally:
+        chunk.native = saved
+
+
 def measure_step(prev: Path, cur: Path, work: Path, repeat: int) -> dict[str, Any]:
     """Measure every number of one parent -> child step (outputs removed before each timing)."""
     delta, rebuilt = work / "delta", work / "rebuilt"
@@ -265,6 +275,10 @@ def measure_step(prev: Path, cur: Path, work: Path, repeat: int) -> dict[str, An
                 "xor_decode_s_1": (
                     lambda: baselines.xor_zstd_decode(prev, xor_dir, xor_out),
                     lambda: _fresh(xor_out),
+                ),
+                "numpy_decode_s_1": (
+                    lambda: _decode_without_kernel(prev, delta, rebuilt),
+                    lambda: _fresh(rebuilt),
                 ),
             },
             repeat,
@@ -341,6 +355,7 @@ def summarise(name: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "decode_gbps_1": gb / s["decode_s_1"],
         "decode_gbps_all": gb / s["decode_s_all"],
         "xor_decode_gbps_1": gb / s["xor_decode_s_1"],
+        "numpy_decode_gbps_1": gb / s["numpy_decode_s_1"],
         "compact_ratio_vs_best_baseline": best_baseline / s["compact_bytes"],
         "compact_entropy_efficiency": s["entropy_bytes"] / s["compact_bytes"],
         "compact_encode_gbps_1": gb / s["compact_encode_s_1"],
@@ -423,15 +438,18 @@ def report(
         "",
         "Throughput in GB/s of full snapshot bytes. Decode verifies every tensor's adler32 (parent "
         "and result) and every chunk's CRC-32 and writes the rebuilt shards (no fsync); XOR+zstd "
-        "decode writes its output the same way and verifies nothing. `2-thread control` is the "
+        "decode writes its output the same way and verifies nothing. `decode 1 thread, numpy` is "
+        "the decoder with its C kernel switched off (an install without a C compiler; "
+        f"this run's kernel: {'built' if chunk.native is not None else 'NOT BUILT'}). "
+        "`2-thread control` is the "
         "speedup two threads of pure C work got over one at each step of the chain (min-max): "
         "near 2 means a second core was free, near 1 that other work held it, so thread-scaling "
         "numbers can only be as good as that. Peak RSS is that of a fresh process running one "
         "encode or decode with every core (largest step of the chain); `import` is the peak RSS of "
         "a process that only imports `hotload.arc` (Python, numpy, zstandard).",
         "",
-        f"| chain | encode 1 thread | encode {CORES} threads | decode 1 thread | decode {CORES} threads | XOR+zstd decode 1 thread | compact encode 1 / {CORES} | compact decode 1 / {CORES} | 2-thread control | peak RSS encode / decode / import (largest shard) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| chain | encode 1 thread | encode {CORES} threads | decode 1 thread | decode {CORES} threads | XOR+zstd decode 1 thread | decode 1 thread, numpy | compact encode 1 / {CORES} | compact decode 1 / {CORES} | 2-thread control | peak RSS encode / decode / import (largest shard) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for sm in summaries:
         rss = (
@@ -441,6 +459,7 @@ def report(
         lines.append(
             f"| {sm['chain']} | {sm['encode_gbps_1']:.2f} | {sm['encode_gbps_all']:.2f} | {sm['decode_gbps_1']:.2f} | "
             f"{sm['decode_gbps_all']:.2f} | {sm['xor_decode_gbps_1']:.2f} | "
+            f"{sm['numpy_decode_gbps_1']:.2f} | "
             f"{sm['compact_encode_gbps_1']:.2f} / {sm['compact_encode_gbps_all']:.2f} | "
             f"{sm['compact_decode_gbps_1']:.2f} / {sm['compact_decode_gbps_all']:.2f} | "
             f"{sm['parallel_control_min']:.2f}-{sm['parallel_control_max']:.2f}x | {rss} |"

@@ -104,8 +104,14 @@ def adler32_sparse_update(
     weight = np.int64(length) - positions.astype(np.int64) * width
     weight *= per_element
     d_b = int(weight.sum()) - tail
-    a = ((checksum & 0xFFFF) + d_a) % MOD_ADLER
-    b = (((checksum >> 16) & 0xFFFF) + d_b) % MOD_ADLER
+    return adler32_shift(checksum, d_a, d_b)
+
+
+def adler32_shift(checksum: int, da: int, db: int) -> int:
+    """Return `checksum` with (da, db) added to its sums A and B, modulo 65521 (negative
+    values undo a shift): how a sparse edit moves an adler32, see `adler32_sparse_update`."""
+    a = ((checksum & 0xFFFF) + da) % MOD_ADLER
+    b = (((checksum >> 16) & 0xFFFF) + db) % MOD_ADLER
     return a | (b << 16)
 
 

@@ -16,6 +16,7 @@ Encodings (values are unsigned integers of the element width; arithmetic wraps):
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +24,17 @@ from typing import Any
 import numpy as np
 
 from hotload.arc import streams as st
-from hotload.arc.checksum import adler32, adler32_sparse_update
+from hotload.arc.checksum import adler32, adler32_shift, adler32_sparse_update
 from hotload.errors import CorruptDeltaError
+
+try:
+    # The decoder's C kernel for sparse runs (hotload/arc/_native.c), built at install when a
+    # C compiler is there; the numpy code below is the reference and the fallback.
+    import hotload.arc._native as _native_module
+
+    native: Any = _native_module if sys.byteorder == "little" else None
+except ImportError:  # pragma: no cover - `make test` requires the kernel (test_arc_native.py)
+    native = None
 
 SAME = "same"
 SPARSE = "sparse"
@@ -44,6 +54,10 @@ RAW_MIN_FRACTION = 0.5
 # Below one change per this many bytes, a rebuilt chunk's adler32 is updated from its parent's
 # in O(changed) work; above, recomputing it over the rebuilt bytes is faster.
 SPARSE_UPDATE_BYTES = 128
+# Below one change per this many bytes (and with the C kernel), a sparse chunk is rebuilt in the
+# output file: the parent's bytes written straight from its map, then each changed element
+# (a pwrite of a few bytes costs about what copying 8 KiB through a buffer does).
+WRITE_THROUGH_BYTES = 8192
 
 
 _scratch_local = threading.local()
@@ -406,6 +420,7 @@ class DecodedChunk:
     base_checksum: int
     target_checksum: int
     dense: np.ndarray | None = None  # whole new chunk (dense, raw; every form with `out`)
+    written: bool = False  # the changes went straight to the output file (`write_to`)
     positions: np.ndarray | None = None  # sparse patch
     values: np.ndarray | None = None
     changed: int = 0  # elements coded as changed (every element of a dense or raw chunk)
@@ -485,6 +500,27 @@ _JOIN_DTYPES = {
 }
 
 
+# How the decoder reads a chunk's parent elements (`parent_use`).
+READ = "read"  # summed where they lie (same, raw: nothing else reads them)
+BUILD = "build"  # read once by the C kernel as it rebuilds; both checksums from the result
+COPY_FIRST = "copy_first"  # copied into the output buffer, summed there, rebuilt in place
+WRITE_THROUGH = "write_through"  # summed, written to the output file, changes written over
+
+
+def parent_use(meta: dict[str, Any], nbytes: int, *, to_file: bool) -> str:
+    """How to rebuild a chunk of `nbytes` bytes from its parent (READ, BUILD, COPY_FIRST, or
+    WRITE_THROUGH when writing to an output file); see `decode_chunk` and the codec."""
+    encoding = meta.get("encoding")
+    if encoding in (SAME, RAW):
+        return READ
+    if encoding != SPARSE or native is None:
+        return COPY_FIRST
+    count = meta.get("count")
+    if to_file and isinstance(count, int) and count * WRITE_THROUGH_BYTES <= nbytes:
+        return WRITE_THROUGH
+    return BUILD
+
+
 def decode_chunk(
     meta: dict[str, Any],
     data: memoryview,
@@ -494,21 +530,23 @@ def decode_chunk(
     *,
     base: int | None = None,
     out: np.ndarray | None = None,
+    write_to: tuple[int, int] | None = None,
 ) -> DecodedChunk:
     """Decode one chunk against the parent's elements `old`; never reads past `data`.
 
-    `base` is adler32(old) when the caller computed it already. With `out` (a writable array
-    like `old`: either `old` itself, rebuilt in place, or one not overlapping it), every
-    encoding but `same` writes the whole rebuilt chunk there and returns it as `dense`; without
-    it a sparse chunk returns only its patch.
+    `base` is adler32(old) when the caller computed it already (or None). With `out` (a
+    writable array like `old`: `old` itself, rebuilt in place, or one not overlapping it),
+    every encoding but `same` writes the whole rebuilt chunk there and returns it as `dense`;
+    without it a sparse chunk returns only its patch. With `write_to` (file descriptor, byte
+    offset; only where `parent_use` says WRITE_THROUGH) the caller has written the parent's
+    bytes there and each changed element is written over them.
     """
     encoding = meta.get("encoding")
     n = int(old.size)
     width = old.dtype.itemsize
     udtype = old.dtype
-    if base is None:
-        base = adler32(old)
     if encoding == SAME:
+        base = adler32(old) if base is None else base
         if len(data):
             raise CorruptDeltaError(f"{what}: a 'same' chunk must have no payload")
         return DecodedChunk(base, base)
@@ -541,20 +579,53 @@ def decode_chunk(
     else:
         raise CorruptDeltaError(f"{what}: unknown encoding {encoding!r} (supported: {ENCODINGS})")
     streams = _check_streams(meta, streams_raw, what)
-    decoded: list[np.ndarray] = []
+    packed: list[bytes] = []
     pos = 0
     for i, ((codec, stored, bits), count) in enumerate(zip(streams, streams_raw, strict=True)):
         if pos + stored > len(data):
             raise CorruptDeltaError(f"{what}: stream {i} runs past the end of the chunk payload")
         # The decoded size follows from the chunk's own element count: a frame that claims
         # more is a decompression bomb and is refused before anything is allocated.
-        raw = st.decompress_stream(
-            codec, data[pos : pos + stored], st.packed_len(count, bits), f"{what}: stream {i}"
+        packed.append(
+            st.decompress_stream(
+                codec, data[pos : pos + stored], st.packed_len(count, bits), f"{what}: stream {i}"
+            )
         )
-        decoded.append(st.unpack_symbols(raw, bits, count))
         pos += stored
     if pos != len(data):
         raise CorruptDeltaError(f"{what}: {len(data) - pos} stray bytes after the last stream")
+    if encoding == SPARSE and (out is not None or write_to is not None) and native is not None:
+        target_file = write_to or (None, 0)
+        try:
+            da, db = native.sparse_patch(
+                old,
+                out if write_to is None else target_file[0],
+                width,
+                packed,
+                [s[2] for s in streams],
+                *shape,
+                target_file[1],
+            )
+        except ValueError as exc:
+            raise CorruptDeltaError(f"{what}: {exc}") from None
+        if base is None and out is not None:
+            # Summing the rebuilt chunk while it is in cache spares a pass over the parent in
+            # memory; the parent's checksum follows from it by undoing the changes.
+            target = adler32(out)
+            base = adler32_shift(target, -da, -db)
+        else:
+            base = adler32(old) if base is None else base
+            target = adler32_shift(base, da, db)
+        if write_to:
+            return DecodedChunk(base, target, written=True, changed=shape[0])
+        return DecodedChunk(base, target, dense=out, changed=shape[0])
+    if write_to is not None:
+        raise ValueError("write_to needs a sparse chunk and the C kernel (see parent_use)")
+    base = adler32(old) if base is None else base
+    decoded = [
+        st.unpack_symbols(raw, s[2], count)
+        for raw, s, count in zip(packed, streams, streams_raw, strict=True)
+    ]
     if encoding in (SPARSE, SPARSE_EXP):
         if encoding == SPARSE:
             # With `out` the positions live only until the patch is applied: build them in a

@@ -4,8 +4,10 @@ Shards stream through a few lanes (one thread each, up to MAX_SHARDS_IN_FLIGHT s
 way); a lane codes its shard's chunks itself and helps with other shards' chunks when it has
 none (numpy, zlib-ng, zstd and file writes release the GIL).
 Decoding copies unchanged chunks with copy_file_range, assembles every other chunk in a reused
-per-thread buffer written with one pwrite, and checks every tensor's adler32: the parent's
-against the delta's base checksum (wrong parent) and the result against the target checksum.
+per-thread buffer written with one pwrite (a very sparse chunk: the parent's bytes written from
+their map, the changed elements over them; see `chunk.parent_use`), and checks every tensor's
+adler32: the parent's against the delta's base checksum (wrong parent) and the result against
+the target checksum.
 """
 
 from __future__ import annotations
@@ -634,9 +636,9 @@ def decode_shard(
                 old = _elements(prev, ptensor)[s:e]
                 encoding = meta.get("encoding")
                 buf = None
-                if encoding in (ck.SAME, ck.RAW):  # the parent's bytes are read once, here
-                    base = adler32(old)
-                else:
+                out_off = data_start + info.begin + s * width
+                how = ck.parent_use(meta, old.nbytes, to_file=out_fd is not None)
+                if how == ck.COPY_FIRST:
                     # The rebuilt chunk is assembled in a reused per-thread buffer and written
                     # with one pwrite (patching a shared file map instead costs a page fault per
                     # touched page). Copied first, the parent's bytes are summed from cache
@@ -645,6 +647,13 @@ def decode_shard(
                     np.copyto(buf, old)
                     base = adler32(buf)
                     old = buf
+                elif how == ck.BUILD:
+                    base = None  # summed by decode_chunk, from the rebuilt chunk
+                else:
+                    base = adler32(old)
+                if how == ck.WRITE_THROUGH:
+                    assert out_fd is not None
+                    _pwrite_all(out_fd, old, out_off)  # the changed elements go over it
                 try:
                     begin = header.payload_offset + meta["offset"]
                     data = memoryview(delta_map)[begin : begin + meta["length"]]
@@ -659,16 +668,29 @@ def decode_shard(
                             tensor=info.name,
                         )
                     what = f"{shard}: tensor {info.name!r}: elements {s}..{e}"
-                    if buf is None and encoding != ck.SAME:
+                    if buf is None and encoding != ck.SAME and how != ck.WRITE_THROUGH:
                         buf = ck.scratch("chunk", e - s, udtype)
-                    res = ck.decode_chunk(meta, data, old, what, info.dtype, base=base, out=buf)
+                    res = ck.decode_chunk(
+                        meta,
+                        data,
+                        old,
+                        what,
+                        info.dtype,
+                        base=base,
+                        out=buf,
+                        write_to=(
+                            (out_fd, out_off)
+                            if how == ck.WRITE_THROUGH and out_fd is not None
+                            else None
+                        ),
+                    )
                 except ArcError as exc:
                     # Chunk decoders know no shard or tensor: attach them for callers. The error
                     # is raised only after every parent checksum was compared (wrong parent first).
                     exc.shard, exc.tensor = exc.shard or shard, exc.tensor or info.name
-                    return _ChunkResult(base, None, 0, exc)
-                if out_fd is not None:
-                    out_off = data_start + info.begin + s * width
+                    parent_sum = base if base is not None else adler32(old)
+                    return _ChunkResult(parent_sum, None, 0, exc)
+                if out_fd is not None and not res.written:
                     if res.dense is not None:
                         _pwrite_all(out_fd, res.dense, out_off)
                     else:  # same: the kernel copies the parent's bytes, no pass in this process
@@ -682,7 +704,7 @@ def decode_shard(
                         )
                 if progress:
                     progress((e - s) * width)
-                return _ChunkResult(base, res.target_checksum, res.changed, None)
+                return _ChunkResult(res.base_checksum, res.target_checksum, res.changed, None)
 
             results = list(pool.map(run, plan))
             parent_parts: dict[str, list[tuple[int, int]]] = {}
@@ -724,11 +746,7 @@ def decode_shard(
                     )
             if tmp is not None and out is not None:
                 if link:
-                    try:
-                        os.link(previous, tmp)
-                    except OSError:
-                        shutil.copyfile(previous, tmp)
-                    stats.hardlinked = True
+                    stats.hardlinked = _link_or_copy(previous, tmp)
                 elif durable:
                     assert out_fd is not None
                     os.fsync(out_fd)
@@ -751,14 +769,25 @@ def decode_shard(
 # --- snapshot folders -------------------------------------------------------------------------
 
 
+def _link_or_copy(src: Path, dst: Path) -> bool:
+    """Hard-link src to dst (snapshot files are never modified in place, only replaced), or
+    copy it where the filesystem cannot link; True when linked."""
+    try:
+        os.link(src, dst)
+        return True
+    except OSError:
+        shutil.copyfile(src, dst)
+        return False
+
+
 def _copy_side_files(src: Path, dst: Path, shards: list[str]) -> None:
-    """Copy what is neither a shard nor a manifest (config, tokenizer files) from src to dst."""
+    """Link or copy what is neither a shard nor a manifest (config, tokenizer files) to dst."""
     skip = set(shards) | set(layout.MANIFEST_FILES)
     for path in sorted(src.rglob("*")):
         name = str(path.relative_to(src))
         if path.is_file() and name not in skip and not path.name.startswith("."):
             (dst / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, dst / name)
+            _link_or_copy(path, dst / name)
 
 
 def _copy_manifests(src: Path, dst: Path) -> None:
