@@ -219,12 +219,18 @@ def test_failures_keep_serving_and_converge(
     assert _metric(metrics, "hotload_loader_checksum_failures_total") == 1
     assert _tokens(r) == ("tiny@step-002", greedy_token_ids(tiny10.snapshots[2], PROMPT_IDS, 8))
 
-    # 2. A delta corrupted in the bucket: reported, old weights keep answering.
-    folder = trainer.publish(3)
-    bad = next(p for p in sorted(folder.iterdir()) if p.name.startswith("model-"))
-    blob = bytearray(bad.read_bytes())
-    blob[len(blob) // 2] ^= 0xFF
-    (bucket_dir / "step-003" / bad.name).write_bytes(bytes(blob))
+    # 2. A delta corrupted in the bucket: reported, old weights keep answering. Paused, so
+    # that the loader cannot fetch the delta between its publication and the corruption (on a
+    # busy machine it did, in CI, and then loaded the intact copy).
+    r.pause_loader()
+    try:
+        folder = trainer.publish(3)
+        bad = next(p for p in sorted(folder.iterdir()) if p.name.startswith("model-"))
+        blob = bytearray(bad.read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        (bucket_dir / "step-003" / bad.name).write_bytes(bytes(blob))
+    finally:
+        r.resume_loader()
     failed = wait_for(
         "the corrupted delta reported",
         lambda: (s := r.status())["state"] == "failed" and s,
