@@ -24,8 +24,7 @@
 #define MAX_PLANES 24 /* 7 remainder + 8 quotient + 8 value planes, with room */
 
 typedef struct {
-    const uint8_t *data;
-    Py_ssize_t len;
+    const uint8_t *data; /* at least ceil(count / (8 / bits)) bytes (checked on entry) */
     int bits;
 } plane_t;
 
@@ -282,7 +281,7 @@ static PyObject *sparse_patch(PyObject *self, PyObject *const *args, Py_ssize_t 
             PyErr_SetString(PyExc_ValueError, "a plane is shorter than its symbols");
             goto done;
         }
-        planes[p] = (plane_t){(const uint8_t *)views[p].buf, views[p].len, (int)bits};
+        planes[p] = (plane_t){(const uint8_t *)views[p].buf, (int)bits};
     }
     run_t run = {planes,
                  (int)rp,

@@ -595,16 +595,16 @@ def decode_chunk(
     if pos != len(data):
         raise CorruptDeltaError(f"{what}: {len(data) - pos} stray bytes after the last stream")
     if encoding == SPARSE and (out is not None or write_to is not None) and native is not None:
-        target_file = write_to or (None, 0)
+        fd, offset = write_to if write_to is not None else (None, 0)
         try:
             da, db = native.sparse_patch(
                 old,
-                out if write_to is None else target_file[0],
+                out if fd is None else fd,
                 width,
                 packed,
                 [s[2] for s in streams],
                 *shape,
-                target_file[1],
+                offset,
             )
         except ValueError as exc:
             raise CorruptDeltaError(f"{what}: {exc}") from None
