@@ -6,6 +6,7 @@ the pods); the trainer uploads real snapshots to a bucket folder and creates Sna
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,11 +122,8 @@ async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
                 ("rbac.authorization.k8s.io/v1", "rolebindings"),
                 ("policy/v1", "poddisruptionbudgets"),
             ]:
-                items = (await kube.list(resource_path(kind, plural, ns)))["items"]
-                assert any(
-                    i["metadata"].get("ownerReferences", [{}])[0].get("name") == "fleet"
-                    for i in items
-                ), plural
+                # Applied one by one after the Deployment: wait for each, as a user would.
+                await eventually(f"{plural} owned by fleet", _owned_by(kube, kind, plural, ns))
 
             pods = await play_deployment_controller(kube, ns, "fleet")
             assert pods == ["fleet-0", "fleet-1"]
@@ -422,6 +420,18 @@ async def _get(kube: Any, path: str) -> JSON | None:
         return dict(await kube.get(path))
     except KubeNotFoundError:
         return None
+
+
+def _owned_by(kube: Any, kind: str, plural: str, ns: str) -> Callable[[], Awaitable[bool]]:
+    """A check: some `plural` object in `ns` is owned by the deployment `fleet`."""
+
+    async def check() -> bool:
+        items = (await kube.list(resource_path(kind, plural, ns)))["items"]
+        return any(
+            (i["metadata"].get("ownerReferences") or [{}])[0].get("name") == "fleet" for i in items
+        )
+
+    return check
 
 
 async def _gone(kube: Any, path: str) -> bool:
