@@ -37,9 +37,15 @@ def element_size(dtype: str) -> int:
     return ELEMENT_SIZE[dtype]
 
 
+# Built once: the decoder asks for one per chunk, and building a numpy dtype is not free.
+_UINT_VIEW: dict[str, np.dtype[np.unsignedinteger]] = {
+    name: np.dtype(_UINT_BY_SIZE[size]).newbyteorder("<") for name, size in ELEMENT_SIZE.items()
+}
+
+
 def uint_view_dtype(dtype: str) -> np.dtype[np.unsignedinteger]:
     """Return the little-endian unsigned integer numpy dtype with the element size of `dtype`."""
-    return np.dtype(_UINT_BY_SIZE[ELEMENT_SIZE[dtype]]).newbyteorder("<")
+    return _UINT_VIEW[dtype]
 
 
 # torch dtype name -> safetensors dtype name (torch is never imported here).
