@@ -142,6 +142,7 @@ class Loader:
                 threads=settings.threads,
                 ttl=settings.hint_ttl_seconds,
                 progress=self.metrics.bytes_fetched.inc,
+                corruption=self.metrics.checksum_failures.inc,
             )
             if settings.hint_ttl_seconds > 0
             else None

@@ -49,7 +49,8 @@ class LoaderMetrics:
         self.checksum_failures = Counter(
             "hotload_loader_checksum_failures",
             "Checksum mismatches, corrupted payloads and parents that do not match their delta, "
-            "detected while rebuilding (including the ones a fallback or a refetch recovered from)",
+            "detected while rebuilding (including early rebuilds from hints, and the ones a "
+            "fallback or a refetch recovered from)",
             registry=r,
         )
         self.fallbacks = Counter(

@@ -35,6 +35,7 @@ from hotload.ledger.hints import (
     prefetch_decision,
 )
 from hotload.snapshot import describe_snapshot, validate_identity
+from hotload_sidecar.materialize import is_corruption
 from hotload_sidecar.weights import WeightsFolder, remove_tree
 
 log = logging.getLogger("hotload_sidecar.prefetch")
@@ -73,13 +74,18 @@ class Prefetcher:
         threads: int | None = None,
         ttl: float = 600.0,
         progress: Callable[[int], None] | None = None,
+        corruption: Callable[[], None] | None = None,
     ) -> None:
+        """`progress` receives bytes as they download; `corruption` is called once for each
+        early rebuild that meets bytes failing their checksums (a rotten hinted file or a
+        rotten local parent), which the ledger path would otherwise never see."""
         self.bucket = bucket
         self.ledger = ledger
         self.weights = weights
         self.threads = threads
         self.ttl = ttl
         self.progress = progress
+        self.corruption = corruption
         self._jobs: dict[str, _Job] = {}
         #: The last read of each listed hint with its ETag, so unchanged hints are not re-read.
         self._seen: dict[str, tuple[str | None, Hint]] = {}
@@ -248,8 +254,10 @@ class Prefetcher:
                 remove_tree(folder)
             # The same check the materializer makes before a commit, done ahead of time.
             await asyncio.to_thread(verify, staged, threads=self.threads)
-        except BaseException:
+        except BaseException as err:
             job.seconds = time.perf_counter() - started
+            if self.corruption is not None and is_corruption(err):
+                self.corruption()
             raise
         job.seconds = time.perf_counter() - started
         log.info(
