@@ -616,7 +616,7 @@ def decode_chunk(
         else:
             base = adler32(old) if base is None else base
             target = adler32_shift(base, da, db)
-        if write_to:
+        if fd is not None:
             return DecodedChunk(base, target, written=True, changed=shape[0])
         return DecodedChunk(base, target, dense=out, changed=shape[0])
     if write_to is not None:

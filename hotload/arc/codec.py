@@ -651,9 +651,11 @@ def decode_shard(
                     base = None  # summed by decode_chunk, from the rebuilt chunk
                 else:
                     base = adler32(old)
+                write_to: tuple[int, int] | None = None
                 if how == ck.WRITE_THROUGH:
                     assert out_fd is not None
                     _pwrite_all(out_fd, old, out_off)  # the changed elements go over it
+                    write_to = (out_fd, out_off)
                 try:
                     begin = header.payload_offset + meta["offset"]
                     data = memoryview(delta_map)[begin : begin + meta["length"]]
@@ -668,21 +670,10 @@ def decode_shard(
                             tensor=info.name,
                         )
                     what = f"{shard}: tensor {info.name!r}: elements {s}..{e}"
-                    if buf is None and encoding != ck.SAME and how != ck.WRITE_THROUGH:
+                    if buf is None and encoding != ck.SAME and write_to is None:
                         buf = ck.scratch("chunk", e - s, udtype)
                     res = ck.decode_chunk(
-                        meta,
-                        data,
-                        old,
-                        what,
-                        info.dtype,
-                        base=base,
-                        out=buf,
-                        write_to=(
-                            (out_fd, out_off)
-                            if how == ck.WRITE_THROUGH and out_fd is not None
-                            else None
-                        ),
+                        meta, data, old, what, info.dtype, base=base, out=buf, write_to=write_to
                     )
                 except ArcError as exc:
                     # Chunk decoders know no shard or tensor: attach them for callers. The error
