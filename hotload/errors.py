@@ -251,6 +251,25 @@ class KubeConflictError(KubeError):
     """The object already exists, or changed since it was read (409)."""
 
 
+class KubeFieldConflictError(KubeConflictError):
+    """A server-side apply would change fields that another field manager owns (409 `Conflict`
+    with `FieldManagerConflict` causes); `conflicts` pairs each field with the server's word on
+    who owns it, e.g. `(".spec.replicas", 'conflict with "kubectl-edit" using apps/v1')`."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        conflicts: tuple[tuple[str, str], ...] = (),
+        method: str | None = None,
+        path: str | None = None,
+        status: int | None = None,
+        reason: str | None = None,
+    ) -> None:
+        super().__init__(message, method=method, path=path, status=status, reason=reason)
+        self.conflicts = conflicts
+
+
 class KubeForbiddenError(KubeError):
     """The credentials were refused (401) or lack the permission (403)."""
 

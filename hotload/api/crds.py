@@ -45,6 +45,8 @@ class _Kind:
     short: str
     columns: list[dict[str, Any]]
     spec_validations: list[dict[str, str]] = field(default_factory=list)
+    #: Rules on the whole object: the only place CEL can see `metadata.name`.
+    object_validations: list[dict[str, str]] = field(default_factory=list)
     subresources: dict[str, Any] = field(default_factory=lambda: {"status": {}})
 
 
@@ -135,6 +137,19 @@ _KINDS: dict[str, _Kind] = {
                 "message": "spec.adapters.baseModel is required when adapters are enabled: "
                 "the base model adapter snapshots must name",
             }
+        ],
+        object_validations=[
+            {
+                "rule": f"self.metadata.name.size() <= {names.DEPLOYMENT_NAME_MAX}",
+                "message": f"metadata.name may have at most {names.DEPLOYMENT_NAME_MAX} "
+                "characters: the operator names the router's Service <name>-router, which must "
+                "fit a 63-character DNS label",
+            },
+            {
+                "rule": f"self.metadata.name.matches('{names.DEPLOYMENT_NAME_PATTERN}')",
+                "message": "metadata.name must be a DNS label that starts with a letter "
+                "(lowercase letters, digits and '-'): it names the fleet's Service",
+            },
         ],
         # status.selector exists for the scale subresource: `kubectl scale hld` and HPAs.
         subresources={
@@ -318,10 +333,12 @@ def openapi_schema(kind: str) -> Schema:
     }
     props["metadata"] = {"type": "object"}
     schema["required"] = ["spec"]
+    if info.object_validations:
+        schema["x-kubernetes-validations"] = copy.deepcopy(info.object_validations)
     if info.spec_validations:
         props["spec"]["x-kubernetes-validations"] = copy.deepcopy(info.spec_validations)
         props["spec"] = _ordered(props["spec"])
-    return schema
+    return _ordered(schema)
 
 
 def structural_schema(model: type[BaseModel]) -> Schema:
@@ -526,6 +543,11 @@ def _kind_docs(kind: str, crd: dict[str, Any]) -> list[str]:
         f"`{', '.join(spec['names']['shortNames'])}`, category "
         f"`{', '.join(spec['names']['categories'])}`; subresources {subresources}",
         f"- `kubectl get {spec['names']['shortNames'][0]}` shows {plain}; `-o wide` adds {wide}",
+    ]
+    out += [
+        f"- rule `{r['rule']}`: {r['message']}." for r in schema.get("x-kubernetes-validations", [])
+    ]
+    out += [
         "",
         "| Column | JSONPath | |",
         "| --- | --- | --- |",

@@ -17,6 +17,12 @@ SNAPSHOT_KIND: Final = "Snapshot"
 SNAPSHOT_PLURAL: Final = "snapshots"
 SNAPSHOT_SHORT: Final = "snap"
 
+#: The longest HotLoadDeployment name: the operator names the router's Service `<name>-router`,
+#: a DNS label of at most 63 characters, and puts the name itself into label values (63 too).
+DEPLOYMENT_NAME_MAX: Final = 56
+#: A HotLoadDeployment name must also be a DNS-1035 label: it names the fleet's Service.
+DEPLOYMENT_NAME_PATTERN: Final = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
 #: One path segment: what `hotload.snapshot.validate_identity` accepts.
 IDENTITY_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 #: Ledger names follow the same rule.
@@ -71,6 +77,7 @@ class DeploymentReasons:
     REPLICAS_UNAVAILABLE: Final = "ReplicasUnavailable"  # True: pods not ready
     HEALTHY: Final = "Healthy"  # False
     INVALID_SPEC: Final = "InvalidSpec"  # True: the API server refuses an object built from it
+    APPLY_CONFLICT: Final = "ApplyConflict"  # True: another field manager owns a field we set
 
 
 class SnapshotReasons:

@@ -3,6 +3,7 @@
 from hotload.errors import (
     KubeConflictError,
     KubeError,
+    KubeFieldConflictError,
     KubeForbiddenError,
     KubeGoneError,
     KubeInvalidError,
@@ -18,6 +19,7 @@ __all__ = [
     "KubeConfig",
     "KubeConflictError",
     "KubeError",
+    "KubeFieldConflictError",
     "KubeForbiddenError",
     "KubeGoneError",
     "KubeInvalidError",

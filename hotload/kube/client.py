@@ -25,6 +25,7 @@ import aiohttp
 from hotload.errors import (
     KubeConflictError,
     KubeError,
+    KubeFieldConflictError,
     KubeForbiddenError,
     KubeGoneError,
     KubeInvalidError,
@@ -84,9 +85,20 @@ def error_from_status(
     """The `KubeError` subclass for an HTTP status, with a `Status` body's reason and message."""
     reason = None
     message = default_message
+    causes: list[Any] = []
     if isinstance(body, dict) and body.get("kind") == "Status":
         reason = body.get("reason") or None
         message = str(body.get("message") or default_message)
+        causes = list((body.get("details") or {}).get("causes") or [])
+    conflicts = tuple(
+        (str(c.get("field") or ""), str(c.get("message") or ""))
+        for c in causes
+        if isinstance(c, dict) and c.get("reason") == "FieldManagerConflict"
+    )
+    if status == 409 and conflicts:
+        return KubeFieldConflictError(
+            message, conflicts=conflicts, method=method, path=path, status=status, reason=reason
+        )
     cls = _ERRORS.get(status, KubeUnavailableError if status >= 500 or status == 429 else KubeError)
     return cls(message or "request failed", method=method, path=path, status=status, reason=reason)
 

@@ -1,4 +1,5 @@
-"""Conditions in the Kubernetes API conventions' shape, set without losing transition times."""
+"""Status helpers: conditions in the Kubernetes API conventions' shape, set without losing
+transition times, and the form in which the API server keeps what we write."""
 
 from __future__ import annotations
 
@@ -55,3 +56,15 @@ def is_true(conditions: list[JSON] | None, type_: str) -> bool:
     """Whether condition `type_` is present with status True."""
     found = get_condition(conditions, type_)
     return found is not None and found.get("status") == "True"
+
+
+def stored_form(value: Any) -> Any:
+    """`value` as the API server keeps it in a custom resource: null fields dropped at every
+    depth (the structural schema prunes them; no status field of ours is `nullable`, absent
+    and null mean the same). Compare what was read with what is about to be written in this
+    form, or every roll-up would write again."""
+    if isinstance(value, dict):
+        return {k: stored_form(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [stored_form(v) for v in value]
+    return value

@@ -124,35 +124,57 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 async def deployment_changed(
     body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
+    """Reconcile the spec (`_reconcile_spec`). A spec the API server refuses is reported and
+    not retried: kopf runs this handler again when the spec changes."""
+    await _reconcile_spec(memo["ctx"], body, logger)
+
+
+async def _reconcile_spec(ctx: Context, body: kopf.Body, logger: kopf.Logger) -> None:
     """Apply the owned objects for the current spec, write the pin, remove a router switched
-    off, then roll up. The pin comes before the router's removal: a fleet must follow a pin
-    even while removing the router fails (e.g. the operator's RBAC lacks delete)."""
-    ctx: Context = memo["ctx"]
+    off, then roll up.
+
+    Owned objects that cannot be applied (the server refuses one, or another field manager
+    holds a field) are reported once, in the status (Degraded=True) and one Warning Event,
+    and are not retried by kopf (the timer tries a conflict again). The pin is written even
+    then, and before the router's removal: a fleet must follow a pin (a rollback) even while
+    its Deployment cannot be updated or removing the router fails (e.g. the operator's RBAC
+    lacks delete). Other API errors are retried by kopf."""
     hld = reconcile.parse_deployment(dict(body))
+    refused: reconcile.ApplyRefusedError | None = None
     try:
         applied = await reconcile.apply_children(ctx, hld)
+    except reconcile.ApplyRefusedError as err:
+        refused = err
+        # INFO: a kopf WARNING would become an Event per attempt; the one Event is below.
+        logger.info("owned objects not applied: %s", err.problem.message)
     except KubeError as err:
-        # Roll up anyway: a refused (invalid) object shows as Degraded=True, InvalidSpec.
-        await reconcile.guarded("roll-up", lambda: reconcile.rollup(ctx, *_key(body)))
         raise kopf.TemporaryError(f"applying owned objects failed: {err}", delay=10) from err
-    logger.info("applied %s", ", ".join(applied))
+    else:
+        logger.info("applied %s", ", ".join(applied))
     try:
         await reconcile.sync_pin(ctx, hld)
     except BucketError as err:
         raise kopf.TemporaryError(f"writing the pin object failed: {err}", delay=10) from err
-    try:
-        await reconcile.remove_router(ctx, hld)
-    except KubeError as err:
-        raise kopf.TemporaryError(f"removing the router failed: {err}", delay=10) from err
+    if refused is None:
+        try:
+            await reconcile.remove_router(ctx, hld)
+        except KubeError as err:
+            raise kopf.TemporaryError(f"removing the router failed: {err}", delay=10) from err
     await reconcile.guarded("roll-up", lambda: reconcile.rollup(ctx, *_key(body)))
+    if refused is not None and refused.new:
+        kopf.warn(body, reason=refused.problem.reason, message=refused.problem.message)
 
 
 @kopf.timer(GROUP, VERSION, DEPLOYMENT_PLURAL, interval=ROLLUP_INTERVAL, initial_delay=1)
-async def deployment_tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+async def deployment_tick(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """Periodic check: notices a new ledger head before any pod reports it (cheap when the
-    ledger did not change: one conditional GET)."""
+    ledger did not change: one conditional GET), and applies the spec again while another
+    field manager holds one of its fields (every `reconcile.apply_retry_seconds()`)."""
     ctx: Context = memo["ctx"]
     hld = reconcile.parse_deployment(dict(body))
+    if reconcile.apply_retry_due(ctx, *_key(body)):
+        await _reconcile_spec(ctx, body, logger)
+        return
     await reconcile.guarded("roll-up", lambda: reconcile.tick(ctx, *_key(body), hld))
 
 

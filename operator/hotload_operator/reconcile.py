@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -36,6 +37,7 @@ from hotload.bucket.url import S3_SETTINGS
 from hotload.errors import (
     BucketError,
     KubeError,
+    KubeFieldConflictError,
     KubeForbiddenError,
     KubeInvalidError,
     KubeNotFoundError,
@@ -54,7 +56,7 @@ from hotload_operator.builders import (
     router_name,
     selector_string,
 )
-from hotload_operator.conditions import format_time, set_condition
+from hotload_operator.conditions import format_time, set_condition, stored_form
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 
 log = logging.getLogger("hotload_operator")
@@ -94,6 +96,26 @@ class CredentialsUnreadableError(BucketError):
         return cls(f"Secret {namespace}/{secret} (spec.bucket.credentialsSecret): {why}", url=url)
 
 
+@dataclass(frozen=True)
+class SpecProblem:
+    """Why the objects a deployment owns could not be applied: the reason and message of its
+    `Degraded=True` condition (and of the Warning Event that announces it)."""
+
+    reason: str
+    message: str
+
+
+class ApplyRefusedError(Exception):
+    """The API server refused an owned object built from the spec (`InvalidSpec`), or applying
+    it would overwrite another field manager's change (`ApplyConflict`)."""
+
+    def __init__(self, problem: SpecProblem, *, new: bool) -> None:
+        super().__init__(problem.message)
+        self.problem = problem
+        #: False when the same problem was already reported (no second Event).
+        self.new = new
+
+
 class AdmissionDeferredError(Exception):
     """Admission could not read the bucket; the Snapshot says so (`Accepted=Unknown`,
     `BucketUnreachable`) and the caller retries."""
@@ -131,9 +153,11 @@ class Context:
     _pending: set[tuple[str, str]] = field(default_factory=set)
     #: Per deployment: the ledger's ETag and when it was last rolled up (for the cheap timer).
     _ticks: dict[tuple[str, str], tuple[str | None, float]] = field(default_factory=dict)
-    #: Per deployment: why the API server refused an object built from its spec (422), until
-    #: an apply succeeds; the roll-up shows it as Degraded=True, InvalidSpec.
-    _invalid: dict[tuple[str, str], str] = field(default_factory=dict)
+    #: Per deployment: why its owned objects could not be applied, until an apply succeeds;
+    #: the roll-up shows it as Degraded=True with the problem's reason.
+    _problems: dict[tuple[str, str], SpecProblem] = field(default_factory=dict)
+    #: Per deployment: when (monotonic) its owned objects were last applied or tried.
+    _applied_at: dict[tuple[str, str], float] = field(default_factory=dict)
 
     async def bucket(self, hld: HotLoadDeployment) -> Bucket:
         """The deployment's bucket, with credentials from its Secret (cached per secret).
@@ -192,23 +216,64 @@ def parse_snapshot(body: JSON) -> Snapshot:
 async def apply_children(ctx: Context, hld: HotLoadDeployment) -> list[str]:
     """Create or update every object the deployment owns (server-side apply); return names.
 
-    An object the API server refuses as invalid (422) is remembered for the roll-up
-    (Degraded=True, InvalidSpec) and re-raised, so the caller retries."""
+    The apply does not force: a field another field manager owns (someone's `kubectl edit` or
+    `kubectl scale` of the Deployment) is not silently overwritten. A refused object (422) or
+    such a conflict raises `ApplyRefusedError`, and the problem is kept for the roll-up
+    (Degraded=True) until an apply succeeds. Other API errors propagate for a retry."""
     applied = []
     key = (namespace_of(hld), name_of(hld))
+    ctx._applied_at[key] = time.monotonic()
     for obj in build_children(hld, ctx.images):
         api_version, plural = _PLURALS[obj["kind"]]
         meta = obj["metadata"]
         path = resource_path(api_version, plural, meta["namespace"], meta["name"])
         try:
-            await ctx.kube.patch(path, obj, "apply", field_manager=FIELD_MANAGER, force=True)
+            await ctx.kube.patch(path, obj, "apply", field_manager=FIELD_MANAGER)
+        except KubeFieldConflictError as err:
+            raise _refused(ctx, key, apply_conflict(obj, err)) from err
         except KubeInvalidError as err:
-            ctx._invalid[key] = f"the API server refused {obj['kind']} {meta['name']}: {err}"
-            raise
+            message = f"the API server refused {obj['kind']} {meta['name']}: {err}"
+            raise _refused(ctx, key, SpecProblem(DeploymentReasons.INVALID_SPEC, message)) from err
         applied.append(f"{obj['kind']}/{meta['name']}")
-    ctx._invalid.pop(key, None)
+    ctx._problems.pop(key, None)
     ctx.metrics.reconciles.labels("applied").inc()
     return applied
+
+
+def apply_conflict(obj: JSON, err: KubeFieldConflictError) -> SpecProblem:
+    """The problem of an apply that would overwrite other field managers' fields: which fields,
+    whose, and what to do about it."""
+    fields = "; ".join(f"{field} ({owner})" for field, owner in err.conflicts) or str(err)
+    return SpecProblem(
+        DeploymentReasons.APPLY_CONFLICT,
+        f"{obj['kind']} {obj['metadata']['name']}: another field manager changed fields the "
+        f"HotLoadDeployment sets: {fields}. The operator does not overwrite them: change the "
+        "HotLoadDeployment instead, and undo the direct change (or delete the object for the "
+        f"operator to create it again); it is applied again every {apply_retry_seconds():g} s",
+    )
+
+
+def apply_retry_seconds() -> float:
+    """Seconds between apply attempts while another field manager holds a field
+    (`HOTLOAD_APPLY_RETRY_SECONDS`, default 30)."""
+    return float(os.environ.get("HOTLOAD_APPLY_RETRY_SECONDS", "30"))
+
+
+def apply_retry_due(ctx: Context, namespace: str, name: str) -> bool:
+    """Whether the deployment's owned objects should be applied again now: another field
+    manager held one of their fields at the last attempt, `apply_retry_seconds()` ago or more."""
+    key = (namespace, name)
+    problem = ctx._problems.get(key)
+    if problem is None or problem.reason != DeploymentReasons.APPLY_CONFLICT:
+        return False
+    return time.monotonic() - ctx._applied_at.get(key, 0.0) >= apply_retry_seconds()
+
+
+def _refused(ctx: Context, key: tuple[str, str], problem: SpecProblem) -> ApplyRefusedError:
+    new = ctx._problems.get(key) != problem
+    ctx._problems[key] = problem
+    ctx.metrics.reconciles.labels(problem.reason).inc()
+    return ApplyRefusedError(problem, new=new)
 
 
 async def remove_router(ctx: Context, hld: HotLoadDeployment) -> None:
@@ -359,8 +424,6 @@ FULL_ROLLUP_SECONDS = 60.0
 async def tick(ctx: Context, namespace: str, name: str, hld: HotLoadDeployment) -> JSON | None:
     """The periodic check: one conditional GET of the ledger; roll up only when its head may
     have moved, or when the last roll-up is older than `FULL_ROLLUP_SECONDS`."""
-    import time
-
     key = (namespace, name)
     etag, last = ctx._ticks.get(key, (None, 0.0))
     now = time.monotonic()
@@ -396,19 +459,20 @@ async def _rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
     kept_adapters = [e.identity for e in kept]
     previous = body.get("status") or {}
     status = rollup_deployment(hld, pods, head, entries, now=ctx.now(), previous=previous)
-    invalid = ctx._invalid.get((namespace, name))
-    if invalid is not None:
-        # The pods say nothing about a spec the API server refuses: that outranks them.
+    problem = ctx._problems.get((namespace, name))
+    if problem is not None:
+        # The pods say nothing about a spec that could not be applied: that outranks them.
         status["conditions"] = set_condition(
             status["conditions"],
             CONDITION_DEGRADED,
             True,
-            DeploymentReasons.INVALID_SPEC,
-            invalid,
+            problem.reason,
+            problem.message,
             generation=status.get("observedGeneration"),
             now=ctx.now(),
         )
-    if status != {k: previous.get(k) for k in status}:
+    # Top-level nulls in the merge patch remove stale fields; nested ones the server prunes.
+    if stored_form(status) != stored_form({k: previous.get(k) for k in status}):
         await ctx.kube.patch(path + "/status", {"status": status}, "merge")
     snaps = await ctx.kube.list(resource_path(API_VERSION, SNAPSHOT_PLURAL, namespace))
     for item in snaps.get("items") or []:
@@ -417,7 +481,9 @@ async def _rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
         snap = parse_snapshot(item)
         update = rollup_snapshot(snap, hld, pods, head, now=ctx.now(), adapters=kept_adapters)
         current = item.get("status") or {}
-        if update is None or update == {k: current.get(k) for k in update}:
+        if update is None or stored_form(update) == stored_form(
+            {k: current.get(k) for k in update}
+        ):
             continue
         spath = resource_path(
             API_VERSION, SNAPSHOT_PLURAL, namespace, str(snap.metadata["name"]), "status"
