@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from support.cluster import install_crds
 from support.fleet import run_on_a_terminal, wait_for
 from support.kubeapi import KubeAPI
 from support.operator import (
     create_fleet,
     eventually,
     hld_path,
-    install_crds,
     loaders_follow_the_ledger,
     running_operator,
 )
@@ -45,6 +45,7 @@ async def test_publish_wait_and_status_from_the_command_line(
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig))
     monkeypatch.setenv("HOTLOAD_ROLLUP_INTERVAL", "0.5")
     env = {**os.environ, "KUBECONFIG": str(kube_api.kubeconfig)}
+    wide = {"COLUMNS": "200"}
     ns = kube_api.namespace
     bucket_dir = tmp_path / "bucket"
     bucket_dir.mkdir()
@@ -94,8 +95,10 @@ async def test_publish_wait_and_status_from_the_command_line(
                 doc = json.loads(out)
                 assert code == 0 and doc["deployments"][0]["status"]["updatedReplicas"] == 2
                 assert [s["spec"]["identity"] for s in doc["snapshots"]] == ["step-000", "step-001"]
-                code, out, err = await hotload("status", "fleet", "-n", ns, env=env)
-                assert code == 0 and "fleet-0" in out and "Ready=True AllReplicasCurrent" in out
+                # Wide enough that the table does not fold a pod's name.
+                code, out, err = await hotload("status", "fleet", "-n", ns, env=env | wide)
+                assert code == 0 and "Ready=True AllReplicasCurrent" in out
+                assert all(pod in out for pod in pods), out
 
                 # A full folder goes as a delta on the head (rebuilt from the bucket), with a
                 # progress bar on a terminal; --full keeps it full.

@@ -23,13 +23,13 @@ import pytest
 from hotload.kube import resource_path
 from hotload.sdk import NotReadyError, Publisher
 from hotload.snapshot import Snapshot
+from support.cluster import install_crds
 from support.fleet import Replica
 from support.kubeapi import KubeAPI
 from support.operator import (
     create_fleet,
     eventually,
     hld_path,
-    install_crds,
     running_operator,
     snapshot_path,
 )

@@ -14,11 +14,11 @@ from aiohttp.test_utils import TestServer
 from hotload.bucket import open_bucket, upload_snapshot_async
 from hotload.snapshot import describe_snapshot
 from hotload_operator.fireworks import PATH, create_app, parse_request
+from support.cluster import install_crds
 from support.kubeapi import KubeAPI
 from support.operator import (
     create_fleet,
     eventually,
-    install_crds,
     loaders_follow_the_ledger,
     running_operator,
 )

@@ -30,9 +30,10 @@ from hotload.ledger.model import utc_now
 from hotload.sdk import publish_folder_async, upload_hinted_async
 from hotload.snapshot import describe_snapshot
 from hotload_operator.fireworks import PATH, create_app
+from support.cluster import install_crds
 from support.fleet import Replica, Trainer, http_json, wait_for
 from support.kubeapi import KubeAPI
-from support.operator import hld_path, install_crds
+from support.operator import hld_path
 from support.seaweedfs import SeaweedFS
 from support.snapshots import delta, full, nudged, weights
 from support.tiny_llm import TinyLLM, build_tiny_llm

@@ -1,8 +1,7 @@
-"""The Kubernetes client against the API emulator (and so the emulator's server semantics).
-
-Every test that goes through the API also runs against a real cluster when
-`HOTLOAD_E2E_KUBECONFIG` is set; tests that need the emulator's insides (fault injection,
-compaction, tokens) skip there.
+"""The Kubernetes client against the session's API server (the real one of ../shared/k8s
+when it is there, else the emulator: `support.cluster`), and so the server semantics the
+emulator must share with it. Tests that need the emulator's insides (fault injection,
+compaction, tokens, bookmarks on demand) take `kube_emulator` and run on it in every lane.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hotload.api.names import API_VERSION, DEPLOYMENT_KIND, DEPLOYMENT_PLURAL
 from hotload.errors import HotloadError
 from hotload.kube import (
     KubeClient,
@@ -32,6 +32,7 @@ from hotload.kube import (
     KubeUnavailableError,
     resource_path,
 )
+from support.cluster import install_crds
 from support.kubeapi import KubeAPI, KubeAPIEmulator, write_kubeconfig
 
 JSON = dict[str, Any]
@@ -50,10 +51,10 @@ POD_SPEC = {
 }
 
 
-def emulator_of(kube_api: KubeAPI) -> KubeAPIEmulator:
-    if kube_api.emulator is None:
-        pytest.skip("needs the emulator")
-    return kube_api.emulator
+def emulated(api: KubeAPI) -> KubeAPIEmulator:
+    """The emulator behind `api` (the `kube_emulator` fixture always has one)."""
+    assert api.emulator is not None
+    return api.emulator
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
@@ -105,12 +106,18 @@ async def test_create_get_list_with_selectors(kube_api: KubeAPI) -> None:
         assert int(meta["resourceVersion"]) > 0
         assert generated["metadata"]["name"].startswith("gen-")
         assert len(generated["metadata"]["name"]) > len("gen-")
-        assert (await kube.get(resource_path("v1", "configmaps", ns, "a")))["data"] == {}
+        # An empty map is not stored (Go's omitempty): readers must treat absent like empty.
+        assert "data" not in await kube.get(resource_path("v1", "configmaps", ns, "a"))
 
         async def names(**selectors: str) -> list[str]:
             listed = await kube.list(path, **selectors)
             assert listed["metadata"]["resourceVersion"]
-            return sorted(i["metadata"]["name"] for i in listed["items"])
+            # A real controller-manager publishes CA bundles into every namespace.
+            return sorted(
+                i["metadata"]["name"]
+                for i in listed["items"]
+                if not i["metadata"]["name"].endswith("ca.crt")
+            )
 
         assert await names(label_selector="tier=web") == ["a"]
         assert await names(label_selector="tier!=web,tier") == ["b", "c"]
@@ -142,27 +149,24 @@ async def test_invalid_label_value_is_rejected(kube_api: KubeAPI) -> None:
 
 @pytest.mark.asyncio
 async def test_replace_with_stale_resource_version_conflicts(kube_api: KubeAPI) -> None:
-    path = resource_path("apps/v1", "deployments", kube_api.namespace, "d")
+    """A HotLoadDeployment, which nothing else writes (a Deployment's controller would change
+    it between our read and our write on a real server)."""
+    ns = kube_api.namespace
+    path = resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, "d")
     body = {
+        "apiVersion": API_VERSION,
+        "kind": DEPLOYMENT_KIND,
         "metadata": {"name": "d"},
-        "spec": {
-            "replicas": 0,
-            "selector": {"matchLabels": {"app": "d"}},
-            "template": {
-                "metadata": {"labels": {"app": "d"}},
-                "spec": {"containers": [{"name": "c", "image": "registry.invalid/c:1"}]},
-            },
-        },
+        "spec": {"bucket": {"url": "s3://b/p"}, "engine": {"image": "registry.invalid/c:1"}},
     }
     async with kube_api.client() as kube:
-        created = await kube.create(
-            resource_path("apps/v1", "deployments", kube_api.namespace), body
-        )
+        await install_crds(kube)
+        created = await kube.create(resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns), body)
         assert created["metadata"]["generation"] == 1
         stale = dict(created)
 
         changed = await kube.get(path)
-        changed["spec"]["template"]["spec"]["containers"][0]["image"] = "registry.invalid/c:2"
+        changed["spec"]["engine"]["image"] = "registry.invalid/c:2"
         replaced = await kube.replace(path, changed)
         assert int(replaced["metadata"]["resourceVersion"]) > int(
             created["metadata"]["resourceVersion"]
@@ -182,6 +186,10 @@ async def test_replace_with_stale_resource_version_conflicts(kube_api: KubeAPI) 
 
 @pytest.mark.asyncio
 async def test_status_subresource_is_separate(kube_api: KubeAPI) -> None:
+    """A main write ignores status; a status write ignores the spec. What it does with
+    metadata depends on the kind, as on a real server: a pod's status strategy applies labels
+    and annotations (which is why the loader's admission policy checks them on pods/status
+    too), a custom resource's keeps only the status."""
     ns = kube_api.namespace
     path = resource_path("v1", "pods", ns, "p")
     async with kube_api.client() as kube:
@@ -200,12 +208,44 @@ async def test_status_subresource_is_separate(kube_api: KubeAPI) -> None:
 
         status = await kube.patch(
             path + "/status",
-            {"metadata": {"labels": {"l": "2"}}, "status": {"conditions": [cond]}},
+            {
+                "metadata": {"labels": {"l": "2"}},
+                "spec": {"activeDeadlineSeconds": 30},
+                "status": {"conditions": [cond]},
+            },
             "strategic",
         )
-        assert status["metadata"]["labels"] == {"l": "1"}  # /status ignores metadata
-        assert cond["type"] in [c["type"] for c in status["status"]["conditions"]]
+        assert status["metadata"]["labels"] == {"l": "2"}  # the pod status strategy keeps them
+        assert "activeDeadlineSeconds" not in status["spec"]
+        written = next(c for c in status["status"]["conditions"] if c["type"] == cond["type"])
+        # Unset timestamps come back as null (a zero metav1.Time), not absent.
+        assert written == {**cond, "lastProbeTime": None, "lastTransitionTime": None}
         assert (await kube.get(path + "/status"))["metadata"]["name"] == "p"
+
+        await install_crds(kube)
+        hld = resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, "h")
+        await kube.create(
+            resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns),
+            {
+                "apiVersion": API_VERSION,
+                "kind": DEPLOYMENT_KIND,
+                "metadata": {"name": "h", "labels": {"l": "1"}},
+                "spec": {"bucket": {"url": "s3://b/p"}, "engine": {"image": "e:1"}},
+                "status": {"replicas": 5},
+            },
+        )
+        assert "status" not in await kube.get(hld)  # a create does not write status either
+        written = await kube.patch(
+            hld + "/status",
+            {
+                "metadata": {"labels": {"l": "2"}},
+                "spec": {"replicas": 7},
+                "status": {"replicas": 3},
+            },
+            "merge",
+        )
+        assert written["metadata"]["labels"] == {"l": "1"}
+        assert written["spec"]["replicas"] == 1 and written["status"]["replicas"] == 3
 
 
 @pytest.mark.asyncio
@@ -332,11 +372,11 @@ async def test_watch_from_resource_version(kube_api: KubeAPI) -> None:
 
 
 @pytest.mark.asyncio
-async def test_watch_streams_live_events_and_bookmarks(kube_api: KubeAPI) -> None:
-    emulator = emulator_of(kube_api)
+async def test_watch_streams_live_events_and_bookmarks(kube_emulator: KubeAPI) -> None:
+    emulator = emulated(kube_emulator)
     emulator.bookmark_interval = 0.1
-    path = resource_path("v1", "configmaps", kube_api.namespace)
-    async with kube_api.client() as kube:
+    path = resource_path("v1", "configmaps", kube_emulator.namespace)
+    async with kube_emulator.client() as kube:
         since = (await kube.list(path))["metadata"]["resourceVersion"]
         seen: list[tuple[str, JSON]] = []
 
@@ -360,10 +400,10 @@ async def test_watch_streams_live_events_and_bookmarks(kube_api: KubeAPI) -> Non
 
 
 @pytest.mark.asyncio
-async def test_watch_from_compacted_version_is_gone(kube_api: KubeAPI) -> None:
-    emulator = emulator_of(kube_api)
-    path = resource_path("v1", "configmaps", kube_api.namespace)
-    async with kube_api.client() as kube:
+async def test_watch_from_compacted_version_is_gone(kube_emulator: KubeAPI) -> None:
+    emulator = emulated(kube_emulator)
+    path = resource_path("v1", "configmaps", kube_emulator.namespace)
+    async with kube_emulator.client() as kube:
         since = (await kube.list(path))["metadata"]["resourceVersion"]
         await kube.create(path, cm("x"))
         emulator.compact()
@@ -513,12 +553,12 @@ async def _created(kube: KubeClient, path: str, body: JSON) -> bool:
 
 
 @pytest.mark.asyncio
-async def test_retries_transient_failures_on_idempotent_calls_only(kube_api: KubeAPI) -> None:
-    emulator = emulator_of(kube_api)
-    path = resource_path("v1", "configmaps", kube_api.namespace)
+async def test_retries_transient_failures_on_idempotent_calls_only(kube_emulator: KubeAPI) -> None:
+    emulator = emulated(kube_emulator)
+    path = resource_path("v1", "configmaps", kube_emulator.namespace)
     emulator["get", re.compile(".*/configmaps/r")][:1] << 503
     emulator["post", re.compile(".*/configmaps")][:1] << 503
-    async with kube_api.client(retries=2, backoff=0.01) as kube:
+    async with kube_emulator.client(retries=2, backoff=0.01) as kube:
         with pytest.raises(KubeUnavailableError) as err:
             await kube.create(path, cm("r"))  # not repeated: the server may have acted on it
         assert err.value.status == 503 and err.value.method == "POST"
@@ -646,25 +686,25 @@ def test_in_cluster_config_rereads_rotated_tokens(
 
 @pytest.mark.asyncio
 async def test_rotated_token_file_is_used_on_the_next_request(
-    kube_api: KubeAPI, tmp_path: Path
+    kube_emulator: KubeAPI, tmp_path: Path
 ) -> None:
-    emulator = emulator_of(kube_api)
+    emulator = emulated(kube_emulator)
     token = tmp_path / "token"
     token.write_text("token-1")
-    path = write_kubeconfig(tmp_path / "kc", kube_api.url, kube_api.namespace, None)
+    path = write_kubeconfig(tmp_path / "kc", kube_emulator.url, kube_emulator.namespace, None)
     doc = yaml.safe_load(path.read_text())
     doc["users"][0]["user"] = {"tokenFile": str(token)}
     path.write_text(yaml.safe_dump(doc))
     emulator.tokens = {"token-1"}
     async with KubeClient(KubeConfig.from_kubeconfig(path), retries=0) as kube:
-        target = resource_path("v1", "namespaces", name=kube_api.namespace)
-        assert (await kube.get(target))["metadata"]["name"] == kube_api.namespace
+        target = resource_path("v1", "namespaces", name=kube_emulator.namespace)
+        assert (await kube.get(target))["metadata"]["name"] == kube_emulator.namespace
         emulator.tokens = {"token-2"}
         with pytest.raises(KubeForbiddenError) as err:
             await kube.get(target)
         assert err.value.status == 401
         _rotate(token, "token-2")
-        assert (await kube.get(target))["metadata"]["name"] == kube_api.namespace
+        assert (await kube.get(target))["metadata"]["name"] == kube_emulator.namespace
 
 
 def test_auto_config_order_and_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -218,7 +218,8 @@ async def test_loader_writes_hotload_metadata_and_condition_of_its_own_pod(fleet
         "app.kubernetes.io/name": "hotload",
         LABEL_IDENTITY: "step-1",
     }
-    assert condition(pod, CONDITION_SNAPSHOT_LOADED) == ours
+    # The server serialises the unset probe time as null (a zero metav1.Time).
+    assert condition(pod, CONDITION_SNAPSHOT_LOADED) == {**ours, "lastProbeTime": None}
     # The loader may read its pod, and record Events (its Role grants create on events).
     assert (await fleet.loader.get(fleet.pod_path(OWN)))["metadata"]["name"] == OWN
     event = await fleet.loader.create(
@@ -289,6 +290,19 @@ async def test_loader_cannot_patch_another_pod(fleet: Fleet, subresource: str | 
             {"status": {"conditions": [{"type": "Ready", "status": "True"}]}},
             "a hotload loader may only change hotload.dev/ pod conditions",
             id="ready-condition",
+        ),
+        # A pods/status write applies metadata on a real server: the policy checks it there too.
+        pytest.param(
+            "status",
+            {"metadata": {"labels": {"team": "rl"}}},
+            "a hotload loader may only change hotload.dev/ labels",
+            id="label-through-status",
+        ),
+        pytest.param(
+            "status",
+            {"metadata": {"annotations": {"example.com/owner": "me"}}},
+            "a hotload loader may only change hotload.dev/ annotations",
+            id="annotation-through-status",
         ),
         pytest.param(
             None,
@@ -529,6 +543,11 @@ def cm(name: str, **data: str) -> JSON:
     ("subresource", "patch"),
     [
         pytest.param(None, {"metadata": {"finalizers": ["example.com/stuck"]}}, id="finalizer"),
+        pytest.param(
+            "status",
+            {"metadata": {"finalizers": ["example.com/stuck"]}},
+            id="finalizer-through-status",
+        ),
         pytest.param("status", {"status": {"podIP": "10.9.9.9"}}, id="pod-ip"),
         pytest.param("status", {"status": {"phase": "Failed"}}, id="phase"),
     ],

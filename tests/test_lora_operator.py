@@ -13,11 +13,11 @@ from hotload.errors import KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
 from hotload.snapshot import describe_snapshot
 from hotload_sidecar.status import AdapterStatus
+from support.cluster import install_crds
 from support.kubeapi import KubeAPI
 from support.operator import (
     eventually,
     hld_path,
-    install_crds,
     play_deployment_controller,
     play_loader,
     running_operator,

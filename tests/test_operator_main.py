@@ -24,9 +24,10 @@ import pytest
 
 from hotload.errors import KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
+from support.cluster import install_crds
 from support.fleet import free_port
 from support.kubeapi import KubeAPI
-from support.operator import eventually, hld_path, install_crds
+from support.operator import eventually, hld_path
 
 JSON = dict[str, Any]
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import base64
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,10 @@ from hotload.kube import KubeClient, resource_path
 from hotload.ledger import Ledger
 from hotload.snapshot import describe_snapshot
 from hotload_operator import handlers
+from support.cluster import install_crds
 from support.kubeapi import KubeAPI
 from support.kubetools import helm, render_chart
-from support.operator import eventually, hld_path, install_crds, running_operator, snapshot_path
+from support.operator import eventually, hld_path, running_operator, snapshot_path
 from support.snapshots import full, weights
 
 JSON = dict[str, Any]
@@ -230,7 +231,14 @@ async def _a_fleets_life(kube: KubeClient, ns: str, bucket_dir: Path) -> None:
 
     obj = await eventually("the fleet pinned", pinned)
     uid = obj["metadata"]["uid"]
-    pin = json.loads((bucket_dir / ".hotload" / "pins" / ns / "fleet" / f"{uid}.json").read_text())
+    # The status follows spec.pin at the next roll-up, which may come before the handler has
+    # written the pin object.
+    pin = json.loads(
+        await eventually(
+            "the pin object",
+            _read_when_there(bucket_dir / ".hotload" / "pins" / ns / "fleet" / f"{uid}.json"),
+        )
+    )
     assert pin["pin"] == "step-000" and pin["deployment"] == f"{ns}/fleet", pin
 
 
@@ -327,7 +335,8 @@ async def test_a_pin_is_followed_even_where_the_router_cannot_be_removed(
                 obj = await eventually("the fleet pinned", pinned)
                 uid = obj["metadata"]["uid"]
                 pin = bucket_dir / ".hotload" / "pins" / ns / "fleet" / f"{uid}.json"
-                assert json.loads(pin.read_text())["pin"] == "step-000"
+                text = await eventually("the pin object", _read_when_there(pin))
+                assert json.loads(text)["pin"] == "step-000"
 
                 async def said_so() -> list[str]:
                     return [
@@ -394,3 +403,12 @@ async def test_the_fireworks_api_needs_the_charts_snapshot_rule(
     else:
         assert resp.status == 403 and body["error"]["code"] == "PERMISSION_DENIED", body
         assert "fireworksApi.enabled" in body["error"]["message"]
+
+
+def _read_when_there(path: Path) -> Callable[[], Awaitable[str | None]]:
+    """A check for `eventually`: the file's text once it exists."""
+
+    async def check() -> str | None:
+        return path.read_text() if path.exists() else None
+
+    return check

@@ -37,12 +37,12 @@ from hotload_operator.builders import loader_env, pin_object_key
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 from hotload_sidecar.config import ConfigError, load_settings
 from hotload_sidecar.loader import move_cache_policy
+from support.cluster import install_crds
 from support.fleet import Replica, Trainer, wait_for
 from support.kubeapi import KubeAPI
 from support.operator import (
     eventually,
     hld_path,
-    install_crds,
     play_deployment_controller,
     play_loader,
     running_operator,

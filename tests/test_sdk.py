@@ -19,12 +19,12 @@ from hotload.snapshot import Snapshot
 from hotload_sidecar.materialize import Materializer
 from hotload_sidecar.status import ReplicaStatus
 from hotload_sidecar.weights import WeightsFolder
+from support.cluster import install_crds
 from support.kubeapi import KubeAPI
 from support.operator import (
     create_fleet,
     eventually,
     hld_path,
-    install_crds,
     loaders_follow_the_ledger,
     play_deployment_controller,
     play_loader,

@@ -335,24 +335,25 @@ def report_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureF
 
 @pytest.mark.asyncio
 async def test_api_outage_does_not_raise_and_the_next_report_lands(
-    kube_api: KubeAPI, report_logs: pytest.LogCaptureFixture
+    kube_emulator: KubeAPI, report_logs: pytest.LogCaptureFixture
 ) -> None:
-    await make_pod(kube_api)
+    """An outage of the API server (on the emulator: a real one is not stopped on demand)."""
+    await make_pod(kube_emulator)
     clock = Clock()
-    reporter = reporter_for(kube_api, clock)
+    reporter = reporter_for(kube_emulator, clock)
     try:
         await reporter.report(CURRENT)
-        await kube_api.stop()
+        await kube_emulator.stop()
         clock.tick()
         await reporter.report(DOWN)  # must not raise
         await reporter.event("Warning", "EngineUnavailable", "engine does not answer")
         assert any("cannot update pod" in r.getMessage() for r in report_logs.records)
         assert any("cannot record event" in r.getMessage() for r in report_logs.records)
-        await kube_api.start()
+        await kube_emulator.start()
 
         clock.tick()
         await reporter.report(DOWN)  # the same status again: it never landed, so it is written
-        pod = await read_pod(kube_api)
+        pod = await read_pod(kube_emulator)
         ours = conditions(pod)[CONDITION_SNAPSHOT_LOADED]
         assert (ours["status"], ours["reason"]) == ("False", REASON_ENGINE_DOWN)
         annotation = json.loads(pod["metadata"]["annotations"][ANNOTATION_SNAPSHOT])

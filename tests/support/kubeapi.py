@@ -1,9 +1,11 @@
-"""The Kubernetes API for tests: an emulator on kmock, or a real cluster.
+"""The Kubernetes API for tests: a real API server, or an emulator on kmock.
 
-`kube_api` (the fixture) yields a `KubeAPI`: `.url`, `.kubeconfig`, `.namespace` (a fresh one),
-`.store` (read and write objects directly), `.client()`. With `HOTLOAD_E2E_KUBECONFIG` set it
-points at that cluster instead (a fresh namespace, deleted afterwards), so the same tests run
-against a real API server.
+`kube_api` (the fixture) yields a `KubeAPI`: `.url`, `.kubeconfig`, `.namespace` (a fresh one,
+deleted afterwards), `.store` (read and write objects directly), `.client()`. It talks to the
+session's lane (`support.cluster`): the real control plane of `../shared/k8s` when it is beside
+the repository (or `$HOTLOAD_E2E_KUBECONFIG`'s cluster), else this module's emulator.
+`kube_emulator` is the emulator in every lane (outages, injected faults, compaction, token
+checks); `real_kube_api` is a real server only (server-side apply's managed fields).
 
 Why kmock, and what is ours. DESIGN.md names kmock (0.8) as the emulator, and it carries the
 HTTP side well: its server, request parsing and recording (`emulator.requests`), the API
@@ -66,7 +68,6 @@ import contextvars
 import copy
 import dataclasses
 import json
-import os
 import re
 import time
 import uuid
@@ -88,6 +89,7 @@ from kmock._internal import rendering
 
 from hotload.errors import KubeNotFoundError
 from hotload.kube import KubeClient, KubeConfig, resource_path
+from support.cluster import Lane, LaneError, namespaced_kubeconfig, planned_lane, session_lane
 from support.kubeaccess import (
     ADMIN,
     AdmissionRequest,
@@ -103,7 +105,6 @@ from support.kubeaccess import (
 
 JSON = dict[str, Any]
 
-E2E_ENV = "HOTLOAD_E2E_KUBECONFIG"
 CRD_GROUP = "apiextensions.k8s.io"
 
 #: Who made the request being served: admission runs in the store's write methods, which
@@ -486,6 +487,73 @@ def _unknown_fields(value: Any, schema: JSON, path: str) -> list[str]:
     return found
 
 
+#: Map fields of built-in kinds that a real server drops when empty (Go maps with omitempty).
+_DROPPED_WHEN_EMPTY = frozenset(
+    {"labels", "annotations", "data", "binaryData", "stringData", "nodeSelector"}
+)
+
+
+def builtin_form(value: Any, key: str = "") -> Any:
+    """A built-in object as a real server stores it: null fields dropped (nil pointers), empty
+    omitempty maps dropped, and pod conditions carrying both timestamps (null when unset, as
+    the real server serialises a zero `metav1.Time`)."""
+    if isinstance(value, dict):
+        out = {
+            k: builtin_form(v, k)
+            for k, v in value.items()
+            if v is not None and not (k in _DROPPED_WHEN_EMPTY and v == {})
+        }
+        return out
+    if isinstance(value, list):
+        return [builtin_form(v, key) for v in value]
+    return value
+
+
+def _pod_conditions(pod: JSON) -> None:
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        condition.setdefault("lastProbeTime", None)
+        condition.setdefault("lastTransitionTime", None)
+
+
+#: What `structural_form` returns for a value the schema prunes.
+_PRUNED: Any = object()
+
+
+def structural_form(value: Any, schema: JSON) -> Any:
+    """A custom resource's field as a real server stores it under its structural schema: null
+    pruned unless `nullable`, undeclared fields pruned unless preserved, defaults filled in
+    objects that are present. Returns `_PRUNED` for a value that is dropped."""
+    if value is None:
+        return None if schema.get("nullable") else _PRUNED
+    if schema.get("x-kubernetes-int-or-string"):
+        return value
+    if isinstance(value, dict):
+        properties = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        preserve = bool(schema.get("x-kubernetes-preserve-unknown-fields"))
+        out: JSON = {}
+        for key, item in value.items():
+            if properties is not None and key in properties:
+                sub: JSON | None = properties[key]
+            elif isinstance(extra, dict):
+                sub = extra
+            elif preserve or (properties is None and extra is None):
+                out[key] = item
+                continue
+            else:
+                continue  # pruned: the schema does not declare it
+            kept = structural_form(item, sub or {})
+            if kept is not _PRUNED:
+                out[key] = kept
+        for key, sub in (properties or {}).items():
+            if key not in out and "default" in sub:
+                out[key] = structural_form(copy.deepcopy(sub["default"]), sub)
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [structural_form(item, schema["items"]) for item in value]
+    return value
+
+
 # --- the emulator ----------------------------------------------------------------------------
 
 
@@ -834,6 +902,8 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
         meta.pop("resourceVersion", None)
         meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=now_rfc3339())
         self._check_fields(target, obj)
+        obj = self._stored_form(target, obj)
+        meta = obj["metadata"]
         self._admit("CREATE", target, info, obj, None)
         if _DRY_RUN.get():
             return self._present(obj, target)  # validated and admitted; nothing stored
@@ -848,8 +918,16 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
         """Store `new` over `old` with the server's rules for subresources and bookkeeping."""
         new = copy.deepcopy(new)
         has_status = "status" in info.subresources
-        if target.subresource == "status":
-            # A status write changes status only: spec and metadata come from the stored object.
+        if target.subresource == "status" and target.plural == "pods" and not target.group:
+            # The pod status strategy resets the spec and owner references only: labels,
+            # annotations and finalizers sent with a pods/status write are applied.
+            new["spec"] = copy.deepcopy(old.get("spec"))
+            new.setdefault("metadata", {})["ownerReferences"] = copy.deepcopy(
+                old["metadata"].get("ownerReferences")
+            )
+        elif target.subresource == "status":
+            # Elsewhere (custom resources included) a status write changes status only: spec
+            # and metadata come from the stored object.
             status = new.get("status")
             new = copy.deepcopy(old)
             if status is None:
@@ -875,6 +953,8 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
         validate_metadata(new)
         if target.subresource is None:
             self._check_fields(target, new)
+        new = self._stored_form(target, new)
+        meta = new["metadata"]
         self._admit("UPDATE", target, info, new, old)
         if new == old:
             return old  # a no-op write: no new resourceVersion, no event
@@ -1200,6 +1280,24 @@ class KubeAPIEmulator(kmock.KubernetesScaffold):
                 if entry.get("name") == version:
                     return dict(entry)
         return None
+
+    def _stored_form(self, target: Target, obj: JSON) -> JSON:
+        """`obj` as the real server would store it: custom resources pruned and defaulted by
+        their structural schema, built-in kinds without nulls and empty omitempty maps."""
+        meta = builtin_form(obj.get("metadata") or {})
+        version = self._crd_version(target.group, target.plural, target.version)
+        schema = ((version or {}).get("schema") or {}).get("openAPIV3Schema")
+        if schema:
+            body = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata")}
+            pruned = structural_form(body, schema)
+            return {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "metadata": meta} | {
+                k: v for k, v in pruned.items() if k not in ("apiVersion", "kind", "metadata")
+            }
+        out = builtin_form(obj)
+        out["metadata"] = meta
+        if target.plural == "pods" and not target.group:
+            _pod_conditions(out)
+        return dict(out)
 
     def _check_fields(self, target: Target, obj: JSON) -> None:
         """`fieldValidation=Strict` on a custom resource: fields its CRD's schema does not
@@ -1609,6 +1707,8 @@ class KubeAPI:
     store: Store
     #: The emulator, or None on a real cluster (skip emulator-only tests then).
     emulator: KubeAPIEmulator | None = None
+    #: The session's lane on a real cluster (None on the emulator).
+    lane: Lane | None = None
     _server: kmock.Server | None = None
     _port: int = 0
 
@@ -1679,10 +1779,21 @@ class KubeAPI:
             insecure=config.insecure_skip_tls_verify,
         )
 
+    async def owners_collectable(self) -> None:
+        """Wait until deleting a hotload object deletes what it owns: a real cluster's garbage
+        collector learns a new kind up to 30 s after its CRD appears (`support.cluster`); the
+        emulator collects at once."""
+        if self.lane is None:
+            return
+        if not await asyncio.to_thread(self.lane.collector_ready.wait, 240):
+            raise AssertionError(
+                "the cluster's garbage collector never deleted what a hotload object owned"
+            )
+
     async def stop(self) -> None:
         """Take the emulated API server down (an outage); `start()` brings it back."""
         if self.emulator is None or self._server is None:
-            pytest.skip("outages can only be simulated with the emulator")
+            raise RuntimeError("outages need the emulator: take the kube_emulator fixture")
         self.emulator.close_watches()
         await self._server.__aexit__(None, None, None)
         self._server = None
@@ -1728,20 +1839,101 @@ def write_kubeconfig(
     return path
 
 
+#: Server URLs of the emulators running now (see `emulated`).
+_EMULATED: set[str] = set()
+
+
+def emulated(kube: KubeClient) -> bool:
+    """Whether `kube` talks to an emulator of this module (no controllers, no scheduler)."""
+    return kube.config.server in _EMULATED
+
+
+#: Where the session's lane is kept for the summary line.
+LANE_KEY = pytest.StashKey[Lane]()
+
+
+def pytest_report_header() -> str:
+    """Say up front which API server the Kubernetes tests will talk to."""
+    return f"kubernetes lane: {planned_lane()}"
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """One line in the summary: which API server the Kubernetes tests ran against."""
+    lane = config.stash.get(LANE_KEY, None)
+    if lane is not None:
+        terminalreporter.write_line(lane.summary)
+
+
+@pytest.fixture(scope="session")
+def kube_lane(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Lane]:
+    """The session's Kubernetes API lane (see `support.cluster`); a real control plane is
+    started on first use and stopped when the session ends."""
+    try:
+        with session_lane(tmp_path_factory.mktemp("k8s")) as lane:
+            request.config.stash[LANE_KEY] = lane
+            yield lane
+    except LaneError as err:
+        pytest.fail(str(err), pytrace=False)
+
+
 @pytest_asyncio.fixture
-async def kube_api(tmp_path: Path) -> AsyncIterator[KubeAPI]:
-    """A Kubernetes API with a fresh namespace: the emulator, or `$HOTLOAD_E2E_KUBECONFIG`."""
-    namespace = f"hotload-test-{uuid.uuid4().hex[:8]}"
-    real = os.environ.get(E2E_ENV)
-    if real:
-        config = KubeConfig.from_kubeconfig(real)
-        async with KubeClient(config) as client:
-            await client.create("/api/v1/namespaces", {"metadata": {"name": namespace}})
-            try:
-                yield KubeAPI(config.server, Path(real), namespace, config, Store(None, client))
-            finally:
-                await client.delete(f"/api/v1/namespaces/{namespace}")
+async def kube_api(kube_lane: Lane, tmp_path: Path) -> AsyncIterator[KubeAPI]:
+    """A Kubernetes API with a fresh namespace: the session's real API server, else the
+    emulator (see `support.cluster` for how the lane is chosen)."""
+    if kube_lane.kubeconfig is None:
+        async with emulated_api(tmp_path) as api:
+            yield api
         return
+    async with real_api(kube_lane, tmp_path) as api:
+        yield api
+
+
+@pytest_asyncio.fixture
+async def kube_emulator(tmp_path: Path) -> AsyncIterator[KubeAPI]:
+    """The emulator in every lane: for what a real server cannot be made to do on demand
+    (outages, injected errors, compaction, token checks)."""
+    async with emulated_api(tmp_path) as api:
+        yield api
+
+
+@pytest_asyncio.fixture
+async def real_kube_api(kube_lane: Lane, tmp_path: Path) -> AsyncIterator[KubeAPI]:
+    """A real API server only: for server behaviour the emulator does not reproduce
+    (server-side apply's managed fields and conflicts). Skipped on the emulator lane, which
+    only a clone without ../shared/k8s uses (tests/README.md)."""
+    if kube_lane.kubeconfig is None:
+        pytest.skip(
+            "needs a real API server (../shared/k8s/cluster.sh or $HOTLOAD_E2E_KUBECONFIG): "
+            "the emulator evaluates no CRD validation rules, does not validate built-in kinds and "
+            "does not implement server-side apply's managed fields"
+        )
+    async with real_api(kube_lane, tmp_path) as api:
+        yield api
+
+
+@contextlib.asynccontextmanager
+async def real_api(lane: Lane, tmp_path: Path) -> AsyncIterator[KubeAPI]:
+    """A fresh namespace on a real API server, deleted afterwards; the kubeconfig handed to
+    the test defaults to that namespace, as the emulator's does."""
+    assert lane.kubeconfig is not None
+    namespace = f"hotload-test-{uuid.uuid4().hex[:8]}"
+    own = namespaced_kubeconfig(lane.kubeconfig, namespace, tmp_path / "kubeconfig")
+    config = KubeConfig.from_kubeconfig(own)
+    async with KubeClient(config) as client:
+        await client.create("/api/v1/namespaces", {"metadata": {"name": namespace}})
+        try:
+            yield KubeAPI(config.server, own, namespace, config, Store(None, client), lane=lane)
+        finally:
+            with contextlib.suppress(KubeNotFoundError):
+                await client.delete(f"/api/v1/namespaces/{namespace}")
+
+
+@contextlib.asynccontextmanager
+async def emulated_api(tmp_path: Path) -> AsyncIterator[KubeAPI]:
+    """The emulator on a free port with a fresh namespace."""
+    namespace = f"hotload-test-{uuid.uuid4().hex[:8]}"
     async with KubeAPIEmulator() as emulator:
         emulator.put_object(
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
@@ -1753,9 +1945,11 @@ async def kube_api(tmp_path: Path) -> AsyncIterator[KubeAPI]:
         config = KubeConfig.from_kubeconfig(kubeconfig)
         api = KubeAPI(url, kubeconfig, namespace, config, Store(emulator, KubeClient(config)))
         api.emulator, api._server, api._port = emulator, server, server.port
+        _EMULATED.add(url)
         try:
             yield api
         finally:
+            _EMULATED.discard(url)
             await api.store._client.aclose()
             await emulator.settle()
             if api._server is not None:

@@ -10,23 +10,13 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from hotload.api.crds import build_crds
 from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
-from hotload.errors import KubeConflictError, KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
 from hotload_sidecar.kube_report import build_condition, build_pod_metadata_patch
 from hotload_sidecar.status import LoadTimings, ReplicaStatus
-from support.kubeapi import KubeAPI
+from support.kubeapi import KubeAPI, emulated
 
 JSON = dict[str, Any]
-CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-
-
-async def install_crds(kube: KubeClient) -> None:
-    """Create (or keep) the hotload CRDs."""
-    for crd in build_crds().values():
-        with contextlib.suppress(KubeConflictError):
-            await kube.create(CRD_PATH, crd)
 
 
 @contextlib.asynccontextmanager
@@ -83,32 +73,35 @@ def snapshot_path(ns: str, name: str | None = None, sub: str | None = None) -> s
 
 
 async def play_deployment_controller(kube: KubeClient, ns: str, name: str) -> list[str]:
-    """Create the pods the Deployment asks for (as the ReplicaSet controller would); return
-    their names. Extra pods beyond `replicas` are deleted.
+    """The Deployment's pods, sorted by name, once there are as many as it asks for.
 
-    The pods carry a scheduling gate, so on a real cluster (HOTLOAD_E2E_KUBECONFIG) no kubelet
-    runs them and the conditions the test writes stay as written; there the real controller's
-    own pods are first scaled away (the Deployment is set to 0 replicas under another field
-    manager; the operator re-applies its count only when the HotLoadDeployment changes).
+    On a real API server the Deployment and ReplicaSet controllers create them (named
+    `<name>-<hash>-<suffix>`); with no scheduler and no kubelet they stay Pending, so only the
+    test writes their status, as the kubelet would. The emulator has no controllers: there the
+    pods are created here, named `<name>-<i>`, and extra ones are deleted.
     """
     path = resource_path("apps/v1", "deployments", ns, name)
     deployment = await kube.get(path)
     want = int(deployment["spec"]["replicas"])
-    template = deployment["spec"]["template"]
     selector = ",".join(
         f"{k}={v}" for k, v in deployment["spec"]["selector"]["matchLabels"].items()
     )
-    if await _real_cluster(kube):
-        await kube.patch(path, {"spec": {"replicas": 0}}, "merge")
-        for pod in (await kube.list(resource_path("v1", "pods", ns), label_selector=selector))[
-            "items"
-        ]:
-            if pod["metadata"].get("ownerReferences"):  # the controller's, not ours
-                with contextlib.suppress(KubeNotFoundError):
-                    await kube.delete(resource_path("v1", "pods", ns, pod["metadata"]["name"]))
-    pods = (await kube.list(resource_path("v1", "pods", ns), label_selector=selector))["items"]
-    names = sorted(p["metadata"]["name"] for p in pods)
-    spec = dict(template["spec"], schedulingGates=[{"name": "hotload.dev/test"}])
+
+    async def pods() -> list[str]:
+        items = (await kube.list(resource_path("v1", "pods", ns), label_selector=selector))["items"]
+        return sorted(
+            p["metadata"]["name"] for p in items if not p["metadata"].get("deletionTimestamp")
+        )
+
+    if not emulated(kube):
+
+        async def counted() -> list[str] | None:
+            names = await pods()
+            return names if len(names) == want else None
+
+        return list(await eventually(f"{want} pods of Deployment {name}", counted, timeout=60))
+    names = await pods()
+    template = deployment["spec"]["template"]
     for i in range(want):
         pod_name = f"{name}-{i}"
         if pod_name in names:
@@ -117,20 +110,13 @@ async def play_deployment_controller(kube: KubeClient, ns: str, name: str) -> li
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {"name": pod_name, "labels": template["metadata"]["labels"]},
-            "spec": spec,
+            "spec": template["spec"],
         }
         await kube.create(resource_path("v1", "pods", ns), body)
         names.append(pod_name)
     for extra in sorted(names)[want:]:
         await kube.delete(resource_path("v1", "pods", ns, extra))
     return sorted(names)[:want]
-
-
-async def _real_cluster(kube: KubeClient) -> bool:
-    """Whether `kube` talks to a real API server (HOTLOAD_E2E_KUBECONFIG), not the emulator."""
-    import os
-
-    return bool(os.environ.get("HOTLOAD_E2E_KUBECONFIG"))
 
 
 async def play_loader(

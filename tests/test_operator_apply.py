@@ -1,0 +1,217 @@
+"""What the operator's owned objects go through on a real API server: the CRD's bound on
+names, server-side apply removing what the spec no longer sets, and conflicts with other field
+managers surfaced instead of overwritten.
+
+These need a real server (`real_kube_api`): the emulator evaluates neither CRD CEL rules nor
+server-side apply's managed fields. A clone without ../shared/k8s skips them (tests/README.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hotload.api.names import DEPLOYMENT_NAME_MAX
+from hotload.errors import KubeInvalidError, KubeNotFoundError
+from hotload.kube import KubeClient, resource_path
+from support.cluster import install_crds
+from support.kubeapi import KubeAPI
+from support.operator import eventually, hld_path, running_operator
+
+JSON = dict[str, Any]
+
+
+def fleet(name: str, bucket: Path, **spec: Any) -> JSON:
+    """A HotLoadDeployment on a folder bucket."""
+    return {
+        "apiVersion": "hotload.dev/v1alpha1",
+        "kind": "HotLoadDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "bucket": {"url": f"file://{bucket}"},
+            "engine": {"image": "registry.example/engine:1"},
+            **spec,
+        },
+    }
+
+
+def condition(obj: JSON | None, type_: str) -> JSON:
+    """The condition `type_` of `obj`'s status ({} when absent)."""
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return dict(c)
+    return {}
+
+
+async def _get(kube: KubeClient, path: str) -> JSON | None:
+    try:
+        return dict(await kube.get(path))
+    except KubeNotFoundError:
+        return None
+
+
+@pytest.mark.asyncio
+async def test_a_name_at_the_limit_runs_and_one_over_it_is_refused(
+    real_kube_api: KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The longest name the CRD accepts yields objects whose names and labels all fit
+    (the router's Service `<name>-router` is 63 characters); a longer name, or one that
+    cannot name a Service, is refused by the API server with the rule's message."""
+    api = real_kube_api
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+    ns = api.namespace
+    longest = "p" + "x" * (DEPLOYMENT_NAME_MAX - 1)
+    async with api.client() as kube:
+        await install_crds(kube)
+        for name, words in [
+            (longest + "x", f"at most {DEPLOYMENT_NAME_MAX} characters"),
+            ("1fleet", "starts with a letter"),
+            ("fleet.v2", "starts with a letter"),
+        ]:
+            with pytest.raises(KubeInvalidError) as refused:
+                await kube.create(hld_path(ns), fleet(name, tmp_path))
+            assert refused.value.status == 422 and words in str(refused.value), refused.value
+            assert "metadata.name" in str(refused.value)
+
+        async with running_operator(api):
+            await kube.create(hld_path(ns), fleet(longest, tmp_path, router={"enabled": True}))
+            router_service = resource_path("v1", "services", ns, f"{longest}-router")
+            service = await eventually("the router's Service", lambda: _get(kube, router_service))
+            assert len(service["metadata"]["name"]) == 63
+            deployment = await eventually(
+                "the fleet's Deployment",
+                lambda: _get(kube, resource_path("apps/v1", "deployments", ns, longest)),
+            )
+            assert deployment["metadata"]["labels"]["hotload.dev/deployment"] == longest
+
+            async def rolled_up() -> JSON | None:
+                obj = await _get(kube, hld_path(ns, longest))
+                return obj if ((obj or {}).get("status") or {}).get("selector") else None
+
+            # The roll-up lists the pods by a selector holding the name: it works too.
+            obj = await eventually("the roll-up", rolled_up)
+            assert obj["status"]["selector"].endswith(f"hotload.dev/deployment={longest}")
+
+
+@pytest.mark.asyncio
+async def test_fields_removed_from_the_spec_leave_the_deployment(
+    real_kube_api: KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Server-side apply: what the HotLoadDeployment stops setting (node selector,
+    tolerations, engine env and resources) is removed from the Deployment, not left behind."""
+    api = real_kube_api
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+    ns = api.namespace
+    path = resource_path("apps/v1", "deployments", ns, "fleet")
+    body = fleet(
+        "fleet",
+        tmp_path,
+        nodeSelector={"gpu": "h100"},
+        tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    )
+    body["spec"]["engine"] |= {
+        "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+        "resources": {"requests": {"cpu": "2"}, "limits": {"memory": "4Gi"}},
+    }
+    async with api.client() as kube:
+        await install_crds(kube)
+        async with running_operator(api):
+            await kube.create(hld_path(ns), body)
+
+            async def pod_spec(present: bool) -> JSON | None:
+                dep = await _get(kube, path)
+                if dep is None:
+                    return None
+                spec = dep["spec"]["template"]["spec"]
+                engine = spec["containers"][0]
+                has = (
+                    spec.get("nodeSelector") == {"gpu": "h100"}
+                    and any(t.get("key") == "gpu" for t in spec.get("tolerations") or [])
+                    and any(e["name"] == "NCCL_DEBUG" for e in engine.get("env") or [])
+                    and (engine.get("resources") or {}).get("requests", {}).get("cpu") == "2"
+                )
+                return dict(spec) if has == present else None
+
+            await eventually("the Deployment with every field", lambda: pod_spec(True))
+            await kube.patch(
+                hld_path(ns, "fleet"),
+                {
+                    "spec": {
+                        "nodeSelector": None,
+                        "tolerations": None,
+                        "engine": {"env": None, "resources": None},
+                    }
+                },
+                "merge",
+            )
+            spec = await eventually("the fields removed", lambda: pod_spec(False))
+            engine = spec["containers"][0]
+            assert "nodeSelector" not in spec and "tolerations" not in spec
+            assert not any(e["name"] == "NCCL_DEBUG" for e in engine.get("env") or [])
+            assert "cpu" not in (engine.get("resources") or {}).get("requests", {})
+
+
+@pytest.mark.asyncio
+async def test_a_conflict_with_another_field_manager_is_surfaced_not_overwritten(
+    real_kube_api: KubeAPI,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Someone scales the fleet's Deployment directly; the next change of the
+    HotLoadDeployment meets that field manager: Degraded=True, ApplyConflict naming the field
+    and the manager, one Warning Event, and the direct change stays. Once the other manager's
+    value agrees with the spec, the retried apply goes through and the condition clears."""
+    api = real_kube_api
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+    monkeypatch.setenv("HOTLOAD_APPLY_RETRY_SECONDS", "1")
+    monkeypatch.setenv("HOTLOAD_ROLLUP_INTERVAL", "0.5")
+    caplog.set_level(logging.INFO, logger="kopf.objects")
+    ns = api.namespace
+    path = resource_path("apps/v1", "deployments", ns, "fleet")
+    async with api.client() as kube:
+        await install_crds(kube)
+        async with running_operator(api):
+            await kube.create(hld_path(ns), fleet("fleet", tmp_path, replicas=1))
+            await eventually("the Deployment", lambda: _get(kube, path))
+            await kube.patch(path, {"spec": {"replicas": 4}}, "merge", field_manager="sre-tool")
+            await kube.patch(hld_path(ns, "fleet"), {"spec": {"replicas": 2}}, "merge")
+
+            async def conflicted() -> JSON | None:
+                obj = await _get(kube, hld_path(ns, "fleet"))
+                cond = condition(obj, "Degraded")
+                return cond if cond.get("reason") == "ApplyConflict" else None
+
+            cond = await eventually("Degraded=True, ApplyConflict", conflicted)
+            assert cond["status"] == "True"
+            assert ".spec.replicas" in cond["message"] and '"sre-tool"' in cond["message"]
+            assert "Deployment fleet" in cond["message"]
+            assert (await kube.get(path))["spec"]["replicas"] == 4  # not overwritten
+
+            async def events() -> list[JSON]:
+                items = (await kube.list(resource_path("v1", "events", ns)))["items"]
+                return [e for e in items if e["reason"] == "ApplyConflict"]
+
+            (event,) = await eventually("an ApplyConflict Warning event", events)
+            assert event["type"] == "Warning" and ".spec.replicas" in event["message"]
+
+            # The retries (every second here) say nothing new while the conflict lasts.
+            async def retried() -> bool:
+                tries = [r for r in caplog.records if "owned objects not applied" in r.message]
+                return len(tries) >= 3
+
+            await eventually("the apply retried", retried)
+            assert len(await events()) == 1
+
+            # The other manager agrees with the spec: the next retry applies, Degraded clears.
+            await kube.patch(path, {"spec": {"replicas": 2}}, "merge", field_manager="sre-tool")
+
+            async def cleared() -> JSON | None:
+                obj = await _get(kube, hld_path(ns, "fleet"))
+                reason = condition(obj, "Degraded").get("reason")
+                return obj if reason not in (None, "ApplyConflict") else None
+
+            await eventually("ApplyConflict cleared", cleared)
