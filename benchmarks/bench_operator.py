@@ -1,12 +1,15 @@
-"""Benchmark: the operator at fleet scale on the emulated Kubernetes API server.
+"""Benchmark: the operator at fleet scale, on the emulated and on a real Kubernetes API server.
 
-From the issue: "Time from a pod's report to the deployment's status showing it, and from a
-`Snapshot` created to `Accepted`, with 100 deployments of 8 replicas each on the emulated API
-server."
+From the issues: "Time from a pod's report to the deployment's status showing it, and from a
+`Snapshot` created to `Accepted`, with 100 deployments of 8 replicas each", on the test
+suite's emulator and on the real control plane of ../shared/k8s, side by side.
 
-Set-up. This process runs the API emulator of the test suite (`tests/support/kubeapi.py`:
-`KubeAPIEmulator` behind a `kmock.Server`, as the `kube_api` fixture starts it) and the
-benchmark driver in one asyncio loop. The operator runs as it does in a cluster, in its own
+Set-up. The API server is either the test suite's emulator (`tests/support/kubeapi.py`:
+`KubeAPIEmulator` behind a `kmock.Server`, in this process's asyncio loop, as the `kube_api`
+fixture starts it) or the real control plane of `../shared/k8s` (etcd, kube-apiserver and
+kube-controller-manager, started with its `cluster.sh` for the run: there the Deployment and
+ReplicaSet controllers create the 800 pods, which stay Pending with no nodes, and the
+driver writes their status as kubelets would). The operator runs as it does in a cluster, in its own
 process: `python -m hotload_operator --standalone -n bench` (real kopf, real handlers, its
 own core when one is free), with `HOTLOAD_ROLLUP_INTERVAL` (default 5 s, the operator's
 default) and `HOTLOAD_METRICS_PORT` (to read its roll-up counter and timings). The driver
@@ -14,9 +17,9 @@ creates N HotLoadDeployments of R replicas (one `file://` bucket folder shared b
 ledger each: the default ledger name is the deployment's), plays the Deployment controller
 for all N*R pods (`play_deployment_controller`) and the loaders (`play_loader`).
 
-Measurement. The emulator is subclassed so that every stored write (`_record`, which runs
-in the write request) is checked against what the driver waits for, so "status shows it" is
-the moment the API server stored that status, with no polling. Phases, in order:
+Measurement. The driver watches HotLoadDeployments and Snapshots (one watch each, on both
+servers alike) and checks every event against what it waits for, so "status shows it" is the
+moment the API server's watch delivered that status, with no polling. Phases, in order:
 
 1. idle: 10 s with every deployment created and every pod present, nothing happening; the
    periodic roll-ups alone (rate, operator CPU);
@@ -32,13 +35,16 @@ the moment the API server stored that status, with no polling. Phases, in order:
    them through 32 concurrent connections), until every deployment's status shows it;
 7. idle again, now with two Snapshots per deployment in the namespace.
 
-Each phase reports p50/p90/max of its latencies, the emulator's request counts by kind, the
+Each phase reports p50/p90/max of its latencies, the API server's request counts by kind
+(counted by the emulator; from kube-apiserver's own `apiserver_request_total`), the
 operator's roll-ups (count, mean seconds from its own histogram) and the CPU seconds used by
-the operator process and by this process (emulator + driver). The machine is noisy (2 shared
-cores): the load average is recorded at the start and the end.
+the operator process, by the API server (the emulator shares this process with the driver;
+the real one is etcd + kube-apiserver + kube-controller-manager) and by the driver. The
+machine is noisy (2 shared cores): the load average is recorded at the start and the end.
 
-    .venv/bin/python benchmarks/bench_operator.py            # 100 deployments x 8 replicas
-    .venv/bin/python benchmarks/bench_operator.py --quick    # 10 x 2 smoke run (~1 min)
+    .venv/bin/python benchmarks/bench_operator.py                  # both servers, 100 x 8
+    .venv/bin/python benchmarks/bench_operator.py --server real    # only ../shared/k8s
+    .venv/bin/python benchmarks/bench_operator.py --quick          # 10 x 2 smoke run
     .venv/bin/python benchmarks/bench_operator.py --deployments 50 --replicas 4 --samples 50
 
 Prints a Markdown summary and writes the raw numbers as JSON (`--json`, default
@@ -74,16 +80,24 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+import aiohttp  # noqa: E402
 import aiohttp.web  # noqa: E402
 import kmock  # noqa: E402
 
 from hotload.bucket import open_bucket, upload_snapshot_async  # noqa: E402
-from hotload.kube import KubeClient, KubeConfig  # noqa: E402
+from hotload.errors import KubeError  # noqa: E402
+from hotload.kube import KubeClient, KubeConfig, resource_path  # noqa: E402
 from hotload.snapshot import describe_snapshot  # noqa: E402
-from support.kubeapi import KubeAPIEmulator, write_kubeconfig  # noqa: E402
+from support.cluster import (  # noqa: E402
+    cluster_script,
+    install_crds,
+    namespaced_kubeconfig,
+    start_cluster,
+    stop_cluster,
+)
+from support.kubeapi import EMULATED_SERVERS, KubeAPIEmulator, write_kubeconfig  # noqa: E402
 from support.operator import (  # noqa: E402
     hld_path,
-    install_crds,
     play_deployment_controller,
     play_loader,
     serving,
@@ -96,11 +110,11 @@ NS = "bench"
 WAIT = 120.0  # seconds before one sample counts as timed out
 
 
-# --- the emulator, with a hook on every stored write -------------------------------------------
+# --- what the driver waits for, resolved by the watches -----------------------------------------
 
 
 class Expectations:
-    """What the driver waits for; resolved (with the store time) by the emulator's writes."""
+    """What the driver waits for; resolved (with the arrival time) by the watched events."""
 
     def __init__(self) -> None:
         self.replica: dict[tuple[str, str, str], asyncio.Future[float]] = {}
@@ -149,8 +163,7 @@ EXPECT = Expectations()
 
 
 class BenchEmulator(KubeAPIEmulator):
-    """The test suite's emulator, telling `EXPECT` about every stored change and counting
-    requests by kind.
+    """The test suite's emulator, counting requests by kind.
 
     kmock 0.8 keeps every request it served and, to route a new one, walks that whole log
     through each candidate reaction's filters (`request in payload._source` in
@@ -178,13 +191,138 @@ class BenchEmulator(KubeAPIEmulator):
                     del log[i]
                     break
 
-    def _record(self, group: str, plural: str, type_: str, old: JSON | None, new: JSON) -> None:
-        super()._record(group, plural, type_, old, new)
-        EXPECT.written(plural, new)
-
 
 #: Requests the emulator received, by kind ("PATCH pods/status", "LIST snapshots", ...).
 REQUESTS: Counter[str] = Counter()
+
+
+# --- the two servers ---------------------------------------------------------------------------
+
+
+class EmulatedServer:
+    """The test suite's emulator in this process (it shares this process's CPU with the
+    driver)."""
+
+    name = "emulator"
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.emulator = BenchEmulator()
+        self.server: kmock.Server | None = None
+        self.kubeconfig = work / "kubeconfig"
+
+    async def __aenter__(self) -> EmulatedServer:
+        await self.emulator.__aenter__()
+        self.emulator.put_object(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
+        )
+        self.server = kmock.Server(self.emulator)
+        await self.server.__aenter__()
+        url = str(self.server.url).rstrip("/")
+        EMULATED_SERVERS.add(url)  # support.operator plays the Deployment controller here
+        write_kubeconfig(self.kubeconfig, url, NS, "bench-token")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.emulator.settle()
+        self.emulator.close_watches()
+        assert self.server is not None
+        await self.server.__aexit__(None, None, None)
+        await self.emulator.__aexit__(None, None, None)
+
+    async def requests(self, kube: KubeClient) -> Counter[str]:
+        """Requests served so far, by kind."""
+        return REQUESTS.copy()
+
+    def cpu_seconds(self) -> float:
+        """CPU used by the server: the emulator runs in the driver's process (counted there)."""
+        return 0.0
+
+
+class RealServer:
+    """The real control plane of ../shared/k8s, started for the run: etcd, kube-apiserver and
+    kube-controller-manager (whose Deployment and ReplicaSet controllers create the pods)."""
+
+    name = "kube-apiserver"
+
+    def __init__(self, work: Path) -> None:
+        self.state = work / "k8s"
+        self.script = cluster_script()
+        self.kubeconfig = work / "kubeconfig"
+
+    async def __aenter__(self) -> RealServer:
+        if not self.script.is_file():
+            raise SystemExit(f"--server real needs {self.script} (the shared control plane)")
+        admin = await asyncio.to_thread(start_cluster, self.script, self.state)
+        namespaced_kubeconfig(admin, NS, self.kubeconfig)
+        async with KubeClient(KubeConfig.from_kubeconfig(self.kubeconfig)) as kube:
+            await kube.create("/api/v1/namespaces", {"metadata": {"name": NS}})
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(stop_cluster, self.script, self.state)
+
+    async def requests(self, kube: KubeClient) -> Counter[str]:
+        """Requests served so far, by kind, from kube-apiserver's `apiserver_request_total`
+        (everyone's: the operator's, the driver's and the controller-manager's)."""
+        text = await _metrics_text(kube.config)
+        counts: Counter[str] = Counter()
+        for match in re.finditer(r"^apiserver_request_total\{([^}]*)\} (\S+)$", text, re.M):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+            resource = labels.get("resource") or "/"
+            if labels.get("subresource"):
+                resource += "/" + labels["subresource"]
+            counts[f"{labels.get('verb', '?')} {resource}"] += int(float(match.group(2)))
+        return counts
+
+    def cpu_seconds(self) -> float:
+        """CPU used by etcd, kube-apiserver and kube-controller-manager."""
+        return sum(
+            _process_cpu(int((self.state / f"{name}.pid").read_text()))
+            for name in ("etcd", "apiserver", "kcm")
+        )
+
+
+async def _metrics_text(config: KubeConfig) -> str:
+    """kube-apiserver's `/metrics` (Prometheus text, which the JSON client does not read)."""
+    headers = {"Authorization": f"Bearer {config.bearer_token()}"}
+    ssl = False if config.insecure_skip_tls_verify else None
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(config.server + "/metrics", headers=headers, ssl=ssl) as resp,
+    ):
+        resp.raise_for_status()
+        return await resp.text()
+
+
+def _process_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+Server = EmulatedServer | RealServer
+
+
+async def watch_statuses(kube: KubeClient) -> None:
+    """Feed `EXPECT` every HotLoadDeployment and Snapshot the server sends, until cancelled
+    (watches that end are opened again from the last version seen)."""
+
+    async def follow(path: str, plural: str) -> None:
+        version = (await kube.list(path))["metadata"]["resourceVersion"]
+        while True:
+            try:
+                async for _kind, obj in kube.watch(
+                    path, resource_version=version, timeout_seconds=300
+                ):
+                    version = obj.get("metadata", {}).get("resourceVersion") or version
+                    EXPECT.written(plural, obj)
+            except KubeError as err:  # a 410 after compaction: start from now
+                print(f"  watch {plural} restarted: {err}", file=sys.stderr)
+                version = (await kube.list(path))["metadata"]["resourceVersion"]
+
+    await asyncio.gather(
+        follow(hld_path(NS), "hotloaddeployments"), follow(snapshot_path(NS), "snapshots")
+    )
 
 
 # --- measuring ---------------------------------------------------------------------------------
@@ -215,17 +353,16 @@ def stats(values: list[float]) -> JSON:
 
 
 class Probe:
-    """Per-phase counters: emulator requests, operator roll-ups, CPU of both processes."""
+    """Per-phase counters: API requests, operator roll-ups, CPU of the operator, the server
+    and this process (the driver, and the emulator when it is the server)."""
 
-    def __init__(self, emulator: KubeAPIEmulator, operator_pid: int, metrics_port: int) -> None:
-        self.emulator = emulator
+    def __init__(
+        self, server: Server, kube: KubeClient, operator_pid: int, metrics_port: int
+    ) -> None:
+        self.server = server
+        self.kube = kube
         self.pid = operator_pid
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        self.tick = os.sysconf("SC_CLK_TCK")
-
-    def operator_cpu(self) -> float:
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / self.tick
 
     def rollups(self) -> tuple[float, float]:
         """(count, total seconds) of the operator's roll-up histogram."""
@@ -234,12 +371,14 @@ class Probe:
         total = re.search(r"^hotload_operator_rollup_seconds_sum (\S+)$", text, re.M)
         return (float(count.group(1)) if count else 0.0, float(total.group(1)) if total else 0.0)
 
-    def snapshot(self) -> JSON:
+    async def snapshot(self) -> JSON:
+        """The counters now."""
         count, total = self.rollups()
         return {
             "t": time.perf_counter(),
-            "requests": REQUESTS.copy(),
-            "operator_cpu": self.operator_cpu(),
+            "requests": await self.server.requests(self.kube),
+            "operator_cpu": _process_cpu(self.pid),
+            "server_cpu": self.server.cpu_seconds(),
             "self_cpu": time.process_time(),
             "rollups": count,
             "rollup_seconds": total,
@@ -247,8 +386,9 @@ class Probe:
             "snapshot_writes": EXPECT.snapshot_writes,
         }
 
-    def since(self, start: JSON) -> JSON:
-        end = self.snapshot()
+    async def since(self, start: JSON) -> JSON:
+        """What changed since `start` (a `snapshot()`)."""
+        end = await self.snapshot()
         wall = end["t"] - start["t"]
         rollups = end["rollups"] - start["rollups"]
         kinds = end["requests"] - start["requests"]
@@ -259,7 +399,8 @@ class Probe:
             "requests_per_s": round(requests / wall, 1),
             "request_kinds": dict(kinds.most_common(12)),
             "operator_cpu_s": round(end["operator_cpu"] - start["operator_cpu"], 2),
-            "emulator_driver_cpu_s": round(end["self_cpu"] - start["self_cpu"], 2),
+            "server_cpu_s": round(end["server_cpu"] - start["server_cpu"], 2),
+            "driver_cpu_s": round(end["self_cpu"] - start["self_cpu"], 2),
             "rollups": int(rollups),
             "rollups_per_s": round(rollups / wall, 1),
             "rollup_mean_s": round((end["rollup_seconds"] - start["rollup_seconds"]) / rollups, 4)
@@ -371,12 +512,18 @@ async def quiet(seconds: float = 2.0, timeout: float = 120) -> float:
 # --- the run -----------------------------------------------------------------------------------
 
 
-async def run(args: argparse.Namespace, work: Path) -> JSON:
+async def run(args: argparse.Namespace, server_kind: str, work: Path) -> JSON:
+    """One whole run on one server (`emulator` or `real`); the numbers as JSON."""
     n, r = args.deployments, args.replicas
     names = [f"fleet-{i:03d}" for i in range(n)]
     bucket = work / "bucket"
     bucket.mkdir()
+    server: Server = EmulatedServer(work) if server_kind == "emulator" else RealServer(work)
+    global EXPECT  # noqa: PLW0603 - one run's expectations, fresh for each server
+    EXPECT = Expectations()
+    REQUESTS.clear()
     result: JSON = {
+        "server": server.name,
         "deployments": n,
         "replicas": r,
         "rollup_interval_s": args.rollup_interval,
@@ -401,21 +548,18 @@ async def run(args: argparse.Namespace, work: Path) -> JSON:
     }
     print(f"built {2 * n} snapshots in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
-    async with BenchEmulator() as emulator:
-        emulator.put_object({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
-        server = kmock.Server(emulator)
-        await server.__aenter__()
-        url = str(server.url).rstrip("/")
-        kubeconfig = write_kubeconfig(work / "kubeconfig", url, NS, "bench-token")
+    async with server:
         metrics_port, live_port = free_port(), free_port()
         env = os.environ | {
-            "KUBECONFIG": str(kubeconfig),
+            "KUBECONFIG": str(server.kubeconfig),
             "HOTLOAD_ROLLUP_INTERVAL": str(args.rollup_interval),
             "HOTLOAD_METRICS_PORT": str(metrics_port),
         }
         log = (work / "operator.log").open("w")
-        async with KubeClient(KubeConfig.from_kubeconfig(kubeconfig)) as kube:
+        config = KubeConfig.from_kubeconfig(server.kubeconfig)
+        async with KubeClient(config) as kube, KubeClient(config) as watcher:
             await install_crds(kube)
+            watching = asyncio.create_task(watch_statuses(watcher))
             operator = subprocess.Popen(
                 [
                     sys.executable,
@@ -439,12 +583,11 @@ async def run(args: argparse.Namespace, work: Path) -> JSON:
                 stderr=subprocess.STDOUT,
             )
             try:
-                probe = Probe(emulator, operator.pid, metrics_port)
+                probe = Probe(server, kube, operator.pid, metrics_port)
                 await wait_until("the operator's metrics", lambda: _answers(probe), timeout=60)
                 await _fleet(
                     args,
                     kube=kube,
-                    emulator=emulator,
                     probe=probe,
                     names=names,
                     bucket=bucket,
@@ -452,15 +595,13 @@ async def run(args: argparse.Namespace, work: Path) -> JSON:
                     result=result,
                 )
             finally:
+                watching.cancel()
                 operator.terminate()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     operator.wait(30)
                 if operator.poll() is None:
                     operator.kill()
                 log.close()
-        await emulator.settle()
-        emulator.close_watches()
-        await server.__aexit__(None, None, None)
     warnings = [
         line
         for line in (work / "operator.log").read_text().splitlines()
@@ -484,7 +625,6 @@ async def _fleet(
     args: argparse.Namespace,
     *,
     kube: KubeClient,
-    emulator: KubeAPIEmulator,
     probe: Probe,
     names: list[str],
     bucket: Path,
@@ -494,18 +634,20 @@ async def _fleet(
     n, r = len(names), args.replicas
     phases = result["phases"]
 
-    def has(api: str, plural: str, name: str) -> bool:
-        group = api.rpartition("/")[0]
-        return (group, plural, NS, name) in emulator.objects
+    async def every_deployment() -> bool:
+        listed = await kube.list(resource_path("apps/v1", "deployments", NS))
+        return {d["metadata"]["name"] for d in listed["items"]} >= set(names)
 
     # Set-up: deployments -> owned objects -> pods.
-    start = probe.snapshot()
+    start = await probe.snapshot()
     for name in names:
         await kube.create(hld_path(NS), deployment(name, r, bucket))
     created = time.perf_counter() - start["t"]
-    await wait_until(
-        "every Deployment", lambda: all(has("apps/v1", "deployments", x) for x in names)
-    )
+    t_wait = time.perf_counter()
+    while not await every_deployment():
+        if time.perf_counter() - t_wait > 300:
+            raise TimeoutError("timed out after 300s waiting for every Deployment")
+        await asyncio.sleep(0.2)
     owned = time.perf_counter() - start["t"]
     pods: dict[str, list[str]] = {}
     listed = await gather_limited(
@@ -513,25 +655,24 @@ async def _fleet(
     )
     pods = dict(zip(names, listed, strict=True))
     settled = await quiet()
-    phases["setup"] = probe.since(start) | {
+    phases["setup"] = (await probe.since(start)) | {
         "create_all_s": round(created, 2),
         "all_owned_objects_s": round(owned, 2),
         "settle_s": round(settled, 2),
         "pods": sum(len(p) for p in pods.values()),
-        "objects_in_store": len(emulator.objects),
     }
     print(f"set up: {phases['setup']}", file=sys.stderr)
 
     # 1. idle: the periodic roll-ups alone.
-    start = probe.snapshot()
+    start = await probe.snapshot()
     await asyncio.sleep(args.idle)
-    phases["idle"] = probe.since(start)
+    phases["idle"] = await probe.since(start)
     print(f"idle: {phases['idle']}", file=sys.stderr)
 
     # 2. Snapshot created -> Accepted, one after another.
     for name in names:
         await upload(bucket, work / "snaps" / f"{name}-s0")
-    start = probe.snapshot()
+    start = await probe.snapshot()
     latencies: list[float | None] = []
     for name in names:
         ident = f"{name}-s0"
@@ -542,14 +683,14 @@ async def _fleet(
                 f"{ident} Accepted",
             )
         )
-    phases["accept_sequential"] = _latency(latencies) | probe.since(start)
+    phases["accept_sequential"] = _latency(latencies) | (await probe.since(start))
     print(f"accept sequential: {phases['accept_sequential']}", file=sys.stderr)
     await quiet()
 
     # 3. report -> status, single reports spread over the fleet.
     samples = min(args.samples, n * r)
     picks = [(names[k * n // samples], k % r) for k in range(samples)]
-    start = probe.snapshot()
+    start = await probe.snapshot()
     latencies = []
     for name, index in picks:
         pod = pods[name][index]
@@ -561,14 +702,14 @@ async def _fleet(
                 f"{pod} report",
             )
         )
-    phases["report_single"] = _latency(latencies) | probe.since(start)
+    phases["report_single"] = _latency(latencies) | (await probe.since(start))
     print(f"report single: {phases['report_single']}", file=sys.stderr)
     await quiet()
 
     # 4. Snapshot created -> Accepted, all deployments at once (a delta each).
     for name in names:
         await upload(bucket, work / "snaps" / f"{name}-s1")
-    start = probe.snapshot()
+    start = await probe.snapshot()
     futures = {name: EXPECT.expect_accepted(f"{name}-s1") for name in names}
     latencies = await asyncio.gather(
         *(
@@ -582,13 +723,13 @@ async def _fleet(
             for name in names
         )
     )
-    phases["accept_burst"] = _latency(latencies) | probe.since(start)
+    phases["accept_burst"] = _latency(latencies) | (await probe.since(start))
     print(f"accept burst: {phases['accept_burst']}", file=sys.stderr)
     await quiet()
 
     # 5. report -> status, every pod of one deployment at once, a few deployments in turn.
     bursts = names[:: max(1, n // max(1, n // 10))][: max(1, n // 10)]
-    start = probe.snapshot()
+    start = await probe.snapshot()
     latencies, whole = [], []
     for name in bursts:
         ident = f"{name}-s1"
@@ -610,7 +751,7 @@ async def _fleet(
     phases["report_deployment_burst"] = (
         _latency(latencies)
         | {"all_replicas_shown": stats(whole), "deployments": len(bursts)}
-        | probe.since(start)
+        | (await probe.since(start))
     )
     print(f"report deployment burst: {phases['report_deployment_burst']}", file=sys.stderr)
     await quiet()
@@ -618,7 +759,7 @@ async def _fleet(
     # 6. report -> status, every other pod of the fleet at once.
     rest = [(name, pod) for name in names if name not in bursts for pod in pods[name]]
     ready = {name: EXPECT.expect_ready(f"{name}-s1") for name in names if name not in bursts}
-    start = probe.snapshot()
+    start = await probe.snapshot()
     t0 = time.perf_counter()
     futures_pods = {
         (name, pod): EXPECT.expect_replica(name, pod, f"{name}-s1") for name, pod in rest
@@ -651,16 +792,16 @@ async def _fleet(
             "all_shown_s": round(shown, 2),
             "snapshot_ready_from_start": stats(ready_at),
         }
-        | probe.since(start)
+        | (await probe.since(start))
     )
     print(f"report fleet burst: {phases['report_fleet_burst']}", file=sys.stderr)
 
     # 7. idle again, now with 2 Snapshots per deployment in the namespace.
     await quiet()
-    snaps = [o for (_, plural, _, _), o in emulator.objects.items() if plural == "snapshots"]
-    start = probe.snapshot()
+    snaps = (await kube.list(snapshot_path(NS)))["items"]
+    start = await probe.snapshot()
     await asyncio.sleep(args.idle)
-    phases["idle_after"] = probe.since(start) | {
+    phases["idle_after"] = (await probe.since(start)) | {
         "snapshots_in_namespace": len(snaps),
         "snapshot_list_bytes": len(json.dumps(snaps)),
     }
@@ -675,25 +816,29 @@ def _latency(values: list[float | None]) -> JSON:
 # --- output ------------------------------------------------------------------------------------
 
 
+ROWS = [
+    ("Snapshot created -> Accepted, one at a time", "accept_sequential"),
+    ("Snapshot created -> Accepted, burst of all", "accept_burst"),
+    ("report -> status, single reports", "report_single"),
+    ("report -> status, all replicas of one deployment at once", "report_deployment_burst"),
+    ("report -> status, whole fleet at once", "report_fleet_burst"),
+]
+
+
 def markdown(result: JSON) -> str:
+    """One run's table, idle lines and set-up line."""
     p = result["phases"]
-    rows = [
-        ("Snapshot created -> Accepted, one at a time", "accept_sequential"),
-        ("Snapshot created -> Accepted, burst of all", "accept_burst"),
-        ("report -> status, single reports", "report_single"),
-        ("report -> status, all replicas of one deployment at once", "report_deployment_burst"),
-        ("report -> status, whole fleet at once", "report_fleet_burst"),
-    ]
     out = [
-        f"{result['deployments']} deployments x {result['replicas']} replicas, "
-        f"HOTLOAD_ROLLUP_INTERVAL={result['rollup_interval_s']}, {result['cpus']} CPUs, "
-        f"load average {result['loadavg_start']} -> {result['loadavg_end']}",
+        f"**{result['server']}**: {result['deployments']} deployments x {result['replicas']} "
+        f"replicas, HOTLOAD_ROLLUP_INTERVAL={result['rollup_interval_s']}, {result['cpus']} "
+        f"CPUs, load average {result['loadavg_start']} -> {result['loadavg_end']}",
         "",
         "| what | n | p50 s | p90 s | max s | timeouts | roll-ups | roll-up mean s "
-        "| operator CPU s | emulator+driver CPU s | wall s | API requests |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| operator CPU s | server CPU s | driver CPU s | wall s | API requests |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
     ]
-    for label, key in rows:
+    for label, key in ROWS:
         ph = p.get(key)
         if not ph:
             continue
@@ -701,9 +846,17 @@ def markdown(result: JSON) -> str:
         out.append(
             f"| {label} | {lat.get('n', 0)} | {lat.get('p50', '-')} | {lat.get('p90', '-')} "
             f"| {lat.get('max', '-')} | {ph['timeouts']} | {ph['rollups']} "
-            f"| {ph['rollup_mean_s']} | {ph['operator_cpu_s']} | {ph['emulator_driver_cpu_s']} "
-            f"| {ph['wall_s']} | {ph['requests']} |"
+            f"| {ph['rollup_mean_s']} | {ph['operator_cpu_s']} | {ph['server_cpu_s']} "
+            f"| {ph['driver_cpu_s']} | {ph['wall_s']} | {ph['requests']} |"
         )
+    setup = p.get("setup")
+    if setup:
+        out += [
+            "",
+            f"Set-up: {setup['pods']} pods; every Deployment applied after "
+            f"{setup['all_owned_objects_s']} s, settled after {setup['settle_s']} s more, "
+            f"{setup['requests']} API requests.",
+        ]
     for key, label in [("idle", "Idle, no Snapshots yet"), ("idle_after", "Idle at the end")]:
         idle = p.get(key)
         if not idle:
@@ -718,14 +871,36 @@ def markdown(result: JSON) -> str:
             "",
             f"{label} ({idle['wall_s']} s, timers only{snaps}): {idle['rollups_per_s']} "
             f"roll-ups/s, mean {idle['rollup_mean_s']} s each, operator CPU "
-            f"{idle['operator_cpu_s']} s, emulator CPU {idle['emulator_driver_cpu_s']} s, "
-            f"{idle['requests_per_s']} requests/s: {idle['request_kinds']}",
+            f"{idle['operator_cpu_s']} s, server CPU {idle['server_cpu_s']} s, driver CPU "
+            f"{idle['driver_cpu_s']} s, {idle['requests_per_s']} requests/s: "
+            f"{idle['request_kinds']}",
         ]
     return "\n".join(out)
 
 
+def side_by_side(results: list[JSON]) -> str:
+    """p50/p90 of every phase, one column pair per server."""
+    head = "| what | " + " | ".join(f"{r['server']} p50 s | p90 s" for r in results) + " |"
+    rule = "| --- |" + " ---: | ---: |" * len(results)
+    rows = [head, rule]
+    for label, key in ROWS:
+        cells = []
+        for r in results:
+            lat = (r["phases"].get(key) or {}).get("latency") or {}
+            cells.append(f"{lat.get('p50', '-')} | {lat.get('p90', '-')}")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--server",
+        choices=("both", "emulator", "real"),
+        default="both",
+        help="the test suite's emulator, the real control plane of ../shared/k8s, or both in "
+        "turn (default)",
+    )
     parser.add_argument("--deployments", type=int, default=100)
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--samples", type=int, default=100, help="single reports to time")
@@ -755,15 +930,21 @@ def main() -> int:
         args.profile.mkdir(parents=True, exist_ok=True)
         profiler = cProfile.Profile()
         profiler.enable()
-    with tempfile.TemporaryDirectory(prefix="bench-operator-") as tmp:
-        result = asyncio.run(run(args, Path(tmp)))
+    kinds = ("emulator", "real") if args.server == "both" else (args.server,)
+    results = []
+    for kind in kinds:
+        with tempfile.TemporaryDirectory(prefix="bench-operator-") as tmp:
+            results.append(asyncio.run(run(args, kind, Path(tmp))))
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.profile / "emulator.prof")
-    result["command"] = " ".join(["benchmarks/bench_operator.py", *sys.argv[1:]])
+    command = " ".join(["benchmarks/bench_operator.py", *sys.argv[1:]])
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(markdown(result))
+    args.json.write_text(json.dumps({"command": command, "runs": results}, indent=2))
+    for result in results:
+        print(markdown(result) + "\n")
+    if len(results) > 1:
+        print(side_by_side(results))
     print(f"\nraw numbers: {args.json}")
     return 0
 

@@ -6,8 +6,9 @@ admission (every loader detects it, keeps serving, the Snapshot says LoadFailed 
 messages, wait_ready raises with them, and the trainer's next publish is full by itself), and a
 replica's local copy that rots (it falls back to the full snapshot).
 
-Runs on the emulated API server; with HOTLOAD_E2E_KUBECONFIG the API calls go to a real
-cluster, but the replicas still run here as processes (see tests/README.md).
+Runs on the session's API server (the real one of ../shared/k8s when it is there, or
+HOTLOAD_E2E_KUBECONFIG's cluster; else the emulator); the replicas run here as processes, and
+the test plays the kubelet for their pods (see tests/README.md).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 its ValidatingAdmissionPolicy (`build_loader_admission_policy`) let a loader write only
 `hotload.dev/` labels, annotations and pod conditions, on its own pod only.
 
-Runs on the emulated API server and, unchanged, on a real cluster (`HOTLOAD_E2E_KUBECONFIG`,
-Kubernetes 1.30 or newer: ValidatingAdmissionPolicy v1 and the pod name in bound tokens): every
-check is an API call made with the loader's own bound service-account token.
+Runs on the session's API server: the real one (../shared/k8s, or `HOTLOAD_E2E_KUBECONFIG` with
+Kubernetes 1.30 or newer: ValidatingAdmissionPolicy v1 and the pod name in bound tokens), else
+the emulator, which emulates RBAC and admission policies: every check is an API call made with
+the loader's own bound service-account token.
 """
 
 from __future__ import annotations

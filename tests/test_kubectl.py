@@ -1,5 +1,5 @@
-"""The real kubectl (1.37, `.tools/bin/kubectl`) against the `kube_api` fixture's API server (the
-emulator, or HOTLOAD_E2E_KUBECONFIG's cluster): what the README, `docs/crds.md` and
+"""The real kubectl (1.37, `.tools/bin/kubectl`) against the `kube_api` fixture's API server (real,
+or the emulator: tests/README.md): what the README, `docs/crds.md` and
 `docs/operations.md` tell users to type.
 
 Installing the CRDs (`kubectl apply --server-side -f crds/`), applying the examples with

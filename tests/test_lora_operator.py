@@ -1,5 +1,5 @@
-"""LoRA fleets through the real kopf operator (emulated API server, or HOTLOAD_E2E_KUBECONFIG's
-cluster): admission of adapter snapshots, and their roll-up from the loaders' reports."""
+"""LoRA fleets through the real kopf operator (the session's API server: tests/README.md):
+admission of adapter snapshots, and their roll-up from the loaders' reports."""
 
 from __future__ import annotations
 

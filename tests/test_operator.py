@@ -1,4 +1,4 @@
-"""The real kopf operator against the emulated API server (or HOTLOAD_E2E_KUBECONFIG's cluster).
+"""The real kopf operator against the session's API server (real, or the emulator: tests/README.md).
 
 The test plays the Deployment controller (pods from the template) and the loaders (reports on
 the pods); the trainer uploads real snapshots to a bucket folder and creates Snapshot objects.

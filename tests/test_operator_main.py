@@ -1,6 +1,6 @@
 """`python -m hotload_operator` as the chart runs it: a process of its own, started with
 `--standalone --liveness URL`, `HOTLOAD_NAMESPACES` (a list) and `HOTLOAD_METRICS_PORT`, against
-the `kube_api` fixture's API server (the emulator, or HOTLOAD_E2E_KUBECONFIG's cluster).
+the `kube_api` fixture's API server (real, or the emulator: tests/README.md).
 
 It must answer its liveness probe, reconcile what lives in the listed namespaces (every one of
 them), count that in its `hotload_operator_*` metrics, leave other namespaces alone, and keep

@@ -1,6 +1,6 @@
 """The real kopf operator running as the chart's ServiceAccount, with nothing but the chart's
 rendered RBAC (`helm template`), on an API server that enforces RBAC for service-account tokens:
-the emulator, or HOTLOAD_E2E_KUBECONFIG's cluster.
+real, or the emulator (tests/README.md).
 
 Everything the operator does in a fleet's life must be allowed: owned objects (and the Roles it
 hands to loaders and the router, which Kubernetes lets it create only when it holds every

@@ -461,8 +461,8 @@ async def test_the_loader_reports_on_its_own_pod(
     kube_api: KubeAPI,
 ) -> None:
     """`--report kubernetes`: the loader process patches its pod (annotation, labels, the
-    SnapshotLoaded condition used as a readiness gate) and records Events, on the emulated API
-    server (or a real cluster with HOTLOAD_E2E_KUBECONFIG)."""
+    SnapshotLoaded condition used as a readiness gate) and records Events, on the session's API
+    server (tests/README.md)."""
     from test_sidecar_kube_report import conditions, make_pod, read_pod
 
     await make_pod(kube_api, "replica-0")

@@ -1,4 +1,4 @@
-"""The loader's Kubernetes reporter against the API emulator (or a real cluster, see README)."""
+"""The loader's Kubernetes reporter against the session's API server (tests/README.md)."""
 
 from __future__ import annotations
 

@@ -1840,12 +1840,12 @@ def write_kubeconfig(
 
 
 #: Server URLs of the emulators running now (see `emulated`).
-_EMULATED: set[str] = set()
+EMULATED_SERVERS: set[str] = set()
 
 
 def emulated(kube: KubeClient) -> bool:
     """Whether `kube` talks to an emulator of this module (no controllers, no scheduler)."""
-    return kube.config.server in _EMULATED
+    return kube.config.server in EMULATED_SERVERS
 
 
 #: Where the session's lane is kept for the summary line.
@@ -1945,11 +1945,11 @@ async def emulated_api(tmp_path: Path) -> AsyncIterator[KubeAPI]:
         config = KubeConfig.from_kubeconfig(kubeconfig)
         api = KubeAPI(url, kubeconfig, namespace, config, Store(emulator, KubeClient(config)))
         api.emulator, api._server, api._port = emulator, server, server.port
-        _EMULATED.add(url)
+        EMULATED_SERVERS.add(url)
         try:
             yield api
         finally:
-            _EMULATED.discard(url)
+            EMULATED_SERVERS.discard(url)
             await api.store._client.aclose()
             await emulator.settle()
             if api._server is not None:
