@@ -174,7 +174,10 @@ def _print_cluster(doc: JSON, *, detail: bool) -> None:
         replicas.add_row(*cells, r.get("message") or "")
     console.print(replicas)
     for c in st.get("conditions") or []:
-        console.print(f"{c['type']}={c['status']} {c['reason']}: {c.get('message', '')}")
+        # Absent and null alike: the API server prunes what a writer left empty.
+        console.print(
+            f"{c.get('type')}={c.get('status')} {c.get('reason') or '-'}: {c.get('message') or ''}"
+        )
     if doc["snapshots"]:
         snaps = Table(title="snapshots", title_justify="left")
         for col in ("SNAPSHOT", "SEQ", "KIND", "ACCEPTED", "READY", "LOADED"):
