@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile hotload/arc/_native.c
 	$(BIN)/python -m pip install --upgrade pip setuptools wheel
 	# torch first and pinned: an unpinned torch would pull GBs of CUDA packages.
 	$(BIN)/python -m pip install "torch==2.13.0"
-	$(BIN)/python -m pip install -e ".[train,dev]"
+	$(BIN)/python -m pip install -e ".[train,dev,operator,router,engine]"
 	touch $(STAMP)
 
 demo: $(STAMP)
