@@ -12,7 +12,7 @@ LOCKVENV := .venv-lock
 
 .PHONY: demo test lint typecheck pytest bench clean venv vllm kubetools envoy lock
 
-venv: $(STAMP)
+venv: $(STAMP) $(WHEELHOUSE)/core.txt
 
 # The lock first (it also removes what an older lock installed), then the project itself
 # without dependencies, so nothing the lock does not list. A changed lock reinstalls.
@@ -62,7 +62,7 @@ lock: $(LOCKVENV)/.installed
 	UV=$(LOCKVENV)/bin/uv bash scripts/lock.sh
 
 # The report file proves pytest reached its end (a test that killed the runner leaves none).
-pytest: $(STAMP) $(WHEELHOUSE)/core.txt vllm envoy kubetools
+pytest: venv vllm envoy kubetools
 	rm -f .pytest-report.xml
 	HF_HUB_OFFLINE=1 $(BIN)/pytest --junitxml=.pytest-report.xml
 	@test -s .pytest-report.xml || { echo "pytest ended without its report: the runner was killed"; exit 1; }

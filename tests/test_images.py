@@ -356,7 +356,7 @@ def test_the_test_venv_holds_exactly_its_lock() -> None:
     assert installed == locked, (
         f"not locked: {sorted(installed.keys() - locked.keys())}; "
         f"missing: {sorted(locked.keys() - installed.keys())}; other versions: {moved} "
-        "(run `make venv`)"
+        "(`rm .venv/.installed && make venv` installs the lock exactly)"
     )
     assert_satisfies(LOCKS / "dev.txt", project_requirements([*STACKS, "dev"]))
 
