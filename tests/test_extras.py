@@ -48,28 +48,40 @@ def run_without(modules: list[str], code: str) -> subprocess.CompletedProcess[st
     )
 
 
-def test_the_core_imports_without_any_extra() -> None:
+def unimportable(packages: list[str], blocked: list[str]) -> set[str]:
+    """The modules of `packages` that fail to import while `blocked` cannot be imported."""
     proc = run_without(
-        ALL_OPTIONAL,
-        """
+        blocked,
+        f"""
         import importlib, pkgutil
-        import hotload, hotload_sidecar
         failed = []
-        for pkg in (hotload, hotload_sidecar):
-            for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        for name in {packages!r}:
+            pkg = importlib.import_module(name)
+            for info in pkgutil.walk_packages(pkg.__path__, name + "."):
                 if info.name.endswith("__main__"):
-                    continue  # runs the CLI
+                    continue  # runs a command
                 try:
                     importlib.import_module(info.name)
                 except ImportError:
                     failed.append(info.name)
-        from hotload.cli.main import build_parser
-        build_parser()  # every sub-command registers without its extra
+        if "hotload" in {packages!r}:
+            from hotload.cli.main import build_parser
+            build_parser()  # every sub-command registers without its extra
         print("\\n".join(failed))
         """,
     )
     assert proc.returncode == 0, proc.stderr
-    assert set(proc.stdout.split()) == NEEDS_AN_EXTRA
+    return set(proc.stdout.split())
+
+
+def test_the_core_imports_without_any_extra() -> None:
+    assert unimportable(["hotload", "hotload_sidecar"], ALL_OPTIONAL) == NEEDS_AN_EXTRA
+
+
+def test_the_operator_needs_no_extra_but_its_own() -> None:
+    # What the operator image holds: the core and kopf, no gRPC, no torch.
+    others = sorted(set(ALL_OPTIONAL) - EXTRAS["operator"])
+    assert unimportable(["hotload_operator"], others) == set()
 
 
 @pytest.mark.parametrize(
