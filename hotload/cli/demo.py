@@ -83,6 +83,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from hotload._extras import require_extra
+
+    # Before anything starts: the fleet demo's trainer and engines run in processes of their own.
+    require_extra("train", "hotload demo")
     if args.codec_only:
         from hotload.demo.roundtrip import run_roundtrip
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hotload._extras import require_extra
 from hotload.cli.common import print_json
 from hotload.errors import HotloadError
 
@@ -110,6 +111,7 @@ def load_sequences(model: Path, prompts_file: Path | None) -> list[list[int]]:
 def _numerics(args: argparse.Namespace) -> int:
     # The model folder holds everything; never reach for the Hugging Face hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    require_extra("train", "hotload numerics")
     from hotload.sdk.numerics import numerics_check
 
     replicas = [u.strip() for u in args.replicas.split(",") if u.strip()]

@@ -9,6 +9,7 @@ import logging
 import signal
 from typing import Any
 
+from hotload._extras import require_extra
 from hotload.errors import HotloadError
 from hotload.router import DEFAULT_ROUTER_PORT
 
@@ -111,6 +112,9 @@ def _run(args: argparse.Namespace) -> int:
         raise HotloadError("--namespace and --deployment go with --kubernetes")
     if args.retry_after < 0:
         raise HotloadError("--retry-after must be >= 0")
+    if args.epp_port is not None:
+        # Before the router binds its port, not after.
+        require_extra("router", "hotload router --epp-port")
     return asyncio.run(_serve(args))
 
 

@@ -121,6 +121,7 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from hotload._extras import require_extra
     from hotload.errors import HotloadError
     from hotload.snapshot import validate_snapshot
 
@@ -132,6 +133,7 @@ def _run(args: argparse.Namespace) -> int:
         raise HotloadError("--max-adapters must be >= 0")
     # Fail fast, before importing torch or binding a port, when the folder is not a snapshot.
     validate_snapshot(args.model)
+    require_extra("engine", "hotload serve")
     from hotload.engine.engine import Engine, EngineConfig
 
     config = EngineConfig(

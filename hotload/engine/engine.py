@@ -23,10 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hotload.engine.batch import KVCache
-from hotload.engine.lora import stage_adapter
+from hotload._extras import needs_extra
 from hotload.engine.metrics import EngineMetrics
-from hotload.engine.model import ModelRunner, Numerics, TextCodec, WeightsMismatchError
 from hotload.engine.protocol import (
     RETRY_AFTER_SECONDS,
     ApiError,
@@ -36,10 +34,23 @@ from hotload.engine.protocol import (
     bad_request,
     check_constraint,
 )
-from hotload.engine.scheduler import AdapterOrder, ErrorEvent, Event, Job, Scheduler, SwapOrder
 from hotload.engine.sessions import SessionCache
 from hotload.errors import ChecksumMismatchError, HotloadError, SnapshotValidationError
 from hotload.snapshot.layout import validate_identity
+
+# These import torch, which only the 'engine' extra installs.
+with needs_extra("engine", "hotload's reference engine"):
+    from hotload.engine.batch import KVCache
+    from hotload.engine.lora import stage_adapter
+    from hotload.engine.model import ModelRunner, Numerics, TextCodec, WeightsMismatchError
+    from hotload.engine.scheduler import (
+        AdapterOrder,
+        ErrorEvent,
+        Event,
+        Job,
+        Scheduler,
+        SwapOrder,
+    )
 
 log = logging.getLogger(__name__)
 

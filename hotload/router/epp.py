@@ -25,18 +25,21 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Final
 
-import grpc
-from envoy.config.core.v3 import base_pb2 as core
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from envoy.type.v3 import http_status_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-
+from hotload._extras import needs_extra
 from hotload.engine.protocol import ApiError, parse_constraint, session_id
 from hotload.router.decision import Choice, NoReplica, RouteRequest
 from hotload.router.discovery import Discovery
 from hotload.router.proxy import RETRY_AFTER_SECONDS, Chooser, RouterMetrics
+
+# gRPC and the Envoy protos come with the 'router' extra only.
+with needs_extra("router", "the endpoint picker (hotload.router.epp)"):
+    import grpc
+    from envoy.config.core.v3 import base_pb2 as core
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+    from envoy.type.v3 import http_status_pb2
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1.health import aio as health_aio
 
 log = logging.getLogger("hotload.router.epp")
 

@@ -5,4 +5,8 @@ kopf decorators); everything they decide lives in pure modules (`builders`, `adm
 `rollup`, `conditions`) that take and return plain data.
 """
 
-from hotload_operator import handlers  # noqa: F401  (kopf registers handlers on import)
+from hotload._extras import needs_extra
+
+# kopf comes with the 'operator' extra only.
+with needs_extra("operator", "the hotload operator (hotload_operator)"):
+    from hotload_operator import handlers  # noqa: F401  (kopf registers handlers on import)

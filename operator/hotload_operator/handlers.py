@@ -65,6 +65,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING
+    # kopf >= 1.45 posts log messages as Events only when asked; docs/operations.md promises
+    # them (a handler's failure shows in `kubectl describe`).
+    settings.posting.loggers = True
     settings.watching.server_timeout = 300
     images = OperatorImages(
         loader=os.environ.get("HOTLOAD_LOADER_IMAGE", OperatorImages.loader),
