@@ -147,6 +147,55 @@ def test_every_built_manifest_validates_strictly() -> None:
         kubernetes_validate.validate(obj, "1.33", strict=True)
 
 
+def test_every_name_and_label_fits_for_the_longest_name_the_crd_accepts() -> None:
+    """Names the operator derives from a deployment's name (Services are DNS labels of 63,
+    other objects DNS subdomains of 253) and label values (63, alphanumeric at both ends)
+    fit for the longest name the CRD's rule lets through: the API server would refuse any
+    other (tests/test_operator_apply.py shows it on a real one)."""
+    import re
+
+    from hotload.api.names import DEPLOYMENT_NAME_MAX, DEPLOYMENT_NAME_PATTERN
+
+    label = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+    dns_label = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    longest = "p" + "x" * (DEPLOYMENT_NAME_MAX - 2) + "9"
+    assert re.match(DEPLOYMENT_NAME_PATTERN, longest)
+    hld = HotLoadDeployment.model_validate(
+        {
+            "metadata": {"name": longest, "namespace": "ml", "uid": "u-1"},
+            "spec": {
+                "bucket": {"url": "s3://rl/prod"},
+                "engine": {"image": "e"},
+                "router": {"enabled": True},
+            },
+        }
+    )
+    children = build_children(hld)
+    assert {c["kind"] for c in children} >= {"Service", "Deployment", "ServiceAccount", "Role"}
+
+    def label_values(obj: JSON) -> list[str]:
+        spec = obj.get("spec") or {}
+        template = (spec.get("template") or {}).get("metadata") or {}
+        return [
+            *(obj["metadata"].get("labels") or {}).values(),
+            *((spec.get("selector") or {}).get("matchLabels") or {}).values(),
+            *(template.get("labels") or {}).values(),
+        ]
+
+    for obj in children:
+        name = obj["metadata"]["name"]
+        if obj["kind"] == "Service":
+            assert len(name) <= 63 and dns_label.match(name), name
+        else:
+            assert len(name) <= 253, name
+        for value in label_values(obj):
+            assert len(value) <= 63 and label.match(value), (obj["kind"], value)
+    router = next(
+        c for c in children if c["kind"] == "Service" and c["metadata"]["name"].endswith("-router")
+    )
+    assert len(router["metadata"]["name"]) == 63  # the bound is tight
+
+
 # --- roll-up ------------------------------------------------------------------------------------
 
 
