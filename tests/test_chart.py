@@ -15,11 +15,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from hotload_operator.builders import (
-    LOADER_PORT,
-    build_loader_admission_policy,
-    build_loader_rbac,
-)
+from hotload_operator.builders import build_loader_rbac
+from hotload_operator.meta import LOADER_PORT
+from hotload_operator.policy import build_loader_admission_policy
 from support.kubetools import Helm, helm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -437,7 +435,8 @@ def test_rbac_never_grants_wildcards_escalation_deletion_or_secret_listing(
     scenarios: dict[str, list[JSON]], name: str
 ) -> None:
     from hotload.api.models import HotLoadDeployment
-    from hotload_operator.builders import OperatorImages, build_router
+    from hotload_operator.builders import build_router
+    from hotload_operator.meta import OperatorImages
 
     hld = HotLoadDeployment.model_validate(
         {
@@ -822,7 +821,8 @@ def test_router_image_is_built_and_set_by_the_chart(helm_cli: Helm, tmp_path: Pa
     import sys
 
     from hotload import __version__
-    from hotload_operator.builders import OperatorImages, build_router
+    from hotload_operator.builders import build_router
+    from hotload_operator.meta import OperatorImages
 
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     default = env_of(operator_container(render(helm_cli, tmp_path, {})))

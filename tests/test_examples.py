@@ -15,7 +15,8 @@ import yaml
 
 from hotload.api.models import HotLoadDeployment, Snapshot
 from hotload.api.names import API_VERSION, DEPLOYMENT_KIND, SNAPSHOT_KIND
-from hotload_operator.builders import build_children, ledger_url
+from hotload_operator.builders import build_children
+from hotload_operator.meta import ledger_url
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

@@ -31,12 +31,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from hotload.api.models import HotLoadDeployment
-from hotload_operator.builders import (
-    LOADER_PORT,
-    OperatorImages,
-    build_pod_template,
-    engine_command,
-)
+from hotload_operator.meta import LOADER_PORT, OperatorImages
+from hotload_operator.pods import build_pod_template, engine_command
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -32,11 +32,9 @@ from hotload.kube import (
     KubeInvalidError,
     resource_path,
 )
-from hotload_operator.builders import (
-    build_loader_admission_policy,
-    build_loader_rbac,
-    loader_service_account,
-)
+from hotload_operator.builders import build_loader_rbac
+from hotload_operator.meta import loader_service_account
+from hotload_operator.policy import build_loader_admission_policy
 from hotload_sidecar.kube_report import KubernetesReporter
 from hotload_sidecar.status import (
     ANNOTATION_SNAPSHOT,

@@ -79,7 +79,7 @@ def test_the_router_section_covers_spec_and_status() -> None:
     for text in ("spec.router.enabled", "spec.router.replicas", "status.routerEndpoint"):
         assert text in section, text
     from hotload.api.models import HotLoadDeployment
-    from hotload_operator.builders import router_endpoint
+    from hotload_operator.meta import router_endpoint
 
     hld = HotLoadDeployment.model_validate(
         {

@@ -17,11 +17,9 @@ from hotload.bucket import open_bucket, upload_snapshot
 from hotload.ledger import Ledger
 from hotload.snapshot import describe_snapshot, write_snapshot
 from hotload_operator.admission import admit
-from hotload_operator.builders import (
-    build_children,
-    build_loader_admission_policy,
-    engine_command,
-)
+from hotload_operator.builders import build_children
+from hotload_operator.pods import engine_command
+from hotload_operator.policy import build_loader_admission_policy
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 from hotload_sidecar.kube_report import build_pod_metadata_patch
 from support.operator import serving
@@ -486,7 +484,7 @@ def test_router_objects_when_enabled() -> None:
 
 
 def test_loader_pull_policy_from_the_operator_settings() -> None:
-    from hotload_operator.builders import OperatorImages
+    from hotload_operator.meta import OperatorImages
 
     images = OperatorImages(loader="registry.example/loader:1.2", loader_pull_policy="Always")
     dep = next(o for o in build_children(deployment(), images) if o["kind"] == "Deployment")

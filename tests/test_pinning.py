@@ -33,7 +33,8 @@ from hotload.ledger import (
     write_pin_async,
 )
 from hotload.sdk import publish_folder_async
-from hotload_operator.builders import loader_env, pin_object_key
+from hotload_operator.meta import pin_object_key
+from hotload_operator.pods import loader_env
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 from hotload_sidecar.config import ConfigError, load_settings
 from hotload_sidecar.loader import move_cache_policy

@@ -20,7 +20,7 @@ from hotload.api.names import (
 from hotload.errors import BucketError, KubeError
 from hotload.kube import KubeClient, KubeConfig
 from hotload_operator import reconcile
-from hotload_operator.builders import OperatorImages
+from hotload_operator.meta import OperatorImages
 from hotload_operator.reconcile import Context
 
 log = logging.getLogger("hotload_operator")

@@ -46,9 +46,10 @@ from hotload.errors import (
 from hotload.kube import KubeClient, resource_path
 from hotload.ledger import Ledger, LedgerDocument, Pin, write_pin_async
 from hotload_operator.admission import Admission, admit
-from hotload_operator.builders import (
+from hotload_operator.builders import build_children
+from hotload_operator.conditions import format_time, set_condition, stored_form
+from hotload_operator.meta import (
     OperatorImages,
-    build_children,
     ledger_url,
     name_of,
     namespace_of,
@@ -56,7 +57,6 @@ from hotload_operator.builders import (
     router_name,
     selector_string,
 )
-from hotload_operator.conditions import format_time, set_condition, stored_form
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 
 log = logging.getLogger("hotload_operator")

@@ -124,7 +124,7 @@ def rollup_deployment(
 ) -> JSON:
     """The new `HotLoadDeployment.status` from its pods and the ledger: the fleet's target is
     the ledger head, or `spec.pin` when pinned."""
-    from hotload_operator.builders import router_endpoint, selector_string
+    from hotload_operator.meta import router_endpoint, selector_string
 
     goal = deployment_target(hld, head, entries)
     pinned = goal.mode == "Pinned"
