@@ -392,7 +392,7 @@ def test_nested_defaults_are_expanded() -> None:
     p = schema(names.DEPLOYMENT_KIND)["properties"]["spec"]["properties"]
     assert p["loader"]["default"] == {"pollSeconds": 2, "keep": 2}
     assert p["router"]["default"] == {"enabled": False, "replicas": 1}
-    assert p["weightsVolume"]["default"] == {"medium": ""}
+    assert p["weightsVolume"]["default"] == {"type": "emptyDir", "medium": ""}
     assert p["tolerations"]["default"] == []
 
 
@@ -527,7 +527,8 @@ def test_adapters_need_a_base_model_by_cel_rule() -> None:
     import cel  # the CEL implementation the API emulator uses too
 
     deployment = schema(names.DEPLOYMENT_KIND)
-    (rule,) = deployment["properties"]["spec"]["x-kubernetes-validations"]
+    rules = deployment["properties"]["spec"]["x-kubernetes-validations"]
+    (rule,) = [r for r in rules if "baseModel" in r["message"]]
     base = {"replicas": 1, "bucket": {"url": "s3://b"}, "engine": {"image": "e"}}
     spec = apply_defaults({"spec": base}, deployment)["spec"]
     assert spec["adapters"]["enabled"] is False

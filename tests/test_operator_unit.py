@@ -88,8 +88,180 @@ def test_children_carry_labels_owner_and_settings() -> None:
     assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in engine["env"]
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"][0]["key"] == "gpu"
-    assert {v["name"] for v in pod["volumes"]} == {"weights", "bucket-credentials"}
+    assert {v["name"] for v in pod["volumes"]} == {"weights", "bucket-credentials", "dshm"}
     assert pod["serviceAccountName"] == "fleet-hotload-loader"
+
+
+def _pod(hld: HotLoadDeployment) -> JSON:
+    dep = next(o for o in build_children(hld) if o["kind"] == "Deployment")
+    return dict(dep["spec"]["template"])
+
+
+def _container(pod: JSON, name: str, kind: str = "containers") -> JSON:
+    return dict(next(c for c in pod["spec"][kind] if c["name"] == name))
+
+
+def test_the_pod_template_adds_what_the_operator_has_no_field_for() -> None:
+    """spec.podTemplate: node affinity, topology spread, priority and runtime class, an extra
+    volume mounted into the engine, a metrics sidecar, an engine variable, labels and
+    annotations all reach the pod; the operator's own fields win over the template's."""
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
+                ]
+            }
+        }
+    }
+    spread = [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}]
+    template = {
+        "metadata": {
+            "labels": {"team": "rl", "hotload.dev/deployment": "someone-else"},
+            "annotations": {"example.com/scrape": "true"},
+        },
+        "spec": {
+            "affinity": affinity,
+            "topologySpreadConstraints": spread,
+            "priorityClassName": "inference-high",
+            "runtimeClassName": "nvidia",
+            "serviceAccountName": "not-the-loader",
+            "volumes": [{"name": "models-cache", "persistentVolumeClaim": {"claimName": "c"}}],
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": "not/this:1",
+                    "command": ["sh"],
+                    "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                    "volumeMounts": [{"name": "models-cache", "mountPath": "/cache"}],
+                    "resources": {"requests": {"cpu": "8"}},
+                },
+                {"name": "metrics", "image": "registry.example/dcgm-exporter:3"},
+            ],
+        },
+    }
+    hld = deployment(engine={"image": "e:1", "kind": "vllm", "gpus": 1}, podTemplate=template)
+    pod = _pod(hld)
+    spec = pod["spec"]
+    assert spec["affinity"] == affinity and spec["topologySpreadConstraints"] == spread
+    assert spec["priorityClassName"] == "inference-high" and spec["runtimeClassName"] == "nvidia"
+    assert [c["name"] for c in spec["containers"]] == ["engine", "metrics"]
+    engine = _container(pod, "engine")
+    # The operator's fields win: image, command, its volume mounts; the template adds.
+    assert engine["image"] == "e:1" and engine["command"][0] == "python3"
+    assert {"name": "NCCL_DEBUG", "value": "INFO"} in engine["env"]
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in engine["env"]
+    mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
+    assert mounts == {"/weights": "weights", "/dev/shm": "dshm", "/cache": "models-cache"}
+    assert engine["resources"] == {
+        "requests": {"cpu": "8", "nvidia.com/gpu": "1"},
+        "limits": {"nvidia.com/gpu": "1"},
+    }
+    assert {v["name"] for v in spec["volumes"]} == {"weights", "dshm", "models-cache"}
+    assert spec["serviceAccountName"] == "fleet-hotload-loader"
+    assert spec["readinessGates"] == [{"conditionType": "hotload.dev/SnapshotLoaded"}]
+    assert pod["metadata"]["labels"]["hotload.dev/deployment"] == "fleet"
+    assert pod["metadata"]["labels"]["team"] == "rl"
+    assert pod["metadata"]["annotations"]["example.com/scrape"] == "true"
+    # A template change is a new template: the pods roll.
+    assert (
+        pod["metadata"]["annotations"]["hotload.dev/template-hash"]
+        != _pod(deployment(engine={"image": "e:1", "kind": "vllm", "gpus": 1}))["metadata"][
+            "annotations"
+        ]["hotload.dev/template-hash"]
+    )
+
+
+def test_secure_defaults_the_template_may_change() -> None:
+    """The loader (and the reference engine) meet the restricted Pod Security Standard by
+    default; vLLM's image runs as root, so its runAsNonRoot comes from the template."""
+    restricted = {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    pod = _pod(deployment())
+    assert pod["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    loader = _container(pod, "loader", "initContainers")
+    assert loader["securityContext"] == {
+        **restricted,
+        "runAsNonRoot": True,
+        "readOnlyRootFilesystem": True,
+    }
+    assert _container(pod, "engine")["securityContext"] == {**restricted, "runAsNonRoot": True}
+    vllm = _pod(deployment(engine={"image": "vllm:1", "kind": "vllm"}))
+    assert _container(vllm, "engine")["securityContext"] == restricted
+    nonroot = _pod(
+        deployment(
+            engine={"image": "vllm:1", "kind": "vllm"},
+            podTemplate={"spec": {"securityContext": {"runAsNonRoot": True, "runAsUser": 1000}}},
+        )
+    )
+    assert nonroot["spec"]["securityContext"] == {
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+    }
+
+
+def test_shm_for_vllm_and_sglang_only() -> None:
+    for kind in ("vllm", "sglang"):
+        pod = _pod(deployment(engine={"image": "e", "kind": kind}))
+        shm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
+        assert shm == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in _container(pod, "engine")[
+            "volumeMounts"
+        ]
+    sized = _pod(deployment(engine={"image": "e", "kind": "sglang", "shmSize": "32Gi"}))
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}} in sized["spec"][
+        "volumes"
+    ]
+    for spec in ({"kind": "reference"}, {"kind": "vllm", "shmSize": "0"}):
+        pod = _pod(deployment(engine={"image": "e", **spec}))
+        assert "dshm" not in {v["name"] for v in pod["spec"]["volumes"]}, spec
+
+
+def test_weights_volume_kinds() -> None:
+    ephemeral = _pod(
+        deployment(weightsVolume={"type": "ephemeral", "size": "500Gi", "storageClassName": "ssd"})
+    )
+    volume = next(v for v in ephemeral["spec"]["volumes"] if v["name"] == "weights")
+    claim = volume["ephemeral"]["volumeClaimTemplate"]["spec"]
+    assert claim == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "500Gi"}},
+        "storageClassName": "ssd",
+    }
+    hld = deployment(weightsVolume={"type": "persistentVolumeClaim", "claimName": "weights-a"})
+    dep = next(o for o in build_children(hld) if o["kind"] == "Deployment")
+    pod = dep["spec"]["template"]
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "weights")
+    assert volume == {"name": "weights", "persistentVolumeClaim": {"claimName": "weights-a"}}
+    for container, read_only in (
+        (_container(pod, "engine"), True),
+        (_container(pod, "loader", "initContainers"), False),
+    ):
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "weights")
+        assert mount["subPath"] == "fleet" and mount.get("readOnly", False) is read_only
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_pull_secrets_reach_every_pod_and_the_account_carries_its_annotations() -> None:
+    hld = deployment(
+        imagePullSecrets=[{"name": "registry"}],
+        serviceAccount={"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/r"}},
+        router={"enabled": True},
+    )
+    children = build_children(hld)
+    pods = [o["spec"]["template"]["spec"] for o in children if o["kind"] == "Deployment"]
+    assert len(pods) == 2
+    assert all(p["imagePullSecrets"] == [{"name": "registry"}] for p in pods)
+    account = next(
+        o for o in children if o["kind"] == "ServiceAccount" and "loader" in o["metadata"]["name"]
+    )
+    assert account["metadata"]["annotations"] == {
+        "eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/r"
+    }
 
 
 def test_loader_role_grants_exactly_what_the_loader_needs() -> None:

@@ -136,7 +136,22 @@ _KINDS: dict[str, _Kind] = {
                 "!self.adapters.enabled || has(self.adapters.baseModel)",
                 "message": "spec.adapters.baseModel is required when adapters are enabled: "
                 "the base model adapter snapshots must name",
-            }
+            },
+            {
+                "rule": "!has(self.weightsVolume) || !has(self.weightsVolume.type) || "
+                "self.weightsVolume.type != 'ephemeral' || has(self.weightsVolume.size)",
+                "message": "spec.weightsVolume.size is required for an ephemeral weights volume: "
+                "the storage each pod claims",
+            },
+            {
+                "rule": "!has(self.weightsVolume) || !has(self.weightsVolume.type) || "
+                "self.weightsVolume.type != 'persistentVolumeClaim' || "
+                "(has(self.weightsVolume.claimName) && "
+                "(!has(self.replicas) || self.replicas <= 1))",
+                "message": "a persistentVolumeClaim weights volume needs "
+                "spec.weightsVolume.claimName and serves one replica (two loaders must not "
+                "share one folder): use ephemeral volumes for more replicas",
+            },
         ],
         object_validations=[
             {
@@ -254,6 +269,7 @@ _KEY_ORDER = (
     "x-kubernetes-list-type",
     "x-kubernetes-list-map-keys",
     "x-kubernetes-validations",
+    "x-kubernetes-preserve-unknown-fields",
     "required",
     "properties",
     "items",
@@ -402,6 +418,11 @@ class _Structural:
             del node["default"]
         if node.get("additionalProperties") is False:
             # Structural schemas prune unknown fields; `false` would only add a second rule.
+            del node["additionalProperties"]
+        if node.get("x-kubernetes-preserve-unknown-fields") and node.get(
+            "additionalProperties"
+        ) in (True, {}):
+            # A free-form object (dict[str, Any]): kept as it is, validated by whoever reads it.
             del node["additionalProperties"]
         for key in _DROPPED:
             node.pop(key, None)

@@ -153,6 +153,12 @@ class EngineSpec(_Model):
     env: list[EnvVar] = Field(
         default_factory=list, max_length=64, description="Extra environment variables."
     )
+    shm_size: Quantity = Field(
+        default="8Gi",
+        description="vllm and sglang: size of the memory-backed /dev/shm (tensor-parallel "
+        "workers exchange data through it; the container runtime's 64 MiB default is too small). "
+        "It counts against the pod's memory. 0 leaves the runtime's default.",
+    )
 
 
 class LoaderSpec(_Model):
@@ -171,14 +177,84 @@ class LoaderSpec(_Model):
 
 
 class WeightsVolumeSpec(_Model):
-    """The volume the loader and the engine share (an emptyDir)."""
+    """The volume the loader and the engine share: where verified snapshots live."""
 
+    type: Literal["emptyDir", "ephemeral", "persistentVolumeClaim"] = Field(
+        default="emptyDir",
+        description="emptyDir (node disk or memory, gone with the pod), ephemeral (a volume "
+        "claimed for each pod from a storage class, gone with the pod: room for large models) "
+        "or persistentVolumeClaim (an existing claim that outlives the pod, so a new pod "
+        "resumes from the snapshots verified on it; one replica, replaced with the Recreate "
+        "strategy, since two loaders must not share one folder).",
+    )
     size_limit: Quantity | None = Field(
         default=None, description="emptyDir size limit, e.g. 200Gi (about 3x the model)."
     )
     medium: Literal["", "Memory"] = Field(
-        default="", description='"" (node disk) or Memory (tmpfs, counts against memory).'
+        default="", description='emptyDir: "" (node disk) or Memory (tmpfs, counts against memory).'
     )
+    size: Quantity | None = Field(
+        default=None, description="ephemeral: the storage each pod claims, e.g. 500Gi (required)."
+    )
+    storage_class_name: str | None = Field(
+        default=None,
+        max_length=253,
+        description="ephemeral: the storage class (default: the cluster's default class).",
+    )
+    claim_name: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="persistentVolumeClaim: the existing claim, in the deployment's namespace "
+        "(required). Snapshots go under a folder named after the deployment.",
+    )
+
+
+class ObjectMetaOverlay(_Model):
+    """Labels and annotations for every replica pod."""
+
+    labels: dict[str, Annotated[str, Field(max_length=63)]] | None = Field(
+        default=None, description="Added to the pod's labels (the operator's own keys win)."
+    )
+    annotations: dict[str, str] | None = Field(
+        default=None, description="Added to the pod's annotations (the operator's own keys win)."
+    )
+
+
+class PodTemplateOverlay(_Model):
+    """Pod settings the operator has no field for, laid under the pod it builds."""
+
+    metadata: ObjectMetaOverlay | None = Field(
+        default=None, description="Labels and annotations for the pods."
+    )
+    spec: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+        description="A partial Pod spec (affinity, topologySpreadConstraints, "
+        "priorityClassName, runtimeClassName, securityContext, volumes, extra containers, "
+        "...). The operator's pod is merged over it: lists of named items (containers, "
+        "initContainers, volumes, env, imagePullSecrets) by name, volumeMounts by mountPath, "
+        "ports by containerPort, other lists replaced; fields the operator sets win, except "
+        "the securityContexts, which are defaults the template may change. The API server "
+        "validates the result when the operator applies the Deployment (a refusal shows as "
+        "Degraded=True, InvalidSpec).",
+    )
+
+
+class ServiceAccountSpec(_Model):
+    """The replicas' service account (the loader's identity)."""
+
+    annotations: dict[str, str] | None = Field(
+        default=None,
+        description="Annotations of the service account, e.g. eks.amazonaws.com/role-arn (IRSA) "
+        "or iam.gke.io/gcp-service-account (GKE Workload Identity) for bucket access.",
+    )
+
+
+class LocalObjectReference(_Model):
+    """A reference to an object in the same namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="The object's name.")
 
 
 class RouterSpec(_Model):
@@ -280,6 +356,21 @@ class HotLoadDeploymentSpec(_Model):
         description="Serve exactly this snapshot instead of following the ledger head (a "
         "reference-policy fleet, or a rollback to an earlier snapshot, rebuilt from the ledger's "
         "history); clear it to follow the ledger again.",
+    )
+    pod_template: PodTemplateOverlay | None = Field(
+        default=None,
+        description="Pod settings the operator has no field for (GPU node affinity, topology "
+        "spread, priority class, runtime class, security contexts, extra volumes and "
+        "containers); see docs/crds.md for which fields the operator owns.",
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Secrets for pulling the images of every pod the operator creates (the "
+        "replicas and the router).",
+    )
+    service_account: ServiceAccountSpec = Field(
+        default_factory=ServiceAccountSpec, description="The replicas' service account."
     )
 
 

@@ -34,8 +34,15 @@ def build_deployment(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
     # GPUs are scarce: replace replicas in place instead of surging an extra one.
     surge = 0 if hld.spec.engine.gpus else 1
     unavailable = max(hld.spec.max_unavailable, 1 if surge == 0 else 0)
+    strategy: JSON = {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable},
+    }
+    if hld.spec.weights_volume.type == "persistentVolumeClaim":
+        # One claim, one folder: the old pod's loader must be gone before the new one starts.
+        strategy = {"type": "Recreate"}
     digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
-    template["metadata"]["annotations"] = {"hotload.dev/template-hash": digest}
+    template["metadata"].setdefault("annotations", {})["hotload.dev/template-hash"] = digest
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -43,10 +50,7 @@ def build_deployment(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
         "spec": {
             "replicas": hld.spec.replicas,
             "selector": {"matchLabels": selector(hld)},
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable},
-            },
+            "strategy": strategy,
             "template": template,
         },
     }
@@ -77,6 +81,10 @@ def build_loader_rbac(hld: HotLoadDeployment) -> list[JSON]:
     """ServiceAccount, Role and RoleBinding of the loader: get pods, patch pods and
     pods/status, create events, in its namespace; nothing more."""
     name = loader_service_account(hld)
+    account_meta = object_meta(hld, name, "loader")
+    if hld.spec.service_account.annotations:
+        # Cloud identities (IRSA, GKE Workload Identity) for the loader's bucket access.
+        account_meta["annotations"] = dict(hld.spec.service_account.annotations)
     role_rules = [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]},
         {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
@@ -86,7 +94,7 @@ def build_loader_rbac(hld: HotLoadDeployment) -> list[JSON]:
         {
             "apiVersion": "v1",
             "kind": "ServiceAccount",
-            "metadata": object_meta(hld, name, "loader"),
+            "metadata": account_meta,
             "automountServiceAccountToken": True,
         },
         {
@@ -137,8 +145,12 @@ def build_router(hld: HotLoadDeployment, images: OperatorImages) -> list[JSON]:
             "readOnlyRootFilesystem": True,
             "runAsNonRoot": True,
             "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
+    pod: JSON = {"serviceAccountName": name, "containers": [container]}
+    if hld.spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [s.to_json() for s in hld.spec.image_pull_secrets]
     return [
         {
             "apiVersion": "v1",
@@ -167,10 +179,7 @@ def build_router(hld: HotLoadDeployment, images: OperatorImages) -> list[JSON]:
             "spec": {
                 "replicas": hld.spec.router.replicas,
                 "selector": {"matchLabels": sel},
-                "template": {
-                    "metadata": {"labels": labels(hld, "router")},
-                    "spec": {"serviceAccountName": name, "containers": [container]},
-                },
+                "template": {"metadata": {"labels": labels(hld, "router")}, "spec": pod},
             },
         },
         {

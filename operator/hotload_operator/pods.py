@@ -122,18 +122,130 @@ def probe(path: str, port: int | str, *, period: int, failures: int) -> JSON:
     }
 
 
+#: Where vLLM and SGLang find their shared memory (a memory-backed emptyDir).
+SHM_MOUNT = "/dev/shm"
+
+#: What a container needs to pass the restricted Pod Security Standard, bar runAsNonRoot.
+_RESTRICTED: JSON = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def weights_volume(hld: HotLoadDeployment) -> JSON:
+    """The `weights` volume of `spec.weightsVolume`: an emptyDir, a generic ephemeral volume
+    (a claim per pod from a storage class) or an existing claim."""
+    spec = hld.spec.weights_volume
+    if spec.type == "ephemeral":
+        claim: JSON = {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": spec.size}},
+        }
+        if spec.storage_class_name:
+            claim["storageClassName"] = spec.storage_class_name
+        template = {"metadata": {"labels": labels(hld, "weights")}, "spec": claim}
+        return {"name": "weights", "ephemeral": {"volumeClaimTemplate": template}}
+    if spec.type == "persistentVolumeClaim":
+        return {"name": "weights", "persistentVolumeClaim": {"claimName": spec.claim_name}}
+    empty: JSON = {}
+    if spec.size_limit:
+        empty["sizeLimit"] = spec.size_limit
+    if spec.medium:
+        empty["medium"] = spec.medium
+    return {"name": "weights", "emptyDir": empty}
+
+
+def _weights_mount(hld: HotLoadDeployment, *, read_only: bool) -> JSON:
+    mount: JSON = {"name": "weights", "mountPath": WEIGHTS_MOUNT}
+    if hld.spec.weights_volume.type == "persistentVolumeClaim":
+        # The claim may hold other things (or other fleets): this fleet's folder only.
+        mount["subPath"] = name_of(hld)
+    if read_only:
+        mount["readOnly"] = True
+    return mount
+
+
+def shm_volume(hld: HotLoadDeployment) -> JSON | None:
+    """The memory-backed /dev/shm volume of vLLM and SGLang (None for the reference engine,
+    or when `engine.shmSize` is 0)."""
+    engine = hld.spec.engine
+    size = engine.shm_size
+    if engine.kind == "reference" or float(size.rstrip("mkKiMGTPE") or "0") == 0:
+        return None
+    return {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}}
+
+
+def security_defaults(hld: HotLoadDeployment) -> JSON:
+    """The pod's security contexts: the restricted Pod Security Standard for the loader, and
+    for the engine where its image allows (the reference engine's image runs as a non-root
+    user; vLLM's and SGLang's official images run as root, so runAsNonRoot is left to
+    `spec.podTemplate`). Defaults: the pod template may change any of them."""
+    engine = dict(_RESTRICTED)
+    if hld.spec.engine.kind == "reference":
+        engine["runAsNonRoot"] = True
+    loader = {**_RESTRICTED, "runAsNonRoot": True, "readOnlyRootFilesystem": True}
+    return {
+        "spec": {
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+            "initContainers": [{"name": "loader", "securityContext": loader}],
+            "containers": [{"name": "engine", "securityContext": engine}],
+        }
+    }
+
+
+#: Lists merged item by item, and the field that names an item (Kubernetes' strategic-merge
+#: keys); any other list is replaced whole.
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "ephemeralContainers": "name",
+    "volumes": "name",
+    "env": "name",
+    "imagePullSecrets": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+}
+
+
+def overlay(under: Any, over: Any, field: str = "") -> Any:
+    """`over` laid on `under`: objects merged field by field, lists of named items merged by
+    name (`MERGE_KEYS`; `over`'s items first, in its order), anything else `over`'s."""
+    if isinstance(under, dict) and isinstance(over, dict):
+        out = dict(under)
+        for key, value in over.items():
+            out[key] = overlay(under[key], value, key) if key in under else value
+        return out
+    key = MERGE_KEYS.get(field)
+    if key is not None and isinstance(under, list) and isinstance(over, list):
+        named = {item.get(key): item for item in under if isinstance(item, dict)}
+        merged = [
+            overlay(named.pop(item.get(key)), item)
+            if isinstance(item, dict) and item.get(key) in named
+            else item
+            for item in over
+        ]
+        return merged + [i for i in under if not isinstance(i, dict) or i.get(key) in named]
+    return over
+
+
 def build_pod_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
-    """The replicas' pod template: the loader as a native sidecar, the engine, the shared
-    weights volume and the `hotload.dev/SnapshotLoaded` readiness gate."""
+    """The replicas' pod template: the loader as a native sidecar, the engine, their volumes,
+    the `hotload.dev/SnapshotLoaded` readiness gate and image pull secrets, laid over
+    `spec.podTemplate`, which lies over the secure defaults (`security_defaults`). What the
+    operator sets wins; the template adds or sets everything else."""
+    owned = _owned_template(hld, images)
+    user: JSON = {}
+    if hld.spec.pod_template is not None:
+        user = hld.spec.pod_template.model_dump(by_alias=True, exclude_none=True, mode="json")
+    return dict(overlay(overlay(security_defaults(hld), user), owned))
+
+
+def _owned_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
     spec = hld.spec
     engine = spec.engine
-    weights_volume: JSON = {"name": "weights", "emptyDir": {}}
-    if spec.weights_volume.size_limit:
-        weights_volume["emptyDir"]["sizeLimit"] = spec.weights_volume.size_limit
-    if spec.weights_volume.medium:
-        weights_volume["emptyDir"]["medium"] = spec.weights_volume.medium
-    volumes: list[JSON] = [weights_volume]
-    loader_mounts: list[JSON] = [{"name": "weights", "mountPath": WEIGHTS_MOUNT}]
+    volumes: list[JSON] = [weights_volume(hld)]
+    loader_mounts: list[JSON] = [_weights_mount(hld, read_only=False)]
     if spec.bucket.credentials_secret:
         volumes.append(
             {
@@ -156,7 +268,6 @@ def build_pod_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
         "startupProbe": probe("/startup", "loader", period=5, failures=720),
         "livenessProbe": probe("/healthz", "loader", period=10, failures=6),
         "volumeMounts": loader_mounts,
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
     }
     if spec.loader.resources is not None:
         loader["resources"] = spec.loader.resources.to_json()
@@ -169,6 +280,10 @@ def build_pod_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
         if spec.adapters.enabled:
             # Without it vLLM has no /v1/load_lora_adapter route at all.
             engine_env.append({"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"})
+    engine_mounts = [_weights_mount(hld, read_only=True)]
+    if (shm := shm_volume(hld)) is not None:
+        volumes.append(shm)
+        engine_mounts.append({"name": shm["name"], "mountPath": SHM_MOUNT})
     engine_container: JSON = {
         "name": "engine",
         "image": engine.image,
@@ -177,7 +292,7 @@ def build_pod_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
         "readinessProbe": probe(ready_path, "http", period=5, failures=3),
         "livenessProbe": probe("/health", "http", period=10, failures=6),
         "startupProbe": probe("/health", "http", period=5, failures=360),
-        "volumeMounts": [{"name": "weights", "mountPath": WEIGHTS_MOUNT, "readOnly": True}],
+        "volumeMounts": engine_mounts,
     }
     if engine_env:
         engine_container["env"] = engine_env
@@ -191,6 +306,8 @@ def build_pod_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
         "volumes": volumes,
         "terminationGracePeriodSeconds": 60,
     }
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [s.to_json() for s in spec.image_pull_secrets]
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
