@@ -10,108 +10,64 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import Field
 
-from hotload.api.names import IDENTITY_PATTERN, LEDGER_NAME_PATTERN
+from hotload.api.common import (
+    ApiModel,
+    Condition,
+    ConditionStatus,
+    EngineKind,
+    EnvVar,
+    Identity,
+    LocalObjectReference,
+    ObjectMetaOverlay,
+    PodTemplateOverlay,
+    PromptCachePolicy,
+    Quantity,
+    ResourceRequirements,
+    ServiceAccountSpec,
+    SnapshotKind,
+    Toleration,
+    TransitionMode,
+)
+from hotload.api.names import LEDGER_NAME_PATTERN
 
-Identity = Annotated[
-    str,
-    Field(
-        pattern=IDENTITY_PATTERN,
-        min_length=1,
-        max_length=128,
-        description="A snapshot identity: one path segment of 1-128 characters from "
-        "A-Z a-z 0-9 . _ - starting with a letter or digit.",
-    ),
+__all__ = [
+    "AdapterStatus",
+    "AdaptersSpec",
+    "BucketSpec",
+    "Condition",
+    "ConditionStatus",
+    "EngineKind",
+    "EngineSpec",
+    "EnvVar",
+    "HotLoadDeployment",
+    "HotLoadDeploymentSpec",
+    "HotLoadDeploymentStatus",
+    "Identity",
+    "LoaderSpec",
+    "LocalObjectReference",
+    "ObjectMetaOverlay",
+    "PodTemplateOverlay",
+    "PromptCachePolicy",
+    "Quantity",
+    "ReplicaFailure",
+    "ReplicaLoad",
+    "ReplicaStatus",
+    "ResourceRequirements",
+    "RouterSpec",
+    "ServiceAccountSpec",
+    "Snapshot",
+    "SnapshotKind",
+    "SnapshotSpec",
+    "SnapshotStatus",
+    "Toleration",
+    "TransitionMode",
+    "WeightsVolumeSpec",
 ]
-Quantity = Annotated[
-    str,
-    Field(
-        pattern=r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$",
-        max_length=32,
-        description="A Kubernetes quantity, e.g. 500m, 2, 16Gi.",
-    ),
-]
-TransitionMode = Literal["async", "sync"]
-PromptCachePolicy = Literal["all", "none", "new_session"]
-EngineKind = Literal["reference", "vllm", "sglang"]
-SnapshotKind = Literal["full", "incremental", "lora"]
-ConditionStatus = Literal["True", "False", "Unknown"]
 
 
-class _Model(BaseModel):
-    """camelCase on the wire, unknown fields refused (the API server prunes them anyway)."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=False
-    )
-
-    def to_json(self) -> dict[str, Any]:
-        """The object as the API server stores it (camelCase, unset optionals left out)."""
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
-
-
-# --- shared pieces --------------------------------------------------------------------------
-
-
-class Condition(_Model):
-    """A condition in the Kubernetes API conventions' shape."""
-
-    type: str = Field(max_length=316, description="Condition type, e.g. Ready.")
-    status: ConditionStatus = Field(description="True, False or Unknown.")
-    reason: str = Field(
-        max_length=1024,
-        pattern=r"^([A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?)?$",
-        description="One CamelCase word saying why (documented constants in hotload.api.names).",
-    )
-    message: str = Field(default="", max_length=32768, description="Human-readable detail.")
-    last_transition_time: str = Field(
-        description="When the status last changed (RFC 3339).", max_length=64
-    )
-    observed_generation: int | None = Field(
-        default=None, ge=0, description="The .metadata.generation the condition was set from."
-    )
-
-
-class ResourceRequirements(_Model):
-    """Compute resources of a container, as in a Pod spec."""
-
-    requests: dict[str, Quantity] | None = Field(
-        default=None, description="Minimum resources, e.g. {cpu: '4', memory: 32Gi}."
-    )
-    limits: dict[str, Quantity] | None = Field(
-        default=None, description="Maximum resources, e.g. {memory: 64Gi}."
-    )
-
-
-class EnvVar(_Model):
-    """A plain environment variable."""
-
-    name: str = Field(min_length=1, max_length=256, description="Variable name.")
-    value: str = Field(default="", max_length=32768, description="Variable value.")
-
-
-class Toleration(_Model):
-    """A toleration, as in a Pod spec."""
-
-    key: str | None = Field(default=None, max_length=316, description="Taint key to match.")
-    operator: Literal["Exists", "Equal"] | None = Field(
-        default=None, description="Exists or Equal (default Equal)."
-    )
-    value: str | None = Field(default=None, max_length=63, description="Taint value to match.")
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        default=None, description="Taint effect to match (empty: all)."
-    )
-    toleration_seconds: int | None = Field(
-        default=None, ge=0, description="How long a NoExecute taint is tolerated."
-    )
-
-
-# --- HotLoadDeployment ------------------------------------------------------------------------
-
-
-class BucketSpec(_Model):
+class BucketSpec(ApiModel):
     """Where snapshots and the ledger live."""
 
     url: str = Field(
@@ -130,7 +86,7 @@ class BucketSpec(_Model):
     )
 
 
-class EngineSpec(_Model):
+class EngineSpec(ApiModel):
     """The inference engine container."""
 
     kind: EngineKind = Field(
@@ -161,7 +117,7 @@ class EngineSpec(_Model):
     )
 
 
-class LoaderSpec(_Model):
+class LoaderSpec(ApiModel):
     """The loader sidecar."""
 
     image: str | None = Field(
@@ -176,7 +132,7 @@ class LoaderSpec(_Model):
     )
 
 
-class WeightsVolumeSpec(_Model):
+class WeightsVolumeSpec(ApiModel):
     """The volume the loader and the engine share: where verified snapshots live."""
 
     type: Literal["emptyDir", "ephemeral", "persistentVolumeClaim"] = Field(
@@ -210,54 +166,7 @@ class WeightsVolumeSpec(_Model):
     )
 
 
-class ObjectMetaOverlay(_Model):
-    """Labels and annotations for every replica pod."""
-
-    labels: dict[str, Annotated[str, Field(max_length=63)]] | None = Field(
-        default=None, description="Added to the pod's labels (the operator's own keys win)."
-    )
-    annotations: dict[str, str] | None = Field(
-        default=None, description="Added to the pod's annotations (the operator's own keys win)."
-    )
-
-
-class PodTemplateOverlay(_Model):
-    """Pod settings the operator has no field for, laid under the pod it builds."""
-
-    metadata: ObjectMetaOverlay | None = Field(
-        default=None, description="Labels and annotations for the pods."
-    )
-    spec: dict[str, Any] | None = Field(
-        default=None,
-        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
-        description="A partial Pod spec (affinity, topologySpreadConstraints, "
-        "priorityClassName, runtimeClassName, securityContext, volumes, extra containers, "
-        "...). The operator's pod is merged over it: lists of named items (containers, "
-        "initContainers, volumes, env, imagePullSecrets) by name, volumeMounts by mountPath, "
-        "ports by containerPort, other lists replaced; fields the operator sets win, except "
-        "the securityContexts, which are defaults the template may change. The API server "
-        "validates the result when the operator applies the Deployment (a refusal shows as "
-        "Degraded=True, InvalidSpec).",
-    )
-
-
-class ServiceAccountSpec(_Model):
-    """The replicas' service account (the loader's identity)."""
-
-    annotations: dict[str, str] | None = Field(
-        default=None,
-        description="Annotations of the service account, e.g. eks.amazonaws.com/role-arn (IRSA) "
-        "or iam.gke.io/gcp-service-account (GKE Workload Identity) for bucket access.",
-    )
-
-
-class LocalObjectReference(_Model):
-    """A reference to an object in the same namespace."""
-
-    name: str = Field(min_length=1, max_length=253, description="The object's name.")
-
-
-class RouterSpec(_Model):
+class RouterSpec(ApiModel):
     """An optional session-affine, version-aware router in front of the replicas."""
 
     enabled: bool = Field(default=False, description="Deploy the router.")
@@ -270,7 +179,7 @@ class RouterSpec(_Model):
     )
 
 
-class AdaptersSpec(_Model):
+class AdaptersSpec(ApiModel):
     """LoRA adapters served on top of the base weights (engines with runtime adapter loading)."""
 
     enabled: bool = Field(
@@ -301,7 +210,7 @@ class AdaptersSpec(_Model):
     )
 
 
-class HotLoadDeploymentSpec(_Model):
+class HotLoadDeploymentSpec(ApiModel):
     """What a platform team declares: a fleet of replicas following one ledger."""
 
     replicas: int = Field(default=1, ge=0, le=1000, description="Number of engine replicas.")
@@ -374,7 +283,7 @@ class HotLoadDeploymentSpec(_Model):
     )
 
 
-class AdapterStatus(_Model):
+class AdapterStatus(ApiModel):
     """One LoRA adapter on one replica."""
 
     identity: str = Field(max_length=128, description="The adapter snapshot's identity.")
@@ -387,7 +296,7 @@ class AdapterStatus(_Model):
     message: str = Field(default="", max_length=1024, description="Why it failed, if it did.")
 
 
-class ReplicaStatus(_Model):
+class ReplicaStatus(ApiModel):
     """One replica as its loader reports it."""
 
     pod: str = Field(max_length=253, description="Pod name.")
@@ -405,7 +314,7 @@ class ReplicaStatus(_Model):
     )
 
 
-class HotLoadDeploymentStatus(_Model):
+class HotLoadDeploymentStatus(ApiModel):
     """What SREs read: is the fleet on the latest policy?"""
 
     observed_generation: int | None = Field(
@@ -450,7 +359,7 @@ class HotLoadDeploymentStatus(_Model):
     )
 
 
-class HotLoadDeployment(_Model):
+class HotLoadDeployment(ApiModel):
     """A fleet of inference replicas that follows a ledger of policy snapshots."""
 
     api_version: Literal["hotload.dev/v1alpha1"] = "hotload.dev/v1alpha1"
@@ -463,7 +372,7 @@ class HotLoadDeployment(_Model):
 # --- Snapshot -------------------------------------------------------------------------------
 
 
-class SnapshotSpec(_Model):
+class SnapshotSpec(ApiModel):
     """A snapshot a trainer published into the deployment's bucket (immutable)."""
 
     deployment: str = Field(
@@ -487,7 +396,7 @@ class SnapshotSpec(_Model):
     )
 
 
-class ReplicaLoad(_Model):
+class ReplicaLoad(ApiModel):
     """How long one replica took to serve this snapshot."""
 
     pod: str = Field(max_length=253, description="Pod name.")
@@ -495,14 +404,14 @@ class ReplicaLoad(_Model):
     load_seconds: float | None = Field(default=None, ge=0, description="Engine load.")
 
 
-class ReplicaFailure(_Model):
+class ReplicaFailure(ApiModel):
     """A replica that failed to load this snapshot."""
 
     pod: str = Field(max_length=253, description="Pod name.")
     message: str = Field(max_length=4096, description="What the loader reported.")
 
 
-class SnapshotStatus(_Model):
+class SnapshotStatus(ApiModel):
     """Admission and roll-out of one snapshot."""
 
     observed_generation: int | None = Field(
@@ -527,7 +436,7 @@ class SnapshotStatus(_Model):
     )
 
 
-class Snapshot(_Model):
+class Snapshot(ApiModel):
     """A policy snapshot a trainer published; the operator admits it into the ledger."""
 
     api_version: Literal["hotload.dev/v1alpha1"] = "hotload.dev/v1alpha1"
