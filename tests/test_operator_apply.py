@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from hotload.api.names import DEPLOYMENT_NAME_MAX
-from hotload.errors import KubeInvalidError, KubeNotFoundError
+from hotload.errors import KubeError, KubeInvalidError, KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
 from support.cluster import install_crds
 from support.kubeapi import KubeAPI
@@ -215,3 +215,88 @@ async def test_a_conflict_with_another_field_manager_is_surfaced_not_overwritten
                 return obj if reason not in (None, "ApplyConflict") else None
 
             await eventually("ApplyConflict cleared", cleared)
+
+
+@pytest.mark.asyncio
+async def test_a_production_pod_spec_passes_restricted_pod_security(
+    real_kube_api: KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vLLM fleet with a pod template (GPU node affinity, a non-root user), weights on an
+    existing claim, /dev/shm and a pull secret, in a namespace that enforces the restricted Pod
+    Security Standard: the Deployment validates strictly, and its pods are admitted (the
+    ReplicaSet controller creates them). Without the template's non-root user the same pod is
+    refused, naming runAsNonRoot: the admission really is on."""
+    import kubernetes_validate
+
+    api = real_kube_api
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+    ns = api.namespace
+    restricted = {
+        "pod-security.kubernetes.io/enforce": "restricted",
+        "pod-security.kubernetes.io/enforce-version": "latest",
+    }
+    pods_path = resource_path("v1", "pods", ns)
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
+                ]
+            }
+        }
+    }
+    body = fleet(
+        "fleet",
+        tmp_path,
+        replicas=1,
+        weightsVolume={"type": "persistentVolumeClaim", "claimName": "weights"},
+        imagePullSecrets=[{"name": "registry"}],
+        podTemplate={
+            "metadata": {"labels": {"team": "rl"}},
+            "spec": {
+                "affinity": affinity,
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000},
+            },
+        },
+    )
+    body["spec"]["engine"] |= {"kind": "vllm", "gpus": 1, "shmSize": "16Gi"}
+    async with api.client() as kube:
+        await kube.patch(f"/api/v1/namespaces/{ns}", {"metadata": {"labels": restricted}})
+        await kube.create(
+            resource_path("v1", "persistentvolumeclaims", ns),
+            {
+                "metadata": {"name": "weights"},
+                "spec": {
+                    "accessModes": ["ReadWriteOnce"],
+                    "resources": {"requests": {"storage": "1Gi"}},
+                },
+            },
+        )
+        await install_crds(kube)
+        async with running_operator(api):
+            await kube.create(hld_path(ns), body)
+            path = resource_path("apps/v1", "deployments", ns, "fleet")
+            deployment = await eventually("the Deployment", lambda: _get(kube, path))
+            kubernetes_validate.validate(deployment, "1.33", strict=True)
+            spec = deployment["spec"]["template"]["spec"]
+            assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in (
+                spec["volumes"]
+            )
+            assert spec["imagePullSecrets"] == [{"name": "registry"}]
+
+            async def admitted() -> list[JSON]:
+                listed = await kube.list(pods_path, label_selector="hotload.dev/deployment=fleet")
+                return list(listed["items"])
+
+            # Admitted under enforce=restricted: the controller created the pod.
+            (pod,) = await eventually("the fleet's pod, admitted", admitted, timeout=60)
+            assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+
+            # The control: the same pod without the template's user is refused.
+            template = deployment["spec"]["template"]
+            del template["spec"]["securityContext"]["runAsNonRoot"]
+            probe = {"metadata": {"generateName": "probe-", **template["metadata"]}}
+            with pytest.raises(KubeError) as refused:
+                await kube.create(pods_path + "?dryRun=All", probe | {"spec": template["spec"]})
+            assert refused.value.status == 403 and "runAsNonRoot" in str(refused.value)
+            assert 'violates PodSecurity "restricted:latest"' in str(refused.value)
