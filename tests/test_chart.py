@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from hotload_operator.builders import build_loader_rbac
+from hotload_operator.builders import build_children, build_loader_rbac
 from hotload_operator.meta import LOADER_PORT
 from hotload_operator.policy import build_loader_admission_policy
 from support.kubetools import Helm, helm
@@ -67,6 +67,13 @@ NON_DEFAULT: JSON = {
     "nodeSelector": {"kubernetes.io/os": "linux"},
     "tolerations": [{"key": "infra", "operator": "Exists", "effect": "NoSchedule"}],
     "priorityClassName": "system-cluster-critical",
+    "networkPolicy": {
+        "enabled": True,
+        "clients": [{"namespaceSelector": {"matchLabels": {"team": "trainers"}}}],
+        "metricsScrapers": [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+        ],
+    },
 }
 ALL_NAMESPACE_SECRETS: JSON = {
     "rbac": {"bucketSecretNamesInAllNamespaces": ["hotload-bucket"]},
@@ -681,6 +688,82 @@ def test_metrics_service_and_monitors(scenarios: dict[str, list[JSON]]) -> None:
         {"port": "loader", "path": "/metrics", "interval": "30s"}
     ]
     assert LOADER_PORT == 8091
+
+
+# --- network policies ---------------------------------------------------------------------------
+
+
+def test_network_policies_admit_only_what_hotload_needs(scenarios: dict[str, list[JSON]]) -> None:
+    """Off by default. On: the operator's pod takes scrapes on its metrics port from the
+    scrapers only; in each watched namespace the engines take the inference port from the
+    clients and the router, the loader port from the scrapers; routers take the clients."""
+    assert not [o for o in scenarios["default"] if o["kind"] == "NetworkPolicy"]
+    objs = scenarios["non-default"]
+    clients = NON_DEFAULT["networkPolicy"]["clients"]
+    scrapers = NON_DEFAULT["networkPolicy"]["metricsScrapers"]
+    operator = find(objs, "NetworkPolicy", f"{FULLNAME}-operator", NAMESPACE)
+    pod_labels = find(objs, "Deployment", FULLNAME)["spec"]["template"]["metadata"]["labels"]
+    assert operator["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert operator["spec"]["ingress"] == [
+        {"ports": [{"port": "metrics", "protocol": "TCP"}], "from": scrapers}
+    ]
+    router_pods = {
+        "app.kubernetes.io/managed-by": "hotload-operator",
+        "hotload.dev/component": "router",
+    }
+    for ns in ("team-a", "team-b"):
+        engines = find(objs, "NetworkPolicy", f"{FULLNAME}-engines", ns)
+        assert engines["spec"]["podSelector"]["matchLabels"] == {
+            "app.kubernetes.io/managed-by": "hotload-operator",
+            "hotload.dev/component": "engine",
+        }
+        assert engines["spec"]["policyTypes"] == ["Ingress"]
+        assert engines["spec"]["ingress"] == [
+            {
+                "ports": [{"port": "http", "protocol": "TCP"}],
+                "from": [{"podSelector": {"matchLabels": router_pods}}, *clients],
+            },
+            {"ports": [{"port": "loader", "protocol": "TCP"}], "from": scrapers},
+        ]
+        routers = find(objs, "NetworkPolicy", f"{FULLNAME}-routers", ns)
+        assert routers["spec"]["podSelector"]["matchLabels"] == router_pods
+        assert routers["spec"]["ingress"] == [
+            {"ports": [{"port": "http", "protocol": "TCP"}], "from": clients}
+        ]
+    # The port names are those of the pods the operator builds.
+    template = next(o for o in build_children(_minimal_deployment()) if o["kind"] == "Deployment")[
+        "spec"
+    ]["template"]["spec"]
+    assert template["containers"][0]["ports"][0]["name"] == "http"
+    assert template["initContainers"][0]["ports"][0]["name"] == "loader"
+
+
+def _minimal_deployment() -> Any:
+    from hotload.api.models import HotLoadDeployment
+
+    return HotLoadDeployment.model_validate(
+        {
+            "metadata": {"name": "f", "namespace": "team-a", "uid": "u"},
+            "spec": {"bucket": {"url": "s3://b/p"}, "engine": {"image": "e"}},
+        }
+    )
+
+
+def test_network_policies_need_namespaces_when_watching_everywhere(
+    helm_cli: Helm, tmp_path: Path
+) -> None:
+    proc = helm_cli.run(
+        "template",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--set",
+        "networkPolicy.enabled=true",
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "networkPolicy.namespaces: name the namespaces" in proc.stderr
 
 
 def test_notes_tell_the_next_step(helm_cli: Helm, tmp_path: Path) -> None:
