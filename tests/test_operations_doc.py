@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from hotload.api import names
 from hotload.engine.metrics import EngineMetrics
 from hotload.router.proxy import RouterMetrics
-from hotload_operator.reconcile import OperatorMetrics
+from hotload_operator.context import OperatorMetrics
 from hotload_sidecar.metrics import LoaderMetrics
 
 REPO = Path(__file__).resolve().parents[1]

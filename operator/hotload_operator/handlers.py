@@ -19,9 +19,9 @@ from hotload.api.names import (
 )
 from hotload.errors import BucketError, KubeError
 from hotload.kube import KubeClient, KubeConfig
-from hotload_operator import reconcile
+from hotload_operator import apply, context, reconcile
+from hotload_operator.context import Context
 from hotload_operator.meta import OperatorImages
-from hotload_operator.reconcile import Context
 
 log = logging.getLogger("hotload_operator")
 
@@ -142,11 +142,11 @@ async def _reconcile_spec(ctx: Context, body: kopf.Body, logger: kopf.Logger) ->
     then, and before the router's removal: a fleet must follow a pin (a rollback) even while
     its Deployment cannot be updated or removing the router fails (e.g. the operator's RBAC
     lacks delete). Other API errors are retried by kopf."""
-    hld = reconcile.parse_deployment(dict(body))
-    refused: reconcile.ApplyRefusedError | None = None
+    hld = context.parse_deployment(dict(body))
+    refused: apply.ApplyRefusedError | None = None
     try:
-        applied = await reconcile.apply_children(ctx, hld)
-    except reconcile.ApplyRefusedError as err:
+        applied = await apply.apply_children(ctx, hld)
+    except apply.ApplyRefusedError as err:
         refused = err
         # INFO: a kopf WARNING would become an Event per attempt; the one Event is below.
         logger.info("owned objects not applied: %s", err.problem.message)
@@ -155,12 +155,12 @@ async def _reconcile_spec(ctx: Context, body: kopf.Body, logger: kopf.Logger) ->
     else:
         logger.info("applied %s", ", ".join(applied))
     try:
-        await reconcile.sync_pin(ctx, hld)
+        await apply.sync_pin(ctx, hld)
     except BucketError as err:
         raise kopf.TemporaryError(f"writing the pin object failed: {err}", delay=10) from err
     if refused is None:
         try:
-            await reconcile.remove_router(ctx, hld)
+            await apply.remove_router(ctx, hld)
         except KubeError as err:
             raise kopf.TemporaryError(f"removing the router failed: {err}", delay=10) from err
     await reconcile.guarded("roll-up", lambda: reconcile.rollup(ctx, *_key(body)))
@@ -172,10 +172,10 @@ async def _reconcile_spec(ctx: Context, body: kopf.Body, logger: kopf.Logger) ->
 async def deployment_tick(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """Periodic check: notices a new ledger head before any pod reports it (cheap when the
     ledger did not change: one conditional GET), and applies the spec again while another
-    field manager holds one of its fields (every `reconcile.apply_retry_seconds()`)."""
+    field manager holds one of its fields (every `apply.apply_retry_seconds()`)."""
     ctx: Context = memo["ctx"]
-    hld = reconcile.parse_deployment(dict(body))
-    if reconcile.apply_retry_due(ctx, *_key(body)):
+    hld = context.parse_deployment(dict(body))
+    if apply.apply_retry_due(ctx, *_key(body)):
         await _reconcile_spec(ctx, body, logger)
         return
     await reconcile.guarded("roll-up", lambda: reconcile.tick(ctx, *_key(body), hld))

@@ -1,24 +1,16 @@
-"""The operator's API side: apply what the builders return, run admission, write roll-ups.
+"""The operator's API side of admission and roll-up: read what they need, write what they
+decide (applying the owned objects is `apply`'s).
 
 Handlers call these; these call the Kubernetes API (`hotload.kube`) and the bucket, and leave
-every decision to the pure modules (`builders`, `admission`, `rollup`).
+every decision to the pure modules (`admission`, `rollup`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
-
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from hotload.api.models import HotLoadDeployment, Snapshot
 from hotload.api.names import (
@@ -29,281 +21,33 @@ from hotload.api.names import (
     DEPLOYMENT_PLURAL,
     LABEL_DEPLOYMENT,
     SNAPSHOT_PLURAL,
-    DeploymentReasons,
     SnapshotReasons,
 )
-from hotload.bucket import Bucket, open_bucket
-from hotload.bucket.url import S3_SETTINGS
 from hotload.errors import (
     BucketError,
     KubeError,
-    KubeFieldConflictError,
-    KubeForbiddenError,
-    KubeInvalidError,
     KubeNotFoundError,
     LedgerError,
 )
-from hotload.kube import KubeClient, resource_path
-from hotload.ledger import Ledger, LedgerDocument, Pin, write_pin_async
+from hotload.kube import resource_path
+from hotload.ledger import Ledger, LedgerDocument
 from hotload_operator.admission import Admission, admit
-from hotload_operator.builders import build_children
 from hotload_operator.conditions import format_time, set_condition, stored_form
+from hotload_operator.context import Context, parse_deployment, parse_snapshot
 from hotload_operator.meta import (
-    OperatorImages,
     ledger_url,
     name_of,
-    namespace_of,
-    pin_object_key,
-    router_name,
     selector_string,
 )
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 
 log = logging.getLogger("hotload_operator")
 JSON = dict[str, Any]
-FIELD_MANAGER = "hotload-operator"
-
-_PLURALS = {
-    "ServiceAccount": ("v1", "serviceaccounts"),
-    "Role": ("rbac.authorization.k8s.io/v1", "roles"),
-    "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
-    "Deployment": ("apps/v1", "deployments"),
-    "Service": ("v1", "services"),
-    "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
-}
-
-
-class CredentialsUnreadableError(BucketError):
-    """A bucket cannot be opened: its `spec.bucket.credentialsSecret` cannot be read (a
-    `BucketError`, so every caller that retries an unreachable bucket retries this too)."""
-
-    reason = "credentials unreadable"
-
-    @classmethod
-    def of(
-        cls, namespace: str, secret: str, url: str, err: KubeError
-    ) -> CredentialsUnreadableError:
-        """The error for Secret `namespace/secret` failing with `err`, saying what to do."""
-        if isinstance(err, KubeForbiddenError):
-            why = (
-                "the operator may not read it: add it to the chart's rbac.bucketSecrets for "
-                f"namespace {namespace} and run helm upgrade ({err})"
-            )
-        elif isinstance(err, KubeNotFoundError):
-            why = f"it does not exist ({err})"
-        else:
-            why = str(err)
-        return cls(f"Secret {namespace}/{secret} (spec.bucket.credentialsSecret): {why}", url=url)
-
-
-@dataclass(frozen=True)
-class SpecProblem:
-    """Why the objects a deployment owns could not be applied: the reason and message of its
-    `Degraded=True` condition (and of the Warning Event that announces it)."""
-
-    reason: str
-    message: str
-
-
-class ApplyRefusedError(Exception):
-    """The API server refused an owned object built from the spec (`InvalidSpec`), or applying
-    it would overwrite another field manager's change (`ApplyConflict`)."""
-
-    def __init__(self, problem: SpecProblem, *, new: bool) -> None:
-        super().__init__(problem.message)
-        self.problem = problem
-        #: False when the same problem was already reported (no second Event).
-        self.new = new
 
 
 class AdmissionDeferredError(Exception):
     """Admission could not read the bucket; the Snapshot says so (`Accepted=Unknown`,
     `BucketUnreachable`) and the caller retries."""
-
-
-@dataclass
-class OperatorMetrics:
-    """Prometheus metrics of the operator (its own registry)."""
-
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-
-    def __post_init__(self) -> None:
-        r = self.registry
-        self.reconciles = Counter(
-            "hotload_operator_reconciles", "Deployment reconciles", ["result"], registry=r
-        )
-        self.admissions = Counter(
-            "hotload_operator_admissions", "Snapshot admissions by reason", ["reason"], registry=r
-        )
-        self.rollup_seconds = Histogram(
-            "hotload_operator_rollup_seconds", "Seconds per deployment roll-up", registry=r
-        )
-
-
-@dataclass
-class Context:
-    """What every handler shares: the API client, images, bucket cache and metrics."""
-
-    kube: KubeClient
-    images: OperatorImages = field(default_factory=OperatorImages)
-    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
-    now: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
-    _buckets: dict[tuple[str, str, str | None], Bucket] = field(default_factory=dict)
-    _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
-    _pending: set[tuple[str, str]] = field(default_factory=set)
-    #: Per deployment: the ledger's ETag and when it was last rolled up (for the cheap timer).
-    _ticks: dict[tuple[str, str], tuple[str | None, float]] = field(default_factory=dict)
-    #: Per deployment: why its owned objects could not be applied, until an apply succeeds;
-    #: the roll-up shows it as Degraded=True with the problem's reason.
-    _problems: dict[tuple[str, str], SpecProblem] = field(default_factory=dict)
-    #: Per deployment: when (monotonic) its owned objects were last applied or tried.
-    _applied_at: dict[tuple[str, str], float] = field(default_factory=dict)
-
-    async def bucket(self, hld: HotLoadDeployment) -> Bucket:
-        """The deployment's bucket, with credentials from its Secret (cached per secret).
-
-        Raises `CredentialsUnreadableError` (a `BucketError`) when the Secret cannot be read."""
-        url = hld.spec.bucket.url
-        secret = hld.spec.bucket.credentials_secret
-        key = (namespace_of(hld), url, secret)
-        if key not in self._buckets:
-            credentials_dir = None
-            if secret:
-                try:
-                    credentials_dir = await self._secret_dir(namespace_of(hld), secret)
-                except KubeError as err:
-                    raise CredentialsUnreadableError.of(
-                        namespace_of(hld), secret, url, err
-                    ) from err
-            self._buckets[key] = open_bucket(url, credentials_dir=credentials_dir)
-        return self._buckets[key]
-
-    async def _secret_dir(self, namespace: str, name: str) -> Path:
-        import base64
-
-        secret = await self.kube.get(resource_path("v1", "secrets", namespace, name))
-        folder = Path(tempfile.mkdtemp(prefix="hotload-secret-"))
-        os.chmod(folder, 0o700)
-        wanted = {n.upper() for n in S3_SETTINGS} | {"GOOGLE_SERVICE_ACCOUNT"}
-        for key, value in (secret.get("data") or {}).items():
-            if key.upper() in wanted:
-                (folder / key).write_bytes(base64.b64decode(value))
-        return folder
-
-    def lock(self, namespace: str, name: str) -> asyncio.Lock:
-        """One roll-up at a time per deployment."""
-        return self._locks.setdefault((namespace, name), asyncio.Lock())
-
-
-def parse_deployment(body: JSON) -> HotLoadDeployment:
-    """The deployment body as a model (the API server already validated it)."""
-    return HotLoadDeployment.model_validate(
-        {"metadata": dict(body.get("metadata") or {}), "spec": dict(body.get("spec") or {})}
-    )
-
-
-def parse_snapshot(body: JSON) -> Snapshot:
-    """The snapshot body as a model."""
-    return Snapshot.model_validate(
-        {
-            "metadata": dict(body.get("metadata") or {}),
-            "spec": dict(body.get("spec") or {}),
-            "status": dict(body.get("status") or {}) or None,
-        }
-    )
-
-
-async def apply_children(ctx: Context, hld: HotLoadDeployment) -> list[str]:
-    """Create or update every object the deployment owns (server-side apply); return names.
-
-    The apply does not force: a field another field manager owns (someone's `kubectl edit` or
-    `kubectl scale` of the Deployment) is not silently overwritten. A refused object (422) or
-    such a conflict raises `ApplyRefusedError`, and the problem is kept for the roll-up
-    (Degraded=True) until an apply succeeds. Other API errors propagate for a retry."""
-    applied = []
-    key = (namespace_of(hld), name_of(hld))
-    ctx._applied_at[key] = time.monotonic()
-    for obj in build_children(hld, ctx.images):
-        api_version, plural = _PLURALS[obj["kind"]]
-        meta = obj["metadata"]
-        path = resource_path(api_version, plural, meta["namespace"], meta["name"])
-        try:
-            await ctx.kube.patch(path, obj, "apply", field_manager=FIELD_MANAGER)
-        except KubeFieldConflictError as err:
-            raise _refused(ctx, key, apply_conflict(obj, err)) from err
-        except KubeInvalidError as err:
-            message = f"the API server refused {obj['kind']} {meta['name']}: {err}"
-            raise _refused(ctx, key, SpecProblem(DeploymentReasons.INVALID_SPEC, message)) from err
-        applied.append(f"{obj['kind']}/{meta['name']}")
-    ctx._problems.pop(key, None)
-    ctx.metrics.reconciles.labels("applied").inc()
-    return applied
-
-
-def apply_conflict(obj: JSON, err: KubeFieldConflictError) -> SpecProblem:
-    """The problem of an apply that would overwrite other field managers' fields: which fields,
-    whose, and what to do about it."""
-    fields = "; ".join(f"{field} ({owner})" for field, owner in err.conflicts) or str(err)
-    return SpecProblem(
-        DeploymentReasons.APPLY_CONFLICT,
-        f"{obj['kind']} {obj['metadata']['name']}: another field manager changed fields the "
-        f"HotLoadDeployment sets: {fields}. The operator does not overwrite them: change the "
-        "HotLoadDeployment instead, and undo the direct change (or delete the object for the "
-        f"operator to create it again); it is applied again every {apply_retry_seconds():g} s",
-    )
-
-
-def apply_retry_seconds() -> float:
-    """Seconds between apply attempts while another field manager holds a field
-    (`HOTLOAD_APPLY_RETRY_SECONDS`, default 30)."""
-    return float(os.environ.get("HOTLOAD_APPLY_RETRY_SECONDS", "30"))
-
-
-def apply_retry_due(ctx: Context, namespace: str, name: str) -> bool:
-    """Whether the deployment's owned objects should be applied again now: another field
-    manager held one of their fields at the last attempt, `apply_retry_seconds()` ago or more."""
-    key = (namespace, name)
-    problem = ctx._problems.get(key)
-    if problem is None or problem.reason != DeploymentReasons.APPLY_CONFLICT:
-        return False
-    return time.monotonic() - ctx._applied_at.get(key, 0.0) >= apply_retry_seconds()
-
-
-def _refused(ctx: Context, key: tuple[str, str], problem: SpecProblem) -> ApplyRefusedError:
-    new = ctx._problems.get(key) != problem
-    ctx._problems[key] = problem
-    ctx.metrics.reconciles.labels(problem.reason).inc()
-    return ApplyRefusedError(problem, new=new)
-
-
-async def remove_router(ctx: Context, hld: HotLoadDeployment) -> None:
-    """With the router switched off, delete what an earlier spec created (absent is fine).
-
-    The deployment stays, so owner garbage collection would not; `<name>-router` is the
-    operator's name, as `<name>` is, and the chart grants delete on these kinds for it. The
-    Deployment goes first: its pods run as the ServiceAccount deleted last."""
-    if hld.spec.router.enabled:
-        return
-    for kind in ("Deployment", "Service", "RoleBinding", "Role", "ServiceAccount"):
-        api_version, plural = _PLURALS[kind]
-        path = resource_path(api_version, plural, namespace_of(hld), router_name(hld))
-        with contextlib.suppress(KubeNotFoundError):
-            await ctx.kube.delete(path, propagation_policy="Background")
-
-
-async def sync_pin(ctx: Context, hld: HotLoadDeployment) -> bool:
-    """Make the deployment's pin object in the bucket match `spec.pin` (written when pinned,
-    deleted when not); return whether it changed. Raises `BucketError` for a retry."""
-    pin = Pin(hld.spec.pin, f"{namespace_of(hld)}/{name_of(hld)}") if hld.spec.pin else None
-    changed = await write_pin_async(await ctx.bucket(hld), pin_object_key(hld), pin)
-    if changed:
-        log.info(
-            "%s/%s: %s",
-            namespace_of(hld),
-            name_of(hld),
-            f"pinned to {hld.spec.pin}" if pin else "unpinned: following the ledger head",
-        )
-    return changed
 
 
 async def admit_snapshot(ctx: Context, body: JSON) -> Admission:
