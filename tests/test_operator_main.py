@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -93,6 +94,7 @@ async def test_the_entry_point_serves_listed_namespaces_with_liveness_and_metric
         HOTLOAD_NAMESPACES=f"{listed},{also_listed}",
         HOTLOAD_METRICS_PORT=str(metrics),
         HOTLOAD_LOG_LEVEL="info",
+        HOTLOAD_LOG_FORMAT="json",
     )
     async with kube_api.client() as kube, namespaces(kube, also_listed, unlisted):
         await install_crds(kube)
@@ -134,7 +136,14 @@ async def test_the_entry_point_serves_listed_namespaces_with_liveness_and_metric
                 proc.kill()
                 raise
             log.close()
-        assert code == 0, (tmp_path / "operator.log").read_text()[-3000:]
+        text = (tmp_path / "operator.log").read_text()
+        assert code == 0, text[-3000:]
+        # HOTLOAD_LOG_FORMAT=json (as the chart's operator.logFormat sets it): every line is a
+        # JSON object, and the lines about an object name it.
+        lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+        assert lines and all({"timestamp", "severity", "message"} <= set(x) for x in lines)
+        about = [x for x in lines if isinstance(x.get("object"), dict)]
+        assert any(x["object"].get("name") == "fleet" for x in about), lines[:5]
 
 
 async def _check(

@@ -7,6 +7,8 @@ import logging
 import os
 from collections.abc import Sequence
 
+from hotload.logs import LOG_FORMATS, configure_logging
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags and run kopf until a signal."""
@@ -34,13 +36,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="no peering with other operator instances (one replica only)",
     )
-    parser.add_argument("--log-level", default=os.environ.get("HOTLOAD_LOG_LEVEL", "info"))
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("HOTLOAD_LOG_LEVEL", "info"),
+        choices=("debug", "info", "warning", "error"),
+        help="log level (default: info) [HOTLOAD_LOG_LEVEL]",
+    )
+    parser.add_argument(
+        "--log-format",
+        default=os.environ.get("HOTLOAD_LOG_FORMAT") or "text",
+        choices=LOG_FORMATS,
+        help="text, or json: one JSON object per line (kopf's JSON format, with the object a "
+        "line is about) for a cluster's log pipeline (default: text) [HOTLOAD_LOG_FORMAT]",
+    )
     args = parser.parse_args(argv)
     namespaces = args.namespace or [
         n for n in os.environ.get("HOTLOAD_NAMESPACES", "").split(",") if n
     ]
-    logging.basicConfig(level=args.log_level.upper())
     import kopf
+
+    if args.log_format == "json":
+        kopf.configure(log_format=kopf.LogFormat.JSON, log_refkey="object")
+        logging.getLogger().setLevel(args.log_level.upper())
+    else:
+        configure_logging(args.log_level, "text")
 
     import hotload_operator.handlers  # noqa: F401  (registers the handlers)
 
