@@ -227,7 +227,7 @@ def _apply(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from hotload.arc import verify
     from hotload.snapshot import Snapshot, validate_snapshot
-    from hotload.snapshot.reader import load_json
+    from hotload.snapshot.manifests import load_json
 
     base = load_json(args.base_config) if args.base_config is not None else None
     snap = validate_snapshot(args.dir, identity=args.identity, base_config=base)

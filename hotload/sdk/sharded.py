@@ -494,7 +494,8 @@ class ShardedPublisher:
         ident, previous, full_dir, delta_dir = job.identity, job.previous, job.full, job.delta
         source = full_dir
         if job.kind == "incremental" and owned:
-            from hotload.arc.codec import default_threads, encode_shard
+            from hotload.arc.encoder import encode_shard
+            from hotload.arc.lanes import default_threads
 
             assert self._parent is not None and previous is not None
             parent_dir = self._parent[1]

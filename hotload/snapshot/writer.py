@@ -20,6 +20,7 @@ from hotload.arc.checksum import ADLER32, adler32, format_checksum
 from hotload.errors import SnapshotError
 from hotload.snapshot import layout
 from hotload.snapshot.dtypes import NUMPY_TO_SAFETENSORS, TORCH_TO_SAFETENSORS
+from hotload.snapshot.manifests import parse_weight_map
 from hotload.snapshot.safetensors_io import RawTensor, iter_file, write_safetensors
 
 # Metadata keys a full shard carries so that `verify` can check it without a parent.
@@ -277,8 +278,6 @@ def iter_model_folder(src: str | Path) -> Iterator[tuple[str, RawTensor]]:
     src = Path(src)
     index = src / layout.INDEX_FILE
     if index.exists():
-        from hotload.snapshot.reader import parse_weight_map
-
         files = sorted(set(parse_weight_map(index).values()))
     elif (src / "model.safetensors").exists():
         files = ["model.safetensors"]

@@ -383,7 +383,7 @@ class StepTimer:
 def weight_specs(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Tensor name -> (shape, dtype) of a model folder, from its spec manifest or shard headers."""
     from hotload.snapshot import SPEC_FILE
-    from hotload.snapshot.reader import parse_tensor_map
+    from hotload.snapshot.manifests import parse_tensor_map
     from hotload.snapshot.safetensors_io import read_header
 
     folder = Path(path)
