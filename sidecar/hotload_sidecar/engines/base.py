@@ -442,20 +442,3 @@ def check_loadable(path: str, previous: str | None) -> None:
                 path=path,
                 field=name,
             )
-
-
-def make_adapter(kind: str, url: str, **options: Any) -> EngineAdapter:
-    """Build the adapter for engine `kind` ("reference", "vllm" or "sglang") at `url`."""
-    if kind == "reference":
-        from hotload_sidecar.engines.reference import ReferenceAdapter
-
-        return ReferenceAdapter(url, **options)
-    if kind == "vllm":
-        from hotload_sidecar.engines.vllm import VLLMAdapter
-
-        return VLLMAdapter(url, **options)
-    if kind == "sglang":
-        from hotload_sidecar.engines.sglang import SGLangAdapter
-
-        return SGLangAdapter(url, **options)
-    raise ValueError(f"unknown engine kind {kind!r}: use one of {ENGINE_KINDS}")
