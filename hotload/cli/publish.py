@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from hotload.bucket import TransferResult, download_snapshot, open_bucket, run_sync
-from hotload.cli.common import human_bytes, print_json, progress_bar
+from hotload.cli.common import print_json, progress_bar
 from hotload.cli.ledger import say
 from hotload.errors import HotloadError, SnapshotError
 from hotload.ledger import PROMPT_CACHE_POLICIES, Ledger
 from hotload.sdk import publish_folder
 from hotload.snapshot import describe_snapshot, validate_identity
+from hotload.units import human_bytes
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

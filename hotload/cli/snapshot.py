@@ -9,8 +9,9 @@ from typing import Any
 
 from rich.table import Table
 
-from hotload.cli.common import human_bytes, parse_size, print_json, progress_bar, stdout
+from hotload.cli.common import print_json, progress_bar, stdout
 from hotload.errors import SnapshotError
+from hotload.units import human_bytes, parse_size
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -29,9 +29,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from hotload.cli.common import human_bytes
 from hotload.demo.policy import CORPUS, PROMPT, ModelSize
 from hotload.demo.processes import DemoError, ProcessSet, Replica, wait_for
+from hotload.units import human_bytes
 
 if TYPE_CHECKING:
     from hotload.demo.policy import DemoPolicy
