@@ -26,7 +26,7 @@ from hotload.arc import chunk as ck
 from hotload.arc.checksum import adler32, crc32, format_checksum, parse_checksum
 from hotload.arc.container import read_header
 from hotload.arc.encodings import scratch
-from hotload.arc.files import copy_range, link_or_copy, pwrite_all
+from hotload.arc.files import copy_range, link_or_copy
 from hotload.arc.lanes import ChunkRunner
 from hotload.arc.plan import (
     ChunkTask,
@@ -39,6 +39,7 @@ from hotload.arc.plan import (
     plan_chunks,
 )
 from hotload.errors import ArcError, ChecksumMismatchError, CorruptDeltaError, WrongParentError
+from hotload.fileio import pwrite_all
 from hotload.snapshot.dtypes import uint_view_dtype
 from hotload.snapshot.safetensors_io import SafetensorsFile
 

@@ -1,5 +1,5 @@
-"""The file work of the codec: a staging folder that appears whole, hard links, ranged copies
-between files and full positional writes."""
+"""The file work of the codec: a staging folder that appears whole, hard links, and ranged
+copies between files."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-import numpy as np
 
 from hotload.errors import SnapshotError
 from hotload.snapshot import layout
@@ -31,15 +29,6 @@ def copy_range(src: int, dst: int, count: int, src_off: int, dst_off: int) -> No
         count -= done
         src_off += done
         dst_off += done
-
-
-def pwrite_all(fd: int, data: np.ndarray | bytes, offset: int) -> None:
-    """Write all of `data` at `offset` of an open file (pwrite may write less than asked)."""
-    view = data.view(np.uint8).data if isinstance(data, np.ndarray) else memoryview(data)
-    while view:
-        done = os.pwrite(fd, view, offset)
-        view = view[done:]
-        offset += done
 
 
 def link_or_copy(src: Path, dst: Path) -> bool:

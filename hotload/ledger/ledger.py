@@ -6,7 +6,8 @@ import asyncio
 import random
 from dataclasses import dataclass
 
-from hotload.bucket.core import Bucket, NotModified, run_sync
+from hotload.bucket.core import Bucket
+from hotload.bucket.objects import NotModified, run_sync
 from hotload.errors import (
     LedgerConflictError,
     LedgerError,

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from hotload.bucket.core import Bucket, NotModified
+from hotload.bucket.core import Bucket
+from hotload.bucket.objects import NotModified
 from hotload.errors import InvalidIdentityError, LedgerError, ObjectNotFoundError
 from hotload.ledger.model import (
     LedgerDocument,
