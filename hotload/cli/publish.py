@@ -123,7 +123,7 @@ def _publish(args: argparse.Namespace) -> int:
         raise HotloadError("give exactly one of --ledger (no cluster) or --deployment")
     ledger_name = args.ledger
     if args.deployment is not None:
-        from hotload.sdk.publisher import deployment_bucket
+        from hotload.sdk.cluster import deployment_bucket
 
         bucket_url = args.bucket
         if bucket_url is None:
