@@ -19,7 +19,7 @@ from hotload.ledger import (
     LedgerState,
     open_ledger,
 )
-from hotload.ledger.model import format_time
+from hotload.ledger.fields import format_time
 from hotload.units import human_bytes
 
 _URL_HELP = (

@@ -14,12 +14,12 @@ from hotload.errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
 )
+from hotload.ledger.fields import validate_ledger_name
 from hotload.ledger.model import (
     LedgerDocument,
     LedgerEntry,
     NewEntry,
     ResetRecord,
-    validate_ledger_name,
 )
 
 #: Where ledgers live inside a bucket.

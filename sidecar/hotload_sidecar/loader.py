@@ -44,7 +44,7 @@ from hotload.ledger import (
     pin_target,
     poll_pin_async,
 )
-from hotload.ledger.model import format_time, utc_now
+from hotload.ledger.fields import format_time, utc_now
 from hotload_sidecar.adapters import AdapterSync
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadRequest, ServedSnapshot

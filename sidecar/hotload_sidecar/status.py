@@ -205,7 +205,7 @@ class LocalReporter:
 
     async def event(self, type_: EventType, reason: str, message: str) -> None:
         """Remember the event (bounded)."""
-        from hotload.ledger.model import format_time, utc_now
+        from hotload.ledger.fields import format_time, utc_now
 
         self.events.append(
             {"type": type_, "reason": reason, "message": message, "time": format_time(utc_now())}
