@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from hotload.errors import ChecksumMismatchError, CorruptDeltaError
+from hotload_sidecar.materialize import BuildResult, MaterializeError
+
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 
 
@@ -81,6 +84,29 @@ class LoaderMetrics:
         self.ledger_reachable = Gauge(
             "hotload_loader_ledger_reachable", "1 if the last ledger poll succeeded", registry=r
         )
+
+    def observe_build(self, built: BuildResult) -> None:
+        """Count a successful build: its timings (when it rebuilt anything), its fallback, and the
+        bad bytes it recovered from (a fallback or a refetch still counts as a detection)."""
+        if built.fallback:
+            self.fallbacks.inc()
+        self.checksum_failures.inc(built.corruptions)
+        t = built.timings
+        if built.applied:
+            self.fetch_seconds.observe(t.fetch_seconds)
+            self.rebuild_seconds.observe(t.rebuild_seconds)
+            self.verify_seconds.observe(t.verify_seconds)
+
+    def observe_failure(self, stage: str, err: BaseException) -> None:
+        """Count a failed update at `stage`, with the corruption it detected and its fallback."""
+        self.failures.labels(stage).inc()
+        if isinstance(err, MaterializeError):
+            # Both attempts of a fallback may have met bad bytes: count each detection.
+            self.checksum_failures.inc(err.corruptions)
+        elif isinstance(err, ChecksumMismatchError | CorruptDeltaError):
+            self.checksum_failures.inc()
+        if isinstance(err, MaterializeError) and err.fallback:
+            self.fallbacks.inc()
 
     def render(self) -> bytes:
         """The text exposition format."""
