@@ -32,12 +32,19 @@ ROOTS = {
 # Which layer may import which: a module of the layer on the left may import modules of the
 # layers on the right (and of its own layer). A layer is a subpackage of `hotload`, a
 # top-level module of it, or one of the two deployables. docs/architecture.md has the table.
-BASE = {"hotload.errors", "hotload.units", "hotload.parse_cache", "hotload.fileio"}
+BASE = {
+    "hotload.errors",
+    "hotload.units",
+    "hotload.parse_cache",
+    "hotload.fileio",
+    "hotload.metrics",
+}
 ALLOWED: dict[str, set[str]] = {
     "hotload.errors": set(),
     "hotload.units": {"hotload.errors"},
     "hotload.parse_cache": set(),
     "hotload.fileio": set(),
+    "hotload.metrics": set(),
     "hotload.process": set(),
     "hotload.api": BASE,
     # Only the delta container (checksums, the shard header): see FORMAT_MAY_USE.
