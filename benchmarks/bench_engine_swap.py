@@ -308,20 +308,15 @@ async def bench_size(name: str, work: Path, args: argparse.Namespace) -> dict[st
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    lines = [
-        f"### Swap time on an idle engine (median of {args.swaps} swaps; max in parentheses)",
-        "",
-        "| model | params | weights | mode/cache | pause ms | stage ms | end-to-end ms |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        for mode, policy in MODES:
-            s = r[f"{mode}/{policy}"]
-            lines.append(
-                f"| {r['size']} | {r['params_m']:.1f}M | {r['bytes_mib']:.0f} MiB | {mode}/{policy} "
-                f"| {s['pause_ms']:.2f} ({s['pause_max_ms']:.2f}) | {s['stage_ms']:.0f} "
-                f"| {s['end_to_end_ms']:.0f} ({s['end_to_end_max_ms']:.0f}) |"
-            )
+    lines = engine_bench.swap_table(
+        rows,
+        args,
+        "| pause ms | stage ms | end-to-end ms",
+        lambda s: (
+            f"| {s['pause_ms']:.2f} ({s['pause_max_ms']:.2f}) | {s['stage_ms']:.0f} "
+            f"| {s['end_to_end_ms']:.0f} ({s['end_to_end_max_ms']:.0f}) "
+        ),
+    )
     lines += [
         "",
         "| model | engine start s | peak RSS MiB (weights MiB) |",

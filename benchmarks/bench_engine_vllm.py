@@ -209,33 +209,20 @@ async def bench_size(name: str, work: Path, args: argparse.Namespace) -> dict[st
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    lines = [
-        f"### Swap time on an idle engine (median of {args.swaps} swaps; max in parentheses)",
-        "",
-        "| model | params | weights | mode/cache | pause ms | end-to-end ms "
-        "| /pause | reload_weights | reset_prefix_cache | set version | /resume | confirm |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        for mode, policy in MODES:
-            s = r[f"{mode}/{policy}"]
-            lines.append(
-                f"| {r['size']} | {r['params_m']:.1f}M | {r['bytes_mib']:.0f} MiB | {mode}/{policy} "
-                f"| {s['pause_ms']:.0f} ({s['pause_max_ms']:.0f}) "
-                f"| {s['end_to_end_ms']:.0f} ({s['end_to_end_max_ms']:.0f}) "
-                + "".join(
-                    f"| {s[f'step_{k}_ms']:.0f} " if f"step_{k}_ms" in s else "| - "
-                    for k in (
-                        "pause",
-                        "reload",
-                        "reset_prefix_cache",
-                        "set_version",
-                        "resume",
-                        "confirm",
-                    )
-                )
-                + "|"
+    steps = ("pause", "reload", "reset_prefix_cache", "set_version", "resume", "confirm")
+    lines = engine_bench.swap_table(
+        rows,
+        args,
+        "| pause ms | end-to-end ms | /pause | reload_weights | reset_prefix_cache "
+        "| set version | /resume | confirm",
+        lambda s: (
+            f"| {s['pause_ms']:.0f} ({s['pause_max_ms']:.0f}) "
+            f"| {s['end_to_end_ms']:.0f} ({s['end_to_end_max_ms']:.0f}) "
+            + "".join(
+                f"| {s[f'step_{k}_ms']:.0f} " if f"step_{k}_ms" in s else "| - " for k in steps
             )
+        ),
+    )
     if not args.no_traffic:
         lines += [
             "",

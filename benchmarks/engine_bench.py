@@ -94,3 +94,28 @@ def run_sizes(
     """Run `bench_size` for every size in a scratch folder (under `--work`); its rows."""
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         return [asyncio.run(bench_size(s, Path(tmp), args)) for s in sizes]
+
+
+def swap_table(
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    columns: str,
+    cells: Callable[[dict[str, Any]], str],
+) -> list[str]:
+    """The idle-engine swap table: a row per size and mode/cache policy, its first columns
+    (model, params, weights, mode/cache) alike in both benchmarks; `columns` names the others
+    ("| pause ms | ..."), right-aligned, and `cells(timings)` fills them ("| 1.2 | ...")."""
+    lines = [
+        f"### Swap time on an idle engine (median of {args.swaps} swaps; max in parentheses)",
+        "",
+        "| model | params | weights | mode/cache " + columns + " |",
+        "| --- | ---: | ---: | --- " + "| ---: " * columns.count("|") + "|",
+    ]
+    for r in rows:
+        for mode, policy in MODES:
+            lines.append(
+                f"| {r['size']} | {r['params_m']:.1f}M | {r['bytes_mib']:.0f} MiB | {mode}/{policy} "
+                + cells(r[f"{mode}/{policy}"])
+                + "|"
+            )
+    return lines
