@@ -231,21 +231,16 @@ async def traffic_run(
     out["steady_gap_ms"] = max_gap(traffic, t0, t1) * 1000
     for mode, policy in TRAFFIC_MODES:
         refused_before = traffic.refused
-        w0 = time.monotonic()
-        spans: list[tuple[float, float]] = []
-        pauses: list[float] = []
-        i = 0
-        while time.monotonic() - w0 < args.window:
-            folder, name = (b, "step-b") if i % 2 == 0 else (a, "step-a")
-            seq[0] += 1
-            s0 = time.monotonic()
+
+        async def swap(
+            folder: Path, name: str, n: int, mode: str = mode, policy: str = policy
+        ) -> float:
             result = await load(
-                session, url, folder=folder, identity=name, seq=seq[0], mode=mode, policy=policy
+                session, url, folder=folder, identity=name, seq=n, mode=mode, policy=policy
             )
-            spans.append((s0, time.monotonic()))
-            pauses.append(result["pause_seconds"])
-            i += 1
-            await asyncio.sleep(max(0.0, args.swap_every - (time.monotonic() - s0)))
+            return float(result["pause_seconds"])
+
+        w0, spans, pauses = await engine_bench.swap_window(args, (a, b), seq, swap)
         w1 = time.monotonic()
         inside = sum(tokens_between(traffic, s, e) for s, e in spans)
         inside_s = sum(e - s for s, e in spans)

@@ -131,7 +131,6 @@ async def traffic_run(
     seq: list[int],
 ) -> dict[str, Any]:
     """Steady window, then an ASYNC-swap window and a SYNC-swap window under the same load."""
-    a, b = folders
     traffic = Traffic()
     stop = asyncio.Event()
     connector = aiohttp.TCPConnector(limit=args.clients + 2)
@@ -147,21 +146,12 @@ async def traffic_run(
         await asyncio.sleep(args.window)
         out["steady"] = window_stats(traffic, t0, time.monotonic())
         for mode in ("async", "sync"):
-            w0 = time.monotonic()
-            spans: list[tuple[float, float]] = []
-            pauses: list[float] = []
-            i = 0
-            while time.monotonic() - w0 < args.window:
-                folder, name = (b, "step-b") if i % 2 == 0 else (a, "step-a")
-                seq[0] += 1
-                s0 = time.monotonic()
-                result = await adapter.load(
-                    LoadRequest(str(folder), name, seq[0], mode=mode, cache_policy="all")  # type: ignore[arg-type]
-                )
-                spans.append((s0, time.monotonic()))
-                pauses.append(result.pause_seconds)
-                i += 1
-                await asyncio.sleep(max(0.0, args.swap_every - (time.monotonic() - s0)))
+
+            async def swap(folder: Path, name: str, n: int, mode: str = mode) -> float:
+                request = LoadRequest(str(folder), name, n, mode=mode, cache_policy="all")  # type: ignore[arg-type]
+                return (await adapter.load(request)).pause_seconds
+
+            w0, spans, pauses = await engine_bench.swap_window(args, folders, seq, swap)
             # Let requests that overlapped the last swap finish before closing the window.
             await asyncio.sleep(1.0)
             out[mode] = {

@@ -11,7 +11,8 @@ import os
 import platform
 import sys
 import tempfile
-from collections.abc import Callable, Coroutine
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +120,28 @@ def swap_table(
                 + "|"
             )
     return lines
+
+
+#: One hot load: (snapshot folder, its identity, its sequence) -> the pause the engine reported.
+Swap = Callable[[Path, str, int], Awaitable[float]]
+
+
+async def swap_window(
+    args: argparse.Namespace, folders: tuple[Path, Path], seq: list[int], swap: Swap
+) -> tuple[float, list[tuple[float, float]], list[float]]:
+    """Swap to B, A, B, ... every `--swap-every` seconds for a `--window` while traffic runs:
+    the window's start, each swap's (start, end) and each pause."""
+    a, b = folders
+    w0 = time.monotonic()
+    spans: list[tuple[float, float]] = []
+    pauses: list[float] = []
+    i = 0
+    while time.monotonic() - w0 < args.window:
+        folder, name = (b, "step-b") if i % 2 == 0 else (a, "step-a")
+        seq[0] += 1
+        s0 = time.monotonic()
+        pauses.append(await swap(folder, name, seq[0]))
+        spans.append((s0, time.monotonic()))
+        i += 1
+        await asyncio.sleep(max(0.0, args.swap_every - (time.monotonic() - s0)))
+    return w0, spans, pauses
