@@ -356,6 +356,27 @@ class EngineAdapter(ABC):
             status=answer.status,
         )
 
+    def weight_version(self, answer: Answer, *, step: str, what: str) -> str | None:
+        """The `weight_version` an answer names (vLLM and SGLang name their weights so), or
+        None; an `EngineError` for an answer that is not a 200 with a JSON object."""
+        if answer.status != 200 or not isinstance(answer.body, dict):
+            raise self.unexpected(answer, step=step, what=what)
+        version = answer.body.get("weight_version")
+        return version if isinstance(version, str) else None
+
+
+def served_version(
+    version: str | None, *, default: str, loaded: ServedSnapshot | None
+) -> ServedSnapshot | None:
+    """What an engine serves, by its weight version: None for its start-up weights (no version,
+    or `default`); the snapshot this adapter loaded (with its sequence) when the version names
+    it; else the version alone (loaded by someone else, sequence unknown)."""
+    if version is None or version == default:
+        return None
+    if loaded is not None and loaded.identity == version:
+        return loaded
+    return ServedSnapshot(version, None)
+
 
 class StepTimer:
     """Times named steps of one load, in order."""
