@@ -167,6 +167,7 @@ class _FleetDiscovery:
     the router learned from its own traffic."""
 
     fleet: Fleet
+    _task: asyncio.Task[None] | None
 
     def replicas(self) -> Sequence[Replica]:
         """The replicas as last seen (polled, or watched)."""
@@ -179,6 +180,14 @@ class _FleetDiscovery:
     def report_failure(self, name: str) -> None:
         """See `Fleet.report_failure`."""
         self.fleet.report_failure(name)
+
+    async def _stop_task(self) -> None:
+        """Cancel the background task (polling or watching) and wait until it has ended."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
 
 
 class StaticDiscovery(_FleetDiscovery):
@@ -243,11 +252,7 @@ class StaticDiscovery(_FleetDiscovery):
 
     async def aclose(self) -> None:
         """Stop polling."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._stop_task()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -401,8 +406,4 @@ class KubeDiscovery(_FleetDiscovery):
 
     async def aclose(self) -> None:
         """Stop watching (the client belongs to the caller)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._stop_task()
