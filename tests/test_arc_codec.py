@@ -29,7 +29,6 @@ from hotload.arc import (
     verify,
 )
 from hotload.arc import chunk as ck
-from hotload.arc import codec as codec_module
 from hotload.arc.checksum import adler32, adler32_combine, adler32_sparse_update, format_checksum
 from hotload.arc.container import (
     MAX_HEADER_BYTES,
@@ -37,6 +36,7 @@ from hotload.arc.container import (
     read_header,
     write_prefix,
 )
+from hotload.arc.lanes import Lanes
 from hotload.errors import (
     ArcError,
     ChecksumMismatchError,
@@ -47,10 +47,10 @@ from hotload.errors import (
     SnapshotValidationError,
     WrongParentError,
 )
+from hotload.parse_cache import parse_once
 from hotload.snapshot import RawTensor, Snapshot, write_snapshot
 from hotload.snapshot.dtypes import ELEMENT_SIZE, uint_view_dtype
 from hotload.snapshot.lora import write_adapter
-from hotload.snapshot.parse_cache import parse_once
 from hotload.snapshot.safetensors_io import SafetensorsFile, write_safetensors
 from hotload.snapshot.safetensors_io import read_header as read_safetensors_header
 from hotload.snapshot.safetensors_io import read_header as read_st_header
@@ -772,7 +772,7 @@ def test_interrupt_stops_every_lane(trio: Trio) -> None:
 
     shards = [f"s{i}" for i in range(40)]
     with pytest.raises(KeyboardInterrupt):
-        codec_module._Lanes(3).each_shard(shards, fn)
+        Lanes(3).each_shard(shards, fn)
     assert threading.active_count() == baseline
     assert len(started) < len(shards)
 

@@ -28,7 +28,8 @@ from hotload.bucket import (
     split_ledger_url,
     upload_snapshot,
 )
-from hotload.bucket.core import MIN_UPLOAD_PART, gcs_config
+from hotload.bucket.remote import MIN_UPLOAD_PART
+from hotload.bucket.stores import gcs_config
 from hotload.errors import (
     AccessDeniedError,
     BucketError,

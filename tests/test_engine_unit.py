@@ -13,25 +13,28 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hotload.engine.batch import BatchKV, crop, kv_length
-from hotload.engine.model import pad_rows_linear, pick_token, probe_row_sizes
+from hotload.engine.exact import pad_rows_linear, probe_row_sizes
 from hotload.engine.protocol import (
     ApiError,
     GenerationRequest,
-    Outcome,
     SamplingParams,
     ServedSnapshot,
     VersionConstraint,
     check_constraint,
-    completion_body,
-    final_chunk,
-    models_body,
     parse_generation_request,
     parse_load_request,
     render_chat_fallback,
     session_id,
+)
+from hotload.engine.responses import (
+    Outcome,
+    completion_body,
+    final_chunk,
+    models_body,
     sse,
     stream_chunk,
 )
+from hotload.engine.sampling import pick_token
 from hotload.engine.sessions import SessionCache, common_prefix
 from hotload.engine.text import TextAssembler
 

@@ -16,7 +16,7 @@ from hotload.bucket import open_bucket
 from hotload.ledger import Ledger
 from hotload_operator.rollup import read_pod
 from hotload_sidecar.config import Settings
-from hotload_sidecar.engines.base import make_adapter
+from hotload_sidecar.engines import make_adapter
 from hotload_sidecar.loader import Loader
 from hotload_sidecar.status import LocalReporter
 from support.fleet import Trainer, free_port

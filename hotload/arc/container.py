@@ -21,7 +21,7 @@ import zstandard
 
 from hotload.arc import streams as st
 from hotload.errors import CorruptDeltaError, PayloadTooLargeError
-from hotload.snapshot.parse_cache import parsed, remember
+from hotload.parse_cache import parsed, remember
 
 MAGIC = b"\x89ARCv2\r\n"
 FORMAT = "arc_v2"

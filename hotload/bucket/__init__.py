@@ -4,23 +4,18 @@
 writes; `upload_snapshot`/`download_snapshot` move whole snapshot folders in publishing order.
 """
 
-from hotload.bucket.core import (
-    DEFAULT_CONCURRENCY,
-    DEFAULT_PART_SIZE,
-    Bucket,
+from hotload.bucket.core import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, Bucket
+from hotload.bucket.local import local_etag
+from hotload.bucket.objects import (
     NotModified,
     ObjectData,
     ObjectInfo,
     Progress,
-    SecretFileCredentials,
     check_key,
-    gcs_config,
-    local_etag,
-    open_bucket,
     run_sync,
-    s3_config,
 )
 from hotload.bucket.retry import RetryPolicy
+from hotload.bucket.stores import SecretFileCredentials, gcs_config, open_bucket, s3_config
 from hotload.bucket.transfer import (
     COMMIT_FILES,
     MANIFEST_NAMES,

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from hotload.bucket.core import Bucket, ObjectInfo, Progress, run_sync
+from hotload.bucket.core import Bucket
+from hotload.bucket.objects import ObjectInfo, Progress, run_sync
 from hotload.errors import ObjectExistsError, ObjectNotFoundError, SnapshotError
 from hotload.snapshot.layout import ADAPTER_CONFIG_FILE, INDEX_FILE, SPEC_FILE, validate_identity
 

@@ -96,7 +96,8 @@ def _run(args: argparse.Namespace) -> int:
         run_roundtrip(steps=steps, lr=1e-5 if args.lr is None else args.lr, workdir=args.workdir)
         return 0
 
-    from hotload.demo.fleet import DemoOptions, run_fleet_demo, write_summary_json
+    from hotload.demo.display import write_summary_json
+    from hotload.demo.fleet import DemoOptions, run_fleet_demo
 
     options = DemoOptions(
         steps=12 if args.steps is None else args.steps,

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from hotload.cli.common import human_bytes, print_json, stdout
+from hotload.cli.common import print_json, stdout
 from hotload.errors import LedgerError
 from hotload.ledger import (
     DEFAULT_HISTORY,
@@ -19,7 +19,8 @@ from hotload.ledger import (
     LedgerState,
     open_ledger,
 )
-from hotload.ledger.model import format_time
+from hotload.ledger.fields import format_time
+from hotload.units import human_bytes
 
 _URL_HELP = (
     "the ledger as BUCKET_URL/NAME: a folder path, file:///path, s3://bucket/prefix or "

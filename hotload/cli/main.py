@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
 from hotload.errors import HotloadError
+from hotload.process import exit_now
 
 # Exit codes scripts can rely on.
 EXIT_OK = 0
@@ -82,14 +82,3 @@ def console() -> None:
             print(exc.code, file=sys.stderr)
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     exit_now(code)
-
-
-def exit_now(code: int) -> None:
-    """Flush and leave without interpreter finalisation.
-
-    obstore's Rust runtime occasionally aborts (SIGABRT, no Python frame) while the interpreter
-    tears down after all work has finished; skipping teardown keeps exit codes truthful.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

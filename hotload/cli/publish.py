@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from hotload.bucket import TransferResult, download_snapshot, open_bucket, run_sync
-from hotload.cli.common import human_bytes, print_json, progress_bar
+from hotload.cli.common import print_json, progress_bar
 from hotload.cli.ledger import say
 from hotload.errors import HotloadError, SnapshotError
 from hotload.ledger import PROMPT_CACHE_POLICIES, Ledger
 from hotload.sdk import publish_folder
 from hotload.snapshot import describe_snapshot, validate_identity
+from hotload.units import human_bytes
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -122,7 +123,7 @@ def _publish(args: argparse.Namespace) -> int:
         raise HotloadError("give exactly one of --ledger (no cluster) or --deployment")
     ledger_name = args.ledger
     if args.deployment is not None:
-        from hotload.sdk.publisher import deployment_bucket
+        from hotload.sdk.cluster import deployment_bucket
 
         bucket_url = args.bucket
         if bucket_url is None:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
-from hotload.cli.common import human_bytes, parse_size, print_json, progress_bar, stdout
+from hotload.cli.common import print_json, progress_bar, stdout
 from hotload.errors import SnapshotError
+from hotload.units import human_bytes, parse_size
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,9 +38,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     b.add_argument("out", type=Path, help="snapshot folder to create (its name is the identity)")
     b.add_argument("--dtype", choices=["bf16"], help="cast floating-point weights to this dtype")
     b.add_argument("--max-shard-size", default="5GB", help="shard size limit (default: 5GB)")
-    b.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    b.add_argument("-o", "--output", choices=["text", "json"], default="text")
-    b.set_defaults(func=_build)
+    _finish(b, _build, force=True)
 
     d = s.add_parser(
         "delta",
@@ -46,14 +46,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Write an incremental snapshot OUT that rebuilds the full snapshot CUR from "
         "the full snapshot PREV, bit for bit, with a checksum per tensor.",
     )
-    d.add_argument("previous", type=Path, metavar="PREV", help="parent full snapshot folder")
+    _previous(d)
     d.add_argument("current", type=Path, metavar="CUR", help="new full snapshot folder")
     d.add_argument("out", type=Path, metavar="OUT", help="incremental snapshot folder to create")
     d.add_argument(
         "--parent-identity", help="identity recorded as the parent (default: PREV's folder name)"
     )
     d.add_argument("--identity", help="identity of the new snapshot (default: OUT's folder name)")
-    d.add_argument("--threads", type=int, help="worker threads (default: all cores)")
+    _threads(d)
     d.add_argument(
         "--compact",
         action="store_true",
@@ -61,9 +61,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "smaller on optimizer updates, about three times slower to rebuild (for fleets whose "
         "bottleneck is bandwidth or egress, not CPU)",
     )
-    d.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    d.add_argument("-o", "--output", choices=["text", "json"], default="text")
-    d.set_defaults(func=_delta)
+    _finish(d, _delta, force=True)
 
     a = s.add_parser(
         "apply",
@@ -71,14 +69,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Rebuild the full snapshot an incremental snapshot describes, verifying "
         "every tensor checksum. OUT appears only if everything verified.",
     )
-    a.add_argument("previous", type=Path, metavar="PREV", help="parent full snapshot folder")
+    _previous(a)
     a.add_argument("delta", type=Path, metavar="DELTA", help="incremental snapshot folder")
     a.add_argument("out", type=Path, metavar="OUT", help="full snapshot folder to create")
     a.add_argument("--expected-parent", help="refuse the delta unless its parent identity is this")
-    a.add_argument("--threads", type=int, help="worker threads (default: all cores)")
-    a.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    a.add_argument("-o", "--output", choices=["text", "json"], default="text")
-    a.set_defaults(func=_apply)
+    _threads(a)
+    _finish(a, _apply, force=True)
 
     v = s.add_parser(
         "verify",
@@ -96,15 +92,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--base-config", type=Path, help="config.json the snapshot must be equivalent to"
     )
     v.add_argument("--identity", help="also check this identity is valid")
-    v.add_argument("--threads", type=int, help="worker threads (default: all cores)")
+    _threads(v)
     v.add_argument(
         "--allow-unchecked",
         action="store_true",
         help="accept full shards that record no checksums (not written by hotload): they are "
         "listed as unchecked instead of failing the verification",
     )
-    v.add_argument("-o", "--output", choices=["text", "json"], default="text")
-    v.set_defaults(func=_verify)
+    _finish(v, _verify)
 
     i = s.add_parser(
         "inspect",
@@ -113,8 +108,34 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "sizes, and for deltas the encodings chosen and the size against the full snapshot.",
     )
     i.add_argument("dir", type=Path, metavar="DIR")
-    i.add_argument("-o", "--output", choices=["text", "json"], default="text")
-    i.set_defaults(func=_inspect)
+    _finish(i, _inspect)
+
+
+def _previous(p: argparse.ArgumentParser) -> None:
+    p.add_argument("previous", type=Path, metavar="PREV", help="parent full snapshot folder")
+
+
+def _threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, help="worker threads (default: all cores)")
+
+
+def _finish(
+    p: argparse.ArgumentParser, func: Callable[[argparse.Namespace], int], *, force: bool = False
+) -> None:
+    """The options every subcommand ends with (`--force` where it writes OUT, then `-o`)."""
+    if force:
+        p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    p.set_defaults(func=func)
+
+
+def _report(args: argparse.Namespace, doc: dict[str, Any], text: str) -> int:
+    """Print `doc` as JSON (`-o json`) or `text`; the command succeeded."""
+    if args.output == "json":
+        print_json(doc)
+    else:
+        stdout.print(text)
+    return 0
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -136,14 +157,12 @@ def _build(args: argparse.Namespace) -> int:
         "tensors": written.tensor_count,
         "bytes": written.total_bytes,
     }
-    if args.output == "json":
-        print_json(doc)
-    else:
-        stdout.print(
-            f"wrote {written.path}: {written.tensor_count} tensors in {len(written.shards)} "
-            f"shards, {human_bytes(written.total_bytes)}"
-        )
-    return 0
+    return _report(
+        args,
+        doc,
+        f"wrote {written.path}: {written.tensor_count} tensors in {len(written.shards)} "
+        f"shards, {human_bytes(written.total_bytes)}",
+    )
 
 
 def _codec_doc(stats: Any) -> dict[str, Any]:
@@ -186,15 +205,13 @@ def _delta(args: argparse.Namespace) -> int:
             progress=advance,
         )
     doc = _codec_doc(stats)
-    if args.output == "json":
-        print_json(doc)
-    else:
-        stdout.print(
-            f"wrote {args.out}: {human_bytes(stats.delta_bytes)} for a "
-            f"{human_bytes(stats.full_bytes)} snapshot ({doc['ratio']:.1f}x smaller), "
-            f"{doc['changed_fraction'] * 100:.3f}% of elements changed, {stats.seconds:.2f}s"
-        )
-    return 0
+    return _report(
+        args,
+        doc,
+        f"wrote {args.out}: {human_bytes(stats.delta_bytes)} for a "
+        f"{human_bytes(stats.full_bytes)} snapshot ({doc['ratio']:.1f}x smaller), "
+        f"{doc['changed_fraction'] * 100:.3f}% of elements changed, {stats.seconds:.2f}s",
+    )
 
 
 def _apply(args: argparse.Namespace) -> int:
@@ -212,22 +229,19 @@ def _apply(args: argparse.Namespace) -> int:
             overwrite=args.force,
             progress=advance,
         )
-    doc = _codec_doc(stats)
-    if args.output == "json":
-        print_json(doc)
-    else:
-        linked = sum(s.hardlinked for s in stats.shards)
-        stdout.print(
-            f"rebuilt {args.out}: {len(stats.shards)} shards ({linked} unchanged, hard-linked), "
-            f"every tensor verified, {stats.seconds:.2f}s"
-        )
-    return 0
+    linked = sum(s.hardlinked for s in stats.shards)
+    return _report(
+        args,
+        _codec_doc(stats),
+        f"rebuilt {args.out}: {len(stats.shards)} shards ({linked} unchanged, hard-linked), "
+        f"every tensor verified, {stats.seconds:.2f}s",
+    )
 
 
 def _verify(args: argparse.Namespace) -> int:
     from hotload.arc import verify
     from hotload.snapshot import Snapshot, validate_snapshot
-    from hotload.snapshot.reader import load_json
+    from hotload.snapshot.manifests import load_json
 
     base = load_json(args.base_config) if args.base_config is not None else None
     snap = validate_snapshot(args.dir, identity=args.identity, base_config=base)
@@ -251,23 +265,19 @@ def _verify(args: argparse.Namespace) -> int:
         "unchecked_shards": report.unchecked_shards,
         "ok": True,
     }
-    if args.output == "json":
-        print_json(doc)
-    else:
-        what = (
-            f"{report.tensors_checked} tensor checksums verified"
-            if report.tensors_checked
-            else "structure valid (pass --previous to verify a delta's tensors)"
-            if report.kind == "incremental"
-            else "structure valid"
+    what = (
+        f"{report.tensors_checked} tensor checksums verified"
+        if report.tensors_checked
+        else "structure valid (pass --previous to verify a delta's tensors)"
+        if report.kind == "incremental"
+        else "structure valid"
+    )
+    if report.unchecked_shards:
+        what += (
+            f"; {len(report.unchecked_shards)} shard(s) record no checksums and were NOT "
+            f"verified: {', '.join(report.unchecked_shards)}"
         )
-        if report.unchecked_shards:
-            what += (
-                f"; {len(report.unchecked_shards)} shard(s) record no checksums and were NOT "
-                f"verified: {', '.join(report.unchecked_shards)}"
-            )
-        stdout.print(f"{args.dir}: {report.kind} snapshot OK, {what}")
-    return 0
+    return _report(args, doc, f"{args.dir}: {report.kind} snapshot OK, {what}")
 
 
 def _inspect(args: argparse.Namespace) -> int:

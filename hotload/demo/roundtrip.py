@@ -15,9 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from hotload.arc import decode, encode, verify
-from hotload.cli.common import human_bytes
 from hotload.errors import HotloadError
 from hotload.snapshot import write_snapshot
+from hotload.units import human_bytes
 
 
 @dataclass

@@ -72,10 +72,12 @@ attention with padding masks: outputs then agree only up to rounding across batc
 compositions. Either way an engine that swapped to a snapshot holds bit-identical weights to one
 started on it, so their outputs are equal under the same conditions.
 
-Modules: `protocol` (the HTTP contract, pure), `text` (incremental detokenisation), `sessions`
-(prefix cache), `metrics`, `batch` (the running batch's KV), `model` (loading, staging and
-swapping weights; forward passes), `scheduler` (the worker thread), `engine` (the asyncio-side
-state machine), `server` (`create_app`). torch and transformers are imported only by the modules
+Modules: `protocol` (requests and constraints, pure), `responses` (response bodies, pure),
+`tokenizer` and `text` (incremental detokenisation), `sessions` (prefix cache), `metrics`,
+`batch` (the running batch's KV), `exact` (batch-invariant numerics), `sampling`, `model`
+(loading, staging and swapping weights; forward passes), `staging` (the thread a hot load
+stages in, and its errors), `scheduler` (the worker thread), `engine` (the asyncio-side state
+machine), `server` (`create_app`). torch and transformers are imported only by the modules
 that need them; the rest of `hotload` never imports this package.
 
 Limits: dense decoder-only models with full attention (tested with Llama; sliding-window and

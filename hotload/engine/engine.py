@@ -15,10 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,14 +32,14 @@ from hotload.engine.protocol import (
     check_constraint,
 )
 from hotload.engine.sessions import SessionCache
-from hotload.errors import ChecksumMismatchError, HotloadError, SnapshotValidationError
+from hotload.engine.tokenizer import TextCodec
 from hotload.snapshot.layout import validate_identity
 
 # These import torch, which only the 'engine' extra installs.
 with needs_extra("engine", "hotload's reference engine"):
     from hotload.engine.batch import KVCache
     from hotload.engine.lora import stage_adapter
-    from hotload.engine.model import ModelRunner, Numerics, TextCodec, WeightsMismatchError
+    from hotload.engine.model import ModelRunner, Numerics
     from hotload.engine.scheduler import (
         AdapterOrder,
         ErrorEvent,
@@ -51,6 +48,7 @@ with needs_extra("engine", "hotload's reference engine"):
         Scheduler,
         SwapOrder,
     )
+    from hotload.engine.staging import load_error, run_in_thread
 
 log = logging.getLogger(__name__)
 
@@ -100,54 +98,6 @@ class GenerationStream:
         if not self.job.cancelled:
             self.job.cancelled = True
             self._scheduler.wake()
-
-
-async def run_in_thread(fn: Callable[[], T], *, nice: int = 0, name: str = "hotload-stage") -> T:
-    """Run `fn` in a fresh thread, its niceness raised by `nice` (Linux only), and await it.
-
-    A fresh thread rather than the loop's executor: an unprivileged thread cannot lower its
-    niceness again, so a pooled thread would stay slow for whatever runs on it next.
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def deliver(ok: bool, value: Any) -> None:
-        if not future.done():
-            if ok:
-                future.set_result(value)
-            else:
-                future.set_exception(value)
-
-    def run() -> None:
-        if nice:
-            with contextlib.suppress(AttributeError, OSError):
-                tid = threading.get_native_id()
-                current = os.getpriority(os.PRIO_PROCESS, tid)
-                os.setpriority(os.PRIO_PROCESS, tid, min(current + nice, 19))
-        try:
-            result = fn()
-        except BaseException as exc:
-            loop.call_soon_threadsafe(deliver, False, exc)
-        else:
-            loop.call_soon_threadsafe(deliver, True, result)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return await future
-
-
-def _load_error(exc: BaseException) -> ApiError:
-    """Map a staging failure to the hot-load API's error (422 unusable snapshot, else 500)."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, WeightsMismatchError):
-        return ApiError(422, "weights_mismatch", str(exc))
-    if isinstance(exc, ChecksumMismatchError):
-        return ApiError(422, "checksum_mismatch", str(exc))
-    if isinstance(exc, SnapshotValidationError):
-        return ApiError(422, "snapshot_invalid", str(exc))
-    if isinstance(exc, HotloadError):
-        return ApiError(422, "snapshot_unusable", str(exc))
-    return ApiError(500, "load_failed", f"{type(exc).__name__}: {exc}")
 
 
 class Engine:
@@ -418,7 +368,7 @@ class Engine:
             )
             await asyncio.wrap_future(scheduler.adapters(AdapterOrder(install=staged)))
         except Exception as exc:
-            err = _load_error(exc)
+            err = load_error(exc)
             self.metrics.load_failures.labels(err.type).inc()
             log.warning("loading adapter %s from %s failed: %s", name, path, err.message)
             raise err from exc
@@ -462,7 +412,7 @@ class Engine:
                     lambda: runner.stage(req.path), nice=self.config.stage_nice
                 )
             except Exception as exc:
-                raise _load_error(exc) from exc
+                raise load_error(exc) from exc
             staged_at = time.perf_counter()
             if req.mode == "sync":
                 self.sync_gate = target
@@ -470,7 +420,7 @@ class Engine:
                 order = SwapOrder(staged, target, req.mode, req.cache_policy)
                 worker_pause = await asyncio.wrap_future(scheduler.swap(order))
             except Exception as exc:
-                raise _load_error(exc) from exc
+                raise load_error(exc) from exc
             finally:
                 self.sync_gate = None
             done = time.perf_counter()

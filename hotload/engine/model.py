@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -35,8 +35,16 @@ import torch
 from torch import nn
 
 from hotload.engine.batch import BatchKV, KVCache, crop
+from hotload.engine.exact import (
+    EXACT_ATTENTION,
+    MAX_ROWS,
+    SMALL_ROWS,
+    pad_rows_linear,
+    probe_row_sizes,
+    register_exact_attention,
+    set_row_pads,
+)
 from hotload.engine.lora import AdapterTable, set_rows
-from hotload.engine.protocol import PromptLogprobs, SamplingParams
 from hotload.errors import SnapshotError, SnapshotValidationError, ValidationProblem
 from hotload.snapshot import layout
 
@@ -64,10 +72,6 @@ SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 
-EXACT_ATTENTION = "hotload_exact"
-SMALL_ROWS = 32  # row counts up to this are probed one by one (see `probe_row_sizes`)
-MAX_ROWS = 128  # linear layers run on at most this many rows at a time
-
 
 class WeightsMismatchError(SnapshotValidationError):
     """The snapshot's tensors do not fit the served model: names, shapes or dtypes differ."""
@@ -94,198 +98,6 @@ def resolve_dtype(name: str) -> torch.dtype:
         raise SnapshotError(
             f"unsupported dtype {name!r} (use {', '.join(DTYPES)})", field="dtype"
         ) from None
-
-
-# --- exact numerics ----------------------------------------------------------------------------
-
-# Left padding of each row of the batch being run, for the exact attention below. Each engine
-# runs its model on one worker thread, so a thread-local keeps engines in one process apart.
-_LAYOUT = threading.local()
-
-
-def _exact_attention(  # noqa: PLR0917 (transformers' attention signature)
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Causal attention one query at a time over exactly its own keys (see module docstring)."""
-    pads: list[int] = _LAYOUT.pads
-    batch, heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    scale = scaling if scaling is not None else dim**-0.5
-    out = query.new_empty(batch, q_len, heads, dim)
-    for b in range(batch):
-        keys = key[b, :, pads[b] :]
-        values = value[b, :, pads[b] :]
-        past = keys.shape[1] - q_len
-        for i in range(q_len):
-            n = past + i + 1
-            # Query heads h*group..h*group+group-1 share key/value head h (grouped-query attention).
-            q = query[b, :, i].reshape(kv_heads, group, dim)
-            scores = torch.matmul(q, keys[:, :n].transpose(1, 2)) * scale
-            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-            out[b, i] = torch.matmul(weights, values[:, :n]).reshape(heads, dim)
-    return out, None
-
-
-def _register_exact_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(EXACT_ATTENTION, _exact_attention)
-
-
-def pad_rows_linear(module: nn.Linear, sizes: Sequence[int], max_rows: int) -> None:
-    """Make `module` compute in blocks of at most `max_rows` rows, a block of r rows padded with
-    zero rows up to the smallest size in `sizes` (ascending) that is >= r."""
-    weight_owner = module
-    target = [next((s for s in sizes if s >= r), r) for r in range(max_rows + 1)]
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        outs = []
-        for start in range(0, flat.shape[0], max_rows):
-            chunk = flat[start : start + max_rows]
-            rows = chunk.shape[0]
-            if target[rows] > rows:
-                chunk = torch.cat([chunk, chunk.new_zeros(target[rows] - rows, chunk.shape[1])])
-            outs.append(nn.functional.linear(chunk, weight_owner.weight, weight_owner.bias)[:rows])
-        y = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
-    module.forward = forward  # type: ignore[method-assign,assignment]
-
-
-def probe_row_sizes(
-    weights: Sequence[torch.Tensor], max_rows: int = MAX_ROWS, small: int = SMALL_ROWS
-) -> list[int] | None:
-    """Block sizes at which `F.linear` gives each row the bits it gets in a block of `max_rows`.
-
-    BLAS switches kernels (and rounding) among small row counts, so every size up to `small`
-    is tried; larger blocks are spot-checked and stand for all sizes above `small` (the result
-    then ends with `small + 1`). None when a large block already disagrees: no padding makes
-    this BLAS batch-invariant.
-    """
-    gen = torch.Generator().manual_seed(0)
-    good = set(range(1, small + 1))
-    seen: set[tuple[tuple[int, ...], torch.dtype]] = set()
-    # Smallest weights first: sizes they rule out are not tried again on the big ones.
-    for w in sorted(weights, key=lambda t: t.numel()):
-        sig = (tuple(w.shape), w.dtype)
-        if sig in seen or w.ndim != 2:
-            continue
-        seen.add(sig)
-        x = torch.randn(max_rows, w.shape[1], generator=gen).to(w.device, w.dtype)
-        ref = nn.functional.linear(x, w)
-
-        def same(
-            m: int, offset: int, w: torch.Tensor = w, x: torch.Tensor = x, ref: torch.Tensor = ref
-        ) -> bool:
-            rows = slice(offset, offset + m)
-            return torch.equal(nn.functional.linear(x[rows], w), ref[rows])
-
-        large = [m for m in (small + 1, 50, 64, 100, max_rows - 5) if small < m <= max_rows - 5]
-        if not all(same(m, offset) for m in large for offset in (0, 5)):
-            return None
-        # Offset 3: a block's rows must also match rows that sat elsewhere in the large block.
-        good = {m for m in good if same(m, 3)}
-    return [*sorted(good), small + 1]
-
-
-# --- sampling ----------------------------------------------------------------------------------
-
-
-def pick_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """Greedy (temperature 0) or temperature/top-p sampling of one row of logits."""
-    if params.temperature == 0.0:
-        return int(torch.argmax(logits).item())
-    probs = torch.softmax(logits.float().cpu() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest set whose mass reaches top_p (the first token always stays).
-        sorted_probs[(cum - sorted_probs) >= params.top_p] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
-
-
-def prompt_logprobs(
-    logits: torch.Tensor, tokens: Sequence[int], top: int, text: Callable[[int], str]
-) -> PromptLogprobs:
-    """vLLM's `prompt_logprobs` from a prefill's logits ([n, vocab], row i predicts token i+1).
-
-    Each position after the first gets its own token and the `top` most likely ones, each with
-    its logprob (fp32 log-softmax of the logits), its 1-based rank and its text.
-    """
-    logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
-    out: PromptLogprobs = [None]
-    for i in range(1, len(tokens)):
-        row = logprobs[i - 1]
-        token = int(tokens[i])
-        own = row[token]
-        entry = {
-            str(token): {
-                "logprob": float(own),
-                # vLLM's rank: tokens at least as likely, itself included (ties rank low).
-                "rank": int((row >= own).sum()),
-                "decoded_token": text(token),
-            }
-        }
-        if top > 0:
-            values, ids = torch.topk(row, top)
-            for rank, (value, tid) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
-                # The prompt's own token keeps its entry (and its rank among ties) when in the top.
-                entry.setdefault(
-                    str(tid), {"logprob": value, "rank": rank + 1, "decoded_token": text(tid)}
-                )
-        out.append(entry)
-    return out
-
-
-# --- tokenizer ---------------------------------------------------------------------------------
-
-
-class TextCodec:
-    """The snapshot's tokenizer: prompts to ids (with the chat template if any) and back."""
-
-    def __init__(self, path: str | Path) -> None:
-        from transformers import AutoTokenizer
-
-        self._tok: Any = AutoTokenizer.from_pretrained(str(path))
-
-    @property
-    def has_chat_template(self) -> bool:
-        """Whether the tokenizer carries a chat template (else the plain fallback is used)."""
-        return bool(getattr(self._tok, "chat_template", None))
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a completion prompt (with the tokenizer's special tokens, like vLLM)."""
-        return list(self._tok(text, add_special_tokens=True)["input_ids"])
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat: the tokenizer's template, else "role: content" lines."""
-        if self.has_chat_template:
-            text = self._tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-            return list(self._tok(text, add_special_tokens=False)["input_ids"])
-        from hotload.engine.protocol import render_chat_fallback
-
-        return self.encode(render_chat_fallback(messages))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of generated ids (special tokens dropped)."""
-        return str(self._tok.decode(list(ids), skip_special_tokens=True))
-
-    def token_text(self, token_id: int) -> str:
-        """One token's own text (its vocabulary entry, as vLLM's `decoded_token` shows it)."""
-        piece = self._tok.convert_ids_to_tokens(int(token_id))
-        return piece if isinstance(piece, str) else ""
 
 
 # --- weights -----------------------------------------------------------------------------------
@@ -397,7 +209,7 @@ class ModelRunner:
             log.warning("exact numerics unavailable (%s): using fast numerics", why_not)
             exact = False
         if exact:
-            _register_exact_attention()
+            register_exact_attention()
             hf_config._attn_implementation = EXACT_ATTENTION
         model = _build_empty(hf_config, torch_dtype, dev, AutoModelForCausalLM)
         if exact:
@@ -587,7 +399,7 @@ class ModelRunner:
         cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
         mask = None
         if self.exact:
-            _LAYOUT.pads = pads
+            set_row_pads(pads)
         elif any(pads):
             width = (kv[0][0].shape[2] if kv else 0) + tokens.shape[1]
             cols = torch.arange(width, device=self.device)[None, :]

@@ -35,26 +35,21 @@ import torch
 from hotload.engine.batch import BatchKV, KVCache
 from hotload.engine.lora import StagedAdapter
 from hotload.engine.metrics import EngineMetrics
-from hotload.engine.model import (
-    ModelRunner,
-    StagedWeights,
-    TextCodec,
-    pick_token,
-    prompt_logprobs,
-)
+from hotload.engine.model import ModelRunner, StagedWeights
 from hotload.engine.protocol import (
     ApiError,
     CachePolicy,
-    Outcome,
-    PromptLogprobs,
     SamplingParams,
     ServedSnapshot,
     TransitionMode,
     VersionConstraint,
     snapshot_unavailable,
 )
+from hotload.engine.responses import Outcome, PromptLogprobs
+from hotload.engine.sampling import pick_token, prompt_logprobs
 from hotload.engine.sessions import SessionCache
 from hotload.engine.text import TextAssembler
+from hotload.engine.tokenizer import TextCodec
 
 log = logging.getLogger(__name__)
 

@@ -30,14 +30,16 @@ from hotload.engine.protocol import (
     RequestKind,
     ServedSnapshot,
     bad_request,
+    parse_generation_request,
+    parse_load_request,
+    session_id,
+)
+from hotload.engine.responses import (
     completion_body,
     final_chunk,
     models_body,
     new_id,
     now,
-    parse_generation_request,
-    parse_load_request,
-    session_id,
     sse,
     stream_chunk,
 )

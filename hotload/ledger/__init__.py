@@ -4,6 +4,7 @@ It lives at `<bucket>/.hotload/ledgers/<name>.json`; writers append entries (ful
 lora) and resets, followers poll it cheaply and resolve which snapshots to fetch.
 """
 
+from hotload.ledger.fields import validate_ledger_name
 from hotload.ledger.ledger import (
     DEFAULT_HISTORY,
     LEDGER_PREFIX,
@@ -24,7 +25,6 @@ from hotload.ledger.model import (
     NewEntry,
     PromptCachePolicy,
     ResetRecord,
-    validate_ledger_name,
 )
 from hotload.ledger.pins import (
     PIN_PREFIX,

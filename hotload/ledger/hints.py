@@ -20,7 +20,8 @@ from typing import Literal
 
 from hotload.bucket.core import Bucket
 from hotload.errors import InvalidIdentityError, LedgerError, ObjectNotFoundError
-from hotload.ledger.model import LedgerDocument, _time, format_time, load_versioned, utc_now
+from hotload.ledger.fields import format_time, load_versioned, time_field, utc_now
+from hotload.ledger.model import LedgerDocument
 from hotload.snapshot.layout import validate_identity
 
 #: Where hint objects live inside a bucket.
@@ -109,7 +110,7 @@ class Hint:
                 raise LedgerError(f"{where}: files: {name}: invalid size {size!r}")
             etag = raw.get("etag")
             files.append(HintFile(name, size, str(etag) if etag else None))
-        updated = _time(doc, "updatedTime", where) if doc.get("updatedTime") else None
+        updated = time_field(doc, "updatedTime", where) if doc.get("updatedTime") else None
         return cls(
             identity,
             kind,

@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from hotload.bucket.core import Bucket, NotModified, run_sync
+from hotload.bucket.core import Bucket
+from hotload.bucket.objects import NotModified, run_sync
 from hotload.errors import (
     LedgerConflictError,
     LedgerError,
     ObjectNotFoundError,
     PreconditionFailedError,
 )
+from hotload.ledger.fields import validate_ledger_name
 from hotload.ledger.model import (
     LedgerDocument,
     LedgerEntry,
     NewEntry,
     ResetRecord,
-    validate_ledger_name,
 )
+
+T = TypeVar("T")
 
 #: Where ledgers live inside a bucket.
 LEDGER_PREFIX = ".hotload/ledgers"
@@ -127,8 +132,8 @@ class Ledger:
         If the ledger already holds this identity with the same kind and manifest digest (an
         earlier attempt landed but its answer was lost), that entry is returned.
         """
-        for attempt in range(1, attempts + 1):
-            state = await self.read_async()
+
+        async def append(state: LedgerState) -> LedgerEntry:
             existing = state.document.find(new.identity)
             if (
                 existing is not None
@@ -136,47 +141,47 @@ class Ledger:
                 and existing.manifest_digest == new.manifest_digest
             ):
                 return existing
-            try:
-                return await self.append_async(new, state=state)
-            except LedgerConflictError:
-                if attempt == attempts:
-                    raise
-                await asyncio.sleep(random.uniform(0.01, 0.05) * attempt)
-        raise AssertionError("unreachable")
+            return await self.append_async(new, state=state)
+
+        return await self._until_written(append, attempts)
 
     async def reset_async(self, reason: str, *, attempts: int = DEFAULT_ATTEMPTS) -> ResetRecord:
         """Record an explicit reset (with its reason); the next entry must be a full snapshot."""
-        for attempt in range(1, attempts + 1):
-            state = await self.read_async()
+
+        async def reset(state: LedgerState) -> ResetRecord:
             document, record = state.document.with_reset(reason)
-            try:
-                await self._write(state, document)
-            except LedgerConflictError:
-                if attempt == attempts:
-                    raise
-                await asyncio.sleep(random.uniform(0.01, 0.05) * attempt)
-                continue
+            await self._write(state, document)
             return record
-        raise AssertionError("unreachable")
+
+        return await self._until_written(reset, attempts)
 
     async def compact_async(
         self, keep: int | None = None, *, attempts: int = DEFAULT_ATTEMPTS
     ) -> LedgerDocument:
         """Drop old entries, keeping `keep` (default: the ledger's history setting) and always
         the chain from the latest full snapshot; return the compacted document."""
+
+        async def compact(state: LedgerState) -> LedgerDocument:
+            document = state.document.compacted(self.history if keep is None else keep)
+            if document is not state.document:
+                await self._write(state, document)
+            return document
+
+        return await self._until_written(compact, attempts)
+
+    async def _until_written(
+        self, change: Callable[[LedgerState], Awaitable[T]], attempts: int
+    ) -> T:
+        """Run `change` on a fresh read until its compare-and-swap wins, re-reading after each
+        lost race (with a growing, jittered pause) up to `attempts` times."""
         for attempt in range(1, attempts + 1):
             state = await self.read_async()
-            document = state.document.compacted(self.history if keep is None else keep)
-            if document is state.document:
-                return document
             try:
-                await self._write(state, document)
+                return await change(state)
             except LedgerConflictError:
                 if attempt == attempts:
                     raise
                 await asyncio.sleep(random.uniform(0.01, 0.05) * attempt)
-                continue
-            return document
         raise AssertionError("unreachable")
 
     async def _write(self, state: LedgerState, document: LedgerDocument) -> str | None:

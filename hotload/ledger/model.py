@@ -6,13 +6,25 @@ Everything here is pure (no I/O), so the rules can be tested and reused by any w
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Final, Literal, get_args
 
 from hotload.errors import LedgerError, LedgerRejectedError
+from hotload.ledger.fields import (
+    DIGEST,
+    check_increasing,
+    choice_field,
+    digest_field,
+    format_time,
+    identity_field,
+    int_field,
+    json_object,
+    optional_identity_field,
+    time_field,
+    utc_now,
+)
 from hotload.snapshot.layout import validate_identity
 
 FORMAT_VERSION: Final = 1
@@ -28,29 +40,6 @@ SELF_CONTAINED: Final = ("full", "lora")
 BASE_KINDS: Final = ("full", "incremental")
 #: Longest reset reason kept (a reason is for humans, not a log dump).
 MAX_REASON = 1000
-
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def validate_ledger_name(name: str) -> str:
-    """Return `name` if it is a valid ledger name (one safe path segment), else raise."""
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise LedgerError(
-            f"{name!r} is not a valid ledger name: use 1-128 characters from A-Z a-z 0-9 . _ - "
-            "starting with a letter or digit"
-        )
-    return name
-
-
-def utc_now() -> datetime:
-    """The current time in UTC, to the microsecond."""
-    return datetime.now(UTC)
-
-
-def format_time(value: datetime) -> str:
-    """RFC 3339 in UTC with a `Z` suffix, as every time in the ledger is written."""
-    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 @dataclass(frozen=True)
@@ -103,17 +92,17 @@ class LedgerEntry:
     @classmethod
     def from_json(cls, doc: object, where: str) -> LedgerEntry:
         """Parse one stored entry; `where` names it in error messages."""
-        d = _object(doc, where)
+        d = json_object(doc, where)
         return cls(
-            sequence=_int(d, "sequence", where, minimum=1),
-            identity=_identity(d, "identity", where),
-            kind=_choice(d, "kind", where, ENTRY_KINDS),  # type: ignore[arg-type]
-            previous=_optional_identity(d, "previous", where),
-            published_time=_time(d, "publishedTime", where),
-            prompt_cache=_choice(d, "promptCache", where, PROMPT_CACHE_POLICIES),  # type: ignore[arg-type]
-            manifest_digest=_digest(d, "manifestDigest", where),
-            shipped_bytes=_int(d, "shippedBytes", where, minimum=0),
-            full_bytes=_int(d, "fullBytes", where, minimum=0),
+            sequence=int_field(d, "sequence", where, minimum=1),
+            identity=identity_field(d, "identity", where),
+            kind=choice_field(d, "kind", where, ENTRY_KINDS),  # type: ignore[arg-type]
+            previous=optional_identity_field(d, "previous", where),
+            published_time=time_field(d, "publishedTime", where),
+            prompt_cache=choice_field(d, "promptCache", where, PROMPT_CACHE_POLICIES),  # type: ignore[arg-type]
+            manifest_digest=digest_field(d, "manifestDigest", where),
+            shipped_bytes=int_field(d, "shippedBytes", where, minimum=0),
+            full_bytes=int_field(d, "fullBytes", where, minimum=0),
         )
 
 
@@ -138,15 +127,15 @@ class ResetRecord:
     @classmethod
     def from_json(cls, doc: object, where: str) -> ResetRecord:
         """Parse one stored reset record."""
-        d = _object(doc, where)
+        d = json_object(doc, where)
         reason = d.get("reason")
         if not isinstance(reason, str) or not reason.strip():
             raise LedgerError(f"{where}.reason: must be a non-empty string")
         return cls(
-            sequence=_int(d, "sequence", where, minimum=1),
-            time=_time(d, "time", where),
+            sequence=int_field(d, "sequence", where, minimum=1),
+            time=time_field(d, "time", where),
             reason=reason,
-            previous_head=_optional_identity(d, "previousHead", where),
+            previous_head=optional_identity_field(d, "previousHead", where),
         )
 
 
@@ -223,7 +212,7 @@ class LedgerDocument:
                 f"{where}: prompt-cache policy {new.prompt_cache!r} is not one of "
                 f"{PROMPT_CACHE_POLICIES}"
             )
-        if not isinstance(new.manifest_digest, str) or not _DIGEST.match(new.manifest_digest):
+        if not isinstance(new.manifest_digest, str) or not DIGEST.match(new.manifest_digest):
             raise LedgerRejectedError(
                 f"{where}: manifest digest {new.manifest_digest!r} is not 'sha256:' + 64 hex digits"
             )
@@ -423,7 +412,7 @@ class LedgerDocument:
     @classmethod
     def from_json(cls, doc: object, where: str) -> LedgerDocument:
         """Parse and check a stored document; errors name `where` and the offending field."""
-        d = _object(doc, where)
+        d = json_object(doc, where)
         version = d.get("formatVersion")
         if not isinstance(version, int) or isinstance(version, bool):
             raise LedgerError(f"{where}: formatVersion: missing or not an integer")
@@ -449,10 +438,10 @@ class LedgerDocument:
         resets = tuple(
             ResetRecord.from_json(r, f"{where}: resets[{i}]") for i, r in enumerate(raw_resets)
         )
-        sequence = _int(d, "sequence", where, minimum=0)
-        compacted = _int(d, "compactedThrough", where, minimum=0, default=0)
-        _check_increasing(entries, f"{where}: entries", compacted, sequence)
-        _check_increasing(resets, f"{where}: resets", 0, sequence)
+        sequence = int_field(d, "sequence", where, minimum=0)
+        compacted = int_field(d, "compactedThrough", where, minimum=0, default=0)
+        check_increasing(entries, f"{where}: entries", compacted, sequence)
+        check_increasing(resets, f"{where}: resets", 0, sequence)
         seen: set[str] = set()
         for i, e in enumerate(entries):
             if e.identity in seen:
@@ -477,7 +466,7 @@ class LedgerDocument:
             entries=entries,
             resets=resets,
             compacted_through=compacted,
-            updated_time=_time(d, "updatedTime", where) if updated is not None else None,
+            updated_time=time_field(d, "updatedTime", where) if updated is not None else None,
             extra={k: v for k, v in d.items() if k not in known},
         )
 
@@ -489,92 +478,3 @@ class LedgerDocument:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise LedgerError(f"{where}: not valid JSON: {exc}") from None
         return cls.from_json(doc, where)
-
-
-# --- field parsing helpers ---------------------------------------------------------------------
-
-
-def load_versioned(data: bytes, where: str, newest: int) -> dict[str, Any]:
-    """Parse a small stored JSON object (a pin, a hint) whose `formatVersion` this hotload
-    understands (at most `newest`); `LedgerError` naming `where` otherwise."""
-    try:
-        doc: Any = json.loads(data)
-    except ValueError as exc:
-        raise LedgerError(f"{where}: not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise LedgerError(f"{where}: must be a JSON object")
-    version = doc.get("formatVersion")
-    if not isinstance(version, int) or version > newest:
-        raise LedgerError(f"{where}: formatVersion {version!r} is not supported")
-    return doc
-
-
-def _object(doc: object, where: str) -> dict[str, Any]:
-    if not isinstance(doc, dict):
-        raise LedgerError(f"{where}: must be a JSON object")
-    return doc
-
-
-def _int(
-    d: Mapping[str, Any], key: str, where: str, *, minimum: int, default: int | None = None
-) -> int:
-    value = d.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise LedgerError(f"{where}.{key}: must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _choice(d: Mapping[str, Any], key: str, where: str, choices: Sequence[str]) -> str:
-    value = d.get(key)
-    if value not in choices:
-        raise LedgerError(f"{where}.{key}: must be one of {', '.join(choices)}, got {value!r}")
-    assert isinstance(value, str)
-    return value
-
-
-def _identity(d: Mapping[str, Any], key: str, where: str) -> str:
-    value = d.get(key)
-    if not isinstance(value, str) or not _NAME.match(value):
-        raise LedgerError(f"{where}.{key}: not a valid snapshot identity: {value!r}")
-    return value
-
-
-def _optional_identity(d: Mapping[str, Any], key: str, where: str) -> str | None:
-    return None if d.get(key) is None else _identity(d, key, where)
-
-
-def _digest(d: Mapping[str, Any], key: str, where: str) -> str:
-    value = d.get(key)
-    if not isinstance(value, str) or not _DIGEST.match(value):
-        raise LedgerError(f"{where}.{key}: must be 'sha256:' + 64 hex digits, got {value!r}")
-    return value
-
-
-def _time(d: Mapping[str, Any], key: str, where: str) -> datetime:
-    value = d.get(key)
-    if not isinstance(value, str):
-        raise LedgerError(f"{where}.{key}: must be an RFC 3339 time string")
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise LedgerError(f"{where}.{key}: {value!r} is not an RFC 3339 time") from None
-    if parsed.tzinfo is None:
-        raise LedgerError(f"{where}.{key}: {value!r} has no time zone")
-    return parsed.astimezone(UTC)
-
-
-def _check_increasing(
-    items: Sequence[LedgerEntry | ResetRecord], where: str, floor: int, ceiling: int
-) -> None:
-    last = floor
-    for i, item in enumerate(items):
-        if item.sequence <= last:
-            raise LedgerError(
-                f"{where}[{i}].sequence: {item.sequence} does not increase (previous {last}); "
-                "the sequence never rewinds"
-            )
-        if item.sequence > ceiling:
-            raise LedgerError(
-                f"{where}[{i}].sequence: {item.sequence} is beyond the ledger's sequence {ceiling}"
-            )
-        last = item.sequence

@@ -19,15 +19,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from hotload.bucket.core import Bucket, NotModified
+from hotload.bucket.core import Bucket
+from hotload.bucket.objects import NotModified
 from hotload.errors import InvalidIdentityError, LedgerError, ObjectNotFoundError
-from hotload.ledger.model import (
-    LedgerDocument,
-    LedgerEntry,
-    format_time,
-    load_versioned,
-    utc_now,
-)
+from hotload.ledger.fields import format_time, load_versioned, utc_now
+from hotload.ledger.model import LedgerDocument, LedgerEntry
 from hotload.snapshot.layout import validate_identity
 
 #: Where pin objects live inside a bucket.

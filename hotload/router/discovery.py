@@ -162,7 +162,35 @@ def replica_from_status(base: Replica, status: Mapping[str, Any]) -> Replica:
     )
 
 
-class StaticDiscovery:
+class _FleetDiscovery:
+    """What both discoveries answer from their `Fleet`: the replicas as last seen, and what
+    the router learned from its own traffic."""
+
+    fleet: Fleet
+    _task: asyncio.Task[None] | None
+
+    def replicas(self) -> Sequence[Replica]:
+        """The replicas as last seen (polled, or watched)."""
+        return self.fleet.replicas()
+
+    def observe(self, name: str, identity: str, sequence: int, *, newer_only: bool = True) -> None:
+        """See `Fleet.observe`."""
+        self.fleet.observe(name, identity, sequence, newer_only=newer_only)
+
+    def report_failure(self, name: str) -> None:
+        """See `Fleet.report_failure`."""
+        self.fleet.report_failure(name)
+
+    async def _stop_task(self) -> None:
+        """Cancel the background task (polling or watching) and wait until it has ended."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+class StaticDiscovery(_FleetDiscovery):
     """A fixed list of replica URLs whose state is polled every `interval` seconds."""
 
     def __init__(
@@ -184,18 +212,6 @@ class StaticDiscovery:
         self.fleet.set_all(self.base)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
-
-    def replicas(self) -> Sequence[Replica]:
-        """The replicas as last polled."""
-        return self.fleet.replicas()
-
-    def observe(self, name: str, identity: str, sequence: int, *, newer_only: bool = True) -> None:
-        """See `Fleet.observe`."""
-        self.fleet.observe(name, identity, sequence, newer_only=newer_only)
-
-    def report_failure(self, name: str) -> None:
-        """See `Fleet.report_failure`."""
-        self.fleet.report_failure(name)
 
     async def start(self) -> None:
         """Poll every replica once, then keep polling in the background."""
@@ -236,11 +252,7 @@ class StaticDiscovery:
 
     async def aclose(self) -> None:
         """Stop polling."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._stop_task()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -318,7 +330,7 @@ def replica_from_pod(pod: JSON, default_port: int = DEFAULT_ENGINE_PORT) -> Repl
     )
 
 
-class KubeDiscovery:
+class KubeDiscovery(_FleetDiscovery):
     """The engine pods of one HotLoadDeployment, listed and then watched."""
 
     def __init__(
@@ -340,18 +352,6 @@ class KubeDiscovery:
         self.fleet = Fleet(cooldown)
         self._task: asyncio.Task[None] | None = None
         self._path = resource_path("v1", "pods", namespace)
-
-    def replicas(self) -> Sequence[Replica]:
-        """The pods as last seen."""
-        return self.fleet.replicas()
-
-    def observe(self, name: str, identity: str, sequence: int, *, newer_only: bool = True) -> None:
-        """See `Fleet.observe`."""
-        self.fleet.observe(name, identity, sequence, newer_only=newer_only)
-
-    def report_failure(self, name: str) -> None:
-        """See `Fleet.report_failure`."""
-        self.fleet.report_failure(name)
 
     async def start(self) -> None:
         """List the pods (errors propagate: a router that cannot see its pods should say so),
@@ -406,8 +406,4 @@ class KubeDiscovery:
 
     async def aclose(self) -> None:
         """Stop watching (the client belongs to the caller)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._stop_task()

@@ -35,14 +35,6 @@ from typing import Any, Final
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
 
 from hotload.engine.protocol import (
     SEQUENCE_HEADER,
@@ -52,6 +44,7 @@ from hotload.engine.protocol import (
     parse_constraint,
     session_id,
 )
+from hotload.metrics import CONTENT_TYPE, MetricSet
 from hotload.router.decision import REASONS, Choice, NoReplica, Replica, RouteRequest, decide
 from hotload.router.discovery import Discovery
 
@@ -81,57 +74,46 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 SESSION_MEMORY = 65536  # sessions remembered to count moves (LRU)
 
 
-class RouterMetrics:
+class RouterMetrics(MetricSet):
     """The router's series, in a registry of its own (several routers may share a process)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
+        super().__init__()
+        self.requests = self.counter(
             "hotload_router_requests",
             "Requests forwarded, by replica and upstream status code.",
             ["replica", "code"],
-            registry=r,
         )
-        self.unavailable = Counter(
+        self.unavailable = self.counter(
             "hotload_router_unavailable",
             "503 answers of the router itself (no replica qualified), by reason.",
             ["reason"],
-            registry=r,
         )
-        self.session_moves = Counter(
+        self.session_moves = self.counter(
             "hotload_router_session_moves",
             "Requests of a known session routed to a different replica than its previous one.",
-            registry=r,
         )
-        self.retries = Counter(
+        self.retries = self.counter(
             "hotload_router_retries",
             "Requests retried on another replica after one failed before streaming, by cause.",
             ["cause"],
-            registry=r,
         )
-        self.added_latency = Histogram(
+        self.added_latency = self.histogram(
             "hotload_router_added_latency_seconds",
             "Time the router adds before the response starts: receiving and deciding until the "
             "upstream request is sent, plus relaying the upstream's headers.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
         )
-        self.picks = Counter(
+        self.picks = self.counter(
             "hotload_router_picks",
             "Endpoint-picker decisions (gateway requests sent to a replica), by replica.",
             ["replica"],
-            registry=r,
         )
-        self.in_flight = Gauge(
-            "hotload_router_in_flight", "Requests in flight, by replica.", ["replica"], registry=r
+        self.in_flight = self.gauge(
+            "hotload_router_in_flight", "Requests in flight, by replica.", ["replica"]
         )
         for reason in (*REASONS, "upstream_failed"):
             self.unavailable.labels(reason)
-
-    def render(self) -> bytes:
-        """The registry in the Prometheus text format."""
-        return generate_latest(self.registry)
 
 
 @dataclass
@@ -452,7 +434,7 @@ async def _ready(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     body = request.app[ROUTER].metrics.render()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 async def _replicas(request: web.Request) -> web.Response:

@@ -8,6 +8,14 @@ from hotload.sdk.numerics import (
     numerics_check,
     numerics_check_async,
 )
+from hotload.sdk.outcomes import (
+    NotReadyError,
+    PublishError,
+    PublishHandle,
+    ReadyReport,
+    ShardedPublishError,
+    SnapshotRejectedError,
+)
 from hotload.sdk.publish import (
     Published,
     Uploaded,
@@ -15,21 +23,9 @@ from hotload.sdk.publish import (
     publish_folder_async,
     upload_hinted_async,
 )
-from hotload.sdk.publisher import (
-    NotReadyError,
-    Publisher,
-    PublishError,
-    PublishHandle,
-    ReadyReport,
-    SnapshotRejectedError,
-)
-from hotload.sdk.sharded import (
-    RankReport,
-    ShardedPublisher,
-    ShardedPublishError,
-    ShardPlan,
-    plan_shards,
-)
+from hotload.sdk.publisher import Publisher
+from hotload.sdk.shard_plan import ShardPlan, plan_shards
+from hotload.sdk.sharded import RankReport, ShardedPublisher
 
 __all__ = [
     "Divergence",

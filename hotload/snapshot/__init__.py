@@ -9,11 +9,11 @@ from hotload.snapshot.layout import (
     shard_name,
     validate_identity,
 )
+from hotload.snapshot.manifests import TensorSpec
 from hotload.snapshot.reader import (
     Snapshot,
     SnapshotDescription,
     SnapshotKind,
-    TensorSpec,
     describe_snapshot,
 )
 from hotload.snapshot.safetensors_io import RawTensor, SafetensorsFile

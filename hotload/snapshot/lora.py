@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from hotload.arc.checksum import adler32, format_checksum
 from hotload.errors import ChecksumMismatchError, SnapshotError
 from hotload.snapshot import layout
-from hotload.snapshot.safetensors_io import RawTensor, SafetensorsFile
-from hotload.snapshot.writer import META_CHECKSUMS, write_shard_file
+from hotload.snapshot.safetensors_io import RawTensor, SafetensorsFile, read_header
+from hotload.snapshot.writer import META_CHECKSUMS, to_raw, write_shard_file
 
 #: dtypes an adapter's LoRA factors may have.
 ADAPTER_DTYPES = ("F32", "F16", "BF16")
@@ -170,8 +171,6 @@ def verify_adapter(path: str | Path) -> int:
 
     Raises `ChecksumMismatchError` naming the file and tensor, or `SnapshotError` for a weight
     file without checksums (a plain PEFT folder: publish it with hotload, which adds them)."""
-    from hotload.arc.checksum import adler32, format_checksum
-
     files = adapter_weight_files(path)
     if not files:
         raise SnapshotError("adapter weights are missing", path=str(Path(path)))
@@ -216,8 +215,6 @@ def write_adapter(
 
     `tensors` maps PEFT names (`base_model.model.<module>.lora_A.weight`) to torch or numpy
     tensors; names without the PEFT prefix get it. The folder appears whole (temp + rename)."""
-    from hotload.snapshot.writer import to_raw
-
     root = Path(path)
     AdapterConfig.parse(dict(config), f"{root}/{layout.ADAPTER_CONFIG_FILE}")
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
@@ -345,8 +342,6 @@ def check_adapter_fits(path: str | Path, base_shapes: Mapping[str, Sequence[int]
     """Refuse (`SnapshotError` naming the tensor) an adapter whose factors do not fit the base
     model's linear layers, given the base's tensor shapes (its `tensor_map`). Some engines
     (vLLM 0.32) load a misfit adapter without complaint and then compute garbage."""
-    from hotload.snapshot.safetensors_io import read_header
-
     root = Path(path)
     headers: dict[str, Any] = {}
     for w in adapter_weight_files(root):

@@ -3,82 +3,19 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from hotload.arc.container import is_arc_file, read_header
 from hotload.errors import SnapshotError
 from hotload.snapshot import layout
-from hotload.snapshot.dtypes import ELEMENT_SIZE
+from hotload.snapshot.lora import adapter_digest
+from hotload.snapshot.manifests import TensorSpec, load_json, parse_tensor_map, parse_weight_map
 from hotload.snapshot.safetensors_io import RawTensor, SafetensorsFile
 
 SnapshotKind = Literal["full", "incremental", "lora"]
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape and dtype of one tensor, as `model.weight.spec.json` records it."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensor's data."""
-        n = ELEMENT_SIZE[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
-
-
-def load_json(path: Path) -> Any:
-    """Read a JSON file, raising `SnapshotError` that names the file when it is missing or bad."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SnapshotError("required file is missing", path=str(path)) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SnapshotError(f"not valid JSON ({exc})", path=str(path)) from None
-
-
-def parse_weight_map(path: Path) -> dict[str, str]:
-    """Parse `model.safetensors.index.json` and return its `weight_map` (tensor -> shard file)."""
-    doc = load_json(path)
-    wm = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(wm, dict) or not wm:
-        raise SnapshotError("must be a non-empty object", path=str(path), field="weight_map")
-    for name, file in wm.items():
-        if not isinstance(file, str) or "/" in file or file in {"", ".", ".."}:
-            raise SnapshotError(
-                f"tensor {name!r} maps to {file!r}, not a file name in this folder",
-                path=str(path),
-                field="weight_map",
-            )
-    return dict(wm)
-
-
-def parse_tensor_map(path: Path) -> dict[str, TensorSpec]:
-    """Parse `model.weight.spec.json` and return its `tensor_map` (tensor -> shape and dtype)."""
-    doc = load_json(path)
-    tm = doc.get("tensor_map") if isinstance(doc, dict) else None
-    if not isinstance(tm, dict) or not tm:
-        raise SnapshotError("must be a non-empty object", path=str(path), field="tensor_map")
-    out: dict[str, TensorSpec] = {}
-    for name, spec in tm.items():
-        field = f"tensor_map.{name}"
-        if not isinstance(spec, dict):
-            raise SnapshotError(
-                "must be an object with shape and dtype", path=str(path), field=field
-            )
-        shape, dtype = spec.get("shape"), spec.get("dtype")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise SnapshotError(f"bad shape {shape!r}", path=str(path), field=field + ".shape")
-        if dtype not in ELEMENT_SIZE:
-            raise SnapshotError(f"unknown dtype {dtype!r}", path=str(path), field=field + ".dtype")
-        out[name] = TensorSpec(tuple(shape), dtype)
-    return out
 
 
 class Snapshot:
@@ -118,8 +55,6 @@ class Snapshot:
         """`lora` for an adapter folder, `incremental` for arc_v2 delta shards, else `full`."""
         if self.is_adapter:
             return "lora"
-        from hotload.arc.container import is_arc_file
-
         files = self.shard_files
         return "incremental" if files and is_arc_file(self.path / files[0]) else "full"
 
@@ -128,8 +63,6 @@ class Snapshot:
         """Identity of the parent snapshot of an incremental snapshot, else None."""
         if self.kind != "incremental":
             return None
-        from hotload.arc.container import read_header
-
         return read_header(self.path / self.shard_files[0]).parent
 
     def open_shard(self, shard: str) -> SafetensorsFile:
@@ -195,14 +128,9 @@ def describe_snapshot(path: str | Path) -> SnapshotDescription:
         )
         full = snap.full_bytes + others
     shipped = sum((snap.path / f).stat().st_size for f in files)
-    if snap.is_adapter:
-        from hotload.snapshot.lora import adapter_digest
-
-        # An adapter's weights are small and have no tensor_map: its digest pins their headers
-        # (and through them the per-tensor checksums) as well as the config.
-        digest = adapter_digest(snap.path)
-    else:
-        digest = manifest_digest(snap.path, manifests)
+    # An adapter's weights are small and have no tensor_map: its digest pins their headers
+    # (and through them the per-tensor checksums) as well as the config.
+    digest = adapter_digest(snap.path) if snap.is_adapter else manifest_digest(snap.path, manifests)
     return SnapshotDescription(
         kind=snap.kind,
         parent=snap.parent,

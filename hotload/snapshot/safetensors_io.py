@@ -19,9 +19,9 @@ from types import TracebackType
 
 import numpy as np
 
-from hotload.errors import SnapshotError
+from hotload.errors import CorruptDeltaError, SnapshotError
+from hotload.parse_cache import parsed, remember
 from hotload.snapshot.dtypes import ELEMENT_SIZE
-from hotload.snapshot.parse_cache import parsed, remember
 
 # A header larger than this is not a plausible safetensors file; refuse before allocating it.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -72,6 +72,28 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], int]
         raise SnapshotError("header is truncated", path=str(path))
     tensors, metadata = parse_header(header_bytes, size - 8 - header_len, str(path))
     return tensors, metadata, 8 + header_len
+
+
+def parse_target_header(text: object, shard: str) -> tuple[bytes, dict[str, TensorInfo], int]:
+    """Parse the safetensors header an arc_v2 delta shard carries for the full shard it rebuilds
+    (its `target_header` field): the header's bytes, its tensors and the length of their data.
+
+    Raises `CorruptDeltaError` naming the shard. Inside a `parse_once` block each distinct
+    header is parsed once.
+    """
+    if not isinstance(text, str):
+        raise CorruptDeltaError("header has no target_header", shard=shard)
+    known: tuple[bytes, dict[str, TensorInfo], int] | None = parsed("target", text)
+    if known is not None:
+        return known
+    raw = text.encode()
+    try:
+        infos, _ = parse_header(raw, None, shard)
+    except SnapshotError as exc:
+        raise CorruptDeltaError(f"target_header is invalid: {exc.message}", shard=shard) from None
+    data_len = max((i.end for i in infos.values()), default=0)
+    remember("target", text, (raw, infos, data_len))
+    return raw, infos, data_len
 
 
 def parse_header(

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from hotload.arc.container import ArcHeader, is_arc_file
+from hotload.arc.container import read_header as read_arc_header
 from hotload.errors import (
     HotloadError,
     InvalidIdentityError,
@@ -24,12 +26,10 @@ from hotload.snapshot.lora import (
     adapter_weight_files,
     lora_pairs,
 )
-from hotload.snapshot.reader import Snapshot, TensorSpec, load_json
-from hotload.snapshot.safetensors_io import TensorInfo, read_header
+from hotload.snapshot.manifests import TensorSpec, load_json
+from hotload.snapshot.reader import Snapshot
+from hotload.snapshot.safetensors_io import TensorInfo, parse_target_header, read_header
 from hotload.snapshot.writer import META_CHECKSUMS
-
-if TYPE_CHECKING:
-    from hotload.arc.container import ArcHeader
 
 # Fields that legitimately differ between a snapshot's config.json and the deployment's base.
 DEFAULT_IGNORED_CONFIG_FIELDS = frozenset(
@@ -53,9 +53,7 @@ def _shard_tensors(path: Path, delta: ArcHeader | None) -> dict[str, TensorSpec]
     """Tensors stored in a shard: full (safetensors), or the target header of a delta shard."""
     infos: dict[str, TensorInfo]
     if delta is not None:
-        from hotload.arc.codec import target_tensors_of
-
-        infos = target_tensors_of(delta, path.name)
+        infos = parse_target_header(delta.fields.get("target_header"), path.name)[1]
     else:
         infos, _, _ = read_header(path)
     return {n: TensorSpec(i.shape, i.dtype) for n, i in infos.items()}
@@ -173,8 +171,6 @@ def validate_snapshot(
         )
     kinds = set()
     parents: dict[str, str | None] = {}
-    from hotload.arc.container import is_arc_file
-
     for shard in shards:
         shard_path = root / shard
         if not shard_path.is_file():
@@ -184,8 +180,6 @@ def validate_snapshot(
         kinds.add(is_delta)
         delta: ArcHeader | None = None
         if is_delta:
-            from hotload.arc.container import read_header as read_arc_header
-
             try:
                 delta = read_arc_header(shard_path)
             except HotloadError as exc:
@@ -302,8 +296,6 @@ def validate_adapter(path: str | Path, *, base_model: str | None = None) -> Snap
     weights = adapter_weight_files(root) if root.is_dir() else []
     if not weights:
         problems.add(root / layout.ADAPTER_WEIGHTS_FILE, None, "adapter weights are missing")
-    from hotload.arc.container import is_arc_file
-
     headers: dict[str, Any] = {}
     for w in weights:
         if is_arc_file(w):

@@ -20,6 +20,7 @@ from hotload.arc.checksum import ADLER32, adler32, format_checksum
 from hotload.errors import SnapshotError
 from hotload.snapshot import layout
 from hotload.snapshot.dtypes import NUMPY_TO_SAFETENSORS, TORCH_TO_SAFETENSORS
+from hotload.snapshot.manifests import parse_weight_map
 from hotload.snapshot.safetensors_io import RawTensor, iter_file, write_safetensors
 
 # Metadata keys a full shard carries so that `verify` can check it without a parent.
@@ -237,6 +238,26 @@ def _items(weights: Any) -> Iterator[tuple[str, Any]]:
             yield item
 
 
+def write_side_files(
+    folder: Path, *, side_files_from: str | Path | None, config: Mapping[str, Any] | None
+) -> list[str]:
+    """Put `config.json` and the tokenizer files into `folder`: copied from the model folder
+    `side_files_from`, an explicit `config` winning. Return the names written, sorted."""
+    names = []
+    if side_files_from is not None:
+        src = Path(side_files_from)
+        for name in (layout.CONFIG_FILE, *layout.TOKENIZER_FILES):
+            if (src / name).is_file():
+                shutil.copyfile(src / name, folder / name)
+                names.append(name)
+    if config is not None:
+        text = json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
+        (folder / layout.CONFIG_FILE).write_text(text)
+        if layout.CONFIG_FILE not in names:
+            names.append(layout.CONFIG_FILE)
+    return sorted(names)
+
+
 def write_snapshot(
     out_dir: str | Path,
     weights: Mapping[str, Any] | Iterable[tuple[str, Any]],
@@ -257,13 +278,7 @@ def write_snapshot(
         out_dir, max_shard_bytes=max_shard_bytes, cast=cast, overwrite=overwrite, progress=progress
     )
     try:
-        if side_files_from is not None:
-            src = Path(side_files_from)
-            for name in (layout.CONFIG_FILE, *layout.TOKENIZER_FILES):
-                if (src / name).is_file():
-                    writer.copy_file(src / name)
-        if config is not None:
-            writer.write_json(layout.CONFIG_FILE, config)
+        write_side_files(writer.tmp_dir, side_files_from=side_files_from, config=config)
         for name, tensor in _items(weights):
             writer.add(name, tensor)
         return writer.finish()
@@ -277,8 +292,6 @@ def iter_model_folder(src: str | Path) -> Iterator[tuple[str, RawTensor]]:
     src = Path(src)
     index = src / layout.INDEX_FILE
     if index.exists():
-        from hotload.snapshot.reader import parse_weight_map
-
         files = sorted(set(parse_weight_map(index).values()))
     elif (src / "model.safetensors").exists():
         files = ["model.safetensors"]

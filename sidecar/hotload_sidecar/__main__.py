@@ -34,6 +34,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from hotload.cli.main import exit_now
+    from hotload.process import exit_now
 
     exit_now(main())

@@ -27,8 +27,6 @@ from typing import Any
 
 from hotload.errors import (
     BucketError,
-    ChecksumMismatchError,
-    CorruptDeltaError,
     EngineError,
     EngineLoadError,
     HotloadError,
@@ -44,68 +42,24 @@ from hotload.ledger import (
     pin_target,
     poll_pin_async,
 )
-from hotload.ledger.model import format_time, utc_now
+from hotload.ledger.fields import format_time, utc_now
 from hotload_sidecar.adapters import AdapterSync
+from hotload_sidecar.cache_policy import move_cache_policy
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadRequest, ServedSnapshot
 from hotload_sidecar.materialize import BuildResult, MaterializeError, Materializer
 from hotload_sidecar.metrics import LoaderMetrics
 from hotload_sidecar.prefetch import Prefetcher
 from hotload_sidecar.status import (
-    REASON_CURRENT,
     REASON_ENGINE_DOWN,
-    REASON_LOAD_FAILED,
-    REASON_NO_SNAPSHOT,
-    REASON_STALE,
-    REASON_STARTING,
-    REASON_UPDATING,
     LoadTimings,
     ReplicaStatus,
     Reporter,
+    condition,
 )
 from hotload_sidecar.weights import WeightsFolder
 
 log = logging.getLogger("hotload_sidecar.loader")
-
-_POLICY_STRENGTH: dict[str, int] = {"none": 0, "new_session": 1, "all": 2}
-
-
-def combined_cache_policy(entries: list[LedgerEntry]) -> CachePolicy:
-    """The prompt-cache policy for jumping over `entries` at once: the strongest any asks for."""
-    strongest: CachePolicy = "none"
-    for entry in entries:
-        if _POLICY_STRENGTH[entry.prompt_cache] > _POLICY_STRENGTH[strongest]:
-            strongest = entry.prompt_cache
-    return strongest
-
-
-def condition(status: ReplicaStatus, *, engine_live: bool = True) -> tuple[bool, str]:
-    """The `SnapshotLoaded` condition (status, reason) for a replica status."""
-    if not engine_live:
-        return False, REASON_ENGINE_DOWN
-    if status.identity is None:
-        if status.target_identity is None and status.state != "starting":
-            return False, REASON_NO_SNAPSHOT
-        return False, REASON_STARTING
-    if not status.ledger_reachable:
-        return True, REASON_STALE
-    if status.state == "failed":
-        return True, REASON_LOAD_FAILED
-    if status.loaded:
-        return True, REASON_CURRENT
-    return True, REASON_UPDATING
-
-
-def move_cache_policy(
-    document: LedgerDocument, current: str | None, target: LedgerEntry
-) -> CachePolicy:
-    """The prompt-cache policy for moving the engine from `current` to `target`: going forward,
-    the strongest any skipped entry asks for; going back (a rollback), `all`, because every
-    cached prefix was computed with newer weights than the ones about to serve."""
-    served = document.find(current) if current is not None else None
-    if served is not None and served.sequence > target.sequence:
-        return "all"
-    return combined_cache_policy(document.resolve_chain(current, target.identity) or [target])
 
 
 @dataclass
@@ -482,14 +436,7 @@ class Loader:
     async def _failed(self, stage: str, err: BaseException, target: LedgerEntry) -> None:
         message = f"{stage} of {target.identity} failed: {err}"
         log.error("%s", message)
-        self.metrics.failures.labels(stage).inc()
-        if isinstance(err, MaterializeError):
-            # Both attempts of a fallback may have met bad bytes: count each detection.
-            self.metrics.checksum_failures.inc(err.corruptions)
-        elif isinstance(err, ChecksumMismatchError | CorruptDeltaError):
-            self.metrics.checksum_failures.inc()
-        if isinstance(err, MaterializeError) and err.fallback:
-            self.metrics.fallbacks.inc()
+        self.metrics.observe_failure(stage, err)
         delay = self.settings.retry_seconds
         if self._retry is not None and self._retry.identity == target.identity:
             delay = min(self._retry.delay * 2, self.settings.retry_seconds * 10)
@@ -505,28 +452,8 @@ class Loader:
         return self.target().entry or entry
 
     def _record_build(self, built: BuildResult) -> None:
-        if built.fallback:
-            self.metrics.fallbacks.inc()
-        # Bad bytes the build recovered from (fallback, refetch) still count as detections.
-        self.metrics.checksum_failures.inc(built.corruptions)
-        t = built.timings
-        if built.applied:
-            self.metrics.fetch_seconds.observe(t.fetch_seconds)
-            self.metrics.rebuild_seconds.observe(t.rebuild_seconds)
-            self.metrics.verify_seconds.observe(t.verify_seconds)
-        log.info(
-            "built %s: %d step(s) from %s in %.2fs (fetch %.2fs, rebuild %.2fs, verify %.2fs, "
-            "%d bytes)%s",
-            built.identity,
-            t.steps,
-            built.base or "a full snapshot",
-            t.total_seconds,
-            t.fetch_seconds,
-            t.rebuild_seconds,
-            t.verify_seconds,
-            t.bytes_fetched,
-            " after a fallback" if built.fallback else "",
-        )
+        self.metrics.observe_build(built)
+        log.info("built %s", built.summary())
 
     async def _set(self, *, target: LedgerEntry | None = None, **changes: Any) -> None:
         if target is not None:

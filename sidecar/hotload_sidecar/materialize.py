@@ -93,6 +93,16 @@ class BuildResult:
     #: Checksum mismatches and corrupted payloads detected, and recovered from, on the way.
     corruptions: int = 0
 
+    def summary(self) -> str:
+        """One line for the log: the target, the steps, where they started, the timings."""
+        t = self.timings
+        return (
+            f"{self.identity}: {t.steps} step(s) from {self.base or 'a full snapshot'} in "
+            f"{t.total_seconds:.2f}s (fetch {t.fetch_seconds:.2f}s, rebuild "
+            f"{t.rebuild_seconds:.2f}s, verify {t.verify_seconds:.2f}s, {t.bytes_fetched} bytes)"
+            + (" after a fallback" if self.fallback else "")
+        )
+
 
 @dataclass
 class _Clock:

@@ -2,86 +2,91 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from hotload.errors import ChecksumMismatchError, CorruptDeltaError
+from hotload.metrics import MetricSet
+from hotload_sidecar.materialize import BuildResult, MaterializeError
 
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 
 
-class LoaderMetrics:
+class LoaderMetrics(MetricSet):
     """Counters, gauges and histograms the issue names: bytes, step seconds, failures, staleness."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.bytes_fetched = Counter(
-            "hotload_loader_bytes_fetched", "Bytes downloaded from the bucket", registry=r
+        super().__init__()
+        self.bytes_fetched = self.counter(
+            "hotload_loader_bytes_fetched", "Bytes downloaded from the bucket"
         )
-        self.fetch_seconds = Histogram(
-            "hotload_loader_fetch_seconds",
-            "Seconds an update waited for downloads",
-            buckets=_SECONDS,
-            registry=r,
+        self.fetch_seconds = self.histogram(
+            "hotload_loader_fetch_seconds", "Seconds an update waited for downloads", _SECONDS
         )
-        self.rebuild_seconds = Histogram(
+        self.rebuild_seconds = self.histogram(
             "hotload_loader_rebuild_seconds",
             "Seconds rebuilding full shards from deltas (per update)",
-            buckets=_SECONDS,
-            registry=r,
+            _SECONDS,
         )
-        self.verify_seconds = Histogram(
+        self.verify_seconds = self.histogram(
             "hotload_loader_verify_seconds",
             "Seconds verifying tensor checksums (per update)",
-            buckets=_SECONDS,
-            registry=r,
+            _SECONDS,
         )
-        self.engine_load_seconds = Histogram(
+        self.engine_load_seconds = self.histogram(
             "hotload_loader_engine_load_seconds",
             "Seconds the engine took to hot-load and confirm a snapshot",
-            buckets=_SECONDS,
-            registry=r,
+            _SECONDS,
         )
-        self.update_seconds = Histogram(
+        self.update_seconds = self.histogram(
             "hotload_loader_update_seconds",
             "Seconds from seeing a new ledger head to the engine serving it",
-            buckets=_SECONDS,
-            registry=r,
+            _SECONDS,
         )
-        self.checksum_failures = Counter(
+        self.checksum_failures = self.counter(
             "hotload_loader_checksum_failures",
             "Checksum mismatches, corrupted payloads and parents that do not match their delta, "
             "detected while rebuilding (including early rebuilds from hints, and the ones a "
             "fallback or a refetch recovered from)",
-            registry=r,
         )
-        self.fallbacks = Counter(
-            "hotload_loader_fallbacks",
-            "Rebuilds that fell back to the latest full snapshot",
-            registry=r,
+        self.fallbacks = self.counter(
+            "hotload_loader_fallbacks", "Rebuilds that fell back to the latest full snapshot"
         )
-        self.failures = Counter(
+        self.failures = self.counter(
             "hotload_loader_failures",
             "Failed updates by stage (rebuild, engine, ledger)",
             ["stage"],
-            registry=r,
         )
-        self.loads = Counter(
-            "hotload_loader_loads", "Snapshots the engine confirmed serving", registry=r
+        self.loads = self.counter("hotload_loader_loads", "Snapshots the engine confirmed serving")
+        self.staleness = self.gauge(
+            "hotload_loader_staleness", "Ledger head sequence minus the served sequence"
         )
-        self.staleness = Gauge(
-            "hotload_loader_staleness",
-            "Ledger head sequence minus the served sequence",
-            registry=r,
+        self.served_sequence = self.gauge(
+            "hotload_loader_served_sequence", "Ledger sequence the engine serves"
         )
-        self.served_sequence = Gauge(
-            "hotload_loader_served_sequence", "Ledger sequence the engine serves", registry=r
+        self.head_sequence = self.gauge(
+            "hotload_loader_ledger_head_sequence", "Latest ledger head sequence seen"
         )
-        self.head_sequence = Gauge(
-            "hotload_loader_ledger_head_sequence", "Latest ledger head sequence seen", registry=r
-        )
-        self.ledger_reachable = Gauge(
-            "hotload_loader_ledger_reachable", "1 if the last ledger poll succeeded", registry=r
+        self.ledger_reachable = self.gauge(
+            "hotload_loader_ledger_reachable", "1 if the last ledger poll succeeded"
         )
 
-    def render(self) -> bytes:
-        """The text exposition format."""
-        return generate_latest(self.registry)
+    def observe_build(self, built: BuildResult) -> None:
+        """Count a successful build: its timings (when it rebuilt anything), its fallback, and the
+        bad bytes it recovered from (a fallback or a refetch still counts as a detection)."""
+        if built.fallback:
+            self.fallbacks.inc()
+        self.checksum_failures.inc(built.corruptions)
+        t = built.timings
+        if built.applied:
+            self.fetch_seconds.observe(t.fetch_seconds)
+            self.rebuild_seconds.observe(t.rebuild_seconds)
+            self.verify_seconds.observe(t.verify_seconds)
+
+    def observe_failure(self, stage: str, err: BaseException) -> None:
+        """Count a failed update at `stage`, with the corruption it detected and its fallback."""
+        self.failures.labels(stage).inc()
+        if isinstance(err, MaterializeError):
+            # Both attempts of a fallback may have met bad bytes: count each detection.
+            self.checksum_failures.inc(err.corruptions)
+        elif isinstance(err, ChecksumMismatchError | CorruptDeltaError):
+            self.checksum_failures.inc()
+        if isinstance(err, MaterializeError) and err.fallback:
+            self.fallbacks.inc()

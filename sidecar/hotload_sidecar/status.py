@@ -174,6 +174,23 @@ class ReplicaStatus:
         return doc
 
 
+def condition(status: ReplicaStatus, *, engine_live: bool = True) -> tuple[bool, str]:
+    """The `SnapshotLoaded` condition (status, reason) for a replica status."""
+    if not engine_live:
+        return False, REASON_ENGINE_DOWN
+    if status.identity is None:
+        if status.target_identity is None and status.state != "starting":
+            return False, REASON_NO_SNAPSHOT
+        return False, REASON_STARTING
+    if not status.ledger_reachable:
+        return True, REASON_STALE
+    if status.state == "failed":
+        return True, REASON_LOAD_FAILED
+    if status.loaded:
+        return True, REASON_CURRENT
+    return True, REASON_UPDATING
+
+
 class Reporter(Protocol):
     """Where a loader publishes its replica's status; implementations must not raise on
     transient API failures (log and retry on the next report) so reporting never stops loads."""
@@ -205,7 +222,7 @@ class LocalReporter:
 
     async def event(self, type_: EventType, reason: str, message: str) -> None:
         """Remember the event (bounded)."""
-        from hotload.ledger.model import format_time, utc_now
+        from hotload.ledger.fields import format_time, utc_now
 
         self.events.append(
             {"type": type_, "reason": reason, "message": message, "time": format_time(utc_now())}

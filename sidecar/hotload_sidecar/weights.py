@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from hotload.errors import HotloadError
+from hotload.fileio import fsync_dir
 from hotload.snapshot import validate_identity
 
 log = logging.getLogger("hotload_sidecar.weights")
@@ -117,7 +118,7 @@ class WeightsFolder:
             remove_tree(trash)
         else:
             os.replace(staged, final)
-        _fsync_dir(self.snapshots)
+        fsync_dir(self.snapshots)
         return final
 
     def discard(self, identity: str) -> None:
@@ -146,7 +147,7 @@ class WeightsFolder:
             remove_tree(staged)
             return final
         os.replace(staged, final)
-        _fsync_dir(self.adapters)
+        fsync_dir(self.adapters)
         return final
 
     def current(self) -> str | None:
@@ -167,7 +168,7 @@ class WeightsFolder:
             tmp.unlink()
         os.symlink(Path(SNAPSHOTS) / identity, tmp)
         os.replace(tmp, self.current_link)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def collect(self, keep: int, order: list[str], protect: Iterable[str] = ()) -> list[str]:
         """Delete verified snapshots beyond the newest `keep` in ledger `order` (oldest first),
@@ -193,11 +194,3 @@ def remove_tree(path: Path) -> None:
         path.unlink(missing_ok=True)
     elif path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -356,6 +356,27 @@ class EngineAdapter(ABC):
             status=answer.status,
         )
 
+    def weight_version(self, answer: Answer, *, step: str, what: str) -> str | None:
+        """The `weight_version` an answer names (vLLM and SGLang name their weights so), or
+        None; an `EngineError` for an answer that is not a 200 with a JSON object."""
+        if answer.status != 200 or not isinstance(answer.body, dict):
+            raise self.unexpected(answer, step=step, what=what)
+        version = answer.body.get("weight_version")
+        return version if isinstance(version, str) else None
+
+
+def served_version(
+    version: str | None, *, default: str, loaded: ServedSnapshot | None
+) -> ServedSnapshot | None:
+    """What an engine serves, by its weight version: None for its start-up weights (no version,
+    or `default`); the snapshot this adapter loaded (with its sequence) when the version names
+    it; else the version alone (loaded by someone else, sequence unknown)."""
+    if version is None or version == default:
+        return None
+    if loaded is not None and loaded.identity == version:
+        return loaded
+    return ServedSnapshot(version, None)
+
 
 class StepTimer:
     """Times named steps of one load, in order."""
@@ -383,7 +404,7 @@ class StepTimer:
 def weight_specs(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Tensor name -> (shape, dtype) of a model folder, from its spec manifest or shard headers."""
     from hotload.snapshot import SPEC_FILE
-    from hotload.snapshot.reader import parse_tensor_map
+    from hotload.snapshot.manifests import parse_tensor_map
     from hotload.snapshot.safetensors_io import read_header
 
     folder = Path(path)
@@ -442,20 +463,3 @@ def check_loadable(path: str, previous: str | None) -> None:
                 path=path,
                 field=name,
             )
-
-
-def make_adapter(kind: str, url: str, **options: Any) -> EngineAdapter:
-    """Build the adapter for engine `kind` ("reference", "vllm" or "sglang") at `url`."""
-    if kind == "reference":
-        from hotload_sidecar.engines.reference import ReferenceAdapter
-
-        return ReferenceAdapter(url, **options)
-    if kind == "vllm":
-        from hotload_sidecar.engines.vllm import VLLMAdapter
-
-        return VLLMAdapter(url, **options)
-    if kind == "sglang":
-        from hotload_sidecar.engines.sglang import SGLangAdapter
-
-        return SGLangAdapter(url, **options)
-    raise ValueError(f"unknown engine kind {kind!r}: use one of {ENGINE_KINDS}")

@@ -38,6 +38,7 @@ from hotload_sidecar.engines.base import (
     StepTimer,
     Timeouts,
     check_loadable,
+    served_version,
 )
 
 #: SGLang's weight version before anyone sets one (`ServerArgs.weight_version`).
@@ -162,10 +163,7 @@ class SGLangAdapter(EngineAdapter):
 
     async def _weight_version(self, *, step: str) -> str | None:
         answer = await self.http.request("GET", "/get_weight_version", step=step)
-        if answer.status != 200 or not isinstance(answer.body, dict):
-            raise self.unexpected(answer, step=step, what="GET /get_weight_version")
-        version = answer.body.get("weight_version")
-        return version if isinstance(version, str) else None
+        return self.weight_version(answer, step=step, what="GET /get_weight_version")
 
     async def _confirm(self, identity: str) -> None:
         version = await self._weight_version(step="confirm")
@@ -186,11 +184,7 @@ class SGLangAdapter(EngineAdapter):
     async def current(self) -> ServedSnapshot | None:
         """What SGLang serves: its weight version, with the sequence when this adapter loaded it."""
         version = await self._weight_version(step="current")
-        if version is None or version == DEFAULT_VERSION:
-            return None
-        if self._served is not None and self._served.identity == version:
-            return self._served
-        return ServedSnapshot(version, None)
+        return served_version(version, default=DEFAULT_VERSION, loaded=self._served)
 
     async def health(self) -> EngineHealth:
         """`GET /health` (200 healthy, 503 starting or unhealthy)."""

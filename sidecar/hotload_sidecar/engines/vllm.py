@@ -31,6 +31,7 @@ from hotload_sidecar.engines.base import (
     StepTimer,
     Timeouts,
     check_loadable,
+    served_version,
 )
 
 log = logging.getLogger("hotload_sidecar.engines.vllm")
@@ -243,12 +244,9 @@ class VLLMAdapter(EngineAdapter):
 
     async def _weight_version(self, *, step: str) -> str | None:
         answer = await self.http.request("GET", "/weight_info", step=step)
-        if answer.status != 200 or not isinstance(answer.body, dict):
-            raise self.unexpected(
-                answer, step=step, what="GET /weight_info (is VLLM_SERVER_DEV_MODE=1 set?)"
-            )
-        version = answer.body.get("weight_version")
-        return version if isinstance(version, str) else None
+        return self.weight_version(
+            answer, step=step, what="GET /weight_info (is VLLM_SERVER_DEV_MODE=1 set?)"
+        )
 
     async def _model_info(self, *, step: str) -> str:
         if self._model is None:
@@ -305,11 +303,7 @@ class VLLMAdapter(EngineAdapter):
         if self._broken is not None:
             return None
         version = await self._weight_version(step="current")
-        if version is None or version == DEFAULT_VERSION:
-            return None
-        if self._served is not None and self._served.identity == version:
-            return self._served
-        return ServedSnapshot(version, None)
+        return served_version(version, default=DEFAULT_VERSION, loaded=self._served)
 
     async def health(self) -> EngineHealth:
         """`GET /health` for liveness; ready when also not paused and no failed load is pending."""

@@ -1,0 +1,185 @@
+"""The Kubernetes side of publishing to a HotLoadDeployment: a trainer creates one `Snapshot`
+object per snapshot, then reads back whether the operator admitted it and whether the fleet
+serves it. Used by `Publisher` and by rank 0 of `ShardedPublisher`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL, SnapshotReasons
+from hotload.errors import KubeConflictError, KubeError, KubeNotFoundError
+from hotload.kube import KubeClient, KubeConfig, resource_path
+from hotload.ledger import PromptCachePolicy
+from hotload.sdk.outcomes import NotReadyError, PublishError, SnapshotRejectedError
+
+#: Ready=False reasons after which waiting longer cannot help: the replicas gave up on the
+#: snapshot, a newer one replaced it, the fleet is pinned elsewhere, or it was never admitted.
+_HOPELESS = (
+    SnapshotReasons.FAILED,
+    SnapshotReasons.SUPERSEDED,
+    SnapshotReasons.PINNED_ELSEWHERE,
+    SnapshotReasons.NOT_ACCEPTED,
+)
+
+
+class Cluster:
+    """HotLoadDeployment `namespace/deployment`, reached with `kubeconfig` (or the defaults)."""
+
+    def __init__(self, deployment: str, namespace: str, kubeconfig: str | Path | None) -> None:
+        self.deployment = deployment
+        self.namespace = namespace
+        self.kubeconfig = kubeconfig
+
+    def _path(self, identity: str) -> str:
+        return resource_path(API_VERSION, SNAPSHOT_PLURAL, self.namespace, object_name(identity))
+
+    async def rollout_failed(self, identity: str) -> bool:
+        """Whether the replicas failed to load `identity` (its Snapshot's Ready is False with
+        reason LoadFailed)."""
+        try:
+            async with kube_client(self.kubeconfig) as kube:
+                obj = await kube.get(self._path(identity))
+        except KubeNotFoundError:
+            return False  # published by another path (the ledger directly): nothing to learn
+        for c in (obj.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "Ready":
+                return bool(
+                    c.get("status") == "False" and c.get("reason") == SnapshotReasons.FAILED
+                )
+        return False
+
+    async def create_snapshot(
+        self, identity: str, kind: str, previous: str | None, policy: PromptCachePolicy
+    ) -> None:
+        """Create the `Snapshot` object of a snapshot whose files are in the bucket (a retried
+        publish of the same snapshot finds it there already)."""
+        spec: dict[str, Any] = {
+            "deployment": self.deployment,
+            "identity": identity,
+            "kind": kind,
+            "promptCache": policy,
+        }
+        if previous is not None:
+            spec["previous"] = previous
+        body = {
+            "apiVersion": API_VERSION,
+            "kind": "Snapshot",
+            "metadata": {"name": object_name(identity)},
+            "spec": spec,
+        }
+        async with kube_client(self.kubeconfig) as kube:
+            await get_deployment(kube, self.namespace, self.deployment)
+            with contextlib.suppress(KubeConflictError):  # a retried publish of the same step
+                await kube.create(resource_path(API_VERSION, SNAPSHOT_PLURAL, self.namespace), body)
+
+    async def wait_accepted(self, identity: str, timeout: float) -> dict[str, Any]:
+        """The Snapshot's status once the operator admitted it; `SnapshotRejectedError` if it
+        refused it, `PublishError` after `timeout` seconds without an answer."""
+        path = self._path(identity)
+        deadline = time.monotonic() + timeout
+        async with kube_client(self.kubeconfig) as kube:
+            while True:
+                status: dict[str, Any] = (await kube.get(path)).get("status") or {}
+                for c in status.get("conditions") or []:
+                    if c.get("type") != "Accepted":
+                        continue
+                    if c.get("status") == "True":
+                        return status
+                    if c.get("status") == "False":
+                        raise SnapshotRejectedError(identity, c["reason"], c.get("message", ""))
+                if time.monotonic() > deadline:
+                    raise PublishError(
+                        f"snapshot {identity!r} was not admitted within {timeout:g}s: is the "
+                        "hotload operator running and watching this namespace?"
+                    )
+                await asyncio.sleep(0.2)
+
+    async def ready_status(
+        self, identity: str, min_fraction: float | None, last: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """{"replicas", "loaded", "loads"} once the snapshot is served (Ready, or `min_fraction`
+        of the replicas serve it), else None; what was seen goes into `last`.
+
+        Raises `SnapshotRejectedError` if the operator refused it and `NotReadyError` (with the
+        Ready reason) when it cannot become ready any more."""
+        async with kube_client(self.kubeconfig) as kube:
+            obj = await kube.get(self._path(identity))
+        status = obj.get("status") or {}
+        conditions = {c["type"]: c for c in status.get("conditions") or []}
+        accepted = conditions.get("Accepted")
+        if accepted is not None and accepted.get("status") == "False":
+            raise SnapshotRejectedError(identity, accepted["reason"], accepted.get("message", ""))
+        replicas = int(status.get("replicas") or 0)
+        loaded = int(status.get("replicasLoaded") or 0)
+        failures = list(status.get("failures") or [])
+        last.update(replicas=replicas, loaded=loaded, failures=failures)
+        ready_condition = conditions.get("Ready") or {}
+        ready = ready_condition.get("status") == "True"
+        if min_fraction is not None and replicas:
+            ready = loaded / replicas >= min_fraction
+        if ready:
+            return {"replicas": replicas, "loaded": loaded, "loads": status.get("loads") or []}
+        reason = str(ready_condition.get("reason") or "")
+        if ready_condition.get("status") == "False" and reason in _HOPELESS:
+            detail = ready_condition.get("message") or "; ".join(
+                f"{f.get('pod')}: {f.get('message')}" for f in failures[:5]
+            )
+            raise NotReadyError(
+                f"snapshot {identity!r} will not become ready ({reason}, {loaded}/{replicas} "
+                f"replicas serve it): {detail}",
+                failures,
+                reason,
+            )
+        return None
+
+
+def object_name(identity: str) -> str:
+    """A DNS-1123 object name for an identity (lowercase; `_` and `.` become `-`)."""
+    name = identity.lower().replace("_", "-").replace(".", "-").strip("-")
+    return name[:253] or "snapshot"
+
+
+def kube_client(kubeconfig: str | Path | None) -> KubeClient:
+    """A `KubeClient`, or a `PublishError` that says how to give credentials."""
+    try:
+        config = KubeConfig.auto(kubeconfig)
+    except KubeError as err:
+        raise PublishError(
+            f"no Kubernetes credentials: {err}. Pass kubeconfig=... (--kubeconfig), set "
+            "KUBECONFIG, or publish without a deployment (ledger=..., --ledger) to append to the "
+            "ledger directly"
+        ) from err
+    return KubeClient(config)
+
+
+async def get_deployment(kube: KubeClient, namespace: str, name: str) -> dict[str, Any]:
+    """The HotLoadDeployment, or a `PublishError` saying it does not exist."""
+    try:
+        obj: dict[str, Any] = await kube.get(
+            resource_path(API_VERSION, DEPLOYMENT_PLURAL, namespace, name)
+        )
+    except KubeNotFoundError:
+        raise PublishError(
+            f"HotLoadDeployment {namespace}/{name} does not exist: create it first (see "
+            "examples/), or check --namespace"
+        ) from None
+    return obj
+
+
+async def deployment_bucket(
+    deployment: str, *, namespace: str = "default", kubeconfig: str | Path | None = None
+) -> tuple[str, str]:
+    """The bucket URL (`spec.bucket.url`) and ledger name (`spec.ledger`, default the
+    deployment's name) of HotLoadDeployment `namespace/deployment`, with the same errors as
+    publishing to it (no credentials, no such deployment)."""
+    async with kube_client(kubeconfig) as kube:
+        hld = await get_deployment(kube, namespace, deployment)
+    spec = hld.get("spec") or {}
+    url = (spec.get("bucket") or {}).get("url")
+    if not url:
+        raise PublishError(f"HotLoadDeployment {namespace}/{deployment} has no spec.bucket.url")
+    return str(url), str(spec.get("ledger") or deployment)
