@@ -27,6 +27,9 @@ ALL_OPTIONAL = sorted(set().union(*EXTRAS.values()))
 NEEDS_AN_EXTRA = {
     "hotload.engine.batch",
     "hotload.engine.engine",
+    "hotload.engine.exact",
+    "hotload.engine.sampling",
+    "hotload.engine.staging",
     "hotload.engine.lora",
     "hotload.engine.model",
     "hotload.engine.scheduler",
