@@ -264,6 +264,26 @@ def test_pull_secrets_reach_every_pod_and_the_account_carries_its_annotations() 
     }
 
 
+def test_loaders_and_routers_log_as_the_operator_does() -> None:
+    from hotload_operator.meta import OperatorImages
+
+    hld = deployment(router={"enabled": True})
+    for images, expected in ((OperatorImages(), None), (OperatorImages(log_format="json"), "json")):
+        children = build_children(hld, images)
+        pods = {
+            o["metadata"]["name"]: o["spec"]["template"]["spec"]
+            for o in children
+            if o["kind"] == "Deployment"
+        }
+        loader = pods["fleet"]["initContainers"][0]
+        env = {e["name"]: e.get("value") for e in loader["env"]}
+        assert env.get("HOTLOAD_LOG_FORMAT") == expected
+        command = pods["fleet-router"]["containers"][0]["command"]
+        assert ("--log-format" in command) is (expected is not None)
+        if expected:
+            assert command[command.index("--log-format") + 1] == "json"
+
+
 def test_loader_role_grants_exactly_what_the_loader_needs() -> None:
     role = next(o for o in build_children(deployment()) if o["kind"] == "Role")
     grants = {(r["resources"][0], verb) for r in role["rules"] for verb in r["verbs"]}

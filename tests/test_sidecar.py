@@ -413,6 +413,7 @@ def test_loader_help_and_bad_settings() -> None:
         ("--namespace", "POD_NAMESPACE"),
         ("--credentials-dir", "HOTLOAD_BUCKET_CREDENTIALS_DIR"),
         ("--keep", "HOTLOAD_KEEP"),
+        ("--log-format", "HOTLOAD_LOG_FORMAT"),
     ]:
         assert flag in help_text and f"[{var}]" in help_text, flag
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOTLOAD_")}
@@ -425,6 +426,7 @@ def test_loader_help_and_bad_settings() -> None:
             "--pod-name (or POD_NAME",
         ),
         (["--ledger-url", "/b/p", "--weights-dir", "/w", "--poll-seconds", "x"], "not a valid"),
+        (["--ledger-url", "/b/p", "--weights-dir", "/w", "--log-format", "xml"], "--log-format"),
     ]
     for args, message in cases:
         run = subprocess.run(

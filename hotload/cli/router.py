@@ -11,6 +11,7 @@ from typing import Any
 
 from hotload._extras import require_extra
 from hotload.errors import HotloadError
+from hotload.logs import LOG_FORMATS, configure_logging, default_log_format
 from hotload.router import DEFAULT_ROUTER_PORT
 
 DESCRIPTION = """\
@@ -99,13 +100,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=["debug", "info", "warning", "error"],
         help="log level (default: info)",
     )
+    p.add_argument(
+        "--log-format",
+        default=default_log_format(),
+        choices=LOG_FORMATS,
+        help="text, or json: one JSON object per line for a cluster's log pipeline "
+        "(default: text) [HOTLOAD_LOG_FORMAT]",
+    )
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level, args.log_format)
     if args.kubernetes and not (args.namespace and args.deployment):
         raise HotloadError("--kubernetes needs --namespace and --deployment")
     if not args.kubernetes and (args.namespace or args.deployment):

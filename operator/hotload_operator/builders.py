@@ -136,7 +136,8 @@ def build_router(hld: HotLoadDeployment, images: OperatorImages) -> list[JSON]:
     container: JSON = {
         "name": "router",
         "image": hld.spec.router.image or images.router,
-        "command": build_router_args(namespace_of(hld), name_of(hld), ROUTER_PORT),
+        "command": build_router_args(namespace_of(hld), name_of(hld), ROUTER_PORT)
+        + (["--log-format", images.log_format] if images.log_format != "text" else []),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT}],
         "readinessProbe": probe("/ready", "http", period=5, failures=3),
         "livenessProbe": probe("/health", "http", period=10, failures=6),

@@ -73,6 +73,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         loader=os.environ.get("HOTLOAD_LOADER_IMAGE", OperatorImages.loader),
         router=os.environ.get("HOTLOAD_ROUTER_IMAGE", OperatorImages.router),
         loader_pull_policy=os.environ.get("HOTLOAD_LOADER_IMAGE_PULL_POLICY", ""),
+        log_format=os.environ.get("HOTLOAD_LOG_FORMAT") or "text",
     )
     kube = KubeClient(KubeConfig.auto(os.environ.get("KUBECONFIG") or None))
     memo["ctx"] = Context(kube=kube, images=images)

@@ -33,6 +33,8 @@ class OperatorImages:
     router: str = "ghcr.io/hotload-dev/hotload-loader:0.1.0"
     #: imagePullPolicy of the loader container ("" leaves Kubernetes' default).
     loader_pull_policy: str = ""
+    #: The log format of the loaders and routers: the operator's own (HOTLOAD_LOG_FORMAT).
+    log_format: str = "text"
 
 
 def ledger_url(hld: HotLoadDeployment) -> str:

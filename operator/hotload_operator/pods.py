@@ -84,8 +84,9 @@ def _resources(hld: HotLoadDeployment) -> JSON:
     return out
 
 
-def loader_env(hld: HotLoadDeployment) -> list[JSON]:
-    """The loader's settings (see `python -m hotload_sidecar --help`)."""
+def loader_env(hld: HotLoadDeployment, log_format: str = "text") -> list[JSON]:
+    """The loader's settings (see `python -m hotload_sidecar --help`), logging in
+    `log_format` (the operator's own)."""
     spec = hld.spec
     env: list[JSON] = [
         {"name": "HOTLOAD_LEDGER_URL", "value": ledger_url(hld)},
@@ -109,6 +110,8 @@ def loader_env(hld: HotLoadDeployment) -> list[JSON]:
     ]
     if spec.bucket.credentials_secret:
         env.append({"name": "HOTLOAD_BUCKET_CREDENTIALS_DIR", "value": CREDENTIALS_MOUNT})
+    if log_format != "text":
+        env.append({"name": "HOTLOAD_LOG_FORMAT", "value": log_format})
     return env
 
 
@@ -262,7 +265,7 @@ def _owned_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
         "command": ["python3", "-m", "hotload_sidecar"],
         # A native sidecar: starts before the engine, whose start waits for its startup probe.
         "restartPolicy": "Always",
-        "env": loader_env(hld),
+        "env": loader_env(hld, images.log_format),
         "ports": [{"name": "loader", "containerPort": LOADER_PORT}],
         # Materialising a large model takes long: up to an hour before the kubelet gives up.
         "startupProbe": probe("/startup", "loader", period=5, failures=720),

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 
 from hotload.errors import HotloadError
+from hotload.logs import configure_logging
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -20,9 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"hotload-sidecar: error: {err}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level, settings.log_format)
     try:
         asyncio.run(serve(settings))
     except HotloadError as err:

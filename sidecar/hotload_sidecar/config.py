@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hotload.errors import HotloadError, InvalidIdentityError
+from hotload.logs import LOG_FORMATS
 from hotload.snapshot.layout import validate_identity
 from hotload_sidecar.engines import CACHE_POLICIES, ENGINE_KINDS, MODES, CachePolicy, Mode
 
 ReportMode = Literal["kubernetes", "local"]
 REPORT_MODES = ("kubernetes", "local")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class ConfigError(HotloadError):
@@ -52,6 +54,7 @@ class Settings:
     hint_ttl_seconds: float = 600.0
     load_timeout_seconds: float = 900.0
     log_level: str = "info"
+    log_format: str = "text"
     pin: str | None = None
     pin_object: str | None = None
 
@@ -213,6 +216,14 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
         "info",
         "debug, info, warning or error",
     ),
+    (
+        "--log-format",
+        "HOTLOAD_LOG_FORMAT",
+        str,
+        "text",
+        "text, or json: one JSON object per line (timestamp, severity, logger, message) for a "
+        "cluster's log pipeline",
+    ),
 ]
 
 EPILOG = """\
@@ -272,6 +283,8 @@ def load_settings(
     _choice(values, "engine", ENGINE_KINDS, "--engine")
     _choice(values, "mode", MODES, "--mode")
     _choice(values, "report", REPORT_MODES, "--report")
+    _choice(values, "log_level", LOG_LEVELS, "--log-level")
+    _choice(values, "log_format", LOG_FORMATS, "--log-format")
     if values["cache_policy"] is not None:
         _choice(values, "cache_policy", CACHE_POLICIES, "--cache-policy")
     for key, low in (("keep", 1), ("prefetch", 1), ("threads", 1), ("max_adapters", 0)):
