@@ -730,3 +730,43 @@ def test_router_help_and_bad_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--deployment" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router"])  # neither --replicas nor --kubernetes
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("limit", [None, 64 * 1024], ids=["read", "too-large-relisted"])
+async def test_kubernetes_discovery_survives_an_oversized_watch_event(
+    kube_api: KubeAPI, monkeypatch: pytest.MonkeyPatch, limit: int | None
+) -> None:
+    """A pod whose watch event is over aiohttp's 512 KiB line default (a 600 KB environment
+    variable) is read; and where an event is over even the client's limit, the discovery lists
+    again instead of dying on a frozen pod list: pods created afterwards still arrive."""
+    from hotload.kube import client as kube_client
+
+    if limit is not None:
+        monkeypatch.setattr(kube_client, "MAX_WATCH_EVENT_BYTES", limit)
+    ns = kube_api.namespace
+    pods = resource_path("v1", "pods", ns)
+
+    async def running(body: dict[str, Any]) -> None:  # a pod with an IP, as a kubelet makes it
+        await kube.create(pods, body)
+        name = body["metadata"]["name"]
+        await kube.patch(resource_path("v1", "pods", ns, name, "status"), READY, "strategic")
+
+    async with kube_api.client() as kube:
+        await running(pod_manifest("policy-a", 8000))
+        discovery = KubeDiscovery(kube, ns, "policy")
+        await discovery.start()
+        try:
+            big = pod_manifest("policy-big", 8001)
+            big["spec"]["containers"][0]["env"] = [{"name": "BLOB", "value": "x" * 600_000}]
+            await running(big)
+            await running(pod_manifest("policy-c", 8002))
+            names = {"policy-a", "policy-big", "policy-c"}
+            await wait_until(
+                "every pod, the big one included",
+                lambda: {r.name for r in discovery.replicas()} == names,
+                timeout=30,
+            )
+            assert discovery._task is not None and not discovery._task.done()
+        finally:
+            await discovery.aclose()

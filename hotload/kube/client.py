@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Any, Literal, Self
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 from hotload.errors import (
     KubeConflictError,
@@ -37,6 +38,9 @@ from hotload.kube.config import KubeConfig
 log = logging.getLogger("hotload.kube")
 
 PatchType = Literal["merge", "strategic", "json", "apply"]
+#: The largest watch event read (one JSON line). aiohttp's default (512 KiB) is below what the
+#: API server sends for a large object (etcd holds up to 1.5 MiB, requests up to 3 MiB).
+MAX_WATCH_EVENT_BYTES = 16 * 1024 * 1024
 JSON = dict[str, Any]
 
 _PATCH_CONTENT_TYPES: dict[str, str] = {
@@ -226,10 +230,16 @@ class KubeClient:
                 raise await self._error(response, "GET", path)
             while True:
                 try:
-                    line = await response.content.readline()
+                    line = await response.content.readline(max_line_length=MAX_WATCH_EVENT_BYTES)
                 except aiohttp.ClientError as exc:
                     raise KubeUnavailableError(
                         f"watch stream broke: {exc}", method="GET", path=path
+                    ) from exc
+                except HttpProcessingError as exc:  # LineTooLong and other framing errors
+                    raise KubeError(
+                        f"watch event unreadable ({exc.message}): list again",
+                        method="GET",
+                        path=path,
                     ) from exc
                 if not line:
                     return

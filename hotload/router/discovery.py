@@ -39,7 +39,7 @@ from hotload.api.names import (
     LABEL_IDENTITY,
     LABEL_SEQUENCE,
 )
-from hotload.errors import KubeError, KubeGoneError
+from hotload.errors import KubeGoneError
 from hotload.kube import KubeClient, resource_path
 from hotload.router.decision import LOADING_STATES, Replica, replica_from_url
 
@@ -388,8 +388,10 @@ class KubeDiscovery(_FleetDiscovery):
                 delay = 0.2
             except KubeGoneError:
                 version = None  # history compacted: list again
-            except (KubeError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                log.warning("watching the pods of %s failed: %s", self.deployment, exc)
+            except Exception as exc:  # the task must outlive any failure: else routing freezes
+                log.warning(
+                    "watching the pods of %s failed (listing again): %s", self.deployment, exc
+                )
                 version = None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
