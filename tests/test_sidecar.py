@@ -306,6 +306,17 @@ def test_failures_keep_serving_and_converge(
     assert status["reason"] == "Current"
     assert not any((work / "downloads").iterdir()) and not any((work / "staging").iterdir())
     assert _tokens(r) == ("tiny@step-008", greedy_token_ids(tiny10.snapshots[8], PROMPT_IDS, 8))
+    assert status["resumed_from"] is None  # it built step-008 itself
+
+    # 6. A loader restarted with the head verified on its volume checks it and downloads
+    # nothing, and says so.
+    r.kill_loader()
+    r.start_loader()
+    status = r.wait_serving("step-008")
+    assert status["resumed_from"] == "step-008" and status["resume_verify_seconds"] >= 0
+    resumed = [e for e in status["events"] if e["reason"] == "ResumedFromVolume"]
+    assert resumed and "nothing downloaded" in resumed[0]["message"], status["events"]
+    assert status["last_load"] is None or status["last_load"]["bytes_fetched"] == 0
 
 
 def test_a_full_disk_keeps_serving_reports_and_retries(

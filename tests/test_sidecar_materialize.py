@@ -112,6 +112,39 @@ def test_a_corrupted_local_parent_falls_back_to_the_full_snapshot(
     assert _tensors(built.path) == _tensors(trainer.fulls[2])
 
 
+def test_a_restarted_loader_resumes_from_what_it_verifies_on_the_volume(
+    trainer: Trainer, tmp_path: Path
+) -> None:
+    """What an earlier run left on the volume is checked (every tensor's checksum) and served
+    without fetching anything; the same run does not check it again; a copy that no longer
+    verifies is dropped, counted, and rebuilt from the bucket."""
+    for step in range(3):
+        trainer.publish(step)
+    w = WeightsFolder(tmp_path / "w")
+    w.prepare()
+    first = _build(Materializer(trainer.ledger.bucket, w, threads=1), trainer)
+    assert first.identity == "step-002" and not first.resumed
+
+    restarted = Materializer(trainer.ledger.bucket, w, threads=1)
+    resumed = _build(restarted, trainer)
+    assert resumed.resumed and resumed.identity == "step-002" and resumed.applied == []
+    assert resumed.timings.bytes_fetched == 0 and resumed.timings.verify_seconds > 0
+    assert "verified" in resumed.summary() and "nothing downloaded" in resumed.summary()
+    again = _build(restarted, trainer)  # checked once per run
+    assert not again.resumed and again.timings.verify_seconds == 0
+
+    # Bit rot while the loader was away: the next run finds it, drops it and rebuilds.
+    snap = Snapshot(w.path("step-002"))
+    shard = w.path("step-002") / snap.weight_map["model.layers.1.mlp.weight"]
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x40
+    shard.write_bytes(bytes(data))
+    rebuilt = _build(Materializer(trainer.ledger.bucket, w, threads=1), trainer)
+    assert not rebuilt.resumed and rebuilt.corruptions == 1
+    assert rebuilt.timings.bytes_fetched > 0
+    assert _tensors(rebuilt.path) == _tensors(trainer.fulls[2])
+
+
 def test_a_corrupted_delta_in_the_bucket_fails_and_leaves_nothing_half_built(
     trainer: Trainer, tmp_path: Path
 ) -> None:

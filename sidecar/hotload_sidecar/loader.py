@@ -204,7 +204,7 @@ class Loader:
                 await self._failed("rebuild", err, head)
                 await _sleep_or_stop(stop, self._interval())
                 continue
-            self._record_build(built)
+            await self._record_build(built)
             if self.weights.current() is None or not (await self.adapter.health()).live:
                 # Nothing runs on the old weights yet: the engine boots straight from the head.
                 self.weights.switch(built.identity)
@@ -358,7 +358,7 @@ class Loader:
         except (MaterializeError, BucketError, LedgerError, OSError) as err:
             await self._failed("rebuild", err, target)
             return
-        self._record_build(built)
+        await self._record_build(built)
         if built.fallback:
             await self.reporter.event("Warning", "FellBackToFull", built.fallback_reason)
         policy = move_cache_policy(document, self.status.identity, target)
@@ -451,9 +451,13 @@ class Loader:
         """The entry the status names as target (the head, or the pin, when known)."""
         return self.target().entry or entry
 
-    def _record_build(self, built: BuildResult) -> None:
+    async def _record_build(self, built: BuildResult) -> None:
         self.metrics.observe_build(built)
         log.info("built %s", built.summary())
+        if built.resumed:
+            seconds = round(built.timings.verify_seconds, 3)
+            await self._set(resumed_from=built.identity, resume_verify_seconds=seconds)
+            await self.reporter.event("Normal", "ResumedFromVolume", built.summary())
 
     async def _set(self, *, target: LedgerEntry | None = None, **changes: Any) -> None:
         if target is not None:

@@ -92,10 +92,17 @@ class BuildResult:
     timings: LoadTimings = field(default_factory=LoadTimings)
     #: Checksum mismatches and corrupted payloads detected, and recovered from, on the way.
     corruptions: int = 0
+    #: Found on the volume from an earlier run and verified (checksums) instead of rebuilt.
+    resumed: bool = False
 
     def summary(self) -> str:
         """One line for the log: the target, the steps, where they started, the timings."""
         t = self.timings
+        if self.resumed:
+            return (
+                f"{self.identity} (sequence {self.sequence}) was on the volume from an earlier "
+                f"run and verified in {t.verify_seconds:.2f}s: nothing downloaded"
+            )
         return (
             f"{self.identity}: {t.steps} step(s) from {self.base or 'a full snapshot'} in "
             f"{t.total_seconds:.2f}s (fetch {t.fetch_seconds:.2f}s, rebuild "
@@ -137,6 +144,8 @@ class Materializer:
         self.prefetch = max(1, prefetch)
         self.threads = threads
         self.progress = progress
+        #: Snapshots this run built or checked: what an earlier run left is verified once first.
+        self._trusted: set[str] = set()
 
     async def build(self, document: LedgerDocument, target: str | None = None) -> BuildResult:
         """Make `target` (default: the ledger head) a verified folder under `snapshots/`."""
@@ -149,12 +158,16 @@ class Materializer:
                 fallback=False,
             )
         goal = chain[-1]
-        if self.weights.has(goal.identity):
+        if self.weights.has(goal.identity) and goal.identity in self._trusted:
             return BuildResult(goal.identity, goal.sequence, self.weights.path(goal.identity), None)
-        local = self.weights.local()
-        start = max((i for i, e in enumerate(chain) if e.identity in local), default=-1)
         started = time.perf_counter()
         clock = _Clock()
+        if self.weights.has(goal.identity):
+            resumed = await self._resume(goal, clock)
+            if resumed is not None:
+                return resumed
+        local = self.weights.local()
+        start = max((i for i, e in enumerate(chain) if e.identity in local), default=-1)
         base = chain[start] if start >= 0 else None
         try:
             applied = await self._apply(base, chain[start + 1 :], clock)
@@ -206,6 +219,20 @@ class Materializer:
 
     # --- internals -----------------------------------------------------------------------------
 
+    async def _resume(self, goal: LedgerEntry, clock: _Clock) -> BuildResult | None:
+        """A verified snapshot an earlier run left on the volume (a restarted loader, a pod on a
+        persistent claim): check every tensor's checksum once, then serve it without fetching
+        anything. None when it does not verify (counted in `clock`): it is removed and rebuilt
+        like a missing one (a delta's decode checks its parent the same way, so only the target
+        needs this)."""
+        if not await self._still_verifies(goal, clock):
+            self.weights.discard(goal.identity)
+            return None
+        self._trusted.add(goal.identity)
+        timings = LoadTimings(verify_seconds=clock.verify, total_seconds=clock.verify)
+        path = self.weights.path(goal.identity)
+        return BuildResult(goal.identity, goal.sequence, path, None, timings=timings, resumed=True)
+
     async def _apply(
         self,
         base: LedgerEntry | None,
@@ -254,6 +281,7 @@ class Materializer:
                 if entry.identity in ready:
                     # Rebuilt on the same parent and verified before admission.
                     self.weights.commit(ready[entry.identity], entry.identity)
+                    self._trusted.add(entry.identity)
                     log.info("committed %s, rebuilt early from its hint", entry.identity)
                     self._discard_intermediate(parent, applied)
                     applied.append(entry.identity)
@@ -292,6 +320,7 @@ class Materializer:
                 await asyncio.to_thread(verify, staged, threads=self.threads)
                 clock.verify += time.perf_counter() - checked
                 self.weights.commit(staged, entry.identity, replace=entry.identity in distrusted)
+                self._trusted.add(entry.identity)
                 log.info("rebuilt and verified %s (sequence %d)", entry.identity, entry.sequence)
                 self._discard_intermediate(parent, applied)
                 applied.append(entry.identity)
@@ -309,12 +338,13 @@ class Materializer:
             self.weights.discard(parent.identity)
 
     async def _still_verifies(self, entry: LedgerEntry, clock: _Clock) -> bool:
+        """Whether the local copy of `entry` still matches its checksums (counted when not)."""
         checked = time.perf_counter()
         try:
             await asyncio.to_thread(verify, self.weights.path(entry.identity), threads=self.threads)
             return True
         except REBUILD_ERRORS as err:
-            log.warning("local copy of %s does not verify (%s); fetching it again", entry, err)
+            log.warning("local copy of %s does not verify (%s); rebuilding it", entry.identity, err)
             clock.corruptions += is_corruption(err)
             return False
         finally:

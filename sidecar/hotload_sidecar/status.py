@@ -116,6 +116,10 @@ class ReplicaStatus:
     pin: str | None = None
     #: LoRA adapters on top of the base weights, newest first.
     adapters: tuple[AdapterStatus, ...] = ()
+    #: A snapshot found on the volume from an earlier run and verified instead of fetched (a
+    #: restarted loader, a pod on a persistent claim), and how long its check took.
+    resumed_from: str | None = None
+    resume_verify_seconds: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -164,6 +168,7 @@ class ReplicaStatus:
             "lastLoad": timings,
             "pin": self.pin,
             "adapters": [a.to_annotation() for a in self.adapters],
+            "resumedFrom": self.resumed_from,
         }
 
     def to_json(self) -> dict[str, Any]:
