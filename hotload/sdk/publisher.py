@@ -173,6 +173,8 @@ class Publisher:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="hotload-publisher-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.kubeconfig = kubeconfig
+        # Read once: a credential plugin's token then serves every call until it expires.
+        self._kube_config: Any = None
         self.cast = cast
         self.side_files_from = side_files_from
         self.config = config
@@ -623,7 +625,11 @@ class Publisher:
                 await asyncio.sleep(0.2)
 
     def _kube(self) -> Any:
-        return _kube_client(self.kubeconfig)
+        from hotload.kube import KubeClient
+
+        if self._kube_config is None:
+            self._kube_config = _kube_config(self.kubeconfig)
+        return KubeClient(self._kube_config)
 
     # --- waiting -------------------------------------------------------------------------------
 
@@ -764,17 +770,23 @@ def _object_name(identity: str) -> str:
 
 def _kube_client(kubeconfig: str | Path | None) -> Any:
     """A `KubeClient`, or a `PublishError` that says how to give credentials."""
-    from hotload.kube import KubeClient, KubeConfig
+    from hotload.kube import KubeClient
+
+    return KubeClient(_kube_config(kubeconfig))
+
+
+def _kube_config(kubeconfig: str | Path | None) -> Any:
+    """A `KubeConfig`, or a `PublishError` that says how to give credentials."""
+    from hotload.kube import KubeConfig
 
     try:
-        config = KubeConfig.auto(kubeconfig)
+        return KubeConfig.auto(kubeconfig)
     except KubeError as err:
         raise PublishError(
             f"no Kubernetes credentials: {err}. Pass kubeconfig=... (--kubeconfig), set "
             "KUBECONFIG, or publish without a deployment (ledger=..., --ledger) to append to the "
             "ledger directly"
         ) from err
-    return KubeClient(config)
 
 
 async def _get_deployment(kube: Any, namespace: str, name: str) -> dict[str, Any]:
