@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime
 import json
+import logging
 import os
 import shutil
 import ssl
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +28,18 @@ from aiohttp import web
 import hotload.kube.config as kube_config
 from hotload.errors import KubeError, KubeForbiddenError
 from hotload.kube import KubeClient, KubeConfig, resource_path
+from hotload.sdk import Publisher
+from support.cluster import install_crds
 from support.kubeapi import KubeAPI, write_kubeconfig
 from support.operator import (
+    create_fleet,
     eventually,
+    hld_path,
+    loaders_follow_the_ledger,
+    running_operator,
 )
+from support.snapshots import CONFIG, weights
+from test_cli_fleet import hotload
 
 EXEC_API = "client.authentication.k8s.io/v1"
 
@@ -269,6 +280,131 @@ async def test_a_split_kubeconfig_is_merged_as_kubectl_merges_it(
         found = await kube.get(resource_path("v1", "namespaces", name=api.namespace))
         assert found["metadata"]["name"] == api.namespace
     assert KubeConfig.auto(context="elsewhere").namespace == "default"
+
+
+@contextlib.asynccontextmanager
+async def _cluster_admin(api: KubeAPI, account: str) -> AsyncIterator[str]:
+    """A real token of a service account bound to cluster-admin (the binding is deleted
+    afterwards): the in-process operator creates cluster-scoped admission policies."""
+    name = f"{api.namespace}-{account}"
+    path = resource_path("rbac.authorization.k8s.io/v1", "clusterrolebindings")
+    async with api.client() as admin:
+        await admin.create(
+            path,
+            {
+                "metadata": {"name": name},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": "cluster-admin",
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": account,
+                              "namespace": api.namespace}],
+            },
+        )  # fmt: skip
+        try:
+            config = await api.service_account_config(account, expiration_seconds=600)
+            await _allowed(config, resource_path("v1", "pods", api.namespace))
+            assert config.token is not None
+            yield config.token
+        finally:
+            with contextlib.suppress(KubeError):
+                await admin.delete(f"{path}/{name}")
+
+
+@pytest.mark.asyncio
+async def test_status_publisher_and_operator_on_exec_plugin_kubeconfigs(
+    real_kube_api: KubeAPI,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The operator logs in through a plugin whose first token the server refuses (kopf logs
+    in again and gets the next one); a trainer's Publisher and `hotload status` authenticate
+    through another plugin, as a namespaced service account."""
+    caplog.set_level(logging.INFO, logger="kopf")
+    api = real_kube_api
+    ns = api.namespace
+    trainer_token = await service_account_token(
+        api,
+        "trainer",
+        rules=[
+            {"apiGroups": ["hotload.dev"], "resources": ["*"], "verbs": ["*"]},
+            {"apiGroups": [""], "resources": ["pods", "events"],
+             "verbs": ["get", "list", "watch"]},
+        ],
+    )  # fmt: skip
+    trainer = Plugin(tmp_path / "trainer-plugin", [trainer_token])
+    trainer_kubeconfig = exec_kubeconfig(tmp_path / "trainer", api, trainer.user())
+    monkeypatch.setenv("HOTLOAD_ROLLUP_INTERVAL", "0.5")
+    bucket_dir = tmp_path / "bucket"
+    bucket_dir.mkdir()
+    async with api.client() as kube, _cluster_admin(api, "operator") as operator_token:
+        await install_crds(kube)
+        operator = Plugin(tmp_path / "operator-plugin", ["refused-token", operator_token])
+        monkeypatch.setenv(
+            "KUBECONFIG", str(exec_kubeconfig(tmp_path / "operator", api, operator.user()))
+        )
+        async with running_operator(api):
+            pods = await create_fleet(kube, ns, bucket_dir)
+            assert "Re-authentication has been initiated." in caplog.text
+            assert operator.calls >= 2
+            pub = Publisher(
+                str(bucket_dir),
+                deployment="fleet",
+                namespace=ns,
+                kubeconfig=trainer_kubeconfig,
+                full_every=10,
+                config=CONFIG,
+            )
+            playing = asyncio.create_task(loaders_follow_the_ledger(kube, ns, bucket_dir, pods))
+            try:
+                handle = await pub.publish_async(weights(0), step=0)
+                report = await pub.wait_ready_async(handle.identity, timeout=60)
+                assert (report.loaded, report.replicas) == (2, 2)
+                # One run for the publisher's whole life: its token lasts ten minutes.
+                assert trainer.calls == 1
+
+                async def rolled_up() -> bool:
+                    obj = await kube.get(hld_path(ns, "fleet"))
+                    return (obj.get("status") or {}).get("currentSnapshot") == handle.identity
+
+                await eventually("the roll-up", rolled_up)
+                env = {**os.environ, "KUBECONFIG": str(trainer_kubeconfig)}
+                code, out, err = await hotload(
+                    "status", "fleet", "-n", ns, "--check", "-o", "json", env=env
+                )
+                assert code == 0, err
+                doc = json.loads(out)
+                assert doc["deployments"][0]["status"]["currentSnapshot"] == handle.identity
+                assert trainer.calls == 2
+            finally:
+                playing.cancel()
+                pub.close()
+
+
+@pytest.mark.asyncio
+async def test_kopf_login_hands_kopf_the_plugin_token_and_its_expiry(
+    real_kube_api: KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hotload_operator.handlers import login
+
+    token = await service_account_token(real_kube_api, "reader")
+    plugin = Plugin(tmp_path / "plugin", [token], lifetime=900)
+    kubeconfig = exec_kubeconfig(tmp_path / "kubeconfig", real_kube_api, plugin.user())
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    info = await asyncio.to_thread(login)  # kopf runs a synchronous handler in a thread
+    assert (info.scheme, info.token, info.default_namespace) == (
+        "Bearer",
+        token,
+        real_kube_api.namespace,
+    )
+    assert info.expiration is not None
+    left = (info.expiration - datetime.datetime.now(datetime.UTC)).total_seconds()
+    assert 800 < left <= 900
+    # Each login (kopf's re-login after a 401 or the expiry) runs the plugin again.
+    await asyncio.to_thread(login)
+    assert plugin.calls == 2
 
 
 # --- plugin failures -------------------------------------------------------------------------
