@@ -42,6 +42,7 @@ from support.snapshots import CONFIG, weights
 from test_cli_fleet import hotload
 
 EXEC_API = "client.authentication.k8s.io/v1"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 PLUGIN = """#!{python}
 # A credential plugin as kubectl runs one: ExecCredential JSON on stdout. Its folder holds what
@@ -551,3 +552,22 @@ async def test_a_client_certificate_from_an_exec_plugin(
             assert plugin.calls == 2
     finally:
         await runner.cleanup()
+
+
+def test_in_cluster_settings_do_not_load_the_library(tmp_path: Path) -> None:
+    """Loader sidecars and routers read their service account without kubernetes_asyncio,
+    whose import costs each process about 39 MiB and 0.9 s (hotload/kube/config.py)."""
+    (tmp_path / "token").write_text("t\n")
+    (tmp_path / "ca.crt").write_text("PEM")
+    script = (
+        "import sys; from hotload.kube import KubeClient, KubeConfig; "
+        f"c = KubeConfig.in_cluster({str(tmp_path)!r}); KubeClient(c); "
+        f"assert c.ca_file == {str(tmp_path / 'ca.crt')!r}, c; "
+        "print(sorted(m for m in sys.modules if m.startswith('kubernetes_asyncio')))"
+    )
+    env = {**os.environ, "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+        cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert done.stdout.strip() == "[]"

@@ -11,8 +11,13 @@ same code as `kubernetes.aio`):
 - `exec` credential plugins (`aws eks get-token`, `gke-gcloud-auth-plugin`, `kubelogin`, OIDC
   helpers) run through its `ExecProvider`, an asyncio subprocess that never blocks the event
   loop; a plugin may return a token or a client certificate and key;
-- `auth-provider` users (oidc, gcp) go through its `KubeConfigLoader`;
-- in a pod, its `InClusterConfigLoader` checks the service account's environment and files.
+- `auth-provider` users (oidc, gcp) go through its `KubeConfigLoader`.
+
+In a pod (the operator, loaders, routers), the service account is read by hotload itself
+(`KubeConfig.in_cluster`): the library's config module imports its generated API client,
+39 MiB and 0.9 s per process here, which every loader sidecar would pay for what is a host,
+a CA file and a token file, and its in-cluster loader re-reads a rotated token only every
+minute. The library is imported only when a kubeconfig is read.
 
 hotload keeps what the library lacks: a plugin's credential is cached until its
 `expirationTimestamp` (the library re-runs a plugin that returned a certificate on every call)
@@ -23,8 +28,9 @@ command line with its stderr or its `installHint`.
 
 Why kubernetes_asyncio rather than the synchronous `kubernetes` package: it runs plugins without
 blocking the event loop and raises their failures (the synchronous loader logs them and goes on
-unauthenticated), and next to aiohttp, which hotload uses already, it adds four small
-pure-Python packages where `kubernetes` adds requests, oauthlib, websocket-client and 75 MB.
+unauthenticated), and next to aiohttp, which hotload uses already, it adds five small
+pure-Python packages (certifi, python-dateutil, six, tzdata, urllib3) where `kubernetes` adds
+requests, oauthlib, websocket-client, aiohttp-retry and 75 MB of its own.
 
 Not supported: username and password, `provideClusterInfo`, `tls-server-name`, `proxy-url`.
 """
@@ -224,29 +230,26 @@ class KubeConfig:
 
     @classmethod
     def in_cluster(cls, directory: str | Path = SERVICE_ACCOUNT_DIR) -> KubeConfig:
-        """The pod's own service account: `KUBERNETES_SERVICE_HOST`/`_PORT`, its CA and token."""
-        from kubernetes_asyncio.client import Configuration
-        from kubernetes_asyncio.config.config_exception import ConfigException
-        from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
-
+        """The pod's own service account: `KUBERNETES_SERVICE_HOST`/`_PORT` and its token."""
+        # Read here, without kubernetes_asyncio (the module docstring says why).
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
         folder = Path(directory)
-        token_file, ca_file = folder / "token", folder / "ca.crt"
-        settings = Configuration()
-        loader = InClusterConfigLoader(str(token_file), str(ca_file), try_refresh_token=False)
-        try:
-            loader.load_and_set(settings)
-        except (ConfigException, OSError) as exc:
+        token_file = folder / "token"
+        if not host or not token_file.is_file():
             raise KubeError(
-                f"not running in a Kubernetes pod with a service account ({exc}): needs "
-                f"KUBERNETES_SERVICE_HOST, KUBERNETES_SERVICE_PORT, {token_file} and {ca_file}"
-            ) from exc
+                "not running in a Kubernetes pod: KUBERNETES_SERVICE_HOST is unset or "
+                f"{token_file} is missing"
+            )
+        if ":" in host:  # an IPv6 address needs brackets in a URL
+            host = f"[{host}]"
+        ca_file = folder / "ca.crt"
         ns_file = folder / "namespace"
         namespace = ns_file.read_text().strip() if ns_file.is_file() else "default"
         return cls(
-            server=str(settings.host),
+            server=f"https://{host}:{port}",
             namespace=namespace or "default",
-            ca_file=str(settings.ssl_ca_cert),
-            # Read by hotload, not the library, which re-reads it only every minute.
+            ca_file=str(ca_file) if ca_file.is_file() else None,
             token_file=str(token_file),
             source=f"in-cluster service account ({folder})",
         )
