@@ -645,8 +645,11 @@ def test_kubeconfig_contexts_and_credentials(tmp_path: Path) -> None:
     assert two.client_key_data == "KEY"
     assert two.bearer_token() == "file-token"
 
-    with pytest.raises(KubeError, match="credential plugin"):
-        KubeConfig.from_kubeconfig(path, context="three")
+    # A credential plugin runs on first use (tests/test_kube_credentials.py runs real ones).
+    three = KubeConfig.from_kubeconfig(path, context="three")
+    assert three.plugin is not None and three.token is None
+    with pytest.raises(KubeError, match=r"user 'u3': credential plugin `aws` failed: .*apiVersion"):
+        three.bearer_token()
     with pytest.raises(KubeError, match="cluster 'nope' is not defined"):
         KubeConfig.from_kubeconfig(path, context="broken")
     with pytest.raises(KubeError, match="context 'absent' is not defined"):

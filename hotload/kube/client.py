@@ -3,7 +3,10 @@
 Objects are plain JSON dicts. Errors map onto the `KubeError` family with the call's method,
 path and the server's `Status` reason. Transient failures are retried with backoff: a refused
 connection and 429 for every call (the server did not act on it), a dropped connection and 5xx
-only for idempotent ones (GET, PUT, DELETE, and merge/strategic/apply patches).
+only for idempotent ones (GET, PUT, DELETE, and merge/strategic/apply patches). A 401 drops the
+credentials that may have gone stale (a credential plugin's token, a rotated token file) and
+sends the call once more with fresh ones. `benchmarks/RESULTS-kube-client.md` says why hotload
+keeps this transport beside kubernetes_asyncio, which reads its configuration.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from hotload.errors import (
     KubeNotFoundError,
     KubeUnavailableError,
 )
-from hotload.kube.config import KubeConfig
+from hotload.kube.config import Credentials, KubeConfig
 
 log = logging.getLogger("hotload.kube")
 
@@ -125,9 +128,13 @@ class KubeClient:
         self.backoff = backoff
         self.user_agent = user_agent
         self._session: aiohttp.ClientSession | None = None
+        # The credential plugin's client certificate the session presents, if any.
+        self._session_cert: tuple[str | None, str | None] = (None, None)
+        # Sessions left behind when a plugin issued a new client certificate: requests still
+        # running on them (watches) finish there; closed with the client.
+        self._retired: builtins.list[aiohttp.ClientSession] = []
 
     async def __aenter__(self) -> Self:
-        self._ensure_session()
         return self
 
     async def __aexit__(
@@ -140,9 +147,12 @@ class KubeClient:
 
     async def aclose(self) -> None:
         """Close the connection pool (the client can be used again afterwards)."""
+        sessions, self._retired = self._retired, []
         if self._session is not None:
-            await self._session.close()
+            sessions.append(self._session)
             self._session = None
+        for session in sessions:
+            await session.close()
 
     # --- calls -------------------------------------------------------------------------------
 
@@ -255,17 +265,23 @@ class KubeClient:
 
     # --- plumbing ----------------------------------------------------------------------------
 
-    def _ensure_session(self) -> aiohttp.ClientSession:
+    def _session_for(self, credentials: Credentials) -> aiohttp.ClientSession:
+        cert = (credentials.client_cert_data, credentials.client_key_data)
+        if self._session is not None and cert != self._session_cert:
+            # A plugin issued a new client certificate: new connections present it.
+            self._retired.append(self._session)
+            self._session = None
         if self._session is None:
-            connector = aiohttp.TCPConnector(ssl=self._ssl_context())
+            connector = aiohttp.TCPConnector(ssl=self._ssl_context(credentials))
             self._session = aiohttp.ClientSession(
                 base_url=self.config.server + "/",
                 connector=connector,
                 headers={"User-Agent": self.user_agent, "Accept": "application/json"},
             )
+            self._session_cert = cert
         return self._session
 
-    def _ssl_context(self) -> ssl.SSLContext | bool:
+    def _ssl_context(self, credentials: Credentials) -> ssl.SSLContext | bool:
         cfg = self.config
         if not cfg.server.startswith("https://"):
             return False
@@ -275,8 +291,20 @@ class KubeClient:
             ctx.verify_mode = ssl.CERT_NONE
         else:
             ctx = ssl.create_default_context(cafile=cfg.ca_file, cadata=cfg.ca_data)
-        if cfg.client_cert_data or cfg.client_cert_file:
-            _load_client_cert(ctx, cfg)
+        if credentials.client_cert_data:  # a plugin's certificate replaces the kubeconfig's
+            _load_client_cert(
+                ctx,
+                (credentials.client_cert_data, None),
+                (credentials.client_key_data, None),
+                cfg.source,
+            )
+        elif cfg.client_cert_data or cfg.client_cert_file:
+            _load_client_cert(
+                ctx,
+                (cfg.client_cert_data, cfg.client_cert_file),
+                (cfg.client_key_data, cfg.client_key_file),
+                cfg.source,
+            )
         return ctx
 
     def _url(self, path: str) -> str:
@@ -295,14 +323,15 @@ class KubeClient:
         idempotent: bool,
     ) -> aiohttp.ClientResponse:
         """One request with retries on transient failures; the caller reads and releases it."""
-        session = self._ensure_session()
         data = None if body is None else json.dumps(body).encode()
         attempt = 0
+        reauthenticated = False
         while True:
+            credentials = await self.config.credentials_async()
+            session = self._session_for(credentials)
             headers = {"Content-Type": content_type}
-            token = self.config.bearer_token()
-            if token:
-                headers["Authorization"] = f"Bearer {token}"
+            if credentials.token:
+                headers["Authorization"] = f"Bearer {credentials.token}"
             try:
                 response = await session.request(
                     method,
@@ -332,6 +361,17 @@ class KubeClient:
                     method=method,
                     path=path,
                 ) from exc
+            if (
+                response.status == 401
+                and not reauthenticated
+                and self.config.refresh_credentials(credentials)
+            ):
+                # The server did not act on a request it could not authenticate: any call may
+                # go again, once, with the plugin's next credentials or the rotated token.
+                log.debug("401 from %s: sending it again with fresh credentials", path)
+                response.release()
+                reauthenticated = True
+                continue
             transient = response.status == 429 or (response.status >= 500 and idempotent)
             if transient and attempt < self.retries:
                 retry_after = response.headers.get("Retry-After")
@@ -413,11 +453,17 @@ def _selectors(label_selector: str | None, field_selector: str | None) -> dict[s
     return params
 
 
-def _load_client_cert(ctx: ssl.SSLContext, cfg: KubeConfig) -> None:
+def _load_client_cert(
+    ctx: ssl.SSLContext,
+    cert: tuple[str | None, str | None],
+    key: tuple[str | None, str | None],
+    source: str,
+) -> None:
     """Load the client certificate and key; inline PEM goes through private temporary files
-    because `ssl` only loads certificate chains from files."""
-    if cfg.client_cert_file and not cfg.client_cert_data and not cfg.client_key_data:
-        ctx.load_cert_chain(cfg.client_cert_file, cfg.client_key_file)
+    because `ssl` only loads certificate chains from files. `cert` and `key` are (PEM, file)."""
+    (cert_data, cert_file), (key_data, key_file) = cert, key
+    if cert_file and not cert_data and not key_data:
+        ctx.load_cert_chain(cert_file, key_file)
         return
     with tempfile.TemporaryDirectory(prefix="hotload-kube-") as tmp:
         os.chmod(tmp, 0o700)
@@ -430,8 +476,8 @@ def _load_client_cert(ctx: ssl.SSLContext, cfg: KubeConfig) -> None:
                 out.write(data)
             return target
 
-        cert = materialise(cfg.client_cert_data, cfg.client_cert_file, "cert.pem")
-        key = materialise(cfg.client_key_data, cfg.client_key_file, "key.pem")
-        if cert is None:
-            raise KubeError(f"{cfg.source}: a client key without a client certificate")
-        ctx.load_cert_chain(cert, key)
+        cert_path = materialise(cert_data, cert_file, "cert.pem")
+        key_path = materialise(key_data, key_file, "key.pem")
+        if cert_path is None:
+            raise KubeError(f"{source}: a client key without a client certificate")
+        ctx.load_cert_chain(cert_path, key_path)

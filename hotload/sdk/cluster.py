@@ -33,6 +33,14 @@ class Cluster:
         self.deployment = deployment
         self.namespace = namespace
         self.kubeconfig = kubeconfig
+        # Read once: a credential plugin's token then serves every call until it expires
+        # (read per call, each publish or wait would run a cloud CLI).
+        self._config: KubeConfig | None = None
+
+    def _client(self) -> KubeClient:
+        if self._config is None:
+            self._config = kube_config(self.kubeconfig)
+        return KubeClient(self._config)
 
     def _path(self, identity: str) -> str:
         return resource_path(API_VERSION, SNAPSHOT_PLURAL, self.namespace, object_name(identity))
@@ -41,7 +49,7 @@ class Cluster:
         """Whether the replicas failed to load `identity` (its Snapshot's Ready is False with
         reason LoadFailed)."""
         try:
-            async with kube_client(self.kubeconfig) as kube:
+            async with self._client() as kube:
                 obj = await kube.get(self._path(identity))
         except KubeNotFoundError:
             return False  # published by another path (the ledger directly): nothing to learn
@@ -71,7 +79,7 @@ class Cluster:
             "metadata": {"name": object_name(identity)},
             "spec": spec,
         }
-        async with kube_client(self.kubeconfig) as kube:
+        async with self._client() as kube:
             await get_deployment(kube, self.namespace, self.deployment)
             with contextlib.suppress(KubeConflictError):  # a retried publish of the same step
                 await kube.create(resource_path(API_VERSION, SNAPSHOT_PLURAL, self.namespace), body)
@@ -81,7 +89,7 @@ class Cluster:
         refused it, `PublishError` after `timeout` seconds without an answer."""
         path = self._path(identity)
         deadline = time.monotonic() + timeout
-        async with kube_client(self.kubeconfig) as kube:
+        async with self._client() as kube:
             while True:
                 status: dict[str, Any] = (await kube.get(path)).get("status") or {}
                 for c in status.get("conditions") or []:
@@ -106,7 +114,7 @@ class Cluster:
 
         Raises `SnapshotRejectedError` if the operator refused it and `NotReadyError` (with the
         Ready reason) when it cannot become ready any more."""
-        async with kube_client(self.kubeconfig) as kube:
+        async with self._client() as kube:
             obj = await kube.get(self._path(identity))
         status = obj.get("status") or {}
         conditions = {c["type"]: c for c in status.get("conditions") or []}
@@ -145,15 +153,20 @@ def object_name(identity: str) -> str:
 
 def kube_client(kubeconfig: str | Path | None) -> KubeClient:
     """A `KubeClient`, or a `PublishError` that says how to give credentials."""
+    return KubeClient(kube_config(kubeconfig))
+
+
+def kube_config(kubeconfig: str | Path | None) -> KubeConfig:
+    """The `KubeConfig` of `kubeconfig` (or the defaults), or a `PublishError` that says how to
+    give credentials."""
     try:
-        config = KubeConfig.auto(kubeconfig)
+        return KubeConfig.auto(kubeconfig)
     except KubeError as err:
         raise PublishError(
             f"no Kubernetes credentials: {err}. Pass kubeconfig=... (--kubeconfig), set "
             "KUBECONFIG, or publish without a deployment (ledger=..., --ledger) to append to the "
             "ledger directly"
         ) from err
-    return KubeClient(config)
 
 
 async def get_deployment(kube: KubeClient, namespace: str, name: str) -> dict[str, Any]:

@@ -39,21 +39,30 @@ ADMISSION_BACKOFF_SECONDS = 5.0
 @kopf.on.login()
 def login(**_: Any) -> kopf.ConnectionInfo:
     """kopf connects with the same settings as `hotload.kube` ($KUBECONFIG, then in-cluster):
-    one way to find credentials, whatever client libraries happen to be installed."""
+    one way to find credentials, whatever client libraries happen to be installed. kopf calls
+    this again (in a worker thread) on a 401 and once `expiration` passes; each call reads the
+    configuration afresh, so a credential plugin runs again and hands out new credentials."""
     config = KubeConfig.auto(os.environ.get("KUBECONFIG") or None)
-    token = config.bearer_token()
+    credentials = config.credentials()
+    # A plugin's client certificate replaces the kubeconfig's own.
+    cert_file, key_file = config.client_cert_file, config.client_key_file
+    cert, key = config.client_cert_data, config.client_key_data
+    if credentials.client_cert_data:
+        cert_file = key_file = None
+        cert, key = credentials.client_cert_data, credentials.client_key_data
     return kopf.ConnectionInfo(
         server=config.server,
         ca_path=config.ca_file,
         ca_data=config.ca_data.encode() if config.ca_data else None,
         insecure=config.insecure_skip_tls_verify,
-        scheme="Bearer" if token else None,
-        token=token,
-        certificate_path=config.client_cert_file,
-        certificate_data=config.client_cert_data.encode() if config.client_cert_data else None,
-        private_key_path=config.client_key_file,
-        private_key_data=config.client_key_data.encode() if config.client_key_data else None,
+        scheme="Bearer" if credentials.token else None,
+        token=credentials.token,
+        certificate_path=cert_file,
+        certificate_data=cert.encode() if cert else None,
+        private_key_path=key_file,
+        private_key_data=key.encode() if key else None,
         default_namespace=config.namespace,
+        expiration=credentials.expires,
     )
 
 
