@@ -1906,8 +1906,8 @@ async def real_kube_api(kube_lane: Lane, tmp_path: Path) -> AsyncIterator[KubeAP
     if kube_lane.kubeconfig is None:
         pytest.skip(
             "needs a real API server (../shared/k8s/cluster.sh or $HOTLOAD_E2E_KUBECONFIG): "
-            "the emulator evaluates no CRD validation rules, does not validate built-in kinds and "
-            "does not implement server-side apply's managed fields"
+            "the emulator does not reproduce this server behaviour (CRD validation rules, "
+            "validation of built-in kinds, server-side apply's managed fields, tokens it issues)"
         )
     async with real_api(kube_lane, tmp_path) as api:
         yield api
