@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from hotload.api.names import DEPLOYMENT_NAME_MAX
-from hotload.errors import KubeError, KubeInvalidError, KubeNotFoundError
-from hotload.kube import KubeClient, resource_path
+from hotload.errors import KubeError, KubeInvalidError
+from hotload.kube import resource_path
 from support.cluster import install_crds
 from support.kubeapi import KubeAPI
-from support.operator import eventually, hld_path, running_operator
+from support.operator import eventually, get_or_none, hld_path, running_operator
 
 JSON = dict[str, Any]
 
@@ -44,13 +44,6 @@ def condition(obj: JSON | None, type_: str) -> JSON:
         if c.get("type") == type_:
             return dict(c)
     return {}
-
-
-async def _get(kube: KubeClient, path: str) -> JSON | None:
-    try:
-        return dict(await kube.get(path))
-    except KubeNotFoundError:
-        return None
 
 
 @pytest.mark.asyncio
@@ -79,16 +72,18 @@ async def test_a_name_at_the_limit_runs_and_one_over_it_is_refused(
         async with running_operator(api):
             await kube.create(hld_path(ns), fleet(longest, tmp_path, router={"enabled": True}))
             router_service = resource_path("v1", "services", ns, f"{longest}-router")
-            service = await eventually("the router's Service", lambda: _get(kube, router_service))
+            service = await eventually(
+                "the router's Service", lambda: get_or_none(kube, router_service)
+            )
             assert len(service["metadata"]["name"]) == 63
             deployment = await eventually(
                 "the fleet's Deployment",
-                lambda: _get(kube, resource_path("apps/v1", "deployments", ns, longest)),
+                lambda: get_or_none(kube, resource_path("apps/v1", "deployments", ns, longest)),
             )
             assert deployment["metadata"]["labels"]["hotload.dev/deployment"] == longest
 
             async def rolled_up() -> JSON | None:
-                obj = await _get(kube, hld_path(ns, longest))
+                obj = await get_or_none(kube, hld_path(ns, longest))
                 return obj if ((obj or {}).get("status") or {}).get("selector") else None
 
             # The roll-up lists the pods by a selector holding the name: it works too.
@@ -122,7 +117,7 @@ async def test_fields_removed_from_the_spec_leave_the_deployment(
             await kube.create(hld_path(ns), body)
 
             async def pod_spec(present: bool) -> JSON | None:
-                dep = await _get(kube, path)
+                dep = await get_or_none(kube, path)
                 if dep is None:
                     return None
                 spec = dep["spec"]["template"]["spec"]
@@ -176,12 +171,12 @@ async def test_a_conflict_with_another_field_manager_is_surfaced_not_overwritten
         await install_crds(kube)
         async with running_operator(api):
             await kube.create(hld_path(ns), fleet("fleet", tmp_path, replicas=1))
-            await eventually("the Deployment", lambda: _get(kube, path))
+            await eventually("the Deployment", lambda: get_or_none(kube, path))
             await kube.patch(path, {"spec": {"replicas": 4}}, "merge", field_manager="sre-tool")
             await kube.patch(hld_path(ns, "fleet"), {"spec": {"replicas": 2}}, "merge")
 
             async def conflicted() -> JSON | None:
-                obj = await _get(kube, hld_path(ns, "fleet"))
+                obj = await get_or_none(kube, hld_path(ns, "fleet"))
                 cond = condition(obj, "Degraded")
                 return cond if cond.get("reason") == "ApplyConflict" else None
 
@@ -210,7 +205,7 @@ async def test_a_conflict_with_another_field_manager_is_surfaced_not_overwritten
             await kube.patch(path, {"spec": {"replicas": 2}}, "merge", field_manager="sre-tool")
 
             async def cleared() -> JSON | None:
-                obj = await _get(kube, hld_path(ns, "fleet"))
+                obj = await get_or_none(kube, hld_path(ns, "fleet"))
                 reason = condition(obj, "Degraded").get("reason")
                 return obj if reason not in (None, "ApplyConflict") else None
 
@@ -276,7 +271,7 @@ async def test_a_production_pod_spec_passes_restricted_pod_security(
         async with running_operator(api):
             await kube.create(hld_path(ns), body)
             path = resource_path("apps/v1", "deployments", ns, "fleet")
-            deployment = await eventually("the Deployment", lambda: _get(kube, path))
+            deployment = await eventually("the Deployment", lambda: get_or_none(kube, path))
             kubernetes_validate.validate(deployment, "1.33", strict=True)
             spec = deployment["spec"]["template"]["spec"]
             assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in (

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
+from hotload.errors import KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
 from hotload_sidecar.kube_report import build_condition, build_pod_metadata_patch
 from hotload_sidecar.status import LoadTimings, ReplicaStatus
@@ -235,3 +236,11 @@ async def loaders_follow_the_ledger(
             for pod in pods:
                 await play_loader(kube, ns, pod, serving(head.identity, head.sequence), ready=True)
         await asyncio.sleep(0.2)
+
+
+async def get_or_none(kube: KubeClient, path: str) -> JSON | None:
+    """The object at `path`, or None when it does not exist."""
+    try:
+        return dict(await kube.get(path))
+    except KubeNotFoundError:
+        return None
