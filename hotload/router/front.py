@@ -44,8 +44,8 @@ class FrontConfig:
     #: (a long generation without streaming sends nothing until it ends).
     read_timeout: float | None = None
     #: Idle upstream connections are closed sooner than the engine closes them (uvicorn, which
-    #: vLLM and SGLang run on, after 5 s), so a request never goes out on a connection that the
-    #: engine is closing.
+    #: vLLM and SGLang run on, after 5 s), so a request seldom goes out on a connection the
+    #: engine is closing (`forward` retries the rest once).
     keepalive_timeout: float = 2.0
     max_body: int = 64 * 1024 * 1024
     retry_after: str = "1"
