@@ -25,7 +25,7 @@ from hotload.kube import resource_path
 from hotload.sdk import NotReadyError, Publisher
 from hotload.snapshot import Snapshot
 from support.cluster import install_crds
-from support.fleet import Replica
+from support.fleet import Replica, free_port, http_json
 from support.kubeapi import KubeAPI
 from support.operator import (
     create_fleet,
@@ -92,9 +92,16 @@ async def test_a_fleet_follows_a_chain_through_the_operator(
                 # Each loader reports on its own pod, as `--report kubernetes` does in a cluster.
                 report_args = ["--report", "kubernetes", "--kubeconfig", str(kube_api.kubeconfig)]
                 report_args += ["--pod-name", pod, "--namespace", ns]
+                # As the operator starts them: the engine's admin API on loopback only, where
+                # the loader reaches it; the serving port (clients, probes) inference only.
                 replicas.append(
                     Replica(
-                        pod, tmp_path / pod, f"{bucket_dir}/fleet", env, loader_args=report_args
+                        pod,
+                        tmp_path / pod,
+                        f"{bucket_dir}/fleet",
+                        env,
+                        loader_args=report_args,
+                        admin_port=free_port(),
                     )
                 )
             try:
@@ -111,6 +118,13 @@ async def test_a_fleet_follows_a_chain_through_the_operator(
                 try:
                     report = await pub.wait_ready_async(first.identity, timeout=180)
                     assert report.loaded == 2
+                    for r in replicas:
+                        # The serving port refuses hot loads; the loaders loaded via loopback.
+                        load = {"path": str(r.weights / "current"), "identity": "x", "sequence": 99}
+                        code, body = await asyncio.to_thread(
+                            http_json, "POST", r.engine_url + "/hotload/v1/load", load
+                        )
+                        assert code == 404 and body["error"]["type"] == "not_found", body
                     # The fleet is up: from now on clients send requests the whole time.
                     clients = asyncio.create_task(traffic.run())
                     kinds = [first.kind]
@@ -306,8 +320,6 @@ async def _fleet_on(kube: Any, ns: str, identity: str) -> dict[str, Any] | None:
 async def _play_kubelet(kube: Any, ns: str, replicas: list[Replica]) -> None:
     """The kubelet's part: a pod is Ready when its engine answers /ready and the readiness
     gate (the loader's SnapshotLoaded condition) is True."""
-    from support.fleet import http_json
-
     while True:
         for r in replicas:
             try:

@@ -233,6 +233,22 @@ def test_loader_image_runs_what_the_operator_starts() -> None:
     # The router (with its endpoint picker) runs from it too, so it installs the router extra.
     assert OperatorImages().router == OperatorImages().loader
     assert IMAGE_LOCKS["sidecar/Dockerfile"][1] == ["router"]
+    # So does the engine front of vLLM and SGLang pods: `hotload` is on the image's PATH.
+    front = next(
+        c
+        for c in build_pod_template(_deployment("vllm"), OperatorImages())["spec"]["containers"]
+        if c["name"] == "front"
+    )
+    assert front["image"] == OperatorImages().loader
+    assert front["command"][:2] == ["hotload", "front"]
+    proc = subprocess.run(
+        [str(BIN / front["command"][0]), *front["command"][1:2], "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "--engine-url" in proc.stdout, proc.stderr
 
 
 def test_engine_image_runs_what_the_operator_starts() -> None:

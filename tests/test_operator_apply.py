@@ -278,6 +278,8 @@ async def test_a_production_pod_spec_passes_restricted_pod_security(
                 spec["volumes"]
             )
             assert spec["imagePullSecrets"] == [{"name": "registry"}]
+            # vLLM's inference-only front is in the pod the restricted standard admits.
+            assert [c["name"] for c in spec["containers"]] == ["engine", "front"]
 
             async def admitted() -> list[JSON]:
                 listed = await kube.list(pods_path, label_selector="hotload.dev/deployment=fleet")

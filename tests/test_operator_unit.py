@@ -12,6 +12,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from hotload.api.models import HotLoadDeployment, Snapshot
 from hotload.bucket import open_bucket, upload_snapshot
 from hotload.ledger import Ledger
@@ -145,7 +147,7 @@ def test_the_pod_template_adds_what_the_operator_has_no_field_for() -> None:
     spec = pod["spec"]
     assert spec["affinity"] == affinity and spec["topologySpreadConstraints"] == spread
     assert spec["priorityClassName"] == "inference-high" and spec["runtimeClassName"] == "nvidia"
-    assert [c["name"] for c in spec["containers"]] == ["engine", "metrics"]
+    assert [c["name"] for c in spec["containers"]] == ["engine", "front", "metrics"]
     engine = _container(pod, "engine")
     # The operator's fields win: image, command, its volume mounts; the template adds.
     assert engine["image"] == "e:1" and engine["command"][0] == "python3"
@@ -295,10 +297,18 @@ def test_loader_role_grants_exactly_what_the_loader_needs() -> None:
     }
 
 
+def _flag(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
 def test_engine_command_per_kind() -> None:
-    assert engine_command(deployment())[:6] == [
+    reference = engine_command(deployment())
+    assert reference[:6] == [
         "hotload", "serve", "--model", "/weights/current", "--name", "fleet",
     ]  # fmt: skip
+    # The reference engine splits its API itself: inference on every address, admin on loopback.
+    assert (_flag(reference, "--host"), _flag(reference, "--port")) == ("0.0.0.0", "8000")
+    assert _flag(reference, "--admin-port") == "18000"
     sglang = engine_command(deployment(engine={"image": "e", "kind": "sglang", "port": 30000}))
     assert sglang[:5] == [
         "python3",
@@ -307,7 +317,84 @@ def test_engine_command_per_kind() -> None:
         "--model-path",
         "/weights/current",
     ]
-    assert "30000" in sglang
+    assert (_flag(sglang, "--host"), _flag(sglang, "--port")) == ("127.0.0.1", "18000")
+    vllm = engine_command(deployment(engine={"image": "e", "kind": "vllm", "port": 18000}))
+    # A serving port that is the default loopback port moves the loopback port instead.
+    assert (_flag(vllm, "--host"), _flag(vllm, "--port")) == ("127.0.0.1", "18001")
+
+
+@pytest.mark.parametrize("kind", ["reference", "vllm", "sglang"])
+def test_only_the_inference_api_reaches_the_serving_port(kind: str) -> None:
+    """The pod's `http` port (Service, router, probes, NetworkPolicies) belongs to a listener
+    that serves the inference API only; the engine's full API listens on 127.0.0.1, where the
+    loader reaches it; the probes reach the engine through the serving port."""
+    from hotload.router.discovery import replica_from_pod
+    from hotload_operator.meta import OperatorImages
+
+    images = OperatorImages(loader="registry.example/loader:1", loader_pull_policy="Always")
+    hld = deployment(engine={"image": "e:1", "kind": kind, "port": 9000})
+    children = build_children(hld, images)
+    pod = next(o for o in children if o["kind"] == "Deployment")["spec"]["template"]
+    spec = pod["spec"]
+    engine = _container(pod, "engine")
+    owners = [
+        (c["name"], port["containerPort"])
+        for c in spec["containers"]
+        for port in c.get("ports", [])
+        if port["name"] == "http"
+    ]
+    loader = _container(pod, "loader", "initContainers")
+    env = {e["name"]: e.get("value") for e in loader["env"]}
+    assert env["HOTLOAD_ENGINE_URL"] == "http://127.0.0.1:18000"
+    if kind == "reference":
+        assert owners == [("engine", 9000)]
+        assert [c["name"] for c in spec["containers"]] == ["engine"]
+        assert _flag(engine["command"], "--admin-port") == "18000"
+        assert _flag(engine["command"], "--port") == "9000"
+        probe_port: int | str = "http"
+    else:
+        assert owners == [("front", 9000)]
+        assert _flag(engine["command"], "--host") == "127.0.0.1"
+        assert _flag(engine["command"], "--port") == "18000"
+        assert "ports" not in engine
+        front = _container(pod, "front")
+        assert front["command"] == [
+            "hotload", "front", "--engine-url", "http://127.0.0.1:18000",
+            "--host", "0.0.0.0", "--port", "9000",
+        ]  # fmt: skip
+        # From the loader's image, as the loader; restarted on its own liveness.
+        assert front["image"] == "registry.example/loader:1"
+        assert front["imagePullPolicy"] == "Always"
+        assert front["livenessProbe"]["httpGet"] == {"path": "/front/healthz", "port": "http"}
+        assert front["resources"] == {"requests": {"cpu": "250m", "memory": "128Mi"}}
+        assert front["securityContext"] == loader["securityContext"]
+        assert front["securityContext"]["runAsNonRoot"] is True
+        # A named probe port resolves among the container's own ports: the front's by number.
+        probe_port = 9000
+    ready = "/ready" if kind == "reference" else "/health"
+    assert engine["readinessProbe"]["httpGet"] == {"path": ready, "port": probe_port}
+    assert engine["livenessProbe"]["httpGet"] == {"path": "/health", "port": probe_port}
+    assert engine["startupProbe"]["httpGet"] == {"path": "/health", "port": probe_port}
+    # The Service's targetPort and the router's discovery find the serving port.
+    service = next(o for o in children if o["kind"] == "Service")
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    running = {**pod, "metadata": {"name": "fleet-0"}, "status": {"podIP": "10.0.0.7"}}
+    replica = replica_from_pod(running)
+    assert replica is not None and replica.address == "10.0.0.7:9000"
+
+
+def test_the_front_logs_as_the_operator_does() -> None:
+    from hotload_operator.meta import OperatorImages
+
+    hld = deployment(engine={"image": "e:1", "kind": "vllm"})
+    pod = _pod_with(hld, OperatorImages(log_format="json"))
+    assert _flag(_container(pod, "front")["command"], "--log-format") == "json"
+    assert "--log-format" not in _container(_pod(hld), "front")["command"]
+
+
+def _pod_with(hld: HotLoadDeployment, images: Any) -> JSON:
+    dep = next(o for o in build_children(hld, images) if o["kind"] == "Deployment")
+    return dict(dep["spec"]["template"])
 
 
 def test_a_template_change_changes_the_template_hash() -> None:

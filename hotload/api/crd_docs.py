@@ -69,9 +69,10 @@ _POD_TEMPLATE_DOCS = [
     "",
     "## The replicas' pod and `spec.podTemplate`",
     "",
-    "The operator builds each replica's pod (the loader as a native sidecar, the engine, their "
-    "volumes, the readiness gate) and lays it over `spec.podTemplate`, which lies over secure "
-    "defaults. Objects merge field by field; lists of named items merge by name "
+    "The operator builds each replica's pod (the loader as a native sidecar, the engine, for "
+    "vLLM and SGLang the engine front, their volumes, the readiness gate) and lays it over "
+    "`spec.podTemplate`, which lies over secure defaults. Objects merge field by field; lists "
+    "of named items merge by name "
     "(`containers`, `initContainers`, `volumes`, `env`, `imagePullSecrets`), `volumeMounts` by "
     "`mountPath`, `ports` by `containerPort`; any other list is replaced. So the template can "
     "set everything the operator leaves alone (`affinity`, `topologySpreadConstraints`, "
@@ -88,7 +89,8 @@ _POD_TEMPLATE_DOCS = [
     "| `nodeSelector`, `tolerations`, `imagePullSecrets` | `spec.nodeSelector`, "
     "`spec.tolerations`, `spec.imagePullSecrets` when set (pull secrets merge by name); else "
     "the template |",
-    "| the `loader` init container and the `engine` container: `image`, `command`, `ports`, "
+    "| the `loader` init container, the `engine` container and the `front` container: "
+    "`image`, `command`, `ports`, "
     "probes, `restartPolicy`, the variables the operator sets, the mounts of `/weights`, "
     "`/var/run/hotload/bucket` and `/dev/shm`, the resources `spec.engine` and `spec.loader` "
     "set | the operator; the template adds variables, mounts, resources and other fields |",
@@ -100,6 +102,19 @@ _POD_TEMPLATE_DOCS = [
     "for the engine, with `runAsNonRoot` only for the reference engine (vLLM's and SGLang's "
     "images run as root: set `runAsNonRoot` and `runAsUser` in the template for the "
     "restricted Pod Security Standard) |",
+    "| the `front` container's `resources` | a default the template may change: requests "
+    "`cpu: 250m`, `memory: 128Mi`, no limits |",
+    "",
+    "Only the inference API reaches `spec.engine.port`, the pod's `http` port (the Service, the "
+    "router, the probes): `/v1/completions`, `/v1/chat/completions`, `/v1/embeddings`, "
+    "`/v1/models`, `/health`, `/ready`, `/metrics`. The engine's admin API (hot loads, LoRA "
+    "loading, vLLM's `/pause`, `/collective_rpc`, `/sleep`, SGLang's weight updates, ...) "
+    "listens on 127.0.0.1:18000 (18001 when `spec.engine.port` is 18000), where only the "
+    "pod's own containers reach it: the reference engine serves the two itself "
+    "(`hotload serve --admin-port`); vLLM and SGLang listen on loopback only and the `front` "
+    "container (`hotload front`, from the loader's image) serves the port, answering 404 to "
+    "anything else. The engine's probes go through the front; the front's own liveness is "
+    "`GET /front/healthz`.",
 ]
 
 

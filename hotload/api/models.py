@@ -99,7 +99,13 @@ class EngineSpec(ApiModel):
         max_length=64,
         description="Extra arguments appended to the engine's command line.",
     )
-    port: int = Field(default=8000, ge=1, le=65535, description="Port the engine listens on.")
+    port: int = Field(
+        default=8000,
+        ge=1,
+        le=65535,
+        description="The replica's serving port (the pod's `http` port): the inference API "
+        "only; the engine's admin API stays on loopback.",
+    )
     gpus: int = Field(
         default=0, ge=0, le=16, description="GPUs per replica (nvidia.com/gpu requests and limits)."
     )

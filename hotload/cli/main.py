@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     from hotload.cli import (
         crds,
         demo,
+        front,
         ledger,
         numerics,
         publish,
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     snapshot.register(sub)
     demo.register(sub)
-    for module in (crds, ledger, publish, serve, status, router, numerics):
+    for module in (crds, ledger, publish, serve, front, status, router, numerics):
         module.register(sub)
     return parser
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import signal
 from typing import Any
 
 from hotload._extras import require_extra
+from hotload.cli.common import add_log_options, until_stopped
 from hotload.errors import HotloadError
-from hotload.logs import LOG_FORMATS, configure_logging, default_log_format
+from hotload.logs import configure_logging
 from hotload.router import DEFAULT_ROUTER_PORT
 
 DESCRIPTION = """\
@@ -94,19 +93,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--retry-after", type=int, default=1, help="Retry-After seconds of a 503 (default: 1)"
     )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log level (default: info)",
-    )
-    p.add_argument(
-        "--log-format",
-        default=default_log_format(),
-        choices=LOG_FORMATS,
-        help="text, or json: one JSON object per line for a cluster's log pipeline "
-        "(default: text) [HOTLOAD_LOG_FORMAT]",
-    )
+    add_log_options(p)
     p.set_defaults(func=_run)
 
 
@@ -158,12 +145,7 @@ async def _serve(args: argparse.Namespace) -> int:
             picker = EndpointPicker(discovery, router.metrics, str(args.retry_after))
             epp_server, bound = await start_epp_server(picker, args.host, args.epp_port)
             log.info("endpoint picker (ext_proc) listening on %s:%d", args.host, bound)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await until_stopped()
     finally:
         log.info("shutting down")
         if epp_server is not None:

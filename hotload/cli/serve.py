@@ -26,6 +26,8 @@ endpoints:
   POST /hotload/v1/load {"path", "identity", "sequence", "mode": async|sync,
                          "cache_policy": all|none|new_session}
   GET  /hotload/v1/status, GET /health, GET /ready, GET /metrics
+  with --admin-port PORT: hot loads, status and LoRA loading only on 127.0.0.1:PORT; the
+  public port answers them 404
 
 Every response names the snapshot that produced it: "model": "<name>@<identity>", plus a
 "hotload" object with the identities at generation start and end. Requests may demand a
@@ -66,6 +68,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        metavar="PORT",
+        help="serve the full API (hot loads, status, LoRA loading) on 127.0.0.1:PORT only, "
+        "and only the inference API (/v1/models, completions, /health, /ready, /metrics) on "
+        "--host:--port; without it both go to --host:--port",
+    )
     p.add_argument(
         "--max-batch",
         type=int,
@@ -131,6 +141,8 @@ def _run(args: argparse.Namespace) -> int:
         raise HotloadError("--sequence must be >= 0")
     if args.max_adapters < 0:
         raise HotloadError("--max-adapters must be >= 0")
+    if args.admin_port is not None and args.admin_port == args.port:
+        raise HotloadError("--admin-port must differ from --port")
     # Fail fast, before importing torch or binding a port, when the folder is not a snapshot.
     validate_snapshot(args.model)
     require_extra("engine", "hotload serve")
@@ -150,23 +162,38 @@ def _run(args: argparse.Namespace) -> int:
         max_adapters=args.max_adapters,
     )
     engine = Engine(config)
-    return asyncio.run(_serve(engine, args.host, args.port, args.access_log))
+    return asyncio.run(_serve(engine, args.host, args.port, args.admin_port, args.access_log))
 
 
-async def _serve(engine: Any, host: str, port: int, access_log: bool) -> int:
+async def _serve(
+    engine: Any, host: str, port: int, admin_port: int | None, access_log: bool
+) -> int:
     from aiohttp import web
 
     from hotload.engine.server import create_app
 
     log = logging.getLogger("hotload.serve")
-    app = create_app(engine)
-    runner = web.AppRunner(
-        app, access_log=logging.getLogger("aiohttp.access") if access_log else None
-    )
+    access = logging.getLogger("aiohttp.access") if access_log else None
+    runner = web.AppRunner(create_app(engine), access_log=access)
+    runners = [runner]
     await runner.setup()  # runs on_startup: the weights start loading in the background
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    log.info("listening on http://%s:%d (weights loading)", host, port)
+    if admin_port is None:
+        await web.TCPSite(runner, host, port).start()
+        log.info("listening on http://%s:%d (weights loading)", host, port)
+    else:
+        # Two listeners, one engine: the full API where only the pod itself reaches it.
+        await web.TCPSite(runner, "127.0.0.1", admin_port).start()
+        public = web.AppRunner(create_app(engine, inference_only=True), access_log=access)
+        runners.append(public)
+        await public.setup()
+        await web.TCPSite(public, host, port).start()
+        log.info(
+            "listening on http://%s:%d (inference API) and http://127.0.0.1:%d (full API) "
+            "(weights loading)",
+            host,
+            port,
+            admin_port,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -185,5 +212,6 @@ async def _serve(engine: Any, host: str, port: int, access_log: bool) -> int:
         stopper.cancel()
     finally:
         log.info("shutting down")
-        await runner.cleanup()
+        for each in reversed(runners):
+            await each.cleanup()
     return code

@@ -68,6 +68,34 @@ class ApiError(HotloadError):
         return {"error": err}
 
 
+#: The inference API, exact paths: all a replica's serving port answers when the admin API
+#: (hot loads, LoRA loading, vLLM's and SGLang's weight, pause and cache controls) is kept on
+#: loopback. An allow-list, not a deny-list: an engine release that adds an admin route stays
+#: closed. LoRA loading sits under /v1 in vLLM and here, hence exact paths, not a prefix.
+INFERENCE_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/models",
+        "/health",
+        "/ready",
+        "/metrics",
+    }
+)
+
+
+def not_served_here(method: str, path: str) -> ApiError:
+    """The 404 of a serving port for anything outside the inference API."""
+    return ApiError(
+        404,
+        "not_found",
+        f"{method} {path} is not served on this port: it answers the inference API only "
+        f"({', '.join(sorted(INFERENCE_PATHS))}); the engine's admin API is reachable on "
+        "loopback only",
+    )
+
+
 def bad_request(message: str, param: str | None = None) -> ApiError:
     """A 400 `invalid_request_error` naming the offending field."""
     return ApiError(400, "invalid_request_error", message, param=param)

@@ -9,6 +9,10 @@ Routes:
     GET  /health                     200 while the process is alive
     GET  /ready                      200 when weights are loaded and no SYNC swap blocks
     GET  /metrics                    Prometheus text format
+
+`create_app(engine, inference_only=True)` serves the inference routes alone (`/v1/models`,
+the completions, `/health`, `/ready`, `/metrics`) and answers 404 to the rest: `hotload serve
+--admin-port` puts it on the public port and the full API on loopback.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from aiohttp import web
 from hotload.engine.engine import Engine, GenerationStream
 from hotload.engine.metrics import CONTENT_TYPE
 from hotload.engine.protocol import (
+    INFERENCE_PATHS,
     SEQUENCE_HEADER,
     SNAPSHOT_HEADER,
     ApiError,
@@ -30,6 +35,7 @@ from hotload.engine.protocol import (
     RequestKind,
     ServedSnapshot,
     bad_request,
+    not_served_here,
     parse_generation_request,
     parse_load_request,
     session_id,
@@ -51,20 +57,23 @@ ENGINE = web.AppKey("engine", Engine)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def create_app(engine: Engine) -> web.Application:
-    """The aiohttp application serving `engine`; starting the app starts loading the weights."""
+def create_app(engine: Engine, *, inference_only: bool = False) -> web.Application:
+    """The aiohttp application serving `engine`; starting the app starts loading the weights.
+
+    With `inference_only` it serves the inference API alone (`INFERENCE_PATHS`), answers 404
+    to everything else (hot loads, status, LoRA loading), and leaves starting and stopping the
+    engine to the full application beside it (`hotload serve --admin-port`)."""
     app = web.Application(middlewares=[_errors_and_metrics], client_max_size=16 * 1024 * 1024)
     app[ENGINE] = engine
-    app.router.add_get("/v1/models", _models)
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_post("/v1/chat/completions", _chat)
-    app.router.add_post("/hotload/v1/load", _load)
-    app.router.add_post("/v1/load_lora_adapter", _load_lora)
-    app.router.add_post("/v1/unload_lora_adapter", _unload_lora)
-    app.router.add_get("/hotload/v1/status", _status)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/ready", _ready)
-    app.router.add_get("/metrics", _metrics)
+    for method, path, handler in _ROUTES:
+        if not inference_only or path in INFERENCE_PATHS:
+            if method == "GET":
+                app.router.add_get(path, handler)  # and HEAD
+            else:
+                app.router.add_route(method, path, handler)
+    if inference_only:
+        app.router.add_route("*", "/{tail:.*}", _not_served_here)
+        return app
 
     async def on_startup(app: web.Application) -> None:
         app[ENGINE].begin()
@@ -214,6 +223,10 @@ async def _stream(
     return response
 
 
+async def _not_served_here(request: web.Request) -> web.Response:
+    raise not_served_here(request.method, request.path)
+
+
 # --- hot load, status, health, metrics ---------------------------------------------------------
 
 
@@ -282,3 +295,17 @@ async def _ready(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     body = request.app[ENGINE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+_ROUTES: list[tuple[str, str, Handler]] = [
+    ("GET", "/v1/models", _models),
+    ("POST", "/v1/completions", _completions),
+    ("POST", "/v1/chat/completions", _chat),
+    ("POST", "/hotload/v1/load", _load),
+    ("POST", "/v1/load_lora_adapter", _load_lora),
+    ("POST", "/v1/unload_lora_adapter", _unload_lora),
+    ("GET", "/hotload/v1/status", _status),
+    ("GET", "/health", _health),
+    ("GET", "/ready", _ready),
+    ("GET", "/metrics", _metrics),
+]

@@ -5,6 +5,8 @@
 - `discovery`: where the replicas are and what they serve (a polled static list, or the
   deployment's pods watched through the Kubernetes API);
 - `proxy`: `hotload router`'s OpenAI-compatible HTTP front (aiohttp);
+- `front`: `hotload front`, a replica's serving port passing only the inference API to an
+  engine on loopback; `relay`: the forwarding both share;
 - `epp`: the endpoint picker for the Gateway API Inference Extension (Envoy ext_proc, gRPC;
   imported only when used, it needs grpcio and xds-protos).
 """
@@ -23,11 +25,13 @@ from hotload.router.decision import (
 
 __all__ = [
     "DEFAULT_ROUTER_PORT",
+    "FRONT_HEALTH_PATH",
     "REASONS",
     "Choice",
     "NoReplica",
     "Replica",
     "RouteRequest",
+    "build_front_args",
     "build_router_args",
     "decide",
     "rendezvous_pick",
@@ -35,6 +39,9 @@ __all__ = [
 
 #: Port `hotload router` listens on by default.
 DEFAULT_ROUTER_PORT = 8080
+#: The engine front's own liveness, answered without the engine (the engine's probes go
+#: through the front, so a front that hangs must be restarted on its own).
+FRONT_HEALTH_PATH = "/front/healthz"
 
 
 def build_router_args(
@@ -62,3 +69,12 @@ def build_router_args(
             raise ValueError(f"epp_port must be a free port number other than {port}")
         args += ["--epp-port", str(epp_port)]
     return args
+
+
+def build_front_args(engine_url: str, port: int) -> list[str]:
+    """The container command of an engine front on all interfaces at `port`, passing the
+    inference API to the engine at `engine_url` (on loopback)."""
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port must be between 1 and 65535, got {port}")
+    args = ["hotload", "front", "--engine-url", engine_url]
+    return [*args, "--host", "0.0.0.0", "--port", str(port)]

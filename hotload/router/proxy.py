@@ -25,7 +25,6 @@ replica; once a byte has gone to the client nothing is retried. Every response c
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -34,7 +33,7 @@ from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from hotload.engine.protocol import (
     SEQUENCE_HEADER,
@@ -47,29 +46,12 @@ from hotload.engine.protocol import (
 from hotload.metrics import CONTENT_TYPE, MetricSet
 from hotload.router.decision import REASONS, Choice, NoReplica, Replica, RouteRequest, decide
 from hotload.router.discovery import Discovery
-
-log = logging.getLogger("hotload.router")
+from hotload.router.relay import client_session, forward_headers, relay
 
 REPLICA_HEADER: Final = "x-hotload-replica"
 RETRY_AFTER_SECONDS: Final = "1"
 #: Upstream answers that say "this replica, not this request": worth one try elsewhere.
 RETRYABLE_STATUSES: Final = frozenset({409, 425, 502, 503, 504})
-#: Hop-by-hop headers (RFC 9110 7.6.1) and the ones aiohttp sets itself.
-_HOP: Final = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 SESSION_MEMORY = 65536  # sessions remembered to count moves (LRU)
 
@@ -152,14 +134,6 @@ def request_route(body: bytes, headers: Mapping[str, str]) -> tuple[VersionConst
     return parse_constraint(doc, headers, model_identity), name or None
 
 
-def _forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in headers.items():
-        if key.lower() not in _HOP:
-            out.add(key, value)
-    return out
-
-
 class Chooser:
     """`decide` over a discovery's current replicas, with this process's bookkeeping: requests
     in flight (for requests without a session), a turn counter, and session moves (metric)."""
@@ -202,15 +176,7 @@ class Router:
 
     async def start(self) -> None:
         """Open the upstream connection pool and start discovery."""
-        self._client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
-            auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(
-                total=None,
-                sock_connect=self.config.connect_timeout,
-                sock_read=self.config.read_timeout,
-            ),
-        )
+        self._client = client_session(self.config.connect_timeout, self.config.read_timeout)
         await self.discovery.start()
 
     async def aclose(self) -> None:
@@ -243,7 +209,7 @@ class Router:
         route = RouteRequest(
             session=session_id(request.headers), constraint=constraint, model=model
         )
-        headers = _forward_headers(request.headers)
+        headers = forward_headers(request.headers)
         tried: set[str] = set()
         last_error = ""
         for attempt in range(2):
@@ -341,37 +307,16 @@ class Router:
         started: float,
         sent: float,
     ) -> web.StreamResponse:
-        headers = _forward_headers(upstream.headers)
-        headers[REPLICA_HEADER] = replica.name
-        if upstream.content_length is not None:
-            # A whole body (JSON answers): one read, one write, no chunked encoding.
-            self.metrics.added_latency.observe(sent - started)
-            try:
-                payload = await upstream.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                log.warning("replica %s broke off its answer: %s", replica.name, exc)
-                return web.Response(status=502, text=f"replica {replica.name} broke off")
-            return web.Response(status=upstream.status, body=payload, headers=headers)
-        got_headers = time.perf_counter()
-        response = web.StreamResponse(status=upstream.status, headers=headers)
-        await response.prepare(request)
-        self.metrics.added_latency.observe((sent - started) + (time.perf_counter() - got_headers))
-        try:
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-        except (ConnectionError, aiohttp.ClientConnectionResetError):
-            # The client went away: dropping the upstream connection stops the generation.
-            upstream.close()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            # The replica broke off mid-stream: nothing can be retried once bytes went out.
-            # Closing the client's connection (instead of ending the chunked body) tells the client
-            # the answer is incomplete.
-            log.warning("replica %s broke off a stream: %s", replica.name, exc)
-            upstream.close()
-            if request.transport is not None:
-                request.transport.close()
-        return response
+        def added(head_seconds: float) -> None:
+            self.metrics.added_latency.observe((sent - started) + head_seconds)
+
+        return await relay(
+            request,
+            upstream,
+            f"replica {replica.name}",
+            extra_headers={REPLICA_HEADER: replica.name},
+            on_start=added,
+        )
 
     # --- small endpoints -------------------------------------------------------------------
 

@@ -16,6 +16,9 @@ WEIGHTS_MOUNT = "/weights"
 CREDENTIALS_MOUNT = "/var/run/hotload/bucket"
 LOADER_PORT = 8091
 ROUTER_PORT = 8080
+#: Where the engine serves its full API (admin routes included) on 127.0.0.1 inside the pod;
+#: `spec.engine.port` carries the inference API only (`pods.engine_loopback_port`).
+ENGINE_LOOPBACK_PORT = 18000
 #: Service-account names end with this, so the admission policy can recognise loaders.
 LOADER_SA_SUFFIX = "-hotload-loader"
 MANAGED_BY = "hotload-operator"

@@ -1,5 +1,6 @@
-"""The replicas' pod template: the loader as a native sidecar, the engine, their volumes, the
-readiness gate, secure defaults, and `spec.podTemplate` laid under it (pure: plain dicts)."""
+"""The replicas' pod template: the loader as a native sidecar, the engine (its admin API on
+loopback), for vLLM and SGLang the inference-only front on the serving port, their volumes,
+the readiness gate, secure defaults, and `spec.podTemplate` laid under it (pure: plain dicts)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from typing import Any
 
 from hotload.api.models import HotLoadDeployment
 from hotload.api.names import CONDITION_SNAPSHOT_LOADED
+from hotload.router import FRONT_HEALTH_PATH, build_front_args
 from hotload_operator.meta import (
     CREDENTIALS_MOUNT,
+    ENGINE_LOOPBACK_PORT,
     LOADER_PORT,
     WEIGHTS_MOUNT,
     OperatorImages,
@@ -22,20 +25,36 @@ from hotload_operator.meta import (
 JSON = dict[str, Any]
 
 
+def engine_loopback_port(hld: HotLoadDeployment) -> int:
+    """The port of the engine's full API on 127.0.0.1, which only the pod reaches: the
+    loader's engine URL. Never the serving port (`spec.engine.port`)."""
+    if hld.spec.engine.port == ENGINE_LOOPBACK_PORT:
+        return ENGINE_LOOPBACK_PORT + 1
+    return ENGINE_LOOPBACK_PORT
+
+
+def has_front(hld: HotLoadDeployment) -> bool:
+    """Whether the pod needs the engine front: vLLM and SGLang serve their admin routes on
+    their one port; the reference engine splits them itself (`hotload serve --admin-port`)."""
+    return hld.spec.engine.kind != "reference"
+
+
 def engine_command(hld: HotLoadDeployment) -> list[str]:
-    """The engine container's command line for the spec's engine kind."""
+    """The engine container's command line for the spec's engine kind: the admin API on
+    loopback only, and the serving port (`spec.engine.port`) carrying the inference API alone,
+    from the reference engine itself or, for vLLM and SGLang, from the front beside them."""
     engine = hld.spec.engine
     model = f"{WEIGHTS_MOUNT}/current"
-    port = str(engine.port)
+    loopback = str(engine_loopback_port(hld))
     if engine.kind == "reference":
         base = ["hotload", "serve", "--model", model, "--name", name_of(hld)]
-        base += ["--host", "0.0.0.0", "--port", port]
+        base += ["--host", "0.0.0.0", "--port", str(engine.port), "--admin-port", loopback]
     elif engine.kind == "vllm":
         base = ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-        base += ["--served-model-name", name_of(hld), "--host", "0.0.0.0", "--port", port]
+        base += ["--served-model-name", name_of(hld), "--host", "127.0.0.1", "--port", loopback]
     else:
         base = ["python3", "-m", "sglang.launch_server", "--model-path", model]
-        base += ["--served-model-name", name_of(hld), "--host", "0.0.0.0", "--port", port]
+        base += ["--served-model-name", name_of(hld), "--host", "127.0.0.1", "--port", loopback]
     return base + adapter_args(hld) + list(engine.args)
 
 
@@ -92,7 +111,8 @@ def loader_env(hld: HotLoadDeployment, log_format: str = "text") -> list[JSON]:
         {"name": "HOTLOAD_LEDGER_URL", "value": ledger_url(hld)},
         {"name": "HOTLOAD_WEIGHTS_DIR", "value": WEIGHTS_MOUNT},
         {"name": "HOTLOAD_ENGINE", "value": spec.engine.kind},
-        {"name": "HOTLOAD_ENGINE_URL", "value": f"http://127.0.0.1:{spec.engine.port}"},
+        # The engine's full API, which only the pod reaches (the serving port refuses loads).
+        {"name": "HOTLOAD_ENGINE_URL", "value": f"http://127.0.0.1:{engine_loopback_port(hld)}"},
         {"name": "HOTLOAD_TRANSITION_MODE", "value": spec.transition_mode},
         {"name": "HOTLOAD_POLL_SECONDS", "value": str(spec.loader.poll_seconds)},
         {"name": "HOTLOAD_KEEP", "value": str(spec.loader.keep)},
@@ -188,13 +208,22 @@ def security_defaults(hld: HotLoadDeployment) -> JSON:
     if hld.spec.engine.kind == "reference":
         engine["runAsNonRoot"] = True
     loader = {**_RESTRICTED, "runAsNonRoot": True, "readOnlyRootFilesystem": True}
+    containers: list[JSON] = [{"name": "engine", "securityContext": engine}]
+    if has_front(hld):
+        # The loader's image, so the same user; no CPU limit: throttling it would throttle
+        # every token the replica streams.
+        containers.append({"name": "front", "securityContext": loader, "resources": FRONT_REQUESTS})
     return {
         "spec": {
             "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
             "initContainers": [{"name": "loader", "securityContext": loader}],
-            "containers": [{"name": "engine", "securityContext": engine}],
+            "containers": containers,
         }
     }
+
+
+#: The engine front's default resources (`spec.podTemplate` may change them).
+FRONT_REQUESTS: JSON = {"requests": {"cpu": "250m", "memory": "128Mi"}}
 
 
 #: Lists merged item by item, and the field that names an item (Kubernetes' strategic-merge
@@ -277,35 +306,14 @@ def _owned_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
     if images.loader_pull_policy:
         loader["imagePullPolicy"] = images.loader_pull_policy
     ready_path = "/ready" if engine.kind == "reference" else "/health"
-    engine_env: list[JSON] = [e.to_json() for e in engine.env]
-    if engine.kind == "vllm":
-        engine_env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})
-        if spec.adapters.enabled:
-            # Without it vLLM has no /v1/load_lora_adapter route at all.
-            engine_env.append({"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"})
-    engine_mounts = [_weights_mount(hld, read_only=True)]
-    if (shm := shm_volume(hld)) is not None:
-        volumes.append(shm)
-        engine_mounts.append({"name": shm["name"], "mountPath": SHM_MOUNT})
-    engine_container: JSON = {
-        "name": "engine",
-        "image": engine.image,
-        "command": engine_command(hld),
-        "ports": [{"name": "http", "containerPort": engine.port}],
-        "readinessProbe": probe(ready_path, "http", period=5, failures=3),
-        "livenessProbe": probe("/health", "http", period=10, failures=6),
-        "startupProbe": probe("/health", "http", period=5, failures=360),
-        "volumeMounts": engine_mounts,
-    }
-    if engine_env:
-        engine_container["env"] = engine_env
-    if resources := _resources(hld):
-        engine_container["resources"] = resources
+    containers = [_engine_container(hld, volumes, ready_path)]
+    if has_front(hld):
+        containers.append(_front_container(hld, images))
     pod_spec: JSON = {
         "serviceAccountName": loader_service_account(hld),
         "readinessGates": [{"conditionType": CONDITION_SNAPSHOT_LOADED}],
         "initContainers": [loader],
-        "containers": [engine_container],
+        "containers": containers,
         "volumes": volumes,
         "terminationGracePeriodSeconds": 60,
     }
@@ -316,3 +324,60 @@ def _owned_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
     if spec.tolerations:
         pod_spec["tolerations"] = [t.to_json() for t in spec.tolerations]
     return {"metadata": {"labels": labels(hld, "engine")}, "spec": pod_spec}
+
+
+def _engine_container(hld: HotLoadDeployment, volumes: list[JSON], ready_path: str) -> JSON:
+    """The engine; adds its shared-memory volume to `volumes` when it has one."""
+    spec = hld.spec
+    engine = spec.engine
+    engine_env: list[JSON] = [e.to_json() for e in engine.env]
+    if engine.kind == "vllm":
+        engine_env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})
+        if spec.adapters.enabled:
+            # Without it vLLM has no /v1/load_lora_adapter route at all.
+            engine_env.append({"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"})
+    engine_mounts = [_weights_mount(hld, read_only=True)]
+    if (shm := shm_volume(hld)) is not None:
+        volumes.append(shm)
+        engine_mounts.append({"name": shm["name"], "mountPath": SHM_MOUNT})
+    # The kubelet probes the pod's IP, which a loopback listener does not answer: with a front
+    # the engine's probes go through it (by number: the port is the front's), the way a
+    # service mesh routes application probes through its agent.
+    port: int | str = engine.port if has_front(hld) else "http"
+    engine_container: JSON = {
+        "name": "engine",
+        "image": engine.image,
+        "command": engine_command(hld),
+        "readinessProbe": probe(ready_path, port, period=5, failures=3),
+        "livenessProbe": probe("/health", port, period=10, failures=6),
+        "startupProbe": probe("/health", port, period=5, failures=360),
+        "volumeMounts": engine_mounts,
+    }
+    if not has_front(hld):
+        engine_container["ports"] = [{"name": "http", "containerPort": engine.port}]
+    if engine_env:
+        engine_container["env"] = engine_env
+    if resources := _resources(hld):
+        engine_container["resources"] = resources
+    return engine_container
+
+
+def _front_container(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
+    """The engine front on the serving port (`hotload front`, from the loader's image): a
+    container of its own, so it restarts without the loader or the engine."""
+    engine = hld.spec.engine
+    url = f"http://127.0.0.1:{engine_loopback_port(hld)}"
+    command = build_front_args(url, engine.port)
+    if images.log_format != "text":
+        command += ["--log-format", images.log_format]
+    front: JSON = {
+        "name": "front",
+        "image": hld.spec.loader.image or images.loader,
+        "command": command,
+        "ports": [{"name": "http", "containerPort": engine.port}],
+        # Restarted well before the engine's liveness (60 s, through the front) gives up.
+        "livenessProbe": probe(FRONT_HEALTH_PATH, "http", period=5, failures=3),
+    }
+    if images.loader_pull_policy:
+        front["imagePullPolicy"] = images.loader_pull_policy
+    return front

@@ -157,6 +157,9 @@ class Replica:
     loader_args: list[str] = field(default_factory=list)
     engine_port: int = field(default_factory=free_port)
     loader_port: int = field(default_factory=free_port)
+    #: With a port, as in the operator's pods: the engine serves its full API on it (loopback)
+    #: and only the inference API on `engine_port`; the loader uses the full one.
+    admin_port: int | None = None
     loader: subprocess.Popen[bytes] | None = None
     engine: subprocess.Popen[bytes] | None = None
 
@@ -169,6 +172,12 @@ class Replica:
     def engine_url(self) -> str:
         """The engine's base URL."""
         return f"http://127.0.0.1:{self.engine_port}"
+
+    @property
+    def full_api_url(self) -> str:
+        """Where the loader reaches the engine: the admin port when there is one."""
+        port = self.engine_port if self.admin_port is None else self.admin_port
+        return f"http://127.0.0.1:{port}"
 
     @property
     def loader_url(self) -> str:
@@ -189,7 +198,7 @@ class Replica:
                 "--weights-dir",
                 str(self.weights),
                 "--engine-url",
-                self.engine_url,
+                self.full_api_url,
                 "--listen",
                 f"127.0.0.1:{self.loader_port}",
                 "--poll-seconds",
@@ -225,6 +234,7 @@ class Replica:
                 str(self.engine_port),
                 "--max-batch",
                 "4",
+                *([] if self.admin_port is None else ["--admin-port", str(self.admin_port)]),
             ],
             cwd=REPO,
             env=self.env,
