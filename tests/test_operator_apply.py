@@ -9,6 +9,7 @@ server-side apply's managed fields. A clone without ../shared/k8s skips them (te
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +247,7 @@ async def test_a_production_pod_spec_passes_restricted_pod_security(
         replicas=1,
         weightsVolume={"type": "persistentVolumeClaim", "claimName": "weights"},
         imagePullSecrets=[{"name": "registry"}],
+        router={"enabled": True},
         podTemplate={
             "metadata": {"labels": {"team": "rl"}},
             "spec": {
@@ -281,13 +283,20 @@ async def test_a_production_pod_spec_passes_restricted_pod_security(
             # vLLM's inference-only front is in the pod the restricted standard admits.
             assert [c["name"] for c in spec["containers"]] == ["engine", "front"]
 
-            async def admitted() -> list[JSON]:
-                listed = await kube.list(pods_path, label_selector="hotload.dev/deployment=fleet")
-                return list(listed["items"])
+            def admitted(component: str) -> Callable[[], Awaitable[list[JSON]]]:
+                async def pods() -> list[JSON]:
+                    selector = f"hotload.dev/deployment=fleet,hotload.dev/component={component}"
+                    listed = await kube.list(pods_path, label_selector=selector)
+                    return list(listed["items"])
 
-            # Admitted under enforce=restricted: the controller created the pod.
-            (pod,) = await eventually("the fleet's pod, admitted", admitted, timeout=60)
+                return pods
+
+            # Admitted under enforce=restricted: the controllers created the pods, the
+            # replica's and the router's (which needs no template to comply).
+            (pod,) = await eventually("the fleet's pod, admitted", admitted("engine"), timeout=60)
             assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+            (router,) = await eventually("the router's pod", admitted("router"), timeout=60)
+            assert router["spec"]["imagePullSecrets"] == [{"name": "registry"}]
 
             # The control: the same pod without the template's user is refused.
             template = deployment["spec"]["template"]
