@@ -319,15 +319,24 @@ async def test_async_swaps_under_load_fail_nothing(tiny: TinyLLM) -> None:
             results.append(await complete(client, prompt, 24, stream=(i + k) % 2 == 0))
             i += 1
 
+    async def finished(count: int) -> None:
+        # Paced by requests served, not by seconds: on a busy machine a fixed pause may see
+        # none finish between two swaps.
+        target = len(results) + count
+        deadline = time.monotonic() + 120
+        while len(results) < target:
+            assert time.monotonic() < deadline, f"{len(results)} requests served, not {target}"
+            await asyncio.sleep(0.01)
+
     async with serve(tiny.snapshots[0], "s0", max_batch=4) as client:
         clients = [asyncio.create_task(client_loop(client, k)) for k in range(6)]
         loads = []
         for seq, policy in [(1, "all"), (2, "none"), (3, "new_session")]:
-            await asyncio.sleep(0.4)
+            await finished(4)
             loads.append(
                 await load(client, tiny.snapshots[seq], f"s{seq}", seq, cache_policy=policy)
             )
-        await asyncio.sleep(0.3)
+        await finished(4)
         stop.set()
         await asyncio.gather(*clients)
 
