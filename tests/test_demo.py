@@ -49,8 +49,9 @@ def processes_naming(text: str) -> list[str]:
     return found
 
 
-def wait_until_gone(text: str, timeout: float = 15.0) -> list[str]:
-    """Processes naming `text` still alive after `timeout` seconds (PDEATHSIG is asynchronous)."""
+def wait_until_gone(text: str, timeout: float = 60.0) -> list[str]:
+    """Processes naming `text` still alive after `timeout` seconds (PDEATHSIG is asynchronous,
+    and a process killed on a busy machine can take seconds to go)."""
     deadline = time.monotonic() + timeout
     while (left := processes_naming(text)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -107,7 +108,7 @@ def test_demo_runs_a_fleet_and_reports_a_clean_summary(tmp_path: Path) -> None:
     assert all(r["ready_seconds"] is not None for r in s["rows"][1:])
     # The policy learns: the fleet's greedy answer to the demo prompt changes.
     assert s["first_completion"] != s["last_completion"]
-    assert wait_until_gone(str(tmp_path), timeout=5) == []
+    assert wait_until_gone(str(tmp_path)) == []
 
 
 def test_ctrl_c_mid_run_stops_every_process(tmp_path: Path) -> None:
@@ -120,7 +121,7 @@ def test_ctrl_c_mid_run_stops_every_process(tmp_path: Path) -> None:
     assert proc.returncode == 130, out
     assert "interrupted: stopped 4 processes" in out, out
     assert "Traceback" not in out, out
-    assert wait_until_gone(str(tmp_path), timeout=5) == []
+    assert wait_until_gone(str(tmp_path)) == []
     # The work folder (bucket, weights, logs) is removed too.
     assert not list(tmp_path.glob("hotload-demo-*"))
 

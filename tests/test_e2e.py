@@ -155,6 +155,10 @@ async def test_a_fleet_follows_a_chain_through_the_operator(
                     for task in tasks:
                         task.cancel()
                     await asyncio.gather(*tasks, return_exceptions=True)
+                # The observer polls in the background: one more look now, so that the last
+                # snapshot is recorded however late its polls ran on a busy machine (every
+                # replica serves it already: wait_ready returned).
+                await seen.observe()
                 last = f"step-{STEPS - 1:08d}"
                 # Every replica moved forward through the chain, never back, and skipped only
                 # the snapshot it could not verify.
@@ -375,16 +379,20 @@ class _Observer:
 
     async def run(self) -> None:
         while True:
-            for r in self.replicas:
-                try:
-                    doc = await asyncio.to_thread(r.status)
-                except (OSError, AssertionError):
-                    continue
-                seq = doc.get("sequence")
-                seen = self.sequences[r.name]
-                if isinstance(seq, int) and (not seen or seen[-1] != seq):
-                    seen.append(seq)
+            await self.observe()
             await asyncio.sleep(0.1)
+
+    async def observe(self) -> None:
+        """Record what each loader serves now (skipping one that does not answer)."""
+        for r in self.replicas:
+            try:
+                doc = await asyncio.to_thread(r.status)
+            except (OSError, AssertionError):
+                continue
+            seq = doc.get("sequence")
+            seen = self.sequences[r.name]
+            if isinstance(seq, int) and (not seen or seen[-1] != seq):
+                seen.append(seq)
 
 
 def _corrupt(current: Path) -> None:

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from hotload.engine.engine import Engine, EngineConfig
 from hotload.engine.server import ENGINE, create_app
+from support.fleet import free_port
 from support.tiny_llm import TinyLLM, broken_snapshot, build_tiny_llm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -319,15 +319,24 @@ async def test_async_swaps_under_load_fail_nothing(tiny: TinyLLM) -> None:
             results.append(await complete(client, prompt, 24, stream=(i + k) % 2 == 0))
             i += 1
 
+    async def finished(count: int) -> None:
+        # Paced by requests served, not by seconds: on a busy machine a fixed pause may see
+        # none finish between two swaps.
+        target = len(results) + count
+        deadline = time.monotonic() + 120
+        while len(results) < target:
+            assert time.monotonic() < deadline, f"{len(results)} requests served, not {target}"
+            await asyncio.sleep(0.01)
+
     async with serve(tiny.snapshots[0], "s0", max_batch=4) as client:
         clients = [asyncio.create_task(client_loop(client, k)) for k in range(6)]
         loads = []
         for seq, policy in [(1, "all"), (2, "none"), (3, "new_session")]:
-            await asyncio.sleep(0.4)
+            await finished(4)
             loads.append(
                 await load(client, tiny.snapshots[seq], f"s{seq}", seq, cache_policy=policy)
             )
-        await asyncio.sleep(0.3)
+        await finished(4)
         stop.set()
         await asyncio.gather(*clients)
 
@@ -632,12 +641,6 @@ async def test_session_prefix_cache_hits_and_follows_the_cache_policy(tiny: Tiny
 # --- the command ---------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_serve_help_lists_the_options() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "hotload", "serve", "--help"],
@@ -661,7 +664,9 @@ def test_serve_command_runs_and_stops_cleanly(tiny: TinyLLM, tmp_path: Path) -> 
     )
     assert bad.returncode == 1 and "does not exist" in bad.stderr
 
-    port = _free_port()
+    # Outside the ephemeral range: a port from bind(0) can go to an outgoing connection
+    # before the engine process, started later, binds it.
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "hotload", "serve", "--model", str(tiny.snapshots[0]),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -133,8 +132,7 @@ def test_loader_rebuilds_a_hinted_delta_but_serves_it_only_once_admitted(
         index = staged / "model.safetensors.index.json"
         wait_for("the hinted delta rebuilt in staging", index.is_file, 60)
         wait_for("the early rebuild verified", lambda: "for the ledger" in replica.logs(), 30)
-        time.sleep(1.0)  # a few more polls: still nothing loaded
-        status = replica.status()
+        status = replica.wait_polls(3)  # a few more polls: still nothing loaded
         assert status["identity"] == "step-000" and status["state"] == "idle"
         assert not (replica.weights / "snapshots" / "step-001").exists()
         engine = http_json("GET", replica.engine_url + "/hotload/v1/status")[1]

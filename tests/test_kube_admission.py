@@ -153,7 +153,7 @@ async def fleet(kube_api: KubeAPI) -> AsyncIterator[Fleet]:
             for pod in (OWN, OTHER):
                 await admin.create(resource_path("v1", "pods", ns), pod_body(pod, account))
             config = await kube_api.service_account_config(account, OWN)
-            async with KubeClient(config, retries=1, backoff=0.01, timeout=5) as loader:
+            async with KubeClient(config, retries=1, backoff=0.01) as loader:
                 user = f"system:serviceaccount:{ns}:{account}"
                 fleet = Fleet(kube_api, admin, loader, config, name, user)
                 await until_enforced(fleet)
@@ -377,10 +377,10 @@ async def test_reporter_works_with_the_loaders_narrow_credentials(fleet: Fleet) 
         return datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC) + timedelta(seconds=next(ticks))
 
     reporter = KubernetesReporter(
-        KubeClient(fleet.loader_config, retries=1, backoff=0.01, timeout=5), ns, OWN, clock=clock
+        KubeClient(fleet.loader_config, retries=1, backoff=0.01), ns, OWN, clock=clock
     )
     stray = KubernetesReporter(
-        KubeClient(fleet.loader_config, retries=1, backoff=0.01, timeout=5), ns, OTHER, clock=clock
+        KubeClient(fleet.loader_config, retries=1, backoff=0.01), ns, OTHER, clock=clock
     )
     try:
         await reporter.report(CURRENT)

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from hotload.bucket import open_bucket, upload_snapshot_async
-from hotload.errors import KubeNotFoundError
+from hotload.errors import KubeForbiddenError, KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
 from hotload.ledger import Ledger
 from hotload.snapshot import describe_snapshot
@@ -77,6 +77,67 @@ async def chart_rbac(kube: KubeClient, objs: list[JSON]) -> AsyncIterator[list[J
         for obj in rbac:
             with contextlib.suppress(KubeNotFoundError):
                 await kube.delete(_path(obj) + "/" + obj["metadata"]["name"])
+
+
+#: The version to probe each API group of the chart's rules at.
+GROUP_VERSIONS = {
+    "": "v1",
+    "apps": "apps/v1",
+    "policy": "policy/v1",
+    "hotload.dev": "hotload.dev/v1alpha1",
+    "rbac.authorization.k8s.io": "rbac.authorization.k8s.io/v1",
+    "apiextensions.k8s.io": "apiextensions.k8s.io/v1",
+}
+
+
+async def until_granted(kube_api: KubeAPI, account: str, rbac: list[JSON]) -> None:
+    """Wait until the API server authorizes `account` through every binding in `rbac`.
+
+    A real server's authorizer reads roles and bindings from a cache that follows their
+    creation asynchronously (within seconds on a busy machine): an operator started right after
+    `chart_rbac` could meet a refusal the chart does not cause. One GET per binding that its
+    role allows (a role and a binding reach the cache separately); 404 counts as allowed."""
+    roles = {
+        (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o
+        for o in rbac
+        if o["kind"] in ("Role", "ClusterRole")
+    }
+    probes: list[str] = []
+    for binding in (o for o in rbac if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        namespace = binding["metadata"].get("namespace")
+        ref = binding["roleRef"]
+        role = roles[(ref["kind"], namespace if ref["kind"] == "Role" else None, ref["name"])]
+        probes.append(_allowed_get(role["rules"], namespace))
+    config = await kube_api.service_account_config(account)
+    async with KubeClient(config, retries=1, backoff=0.01) as as_account:
+        for path in probes:
+
+            async def allowed(path: str = path) -> bool:
+                try:
+                    await as_account.get(path)
+                except KubeForbiddenError:
+                    return False
+                except KubeNotFoundError:
+                    pass
+                return True
+
+            await eventually(f"the chart's RBAC to allow GET {path}", allowed)
+
+
+def _allowed_get(rules: list[JSON], namespace: str | None) -> str:
+    """A GET path `rules` allow in `namespace` (None: cluster-wide): a list, or a named object
+    where the rule names its objects."""
+    for rule in rules:
+        group, plural = rule["apiGroups"][0], rule["resources"][0]
+        names = rule.get("resourceNames")
+        if "/" in plural or group not in GROUP_VERSIONS:
+            continue
+        version = GROUP_VERSIONS[group]
+        if names and "get" in rule["verbs"]:
+            return resource_path(version, plural, namespace, names[0])
+        if not names and "list" in rule["verbs"]:
+            return resource_path(version, plural, namespace)
+    raise AssertionError(f"no rule to probe with a GET among {rules}")
 
 
 async def _get(kube: KubeClient, path: str) -> JSON | None:
@@ -156,12 +217,13 @@ async def test_the_operator_needs_nothing_beyond_the_charts_rbac(
 
     async with kube_api.client() as kube:
         await install_crds(kube)
-        async with chart_rbac(kube, objs):
+        async with chart_rbac(kube, objs) as rbac:
             for name in ("bucket-creds", "other-creds"):
                 await kube.create(resource_path("v1", "secrets", ns), secret(name))
             kubeconfig = await kube_api.service_account_kubeconfig(
                 tmp_path / "operator-kubeconfig", account
             )
+            await until_granted(kube_api, account, rbac)
             monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
             async with running_operator(kube_api):
                 await _a_fleets_life(kube, ns, bucket_dir)
@@ -300,10 +362,11 @@ async def test_a_pin_is_followed_even_where_the_router_cannot_be_removed(
     caplog.set_level(logging.INFO)
     async with kube_api.client() as kube:
         await install_crds(kube)
-        async with chart_rbac(kube, objs):
+        async with chart_rbac(kube, objs) as rbac:
             kubeconfig = await kube_api.service_account_kubeconfig(
                 tmp_path / "operator-kubeconfig", account
             )
+            await until_granted(kube_api, account, rbac)
             monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
             async with running_operator(kube_api):
                 body = fleet("fleet", bucket_dir, "unused")
@@ -376,11 +439,12 @@ async def test_the_fireworks_api_needs_the_charts_snapshot_rule(
     await upload(bucket_dir, full(tmp_path / "snaps" / "step-000", weights(0)))
     async with kube_api.client() as kube:
         await install_crds(kube)
-        async with chart_rbac(kube, objs):
+        async with chart_rbac(kube, objs) as rbac:
             await kube.create(resource_path("v1", "secrets", ns), secret("bucket-creds"))
             kubeconfig = await kube_api.service_account_kubeconfig(
                 tmp_path / "operator-kubeconfig", account
             )
+            await until_granted(kube_api, account, rbac)
             monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
             config = await kube_api.service_account_config(account)
             async with running_operator(kube_api), KubeClient(config) as as_operator:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -308,13 +307,13 @@ def test_a_loader_is_pinned_rolled_back_and_unpinned(tiny6: TinyLLM, tmp_path: P
         # New heads land (a full snapshot and a delta): the pinned replica stays put.
         trainer.publish(4)
         trainer.publish(5)
-        polled = time.monotonic()
+        # It read the new head (each poll sets the gauge) and stays put, a few polls later.
         wait_for(
-            "a few polls after the new head",
-            lambda: r.status()["last_poll_time"] and time.monotonic() - polled > 1.5,
-            30,
+            "the loader to read the new head",
+            lambda: "hotload_loader_ledger_head_sequence 6.0" in r.metrics().splitlines(),
+            60,
         )
-        still = r.status()
+        still = r.wait_polls(3)
         assert still["identity"] == "step-001" and still["target_identity"] == "step-001"
         assert _tokens(r) == ("tiny@step-001", expected_1)
 

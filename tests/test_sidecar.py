@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from hotload_sidecar.status import (
 )
 from support.fleet import REPO, Replica, Trainer, http_json, wait_for
 from support.kubeapi import KubeAPI
+from support.operator import eventually
 from support.seaweedfs import SeaweedFS
 from support.tiny_llm import TinyLLM, broken_snapshot, build_tiny_llm
 from support.vllm_server import greedy_token_ids
@@ -507,17 +508,20 @@ async def test_the_loader_reports_on_its_own_pod(
     await asyncio.to_thread(r.start)
     await asyncio.to_thread(r.wait_serving, "step-000", 180)
 
-    async def reported(identity: str) -> dict[str, Any]:
-        deadline = asyncio.get_running_loop().time() + 30
-        while True:
+    def reported(identity: str) -> Callable[[], Awaitable[dict[str, Any] | None]]:
+        # The loader writes a report as two requests, the metadata (annotation and labels) and
+        # then `pods/status` (the condition), and records its Event after both: a pod read in
+        # between has the new annotation and the previous condition, so wait for both.
+        async def check() -> dict[str, Any] | None:
             pod = await read_pod(kube_api, "replica-0")
             note = json.loads(pod["metadata"].get("annotations", {}).get(ANNOTATION_SNAPSHOT, "{}"))
-            if note.get("identity") == identity and note.get("loaded"):
-                return pod
-            assert asyncio.get_running_loop().time() < deadline, (note, r.logs())
-            await asyncio.sleep(0.1)
+            loaded = conditions(pod).get(CONDITION_SNAPSHOT_LOADED, {})
+            written = note.get("identity") == identity and note.get("loaded")
+            return pod if written and loaded.get("reason") == "Current" else None
 
-    pod = await reported("step-000")
+        return check
+
+    pod = await eventually("step-000 reported on the pod", reported("step-000"))
     assert pod["metadata"]["labels"][LABEL_IDENTITY] == "step-000"
     assert pod["metadata"]["labels"][LABEL_SEQUENCE] == "1"
     loaded = conditions(pod)[CONDITION_SNAPSHOT_LOADED]
@@ -526,11 +530,22 @@ async def test_the_loader_reports_on_its_own_pod(
     assert {"PodScheduled", CONDITION_SNAPSHOT_LOADED} <= set(conditions(pod))
 
     await asyncio.to_thread(trainer.publish, 1)
-    pod = await reported("step-001")
+    await asyncio.to_thread(r.wait_serving, "step-001")
+    pod = await eventually("step-001 reported on the pod", reported("step-001"))
     note = json.loads(pod["metadata"]["annotations"][ANNOTATION_SNAPSHOT])
     assert note["sequence"] == 2 and note["lastLoad"]["steps"] == 1
     assert note["lastLoad"]["bytesFetched"] > 0
-    async with kube_api.client() as kube:
-        events = await kube.list(resource_path("v1", "events", kube_api.namespace))
-    mine = [e for e in events["items"] if e["involvedObject"]["name"] == "replica-0"]
-    assert any(e["reason"] == "SnapshotLoaded" and "step-001" in e["message"] for e in mine)
+
+    # The loader records the Event after the report (SnapshotLoaded follows the pod's update).
+    async def recorded() -> list[dict[str, Any]]:
+        async with kube_api.client() as kube:
+            events = await kube.list(resource_path("v1", "events", kube_api.namespace))
+        return [
+            e
+            for e in events["items"]
+            if e["involvedObject"]["name"] == "replica-0"
+            and e["reason"] == "SnapshotLoaded"
+            and "step-001" in e["message"]
+        ]
+
+    await eventually("the SnapshotLoaded Event of step-001", recorded)

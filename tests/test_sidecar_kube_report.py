@@ -106,7 +106,9 @@ def conditions(pod: JSON) -> dict[str, JSON]:
 
 
 def reporter_for(kube_api: KubeAPI, clock: Clock, name: str = "replica-0") -> KubernetesReporter:
-    client = kube_api.client(retries=1, backoff=0.01, timeout=2)
+    # No retries (an outage fails at once), but the client's full timeout: the reporter skips a
+    # write that times out (it never raises), and a busy real server can take seconds.
+    client = kube_api.client(retries=1, backoff=0.01)
     return KubernetesReporter(client, kube_api.namespace, name, clock=clock)
 
 

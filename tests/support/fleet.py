@@ -279,6 +279,24 @@ class Replica:
         result: dict[str, Any] = wait_for(f"{self.name} serving {identity}", serving, timeout)
         return result
 
+    def wait_polls(self, count: int, timeout: float = 60.0) -> dict[str, Any]:
+        """Wait until the loader has polled the ledger `count` more times (each poll stamps
+        `last_poll_time`); return the status after the last. For checks that something did
+        *not* happen: a number of polls, not a number of seconds, however busy the machine."""
+        seen: list[str] = []
+
+        def polled() -> dict[str, Any] | None:
+            self._alive()
+            doc = self.status()
+            stamp = doc.get("last_poll_time")
+            if stamp and (not seen or seen[-1] != stamp):
+                seen.append(stamp)
+            # The first stamp seen may be from a poll before the call.
+            return doc if len(seen) > count else None
+
+        result: dict[str, Any] = wait_for(f"{self.name} polling {count} times", polled, timeout)
+        return result
+
     def complete(self, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
         """A greedy completion from the engine (token ids included)."""
         code, body = http_json(
