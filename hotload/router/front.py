@@ -28,7 +28,7 @@ from yarl import URL
 
 from hotload.engine.protocol import INFERENCE_PATHS, ApiError, not_served_here
 from hotload.router import FRONT_HEALTH_PATH
-from hotload.router.relay import client_session, forward_headers, relay
+from hotload.router.relay import client_session, forward_headers, health, relay, run_with
 
 log = logging.getLogger("hotload.front")
 
@@ -134,23 +134,11 @@ def create_front_app(front: EngineFront) -> web.Application:
     """The aiohttp application of `front`; starting it opens the pool to the engine."""
     app = web.Application(client_max_size=front.config.max_body)
     app[FRONT] = front
-    app.router.add_get(FRONT_HEALTH_PATH, _health)
+    app.router.add_get(FRONT_HEALTH_PATH, health)
     app.router.add_route("*", "/{tail:.*}", _forward)
-
-    async def on_startup(app: web.Application) -> None:
-        await app[FRONT].start()
-
-    async def on_cleanup(app: web.Application) -> None:
-        await app[FRONT].aclose()
-
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
+    run_with(app, front)
     return app
 
 
 async def _forward(request: web.Request) -> web.StreamResponse:
     return await request.app[FRONT].forward(request)
-
-
-async def _health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})

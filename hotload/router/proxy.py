@@ -46,7 +46,7 @@ from hotload.engine.protocol import (
 from hotload.metrics import CONTENT_TYPE, MetricSet
 from hotload.router.decision import REASONS, Choice, NoReplica, Replica, RouteRequest, decide
 from hotload.router.discovery import Discovery
-from hotload.router.relay import client_session, forward_headers, relay
+from hotload.router.relay import client_session, forward_headers, health, relay, run_with
 
 REPLICA_HEADER: Final = "x-hotload-replica"
 RETRY_AFTER_SECONDS: Final = "1"
@@ -345,29 +345,17 @@ def create_router_app(router: Router) -> web.Application:
     """The aiohttp application of `router`; starting the app starts discovery."""
     app = web.Application(client_max_size=router.config.max_body)
     app[ROUTER] = router
-    app.router.add_get("/health", _health)
+    app.router.add_get("/health", health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/router/v1/replicas", _replicas)
     app.router.add_route("*", "/v1/{tail:.*}", _forward)
-
-    async def on_startup(app: web.Application) -> None:
-        await app[ROUTER].start()
-
-    async def on_cleanup(app: web.Application) -> None:
-        await app[ROUTER].aclose()
-
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
+    run_with(app, router)
     return app
 
 
 async def _forward(request: web.Request) -> web.StreamResponse:
     return await request.app[ROUTER].forward(request)
-
-
-async def _health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
 
 
 async def _ready(request: web.Request) -> web.Response:

@@ -1,5 +1,6 @@
 """Relaying one HTTP exchange through an aiohttp proxy, shared by the router and the engine front:
-which headers pass, and an upstream answer copied to the client as it arrives.
+which headers pass, and an upstream answer copied to the client as it arrives; also what both
+proxies' applications share (a service started and closed with the app, the health answer).
 
 The body reaches the client byte for byte: a whole body (one with a Content-Length, such as a
 JSON answer) in one write, anything else (SSE) chunk by chunk as the upstream sends it, never
@@ -13,13 +14,40 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Final
+from typing import Final, Protocol
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 log = logging.getLogger("hotload.router")
+
+
+class Service(Protocol):
+    """What a proxy application runs beside its handlers (the router, the front)."""
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+def run_with(app: web.Application, service: Service) -> None:
+    """Start `service` when `app` starts and close it when `app` is cleaned up."""
+
+    async def on_startup(_: web.Application) -> None:
+        await service.start()
+
+    async def on_cleanup(_: web.Application) -> None:
+        await service.aclose()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+
+
+async def health(request: web.Request) -> web.Response:
+    """The liveness answer of a proxy: it runs (its upstreams are not asked)."""
+    return web.json_response({"status": "ok"})
+
 
 #: Hop-by-hop headers (RFC 9110 7.6.1) and the ones aiohttp sets itself.
 HOP_HEADERS: Final = frozenset(

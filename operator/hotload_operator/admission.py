@@ -175,7 +175,7 @@ async def _validate(
             except SnapshotError as err:
                 return refused(Reasons.INVALID, _short(str(err)))
         return decision
-    base = await _base_config(bucket, state, tmp)
+    base = await _root_json(bucket, state, CONFIG_FILE)
     try:
         validate_snapshot(
             folder,
@@ -276,18 +276,25 @@ def _validate_adapter(
     )
 
 
-async def _base_shapes(bucket: Bucket, state: LedgerState) -> dict[str, list[int]] | None:
-    """Tensor shapes of the latest full snapshot (None before the first one): adapters must
-    fit its layers."""
+async def _root_json(bucket: Bucket, state: LedgerState, name: str) -> dict[str, Any] | None:
+    """The JSON object `name` of the latest full snapshot in the ledger (None before the first
+    full snapshot, or where that snapshot has no such file)."""
     root = state.document.latest_root()
     if root is None:
         return None
     try:
-        data = (await bucket.get_async(f"{root.identity}/{SPEC_FILE}")).data
+        data = (await bucket.get_async(f"{root.identity}/{name}")).data
     except ObjectNotFoundError:
         return None
     doc = json.loads(data)
-    tensors = doc.get("tensor_map") if isinstance(doc, dict) else None
+    return doc if isinstance(doc, dict) else None
+
+
+async def _base_shapes(bucket: Bucket, state: LedgerState) -> dict[str, list[int]] | None:
+    """Tensor shapes of the latest full snapshot (None before the first one): adapters must
+    fit its layers."""
+    doc = await _root_json(bucket, state, SPEC_FILE)
+    tensors = doc.get("tensor_map") if doc is not None else None
     if not isinstance(tensors, dict):
         return None
     return {
@@ -295,16 +302,3 @@ async def _base_shapes(bucket: Bucket, state: LedgerState) -> dict[str, list[int
         for name, spec in tensors.items()
         if isinstance(spec, dict) and isinstance(spec.get("shape"), list)
     }
-
-
-async def _base_config(bucket: Bucket, state: LedgerState, tmp: Path) -> dict[str, Any] | None:
-    """config.json of the latest full snapshot in the ledger (None for the first snapshot)."""
-    root = state.document.latest_root()
-    if root is None:
-        return None
-    try:
-        data = (await bucket.get_async(f"{root.identity}/{CONFIG_FILE}")).data
-    except ObjectNotFoundError:
-        return None
-    doc = json.loads(data)
-    return doc if isinstance(doc, dict) else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hotload.api.models import HotLoadDeployment
+from hotload.api.models import HotLoadDeployment, Snapshot
 from hotload.api.names import API_VERSION, DEPLOYMENT_KIND, LABEL_COMPONENT, LABEL_DEPLOYMENT
 from hotload.ledger.pins import pin_key
 
@@ -57,9 +57,15 @@ def name_of(obj: HotLoadDeployment) -> str:
     return str(obj.metadata["name"])
 
 
-def namespace_of(obj: HotLoadDeployment) -> str:
+def namespace_of(obj: HotLoadDeployment | Snapshot) -> str:
     """`metadata.namespace`."""
     return str(obj.metadata.get("namespace") or "default")
+
+
+def generation_of(obj: HotLoadDeployment | Snapshot) -> int | None:
+    """`metadata.generation` (None where absent: an object not yet stored by a server)."""
+    gen = obj.metadata.get("generation")
+    return gen if isinstance(gen, int) else None
 
 
 def labels(hld: HotLoadDeployment, component: str) -> dict[str, str]:

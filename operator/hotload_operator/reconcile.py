@@ -35,8 +35,10 @@ from hotload_operator.admission import Admission, admit
 from hotload_operator.conditions import format_time, set_condition, stored_form
 from hotload_operator.context import Context, parse_deployment, parse_snapshot
 from hotload_operator.meta import (
+    generation_of,
     ledger_url,
     name_of,
+    namespace_of,
     selector_string,
 )
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
@@ -53,7 +55,7 @@ class AdmissionDeferredError(Exception):
 async def admit_snapshot(ctx: Context, body: JSON) -> Admission:
     """Admit one Snapshot and write its `Accepted` condition (and sizes) to its status."""
     snap = parse_snapshot(body)
-    ns = str(snap.metadata.get("namespace") or "default")
+    ns = namespace_of(snap)
     hld_path = resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, snap.spec.deployment)
     try:
         hld = parse_deployment(await ctx.kube.get(hld_path))
@@ -88,30 +90,23 @@ async def write_condition(
 ) -> None:
     """Set one condition on the snapshot's status (None: Unknown), keeping the others."""
     previous = snap.status.to_json() if snap.status else {}
-    gen = snap.metadata.get("generation")
-    generation = gen if isinstance(gen, int) else None
     conditions = set_condition(
         list(previous.get("conditions") or []),
         type_,
         status,
         reason,
         message,
-        generation=generation,
+        generation=generation_of(snap),
         now=ctx.now(),
     )
-    ns = str(snap.metadata.get("namespace") or "default")
-    path = resource_path(API_VERSION, SNAPSHOT_PLURAL, ns, str(snap.metadata["name"]), "status")
-    await ctx.kube.patch(
-        path, {"status": {"observedGeneration": generation, "conditions": conditions}}, "merge"
-    )
+    await _patch_status(ctx, snap, {"conditions": conditions})
 
 
 async def write_admission(ctx: Context, snap: Snapshot, result: Admission) -> None:
     """Patch the snapshot's status with the admission outcome."""
     now = ctx.now()
     previous = snap.status.to_json() if snap.status else {}
-    gen = snap.metadata.get("generation")
-    generation = gen if isinstance(gen, int) else None
+    generation = generation_of(snap)
     conditions = set_condition(
         list(previous.get("conditions") or []),
         CONDITION_ACCEPTED,
@@ -131,7 +126,7 @@ async def write_admission(ctx: Context, snap: Snapshot, result: Admission) -> No
             generation=generation,
             now=now,
         )
-    status: JSON = {"observedGeneration": generation, "conditions": conditions}
+    status: JSON = {"conditions": conditions}
     if result.entry is not None:
         status |= {
             "sequence": result.entry.sequence,
@@ -140,9 +135,16 @@ async def write_admission(ctx: Context, snap: Snapshot, result: Admission) -> No
             "fullBytes": result.entry.full_bytes,
             "acceptedTime": previous.get("acceptedTime") or format_time(now),
         }
-    ns = str(snap.metadata.get("namespace") or "default")
-    path = resource_path(API_VERSION, SNAPSHOT_PLURAL, ns, str(snap.metadata["name"]), "status")
-    await ctx.kube.patch(path, {"status": status}, "merge")
+    await _patch_status(ctx, snap, status)
+
+
+async def _patch_status(ctx: Context, snap: Snapshot, status: JSON) -> None:
+    """Merge-patch `status` (and the generation it observed) into the snapshot's status."""
+    path = resource_path(
+        API_VERSION, SNAPSHOT_PLURAL, namespace_of(snap), str(snap.metadata["name"]), "status"
+    )
+    body = {"observedGeneration": generation_of(snap), **status}
+    await ctx.kube.patch(path, {"status": body}, "merge")
 
 
 async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:

@@ -25,6 +25,7 @@ from hotload.api.names import (
 )
 from hotload.ledger import LedgerDocument, LedgerEntry, Target, pin_target
 from hotload_operator.conditions import format_time, get_condition, is_true, set_condition
+from hotload_operator.meta import generation_of
 
 JSON = dict[str, Any]
 
@@ -131,8 +132,7 @@ def rollup_deployment(
 
     reports = sorted((read_pod(p) for p in pods), key=lambda r: r.pod)
     reports = [r for r in reports if not r.deleting]
-    gen = hld.metadata.get("generation")
-    generation = int(gen) if isinstance(gen, int) else None
+    generation = generation_of(hld)
     target = goal.identity
     updated = [r for r in reports if target is not None and r.identity == target]
     need = required_replicas(hld)
@@ -317,8 +317,7 @@ def rollup_snapshot(
             superseded_by = f"{head.identity} (sequence {head.sequence})"
     need = required_replicas(hld)
     conditions: list[JSON] = list(status.get("conditions") or [])
-    gen = snap.metadata.get("generation")
-    generation = int(gen) if isinstance(gen, int) else None
+    generation = generation_of(snap)
     ready_before = get_condition(conditions, "Ready")
     was_ready = ready_before is not None and ready_before.get("status") == "True"
     out: JSON = {
