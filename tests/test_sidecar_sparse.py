@@ -29,18 +29,19 @@ from support.vllm_server import greedy_token_ids
 from test_engine import engine_of, serve
 from test_sidecar import PROMPT_IDS, _metric, _tokens
 
-TRAINED = 6
+TRAINED = 7
+DENSE = 5
 
 
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Full snapshots of a tiny Llama: steps 0..3 and 5.. move 1% of the elements; step 4
+    """Full snapshots of a tiny Llama: every step moves 1% of the elements but step 5, which
     moves most of them (too dense for a patch)."""
     root = tmp_path_factory.mktemp("sparse")
     base = build_tiny_llm(root / "m", 0).snapshots[0]
-    fulls, _ = sparse_steps(base, root / "a", 3, fraction=0.01, seed=1)
-    dense, _ = sparse_steps(fulls[3], root / "b", 1, fraction=1.0, seed=2)
-    rest, _ = sparse_steps(dense[1], root / "c", TRAINED - 4, fraction=0.01, seed=3)
+    fulls, _ = sparse_steps(base, root / "a", DENSE - 1, fraction=0.01, seed=1)
+    dense, _ = sparse_steps(fulls[-1], root / "b", 1, fraction=1.0, seed=2)
+    rest, _ = sparse_steps(dense[1], root / "c", TRAINED - DENSE, fraction=0.01, seed=3)
     return [*fulls, dense[1], *rest[1:]]
 
 
@@ -89,81 +90,108 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
 
     # 2. The rebuild after serving fails (a file size limit: the small patch fits, the rebuilt
     # shards do not): the engine serves step-002 all the same, the failure is reported.
-    assert r.loader is not None
-    pid = r.loader.pid
-    r.loader.send_signal(signal.SIGSTOP)
-    try:
-        delta = trainer.publish(2)
-        biggest_download = max(p.stat().st_size for p in delta.iterdir())
-        biggest_shard = max(p.stat().st_size for p in steps[2].iterdir())
-        limit = biggest_shard // 2
-        assert 4 * biggest_download < limit
-        _, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
-        resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit, hard))
-    finally:
-        r.loader.send_signal(signal.SIGCONT)
-
-    def rebuild_failed() -> dict[str, Any] | None:
-        s = r.status()
-        failed = [e for e in s["events"] if e["reason"] == "RebuildFailed"]
-        return s if failed and s["state"] == "idle" else None
-
-    failed = wait_for("the rebuild failure reported", rebuild_failed, 120)
-    assert failed["identity"] == "step-002" and failed["last_load"]["method"] == "sparse"
-    assert "File too large" in failed["last_error"] and "step-002" in failed["last_error"]
+    failed = _publish_with_a_rebuild_failing(r, trainer, steps, 2)
+    assert failed["last_load"]["method"] == "sparse"
+    assert "File too large" in failed["last_error"]
     assert _metric(r.metrics(), 'hotload_loader_failures_total{stage="rebuild"}') == 1
     assert _tokens(r) == ("tiny@step-002", greedy_token_ids(steps[2], PROMPT_IDS, 8))
     assert _current(r) == "snapshots/step-001"  # restarts boot what the volume verified
     assert not (r.weights / "snapshots" / "step-002").exists()
 
     # 3. Room again. The next delta's parent is not on the volume: a full load.
-    resource.prlimit(pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, hard))
+    _lift_the_limit(r)
     trainer.publish(3)
     status = r.wait_serving("step-003")
     assert status["last_load"]["method"] == "full"
     assert status["last_load"]["sparse_fallback"] == "parent_not_on_volume"
     assert _current(r) == "snapshots/step-003"
+
+    # 4. Once more, and the loader restarts: it rebuilds step-004 on the volume, finds the
+    # engine serving it, and moves `current` forward without loading anything.
+    _publish_with_a_rebuild_failing(r, trainer, steps, 4)
+    loads = http_json("GET", r.full_api_url + "/hotload/v1/status")[1]["loads"]
+    r.kill_loader()
+    r.start_loader()
+    wait_for("step-004 on the volume", lambda: _current(r) == "snapshots/step-004", 120)
+    assert r.wait_serving("step-004")["reason"] == "Current"
+    assert http_json("GET", r.full_api_url + "/hotload/v1/status")[1]["loads"] == loads
     full_sums = _served_checksums(r)
 
-    # 4. A delta that changes most elements: too dense for a patch, loaded in full.
-    trainer.publish(4)
-    status = r.wait_serving("step-004")
+    # 5. A delta that changes most elements: too dense for a patch, loaded in full.
+    trainer.publish(DENSE)
+    status = r.wait_serving("step-005")
     assert (status["last_load"]["method"], status["last_load"]["sparse_fallback"]) == (
         "full",
         "too_dense",
     )
     assert _metric(r.metrics(), 'hotload_loader_sparse_fallbacks_total{reason="too_dense"}') == 1
 
-    # 5. A delta corrupted in the bucket: the patch is refused, so is the full path; the engine
-    # keeps step-004, unchanged.
+    # 6. A delta corrupted in the bucket: the patch is refused, so is the full path; the engine
+    # keeps step-005, unchanged.
     before = _served_checksums(r)
     assert before != full_sums
     r.pause_loader()
     try:
-        folder = trainer.publish(5)
+        folder = trainer.publish(6)
         bad = max((p for p in folder.iterdir() if p.name.startswith("model-")), key=_size)
         blob = bytearray(bad.read_bytes())
         blob[len(blob) // 2] ^= 0xFF
-        open_bucket(url).put(f"step-005/{bad.name}", bytes(blob))
+        open_bucket(url).put(f"step-006/{bad.name}", bytes(blob))
     finally:
         r.resume_loader()
     failed = wait_for(
         "the corrupted delta reported", lambda: (s := r.status())["state"] == "failed" and s, 120
     )
-    assert failed["identity"] == "step-004" and "step-005" in failed["last_error"]
+    assert failed["identity"] == "step-005" and "step-006" in failed["last_error"]
     metrics = r.metrics()
     assert (
         _metric(metrics, 'hotload_loader_sparse_fallbacks_total{reason="delta_not_verified"}') == 1
     )
     assert _metric(metrics, "hotload_loader_checksum_failures_total") >= 2
     assert _served_checksums(r) == before
-    assert _tokens(r)[0] == "tiny@step-004"
+    assert _tokens(r)[0] == "tiny@step-005"
 
-    # 6. The next good delta is published against step-005, which never served: the chain
-    # heals through the full path (the bucket's step-005 is still corrupt, so a full snapshot).
-    trainer.publish(6, full=True)
-    assert r.wait_serving("step-006")["last_load"]["method"] == "full"
-    assert _tokens(r) == ("tiny@step-006", greedy_token_ids(steps[6], PROMPT_IDS, 8))
+    # 7. The next step is published as a full snapshot (its delta's parent never served): the
+    # fleet heals through the full path.
+    trainer.publish(7, full=True)
+    assert r.wait_serving("step-007")["last_load"]["method"] == "full"
+    assert _tokens(r) == ("tiny@step-007", greedy_token_ids(steps[7], PROMPT_IDS, 8))
+
+
+def _publish_with_a_rebuild_failing(
+    r: Replica, trainer: Trainer, steps: list[Path], step: int
+) -> dict[str, Any]:
+    """Publish `step` while the loader cannot write a file as large as a rebuilt shard (the
+    small patch fits); return the status once the engine serves it and the rebuild failed."""
+    assert r.loader is not None
+    identity = Trainer.identity(step)
+    r.loader.send_signal(signal.SIGSTOP)
+    try:
+        delta = trainer.publish(step)
+        biggest_download = max(p.stat().st_size for p in delta.iterdir())
+        limit = max(p.stat().st_size for p in steps[step].iterdir()) // 2
+        assert 4 * biggest_download < limit
+        _, hard = resource.prlimit(r.loader.pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(r.loader.pid, resource.RLIMIT_FSIZE, (limit, hard))
+    finally:
+        r.loader.send_signal(signal.SIGCONT)
+
+    def rebuild_failed() -> dict[str, Any] | None:
+        s = r.status()
+        failed = [
+            e for e in s["events"] if e["reason"] == "RebuildFailed" and identity in e["message"]
+        ]
+        return s if failed and s["state"] == "idle" else None
+
+    failed: dict[str, Any] = wait_for(f"the rebuild of {identity} failing", rebuild_failed, 120)
+    assert failed["identity"] == identity and identity in failed["last_error"]
+    return failed
+
+
+def _lift_the_limit(r: Replica) -> None:
+    assert r.loader is not None
+    _, hard = resource.prlimit(r.loader.pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(r.loader.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, hard))
 
 
 def _size(p: Path) -> int:

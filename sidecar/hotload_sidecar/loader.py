@@ -336,13 +336,17 @@ class Loader:
             log.warning("cannot ask the engine what it serves: %s", err)
             served = None
         want = self.weights.current()
+        entry = self.document.find(want) if self.document is not None and want else None
+        got = self.document.find(served.identity) if self.document and served else None
+        if got and entry and got.sequence > entry.sequence and self.weights.has(got.identity):
+            # A sparse load served it before its copy on the volume was done (or could be
+            # made): now the volume holds it verified, so `current` catches up, never back.
+            self.weights.switch(got.identity)
+            want = got.identity
         if served is not None and served.identity == want:
             await self._served(served, None)
             return
-        if want is None:
-            return
-        entry = self.document.find(want) if self.document is not None else None
-        if entry is None:
+        if want is None or entry is None:
             return
         # The engine serves something else (booted before a switch, or restarted its own
         # weights): load what `current` names, the snapshot this loader last confirmed.
