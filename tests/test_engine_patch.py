@@ -46,7 +46,13 @@ def _chain(root: Path, ckpt: str, steps: int = 2) -> tuple[list[Path], list[Path
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("ckpt", "dtype"),
-    [("BF16", "bfloat16"), ("F16", "float16"), ("F32", "float32"), ("BF16", "float32")],
+    [
+        ("BF16", "bfloat16"),
+        ("F16", "float16"),
+        ("F32", "float32"),
+        ("BF16", "float32"),
+        ("F16", "float32"),
+    ],
 )
 async def test_patches_give_the_weights_a_full_load_gives(
     tmp_path: Path, ckpt: str, dtype: str
