@@ -40,18 +40,13 @@ from support.tiny_llm import TOKENIZER_FILES, llama_config, tokenizer_dir
 HERE = Path(__file__).resolve().parent
 
 
-def build_model(work: Path, scale: float) -> tuple[list[Path], int, int]:
-    """Write steps 0..2 of a ~1 GiB (at scale 1) bf16 Llama; return folders, bytes, largest shard."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from hotload.snapshot import write_snapshot
-
-    layers = max(1, round(16 * scale))
+def model_config(work: Path, scale: float) -> tuple[Any, Path]:
+    """The Llama config of a ~1 GiB (at scale 1, in bf16) model, and a folder holding it and the
+    tokenizer files (what a snapshot copies beside its weights)."""
     config = llama_config(
         hidden_size=1536,
         intermediate_size=4096,
-        num_hidden_layers=layers,
+        num_hidden_layers=max(1, round(16 * scale)),
         num_attention_heads=12,
         num_key_value_heads=4,
     )
@@ -61,6 +56,17 @@ def build_model(work: Path, scale: float) -> tuple[list[Path], int, int]:
     for name in TOKENIZER_FILES:
         if (tokenizer_dir() / name).is_file():
             shutil.copyfile(tokenizer_dir() / name, side / name)
+    return config, side
+
+
+def build_model(work: Path, scale: float) -> tuple[list[Path], int, int]:
+    """Write steps 0..2 of a ~1 GiB (at scale 1) bf16 Llama; return folders, bytes, largest shard."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hotload.snapshot import write_snapshot
+
+    config, side = model_config(work, scale)
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = LlamaForCausalLM(config)
@@ -95,6 +101,12 @@ def publish(ledger: Ledger, folder: Path, identity: str) -> float:
     upload_snapshot(
         folder, ledger.bucket, identity, files=desc.files, manifest_files=desc.manifest_files
     )
+    return append(ledger, folder, identity)
+
+
+def append(ledger: Ledger, folder: Path, identity: str) -> float:
+    """Append the uploaded snapshot `folder` to the ledger; return when the append returned."""
+    desc = describe_snapshot(folder)
     ledger.append(
         NewEntry(
             identity=identity,

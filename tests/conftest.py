@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from support.fleet import Replica
 from support.seaweedfs import INSTALL_HINT, SeaweedFS, find_weed
 
 pytest_plugins = ["support.kubeapi"]
@@ -41,3 +43,19 @@ def bucket_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return str(tmp_path / "bucket")
     server: SeaweedFS = request.getfixturevalue("s3_env")
     return server.url(f"t-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    """The environment of replica processes (`support.fleet`)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def replicas() -> Iterator[list[Replica]]:
+    """Replicas a test starts; all stopped afterwards (their logs shown if the test failed)."""
+    started: list[Replica] = []
+    yield started
+    for r in started:
+        print(f"--- {r.name} ---\n{r.logs()}")
+        r.stop()

@@ -32,6 +32,7 @@ NEEDS_AN_EXTRA = {
     "hotload.engine.staging",
     "hotload.engine.lora",
     "hotload.engine.model",
+    "hotload.engine.patching",
     "hotload.engine.scheduler",
     "hotload.engine.server",
     "hotload.router.envoy",

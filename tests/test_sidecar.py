@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -47,21 +47,6 @@ PROMPT_IDS = [101, 1996, 7570, 2001, 2019, 2214, 102]
 def tiny10(tmp_path_factory: pytest.TempPathFactory) -> TinyLLM:
     """Eleven snapshots of one tiny Llama: s0 and ten training steps after it."""
     return build_tiny_llm(tmp_path_factory.mktemp("tiny10"), 10, noise=0.01)
-
-
-@pytest.fixture
-def env() -> dict[str, str]:
-    """The environment of the replicas' processes."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-
-
-@pytest.fixture
-def replicas() -> Iterator[list[Replica]]:
-    """Replicas a test starts; all stopped afterwards (their logs shown if the test failed)."""
-    started: list[Replica] = []
-    yield started
-    for r in started:
-        r.stop()
 
 
 def _tokens(replica: Replica, max_tokens: int = 8) -> tuple[str, list[int]]:

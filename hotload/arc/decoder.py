@@ -45,7 +45,7 @@ from hotload.snapshot.safetensors_io import SafetensorsFile
 
 
 @dataclass
-class _ChunkResult:
+class ChunkResult:
     """One decoded chunk: parent checksum, rebuilt checksum (None on error), changed count."""
 
     base: int
@@ -104,7 +104,7 @@ def decode_shard(
                 prev_fd = os.open(previous, os.O_RDONLY)
             data_start = 8 + len(target_raw)
 
-            def run(item: ChunkTask) -> _ChunkResult:
+            def run(item: ChunkTask) -> ChunkResult:
                 # One task per chunk does all of its work (parent checksum, CRC, decode, write),
                 # so no stage waits for the slowest chunk of another stage.
                 info, s, e, meta = item
@@ -135,18 +135,7 @@ def decode_shard(
                     pwrite_all(out_fd, old, out_off)  # the changed elements go over it
                     write_to = (out_fd, out_off)
                 try:
-                    begin = header.payload_offset + meta["offset"]
-                    data = memoryview(delta_map)[begin : begin + meta["length"]]
-                    # A CRC over the stored bytes catches what adler32 of the result cannot: a
-                    # flipped gap moves every later position, which keeps the bytes' sums.
-                    want_crc = parse_checksum(meta.get("crc32"), shard=shard, tensor=info.name)
-                    if crc32(data) != want_crc:
-                        raise CorruptDeltaError(
-                            f"elements {s}..{e}: stored bytes fail their CRC-32 "
-                            "(corrupted payload)",
-                            shard=shard,
-                            tensor=info.name,
-                        )
+                    data = stored_chunk(delta_map, header.payload_offset, item, shard)
                     what = f"{shard}: tensor {info.name!r}: elements {s}..{e}"
                     if buf is None and encoding != ck.SAME and write_to is None:
                         buf = scratch("chunk", e - s, udtype)
@@ -158,7 +147,7 @@ def decode_shard(
                     # is raised only after every parent checksum was compared (wrong parent first).
                     exc.shard, exc.tensor = exc.shard or shard, exc.tensor or info.name
                     parent_sum = base if base is not None else adler32(old)
-                    return _ChunkResult(parent_sum, None, 0, exc)
+                    return ChunkResult(parent_sum, None, 0, exc)
                 if out_fd is not None and not res.written:
                     if res.dense is not None:
                         pwrite_all(out_fd, res.dense, out_off)
@@ -173,10 +162,10 @@ def decode_shard(
                         )
                 if progress:
                     progress((e - s) * width)
-                return _ChunkResult(res.base_checksum, res.target_checksum, res.changed, None)
+                return ChunkResult(res.base_checksum, res.target_checksum, res.changed, None)
 
             results = list(pool.map(run, plan))
-            _check_sums(checked.entries, plan, results, stats, shard)
+            check_sums(checked.entries, plan, results, stats, shard)
             if tmp is not None and out is not None:
                 if link:
                     stats.hardlinked = link_or_copy(previous, tmp)
@@ -199,17 +188,38 @@ def decode_shard(
     return stats
 
 
-# --- snapshot folders -------------------------------------------------------------------------
+def stored_chunk(
+    delta_map: mmap.mmap, payload_offset: int, item: ChunkTask, shard: str
+) -> memoryview:
+    """The stored bytes of chunk `item` in a delta shard's map, after their CRC-32 matched."""
+    info, s, e, meta = item
+    begin = payload_offset + meta["offset"]
+    data = memoryview(delta_map)[begin : begin + meta["length"]]
+    # A CRC over the stored bytes catches what adler32 of the result cannot: a flipped gap
+    # moves every later position, which keeps the bytes' sums.
+    want = parse_checksum(meta.get("crc32"), shard=shard, tensor=info.name)
+    if crc32(data) != want:
+        raise CorruptDeltaError(
+            f"elements {s}..{e}: stored bytes fail their CRC-32 (corrupted payload)",
+            shard=shard,
+            tensor=info.name,
+        )
+    return data
 
 
-def _check_sums(
+# --- verification ---------------------------------------------------------------------------------
+
+
+def check_sums(
     entries: list[Any],
     plan: list[ChunkTask],
-    results: list[_ChunkResult],
+    results: list[ChunkResult],
     stats: ShardStats,
     shard: str,
 ) -> None:
-    """Count what the chunks did into `stats`, then compare every tensor's checksums."""
+    """Count what the chunks did into `stats`, then compare every tensor's checksums: every
+    parent's first (`WrongParentError`), then any chunk's error, then every result's
+    (`ChecksumMismatchError`). Shared with `patch`, which verifies a delta the same way."""
     parent_parts: dict[str, list[tuple[int, int]]] = {}
     per_tensor: dict[str, list[tuple[int, int]]] = {}
     for (info, s, e, meta), res in zip(plan, results, strict=True):

@@ -12,6 +12,10 @@ HTTP API
     POST /hotload/v1/load         {"path", "identity", "sequence", "mode": "async"|"sync",
                                   "cache_policy": "all"|"none"|"new_session"} -> 200
                                   {"identity", "sequence", "load_seconds", "pause_seconds", ...}
+    POST /hotload/v1/patch        the load body plus "parent", with a patch file as "path": a
+                                  delta's changes written into the served weights in place
+                                  (docs/engines.md, "Sparse hot loads")
+    GET  /hotload/v1/checksums    {"checksums": {name: sha256 of the weight as held}, ...}
     GET  /hotload/v1/status       model, identity, sequence, loading, loads, last_load_seconds,
                                   last_error, plus ready, running, queued, numerics, prefix_cache
     GET  /health, GET /ready, GET /metrics

@@ -7,7 +7,9 @@ the scheduler's worker thread, the metrics and the load state machine:
          --> swap at a pause point --> idle (new identity)     any failure --> idle (old identity)
 
 Staging (verify, check, read) runs in a thread while generation continues; only the swap itself
-touches the model, on the worker thread, between two decode steps.
+touches the model, on the worker thread, between two decode steps. A patch (`POST patch`, a
+delta's changes to the snapshot served) goes through the same states: staging checks it against
+the served weights (`patching`), the swap writes the changed elements in place.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from hotload._extras import needs_extra
+from hotload.engine.config import EngineConfig
 from hotload.engine.metrics import EngineMetrics
 from hotload.engine.protocol import (
     RETRY_AFTER_SECONDS,
@@ -39,7 +41,8 @@ from hotload.snapshot.layout import validate_identity
 with needs_extra("engine", "hotload's reference engine"):
     from hotload.engine.batch import KVCache
     from hotload.engine.lora import stage_adapter
-    from hotload.engine.model import ModelRunner, Numerics
+    from hotload.engine.model import ModelRunner, StagedWeights
+    from hotload.engine.patching import StagedPatch, stage_patch, weight_checksums
     from hotload.engine.scheduler import (
         AdapterOrder,
         ErrorEvent,
@@ -52,33 +55,8 @@ with needs_extra("engine", "hotload's reference engine"):
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How to start an engine (the `hotload serve` options)."""
-
-    model_path: Path
-    name: str = "model"
-    identity: str | None = None  # default: the model folder's name
-    sequence: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_batch: int = 8
-    numerics: Numerics = "auto"
-    session_max: int = 1024
-    session_tokens: int = 1 << 18
-    #: LoRA adapters loaded at once (`POST /v1/load_lora_adapter`); 0 refuses adapters.
-    max_adapters: int = 8
-    # Niceness of the thread that stages a hot load: generation keeps the CPU while the old
-    # weights serve, and staging takes what is left (0: same priority as generation).
-    stage_nice: int = 10
-
-    @property
-    def initial_identity(self) -> str:
-        """The identity of the snapshot the engine starts with."""
-        return self.identity or Path(self.model_path).resolve().name
+#: What a hot load stages: a whole snapshot, or a patch of the served one.
+Staged = TypeVar("Staged", "StagedWeights", "StagedPatch")
 
 
 class GenerationStream:
@@ -393,8 +371,56 @@ class Engine:
 
     async def load(self, req: LoadRequest) -> dict[str, Any]:
         """Stage and swap in `req`'s snapshot; on failure raise `ApiError` (old weights serve)."""
-        scheduler, runner = self.scheduler, self.runner
-        if self.loading or scheduler is None or runner is None:
+        runner = self._idle_runner()
+        staged = await self._swap_in(req, lambda: runner.stage(req.path))
+        return {**self._loaded(req), "stage_seconds": staged.seconds}
+
+    async def patch(self, req: LoadRequest) -> dict[str, Any]:
+        """Write the patch file `req.path` (made from a delta of the snapshot served now,
+        `req.parent`) into the served weights in place and serve `req.identity`; on failure
+        raise `ApiError` (the old weights serve, none of them changed)."""
+        runner = self._idle_runner()
+        served = self.served
+        if served is None or served.identity != req.parent:
+            raise ApiError(
+                409,
+                "parent_not_served",
+                f"the patch applies to {req.parent}, but this engine serves "
+                f"{served.identity if served else 'nothing yet'}: load the full snapshot",
+            )
+        assert req.parent is not None
+        parent = req.parent
+        staged = await self._swap_in(
+            req, lambda: stage_patch(runner, req.path, identity=req.identity, parent=parent)
+        )
+        return {
+            **self._loaded(req),
+            "stage_seconds": staged.seconds,
+            "patched_elements": staged.changed,
+            "patch_bytes": staged.nbytes,
+        }
+
+    async def weight_checksums(self) -> dict[str, Any]:
+        """sha256 of every weight as the engine holds it, read between two decode steps."""
+        scheduler = self.scheduler
+        if scheduler is None or self.runner is None:
+            raise ApiError(503, "not_ready", "the engine is still loading its initial weights")
+        runner = self.runner
+        digests = await asyncio.wrap_future(
+            scheduler.between_steps(lambda: weight_checksums(runner))
+        )
+        served = scheduler.served
+        return {
+            "identity": served.identity,
+            "sequence": served.sequence,
+            "dtype": self.config.dtype,
+            "algorithm": "sha256",
+            "checksums": digests,
+        }
+
+    def _idle_runner(self) -> ModelRunner:
+        """The runner, when no load is under way (else 409)."""
+        if self.loading or self.scheduler is None or self.runner is None:
             what = self.loading_identity or "the initial weights"
             raise ApiError(
                 409,
@@ -402,15 +428,21 @@ class Engine:
                 f"a load of {what} is in progress; retry after it finishes",
                 headers={"Retry-After": RETRY_AFTER_SECONDS},
             )
+        return self.runner
+
+    async def _swap_in(self, req: LoadRequest, stage: Callable[[], Staged]) -> Staged:
+        """Stage in a thread (old weights serve), then swap at a pause point (SYNC: once
+        drained); record the outcome. Any failure is an `ApiError` and changes nothing."""
+        scheduler = self.scheduler
+        assert scheduler is not None
         self.loading = True
         self.loading_identity = req.identity
         started = time.perf_counter()
         target = ServedSnapshot(req.identity, req.sequence)
+        what = "patch" if req.parent is not None else "load"
         try:
             try:
-                staged = await run_in_thread(
-                    lambda: runner.stage(req.path), nice=self.config.stage_nice
-                )
+                staged = await run_in_thread(stage, nice=self.config.stage_nice)
             except Exception as exc:
                 raise load_error(exc) from exc
             staged_at = time.perf_counter()
@@ -428,7 +460,7 @@ class Engine:
         except ApiError as err:
             self.last_error = f"{req.path}: {err.type}: {err.message}"
             self.metrics.load_failures.labels(err.type).inc()
-            log.warning("load of %s failed (%s): %s", req.identity, err.type, err.message)
+            log.warning("%s of %s failed (%s): %s", what, req.identity, err.type, err.message)
             raise
         finally:
             self.loading = False
@@ -440,20 +472,23 @@ class Engine:
         self.metrics.load_seconds.observe(self.last_load_seconds)
         self.metrics.swap_pause.observe(pause)
         log.info(
-            "now serving %s (sequence %d): %s swap, load %.3fs, pause %.4fs, cache policy %s",
+            "now serving %s (sequence %d): %s %s, load %.3fs, pause %.4fs, cache policy %s",
             req.identity,
             req.sequence,
             req.mode,
+            what,
             self.last_load_seconds,
             pause,
             req.cache_policy,
         )
+        return staged
+
+    def _loaded(self, req: LoadRequest) -> dict[str, Any]:
         return {
             "identity": req.identity,
             "sequence": req.sequence,
             "load_seconds": self.last_load_seconds,
-            "pause_seconds": pause,
-            "stage_seconds": staged.seconds,
+            "pause_seconds": self.last_pause_seconds,
             "mode": req.mode,
             "cache_policy": req.cache_policy,
         }

@@ -179,13 +179,14 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class LoadRequest:
-    """A parsed `POST /hotload/v1/load` body."""
+    """A parsed `POST /hotload/v1/load` body, or `/hotload/v1/patch` (which names `parent`)."""
 
     path: str
     identity: str
     sequence: int
     mode: TransitionMode = "async"
     cache_policy: CachePolicy = "all"
+    parent: str | None = None
 
 
 # --- parsing helpers ---------------------------------------------------------------------------
@@ -404,17 +405,27 @@ def parse_generation_request(
     )
 
 
-def parse_load_request(body: object) -> LoadRequest:
-    """Validate a `POST /hotload/v1/load` body; errors name the field (400)."""
+def parse_load_request(body: object, *, patch: bool = False) -> LoadRequest:
+    """Validate a `POST /hotload/v1/load` body, or with `patch` a `/hotload/v1/patch` body (a
+    patch file and the `parent` it applies to); errors name the field (400)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     path = body.get("path")
     if not isinstance(path, str) or not path:
-        raise bad_request("path must be a non-empty string (a snapshot folder)", "path")
+        what = "a patch file" if patch else "a snapshot folder"
+        raise bad_request(f"path must be a non-empty string ({what})", "path")
     try:
         identity = validate_identity(body.get("identity"))
     except HotloadError as exc:
         raise bad_request(str(exc), "identity") from None
+    parent = None
+    if patch:
+        try:
+            parent = validate_identity(body.get("parent"))
+        except HotloadError as exc:
+            raise bad_request(
+                f"parent (the snapshot the patch applies to): {exc}", "parent"
+            ) from None
     sequence = _int(body, "sequence", minimum=0)
     if sequence is None:
         raise bad_request("sequence is required (the snapshot's ledger sequence)", "sequence")
@@ -427,7 +438,12 @@ def parse_load_request(body: object) -> LoadRequest:
             f"cache_policy must be one of {', '.join(CACHE_POLICIES)}", "cache_policy"
         )
     return LoadRequest(
-        path=path, identity=identity, sequence=sequence, mode=mode, cache_policy=policy
+        path=path,
+        identity=identity,
+        sequence=sequence,
+        mode=mode,
+        cache_policy=policy,
+        parent=parent,
     )
 
 

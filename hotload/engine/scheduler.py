@@ -36,6 +36,7 @@ from hotload.engine.batch import BatchKV, KVCache
 from hotload.engine.lora import StagedAdapter
 from hotload.engine.metrics import EngineMetrics
 from hotload.engine.model import ModelRunner, StagedWeights
+from hotload.engine.patching import StagedPatch, apply_patch
 from hotload.engine.protocol import (
     ApiError,
     CachePolicy,
@@ -113,13 +114,22 @@ class _Row:
 
 @dataclass(eq=False)
 class SwapOrder:
-    """A staged snapshot to swap in at the next pause point (ASYNC) or once drained (SYNC)."""
+    """A staged snapshot (whole, or a patch of the served one) to swap in at the next pause
+    point (ASYNC) or once drained (SYNC)."""
 
-    staged: StagedWeights
+    staged: StagedWeights | StagedPatch
     target: ServedSnapshot
     mode: TransitionMode
     policy: CachePolicy
     future: concurrent.futures.Future[float] = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(eq=False)
+class CallOrder:
+    """A function run on the worker between two decode steps (a consistent view of the weights)."""
+
+    fn: Callable[[], object]
+    future: concurrent.futures.Future[object] = field(default_factory=concurrent.futures.Future)
 
 
 @dataclass(eq=False)
@@ -155,7 +165,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
         self._orders: collections.deque[SwapOrder] = collections.deque()
-        self._adapter_orders: collections.deque[AdapterOrder] = collections.deque()
+        self._adapter_orders: collections.deque[AdapterOrder | CallOrder] = collections.deque()
         #: Adapters unloaded while running rows still use them: removed once those finish.
         self._retiring: set[str] = set()
         self._rows: list[_Row] = []
@@ -221,6 +231,14 @@ class Scheduler:
             self._cond.notify_all()
         return order.future
 
+    def between_steps(self, fn: Callable[[], object]) -> concurrent.futures.Future[object]:
+        """Run `fn` on the worker between two decode steps (no swap can be under way then)."""
+        order = CallOrder(fn)
+        with self._cond:
+            self._adapter_orders.append(order)
+            self._cond.notify_all()
+        return order.future
+
     def has_adapter(self, name: str) -> bool:
         """Whether requests may name adapter `name` now."""
         return name in self.runner.lora.adapters and name not in self._retiring
@@ -275,7 +293,13 @@ class Scheduler:
                 self.metrics.running.set(len(self._rows))
                 self.metrics.queued.set(len(self._pending))
 
-    def _apply_adapter_order(self, order: AdapterOrder) -> None:
+    def _apply_adapter_order(self, order: AdapterOrder | CallOrder) -> None:
+        if isinstance(order, CallOrder):
+            try:
+                order.future.set_result(order.fn())
+            except Exception as exc:
+                order.future.set_exception(exc)
+            return
         try:
             if order.install is not None:
                 self._retiring.discard(order.install.name)
@@ -429,8 +453,11 @@ class Scheduler:
     def _swap(self, order: SwapOrder) -> None:
         started = time.perf_counter()
         try:
-            self.runner.apply(order.staged)
-        except Exception as exc:  # apply rolled back: the old weights still serve
+            if isinstance(order.staged, StagedPatch):
+                apply_patch(order.staged)
+            else:
+                self.runner.apply(order.staged)
+        except Exception as exc:  # both roll back: the old weights still serve
             order.future.set_exception(exc)
             return
         self._served = order.target

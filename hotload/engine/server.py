@@ -5,7 +5,9 @@ Routes:
     POST /v1/completions             OpenAI completions (SSE with "stream": true)
     POST /v1/chat/completions        OpenAI chat completions (SSE with "stream": true)
     POST /hotload/v1/load            hot-load a snapshot folder (ASYNC or SYNC)
+    POST /hotload/v1/patch           write a patch of the served snapshot in place (same modes)
     GET  /hotload/v1/status          served snapshot, load state, prefix-cache counters
+    GET  /hotload/v1/checksums       sha256 of every weight as held (bit-exactness checks)
     GET  /health                     200 while the process is alive
     GET  /ready                      200 when weights are loaded and no SYNC swap blocks
     GET  /metrics                    Prometheus text format
@@ -271,6 +273,16 @@ async def _load(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
+async def _patch(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    req = parse_load_request(await _body(request), patch=True)
+    return web.json_response(await engine.patch(req))
+
+
+async def _checksums(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[ENGINE].weight_checksums())
+
+
 async def _status(request: web.Request) -> web.Response:
     return web.json_response(request.app[ENGINE].status())
 
@@ -302,6 +314,8 @@ _ROUTES: list[tuple[str, str, Handler]] = [
     ("POST", "/v1/completions", _completions),
     ("POST", "/v1/chat/completions", _chat),
     ("POST", "/hotload/v1/load", _load),
+    ("POST", "/hotload/v1/patch", _patch),
+    ("GET", "/hotload/v1/checksums", _checksums),
     ("POST", "/v1/load_lora_adapter", _load_lora),
     ("POST", "/v1/unload_lora_adapter", _unload_lora),
     ("GET", "/hotload/v1/status", _status),

@@ -13,7 +13,13 @@ from typing import Any, TypeVar
 
 from hotload.engine.model import WeightsMismatchError
 from hotload.engine.protocol import ApiError
-from hotload.errors import ChecksumMismatchError, HotloadError, SnapshotValidationError
+from hotload.errors import (
+    ChecksumMismatchError,
+    CorruptDeltaError,
+    HotloadError,
+    SnapshotValidationError,
+    WrongParentError,
+)
 
 T = TypeVar("T")
 
@@ -52,13 +58,18 @@ async def run_in_thread(fn: Callable[[], T], *, nice: int = 0, name: str = "hotl
 
 
 def load_error(exc: BaseException) -> ApiError:
-    """Map a staging failure to the hot-load API's error (422 unusable snapshot, else 500)."""
+    """Map a staging failure to the hot-load API's error (422 unusable snapshot or patch, else
+    500)."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, WeightsMismatchError):
         return ApiError(422, "weights_mismatch", str(exc))
     if isinstance(exc, ChecksumMismatchError):
         return ApiError(422, "checksum_mismatch", str(exc))
+    if isinstance(exc, WrongParentError):  # a patch whose parent is not what the engine holds
+        return ApiError(422, "parent_mismatch", str(exc))
+    if isinstance(exc, CorruptDeltaError):  # a damaged patch file
+        return ApiError(422, "patch_corrupt", str(exc))
     if isinstance(exc, SnapshotValidationError):
         return ApiError(422, "snapshot_invalid", str(exc))
     if isinstance(exc, HotloadError):

@@ -52,6 +52,7 @@ class Settings:
     engine_wait_seconds: float = 900.0
     retry_seconds: float = 30.0
     hint_ttl_seconds: float = 600.0
+    sparse_max_changed: float = 0.1
     load_timeout_seconds: float = 900.0
     log_level: str = "info"
     log_format: str = "text"
@@ -186,6 +187,15 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
         "hint not rewritten for this long; 0 turns early fetch off",
     ),
     (
+        "--sparse-max-changed",
+        "HOTLOAD_SPARSE_MAX_CHANGED",
+        float,
+        0.1,
+        "sparse hot loads: a delta of the snapshot the engine serves is written into it in "
+        "place when it changes at most this fraction of the elements (else the full snapshot "
+        "is loaded); 0 turns sparse loads off",
+    ),
+    (
         "--load-timeout-seconds",
         "HOTLOAD_LOAD_TIMEOUT_SECONDS",
         float,
@@ -297,6 +307,8 @@ def load_settings(
             raise ConfigError(f"--{key.replace('_', '-')}: must be positive")
     if values["hint_ttl_seconds"] < 0:
         raise ConfigError("--hint-ttl-seconds: must be 0 (off) or positive")
+    if not 0 <= values["sparse_max_changed"] <= 1:
+        raise ConfigError("--sparse-max-changed: must be in [0, 1] (0 turns sparse loads off)")
     if not 0 <= values["poll_jitter"] < 1:
         raise ConfigError("--poll-jitter: must be in [0, 1)")
     _host, sep, port = values["listen"].rpartition(":")

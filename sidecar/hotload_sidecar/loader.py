@@ -8,6 +8,10 @@ A pinned loader (`--pin`, or a pin object the operator maintains in the bucket) 
 pinned snapshot instead: it still polls the ledger, so it notices when the pin's chain leaves
 the retained history, but never moves past the pin; unpinned, it follows the head again.
 
+A delta of the snapshot the engine serves goes to the engine as a sparse patch when it can
+(`SparseLoads`): only the changed elements are written, and the full snapshot is rebuilt on the
+volume after the engine serves it.
+
 One `Loader` per replica. It owns the weights folder, talks to the engine only through an
 `EngineAdapter` and publishes a `ReplicaStatus` through a `Reporter` after every change. A
 failure never takes the served weights away: the engine keeps what it serves, `current` keeps
@@ -19,10 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from hotload.errors import (
@@ -44,29 +46,24 @@ from hotload.ledger import (
 )
 from hotload.ledger.fields import format_time, utc_now
 from hotload_sidecar.adapters import AdapterSync
+from hotload_sidecar.board import StatusBoard
 from hotload_sidecar.cache_policy import move_cache_policy
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadRequest, ServedSnapshot
-from hotload_sidecar.materialize import BuildResult, MaterializeError, Materializer
+from hotload_sidecar.materialize import MaterializeError, Materializer
 from hotload_sidecar.metrics import LoaderMetrics
+from hotload_sidecar.pacing import Backoff, jittered, sleep_or_stop
 from hotload_sidecar.prefetch import Prefetcher
+from hotload_sidecar.sparse import SparseLoads
 from hotload_sidecar.status import (
     REASON_ENGINE_DOWN,
     LoadTimings,
     ReplicaStatus,
     Reporter,
-    condition,
 )
 from hotload_sidecar.weights import WeightsFolder
 
 log = logging.getLogger("hotload_sidecar.loader")
-
-
-@dataclass
-class _Retry:
-    identity: str
-    not_before: float
-    delay: float
 
 
 class Loader:
@@ -107,7 +104,7 @@ class Loader:
             prefetch=settings.prefetch,
             threads=settings.threads,
             progress=self.metrics.bytes_fetched.inc,
-            prebuilt=self._prebuilt if self.prefetcher is not None else None,
+            prebuilt=self.prefetcher.prebuilt if self.prefetcher is not None else None,
         )
         #: LoRA adapters beside the base weights (None when `--max-adapters 0`).
         self.adapters = (
@@ -123,30 +120,48 @@ class Loader:
             if settings.max_adapters > 0
             else None
         )
-        self.status = ReplicaStatus()
+        #: Deltas of the served snapshot written into the engine in place (None: off, or an
+        #: engine that cannot take them).
+        self.sparse = (
+            SparseLoads(
+                ledger.bucket,
+                self.weights,
+                adapter,
+                max_changed=settings.sparse_max_changed,
+                threads=settings.threads,
+                progress=self.metrics.bytes_fetched.inc,
+            )
+            if settings.sparse_max_changed > 0 and adapter.sparse_loads
+            else None
+        )
+        self.board = StatusBoard(reporter, self.metrics)
         #: Set once `current` points at a verified snapshot (the /startup endpoint).
         self.started = asyncio.Event()
         self.document: LedgerDocument | None = None
         self._etag: str | None = None
-        self._retry: _Retry | None = None
-        self._engine_live = True
+        self.backoff = Backoff(settings.retry_seconds)
         #: The pinned identity (None: follow the head), from --pin or the polled pin object.
         self.pin: str | None = settings.pin
         self._pin_state: PinState | None = None
         #: Why the pin cannot be served ("" when it can), reported once per change.
         self._pin_problem = ""
 
+    @property
+    def status(self) -> ReplicaStatus:
+        """The replica's status as last published."""
+        return self.board.status
+
     # --- the two phases ----------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
         """Start up, then follow the ledger until `stop` is set."""
         self.weights.prepare()
-        await self._publish()
+        await self.board.publish()
         await self._startup(stop)
         try:
             while not stop.is_set():
                 await self.step()
-                await _sleep_or_stop(stop, self._interval())
+                await sleep_or_stop(stop, self._interval())
         finally:
             if self.prefetcher is not None:
                 await self.prefetcher.close()
@@ -162,10 +177,10 @@ class Loader:
         target = self.target()
         await self._note_pin_problem(target)
         entry = target.entry
-        if not self._engine_live:
+        if not self.board.engine_live:
             return
         moving = entry is not None and entry.identity != self.status.identity
-        if entry is not None and moving and self._may_try(entry.identity):
+        if entry is not None and moving and self.backoff.may_try(entry.identity):
             await self._update(entry)
         await self._sync_adapters()
 
@@ -174,7 +189,7 @@ class Loader:
         if self.adapters is None or self.document is None or self.status.identity is None:
             return
         if await self.adapters.sync(self.document):
-            await self._set(adapters=self.adapters.statuses(self.document))
+            await self.board.set(adapters=self.adapters.statuses(self.document))
 
     def target(self) -> Target:
         """What this replica should serve now: the ledger head, or the pinned entry."""
@@ -192,19 +207,19 @@ class Loader:
                     # the previous run verified.
                     self.started.set()
                     break
-                await _sleep_or_stop(stop, self._interval())
+                await sleep_or_stop(stop, self._interval())
                 continue
             try:
-                await self._set(state="fetching", target=head)
+                await self.board.set(state="fetching", target=head)
                 built = await self.materializer.build(
                     self.document or LedgerDocument(""), head.identity
                 )
             # OSError: a full or failing disk is a failed update to retry, not a dead loop.
             except (MaterializeError, BucketError, LedgerError, OSError) as err:
                 await self._failed("rebuild", err, head)
-                await _sleep_or_stop(stop, self._interval())
+                await sleep_or_stop(stop, self._interval())
                 continue
-            await self._record_build(built)
+            await self.board.record_build(built)
             if self.weights.current() is None or not (await self.adapter.health()).live:
                 # Nothing runs on the old weights yet: the engine boots straight from the head.
                 self.weights.switch(built.identity)
@@ -230,7 +245,7 @@ class Loader:
             if self.status.ledger_reachable:
                 log.warning("ledger %s unreachable: %s", self.ledger.url, err)
                 await self.reporter.event("Warning", "LedgerUnreachable", str(err))
-            await self._set(ledger_reachable=False, message=f"ledger unreachable: {err}")
+            await self.board.set(ledger_reachable=False, message=f"ledger unreachable: {err}")
             return
         now = format_time(utc_now())
         self.metrics.ledger_reachable.set(1)
@@ -256,7 +271,7 @@ class Loader:
         if target.identity is not None:
             changes["target_identity"] = target.identity
             changes["target_sequence"] = target.entry.sequence if target.entry else None
-        await self._set(**changes)
+        await self.board.set(**changes)
 
     async def _poll_pin(self) -> PinState | None:
         """The pin object if it changed since the last poll (None: unchanged or not used)."""
@@ -277,35 +292,21 @@ class Loader:
             log.error("%s", target.problem)
             self.metrics.failures.labels("pin").inc()
             await self.reporter.event("Warning", "PinNotInLedger", target.problem)
-            await self._set(state="failed", message=target.problem, last_error=target.problem)
+            await self.board.set(state="failed", message=target.problem, last_error=target.problem)
         elif previous and self.status.message == previous:
-            await self._set(state="idle", message="")
-
-    async def _prebuilt(self, entry: LedgerEntry) -> Path | None:
-        """The materializer's hook: `entry` rebuilt early from its hint, if it was."""
-        assert self.prefetcher is not None
-        done = await self.prefetcher.take(entry)
-        if done is None:
-            return None
-        log.info(
-            "%s was rebuilt before admission (%.2fs, %d bytes fetched early)",
-            entry.identity,
-            done.seconds,
-            done.bytes_fetched,
-        )
-        return done.path
+            await self.board.set(state="idle", message="")
 
     async def _check_engine(self) -> None:
         health = await self.adapter.health()
-        if health.live == self._engine_live:
+        if health.live == self.board.engine_live:
             return
-        self._engine_live = health.live
+        self.board.engine_live = health.live
         if not health.live:
             if self.adapters is not None:
                 self.adapters.engine_restarted()
             log.warning("engine %s is down: %s", self.adapter.url, health.detail)
             await self.reporter.event("Warning", REASON_ENGINE_DOWN, health.detail)
-            await self._publish()
+            await self.board.publish()
             return
         log.info("engine %s is back", self.adapter.url)
         await self._adopt_engine()
@@ -316,16 +317,16 @@ class Loader:
         while not stop.is_set():
             health = await self.adapter.health()
             if health.ready:
-                self._engine_live = True
+                self.board.engine_live = True
                 return
             if time.monotonic() > deadline and not reported:
                 reported = True
-                self._engine_live = False
+                self.board.engine_live = False
                 await self.reporter.event(
                     "Warning", REASON_ENGINE_DOWN, f"engine not ready: {health.detail}"
                 )
-                await self._publish()
-            await _sleep_or_stop(stop, 1.0)
+                await self.board.publish()
+            await sleep_or_stop(stop, 1.0)
 
     async def _adopt_engine(self) -> None:
         """Learn what the engine serves; if it is not what `current` names, load that."""
@@ -335,13 +336,17 @@ class Loader:
             log.warning("cannot ask the engine what it serves: %s", err)
             served = None
         want = self.weights.current()
+        entry = self.document.find(want) if self.document is not None and want else None
+        got = self.document.find(served.identity) if self.document and served else None
+        if got and entry and got.sequence > entry.sequence and self.weights.has(got.identity):
+            # A sparse load served it before its copy on the volume was done (or could be
+            # made): now the volume holds it verified, so `current` catches up, never back.
+            self.weights.switch(got.identity)
+            want = got.identity
         if served is not None and served.identity == want:
             await self._served(served, None)
             return
-        if want is None:
-            return
-        entry = self.document.find(want) if self.document is not None else None
-        if entry is None:
+        if want is None or entry is None:
             return
         # The engine serves something else (booted before a switch, or restarted its own
         # weights): load what `current` names, the snapshot this loader last confirmed.
@@ -351,28 +356,71 @@ class Loader:
         assert self.document is not None
         started = time.perf_counter()
         document = self.document
-        await self._set(state="fetching", target=target)
+        await self.board.set(state="fetching", target=target)
+        policy = move_cache_policy(document, self.status.identity, target)
+        fallback = ""
+        if self.sparse is not None and self.sparse.applies(target, self.status.identity):
+            fallback = await self._sparse_load(target, policy, started)
+            if not fallback:
+                return
         try:
             built = await self.materializer.build(document, target.identity)
         # OSError: a full or failing disk is a failed update to retry, not a dead loop.
         except (MaterializeError, BucketError, LedgerError, OSError) as err:
             await self._failed("rebuild", err, target)
             return
-        await self._record_build(built)
+        await self.board.record_build(built)
         if built.fallback:
             await self.reporter.event("Warning", "FellBackToFull", built.fallback_reason)
-        policy = move_cache_policy(document, self.status.identity, target)
-        ok = await self._load(target, built.path, policy, built.timings)
+        timings = replace(built.timings, sparse_fallback=fallback)
+        ok = await self._load(target, built.path, policy, timings)
         if ok:
             self.metrics.update_seconds.observe(time.perf_counter() - started)
-            order = [e.identity for e in document.entries]
-            self.weights.collect(self.settings.keep, order, protect=[target.identity])
+            self._collect(target)
+
+    async def _sparse_load(self, target: LedgerEntry, policy: CachePolicy, started: float) -> str:
+        """Serve `target`, a delta of the served snapshot, as a sparse patch, then rebuild its
+        full snapshot on the volume; "" when the engine serves it, else why not (the caller
+        loads the full snapshot)."""
+        assert self.sparse is not None
+        await self.board.set(state="loading", target=self.status_target(target))
+        mode, policy = self.settings.mode, self.settings.cache_policy or policy
+        outcome = await self.sparse.load(target, mode, policy, started=started)
+        done = outcome.patched
+        if done is None:
+            self.metrics.sparse_fallbacks.labels(outcome.reason).inc()
+            self.metrics.checksum_failures.inc(outcome.corruption)
+            await self.reporter.event("Normal", "SparseLoadFellBack", outcome.message)
+            if outcome.serving_unknown:
+                await self._refresh_served()
+            return outcome.reason
+        self.metrics.engine_load_seconds.observe(done.timings.load_seconds)
+        self.metrics.update_seconds.observe(done.timings.total_seconds)
+        self.metrics.loads.labels("sparse").inc()
+        await self._served(done.result.served, done.timings)
+        await self.reporter.event("Normal", "SnapshotLoaded", done.summary())
+        await self.board.set(state="rebuilding")
+        try:  # the volume's copy: what restarts boot, and the next patch's parent
+            seconds = await self.sparse.rebuild(done)
+        except (HotloadError, OSError) as err:
+            await self._failed("rebuild", err, target)
+            return ""
+        self.metrics.rebuild_seconds.observe(seconds)
+        self.weights.switch(target.identity)
+        await self.board.set(state="idle")
+        self._collect(target)
+        return ""
+
+    def _collect(self, served: LedgerEntry) -> None:
+        if self.document is not None:
+            order = [e.identity for e in self.document.entries]
+            self.weights.collect(self.settings.keep, order, protect=[served.identity])
 
     async def _load(
         self, entry: LedgerEntry, path: object, policy: CachePolicy, timings: LoadTimings
     ) -> bool:
         policy = self.settings.cache_policy or policy
-        await self._set(state="loading", target=self.status_target(entry))
+        await self.board.set(state="loading", target=self.status_target(entry))
         t0 = time.perf_counter()
         try:
             result = await self.adapter.load(
@@ -390,15 +438,7 @@ class Loader:
         self.metrics.engine_load_seconds.observe(load_seconds)
         self.weights.switch(entry.identity)
         total = timings.total_seconds + load_seconds
-        done = LoadTimings(
-            fetch_seconds=timings.fetch_seconds,
-            rebuild_seconds=timings.rebuild_seconds,
-            verify_seconds=timings.verify_seconds,
-            load_seconds=load_seconds,
-            total_seconds=total,
-            bytes_fetched=timings.bytes_fetched,
-            steps=timings.steps,
-        )
+        done = replace(timings, load_seconds=load_seconds, total_seconds=total)
         await self._served(result.served, done)
         await self.reporter.event(
             "Normal",
@@ -407,14 +447,14 @@ class Loader:
             f"{timings.bytes_fetched} bytes fetched, {timings.steps} snapshot(s) rebuilt, "
             f"engine load {load_seconds:.2f}s",
         )
-        self.metrics.loads.inc()
+        self.metrics.loads.labels("full").inc()
         return True
 
     async def _served(self, served: ServedSnapshot, timings: LoadTimings | None) -> None:
         sequence = served.sequence
         if self.document is not None and (entry := self.document.find(served.identity)):
             sequence = entry.sequence
-        self._retry = None
+        self.backoff.clear()
         changes: dict[str, Any] = {
             "identity": served.identity,
             "sequence": sequence,
@@ -424,7 +464,7 @@ class Loader:
         }
         if timings is not None:
             changes["last_load"] = timings
-        await self._set(**changes)
+        await self.board.set(**changes)
         log.info("engine serves %s (sequence %s)", served.identity, sequence)
 
     async def _refresh_served(self) -> None:
@@ -437,13 +477,10 @@ class Loader:
         message = f"{stage} of {target.identity} failed: {err}"
         log.error("%s", message)
         self.metrics.observe_failure(stage, err)
-        delay = self.settings.retry_seconds
-        if self._retry is not None and self._retry.identity == target.identity:
-            delay = min(self._retry.delay * 2, self.settings.retry_seconds * 10)
-        self._retry = _Retry(target.identity, time.monotonic() + delay, delay)
+        self.backoff.failed(target.identity)
         reason = "RebuildFailed" if stage == "rebuild" else "EngineRejectedLoad"
         await self.reporter.event("Warning", reason, message)
-        await self._set(state="failed", message=message, last_error=message)
+        await self.board.set(state="failed", message=message, last_error=message)
 
     # --- status ----------------------------------------------------------------------------------
 
@@ -451,49 +488,5 @@ class Loader:
         """The entry the status names as target (the head, or the pin, when known)."""
         return self.target().entry or entry
 
-    async def _record_build(self, built: BuildResult) -> None:
-        self.metrics.observe_build(built)
-        log.info("built %s", built.summary())
-        if built.resumed:
-            seconds = round(built.timings.verify_seconds, 3)
-            await self._set(resumed_from=built.identity, resume_verify_seconds=seconds)
-            await self.reporter.event("Normal", "ResumedFromVolume", built.summary())
-
-    async def _set(self, *, target: LedgerEntry | None = None, **changes: Any) -> None:
-        if target is not None:
-            changes["target_identity"] = target.identity
-            changes["target_sequence"] = target.sequence
-        status = self.status.evolve(**changes)
-        moved = "state" not in changes and status.target_identity != self.status.target_identity
-        if status.state == "failed" and (status.loaded or moved):
-            # A failure is about the target it happened on: once the head moves on, the pod
-            # must not read as failing the new target (roll-ups attribute failures by target).
-            status = status.evolve(state="idle")
-        await self._publish(status)
-
-    async def _publish(self, status: ReplicaStatus | None = None) -> None:
-        status = status or self.status
-        ready, reason = condition(status, engine_live=self._engine_live)
-        status = status.evolve(ready=ready, reason=reason, updated_time=format_time(utc_now()))
-        self.status = status
-        self.metrics.staleness.set(status.staleness)
-        if status.sequence is not None:
-            self.metrics.served_sequence.set(status.sequence)
-        try:
-            await self.reporter.report(status)
-        except HotloadError as err:  # reporting must never stop loading
-            log.warning("report failed: %s", err)
-
-    def _may_try(self, identity: str) -> bool:
-        retry = self._retry
-        return retry is None or retry.identity != identity or time.monotonic() >= retry.not_before
-
     def _interval(self) -> float:
-        base = self.settings.poll_seconds
-        spread = self.settings.poll_jitter
-        return base * random.uniform(1 - spread, 1 + spread)
-
-
-async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
+        return jittered(self.settings.poll_seconds, self.settings.poll_jitter)

@@ -61,6 +61,18 @@ def is_corruption(err: BaseException) -> bool:
     return isinstance(err, ChecksumMismatchError | CorruptDeltaError | WrongParentError)
 
 
+def check_digest(entry: LedgerEntry, folder: Path) -> None:
+    """Raise `SnapshotError` unless the manifests fetched into `folder` are the ones the ledger
+    admitted for `entry`."""
+    digest = describe_snapshot(folder).manifest_digest
+    if digest != entry.manifest_digest:
+        raise SnapshotError(
+            f"manifests of {entry.identity!r} in the bucket have digest {digest}, the ledger "
+            f"recorded {entry.manifest_digest} (the snapshot was replaced after publishing)",
+            path=str(folder),
+        )
+
+
 class MaterializeError(HotloadError):
     """A snapshot could not be rebuilt and verified; `identity` names the step that failed and
     `corruptions` counts the checksum mismatches and corrupted payloads met on the way."""
@@ -293,7 +305,7 @@ class Materializer:
                 waited = time.perf_counter()
                 fetched = await task
                 clock.fetch += time.perf_counter() - waited
-                self._check_digest(entry, fetched)
+                check_digest(entry, fetched)
                 if entry.kind == "incremental":
                     if parent is None:
                         raise SnapshotError(
@@ -362,15 +374,6 @@ class Materializer:
                 raise
             clock.bytes += result.bytes
             return folder
-
-    def _check_digest(self, entry: LedgerEntry, folder: Path) -> None:
-        digest = describe_snapshot(folder).manifest_digest
-        if digest != entry.manifest_digest:
-            raise SnapshotError(
-                f"manifests of {entry.identity!r} in the bucket have digest {digest}, the ledger "
-                f"recorded {entry.manifest_digest} (the snapshot was replaced after publishing)",
-                path=str(folder),
-            )
 
     def _drop_partial(self, chain: list[LedgerEntry]) -> None:
         for entry in chain:

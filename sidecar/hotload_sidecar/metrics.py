@@ -54,7 +54,17 @@ class LoaderMetrics(MetricSet):
             "Failed updates by stage (rebuild, engine, ledger)",
             ["stage"],
         )
-        self.loads = self.counter("hotload_loader_loads", "Snapshots the engine confirmed serving")
+        self.loads = self.counter(
+            "hotload_loader_loads",
+            "Snapshots the engine confirmed serving, by method (full: a snapshot loaded; sparse: "
+            "a delta's changes written in place)",
+            ["method"],
+        )
+        self.sparse_fallbacks = self.counter(
+            "hotload_loader_sparse_fallbacks",
+            "Deltas of the served snapshot loaded in full instead of as a sparse patch, by reason",
+            ["reason"],
+        )
         self.staleness = self.gauge(
             "hotload_loader_staleness", "Ledger head sequence minus the served sequence"
         )

@@ -186,6 +186,20 @@ class Prefetcher:
             entry.identity, path, job.hint.manifest_digest, job.fetched_bytes, job.seconds
         )
 
+    async def prebuilt(self, entry: LedgerEntry) -> Path | None:
+        """The materializer's hook: the folder of `entry` rebuilt early from its hint, if it
+        was (see `take`)."""
+        done = await self.take(entry)
+        if done is None:
+            return None
+        log.info(
+            "%s was rebuilt before admission (%.2fs, %d bytes fetched early)",
+            entry.identity,
+            done.seconds,
+            done.bytes_fetched,
+        )
+        return done.path
+
     async def close(self) -> None:
         """Cancel every job and remove its folders."""
         for identity in list(self._jobs):

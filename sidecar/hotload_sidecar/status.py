@@ -64,6 +64,10 @@ class LoadTimings:
     bytes_fetched: int = 0
     #: Snapshots rebuilt on the way (deltas applied without loading each into the engine).
     steps: int = 0
+    #: "sparse": the engine wrote a delta's changes in place; "full": it loaded a snapshot.
+    method: str = "full"
+    #: Why a delta of the served snapshot was loaded in full after all ("" when it was not).
+    sparse_fallback: str = ""
 
 
 AdapterState = Literal["loaded", "loading", "failed"]
@@ -151,6 +155,8 @@ class ReplicaStatus:
                 "totalSeconds": round(t.total_seconds, 6),
                 "bytesFetched": t.bytes_fetched,
                 "steps": t.steps,
+                "method": t.method,
+                "sparseFallback": t.sparse_fallback,
             }
         return {
             "identity": self.identity,

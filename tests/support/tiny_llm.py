@@ -196,6 +196,60 @@ def broken_snapshot(src: Path, dst: Path, defect: Defect) -> Path:
     return dst
 
 
+# --- sparse training steps -------------------------------------------------------------------
+
+
+def sparse_steps(
+    base: Path,
+    root: Path,
+    steps: int,
+    *,
+    fraction: float = 0.01,
+    seed: int = 0,
+    f16: bool = False,
+) -> tuple[list[Path], list[Path]]:
+    """Full snapshots `root/full/<base.name>..step-N` of `steps` training steps after `base`, each
+    moving `fraction` of every floating-point tensor's elements by one ulp (what an RL step does
+    to bf16 weights), and their arc_v2 deltas `root/delta/step-K` against step K-1 (`deltas[0]` is
+    not written). Identities are the folder names: `step-0` is a copy of `base` (with `f16`,
+    its F32 tensors rounded to F16).
+    """
+    import numpy as np
+
+    from hotload.arc import encode
+    from hotload.snapshot import Snapshot
+    from hotload.snapshot.safetensors_io import RawTensor, iter_file
+
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, RawTensor] = {}
+    snap = Snapshot(base)
+    for shard in snap.shard_files:
+        for name, raw in iter_file(base / shard):
+            tensors[name] = RawTensor(raw.dtype, raw.shape, np.array(raw.data))
+            if f16 and raw.dtype == "F32":
+                half = raw.data.view("<f4").astype("<f2")
+                tensors[name] = RawTensor("F16", raw.shape, half.view(np.uint8))
+    fulls: list[Path] = []
+    deltas: list[Path] = []
+    for step in range(steps + 1):
+        if step:
+            for raw in tensors.values():
+                if raw.dtype not in ("BF16", "F16", "F32"):
+                    continue
+                bits = raw.data.view({"BF16": "<u2", "F16": "<u2", "F32": "<u4"}[raw.dtype])
+                at = np.unique(rng.integers(0, bits.size, max(1, int(bits.size * fraction))))
+                bits[at] += 1  # one ulp away from zero: finite weights stay finite
+        full = write_snapshot(
+            root / "full" / f"step-{step}", dict(tensors), side_files_from=base, overwrite=True
+        ).path
+        fulls.append(full)
+        delta = root / "delta" / f"step-{step}"
+        if step:
+            encode(fulls[step - 1], full, delta, overwrite=True)
+        deltas.append(delta)
+    return fulls, deltas
+
+
 # --- LoRA adapters -------------------------------------------------------------------------------
 
 #: What `adapter_config.json` of the tiny adapters names as their base model.

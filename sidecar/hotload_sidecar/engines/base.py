@@ -64,6 +64,16 @@ class LoadRequest:
             )
 
 
+class PatchRefusedError(EngineLoadError):
+    """The engine did not take a sparse patch and serves its previous weights, unchanged;
+    `reason` says why in one word (`engine_unsupported`, `parent_not_served`,
+    `parent_mismatch`, `checksum_mismatch`, ...): load the full snapshot instead."""
+
+    def __init__(self, message: str, *, reason: str, engine: str, url: str, status: int | None):
+        super().__init__(message, engine=engine, url=url, step="patch", status=status)
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class ServedSnapshot:
     """The snapshot an engine serves.
@@ -239,6 +249,8 @@ class EngineAdapter(ABC):
     kind: ClassVar[str]
     #: Where this engine loads LoRA adapters at run time.
     lora_routes: ClassVar[LoraRoutes] = OPENAI_LORA_ROUTES
+    #: Whether `patch` writes sparse patches (else a loader does not prepare any).
+    sparse_loads: ClassVar[bool] = False
 
     def __init__(self, url: str, *, timeouts: Timeouts | None = None) -> None:
         self.url = url.rstrip("/")
@@ -250,6 +262,19 @@ class EngineAdapter(ABC):
     @abstractmethod
     async def load(self, req: LoadRequest) -> LoadResult:
         """Load `req.path` and return once the engine serves it (confirmed); else raise."""
+
+    async def patch(self, req: LoadRequest, parent: str) -> LoadResult:
+        """Write the patch file `req.path` (a delta's changes to `parent`, which the engine must
+        serve) into the served weights in place; return once it serves `req.identity`
+        (confirmed). Raises `PatchRefusedError` when the engine refused it unchanged (engines
+        without sparse loads always do), `EngineLoadError` on any other failure."""
+        raise PatchRefusedError(
+            f"the {self.kind} adapter does not write sparse patches",
+            reason="engine_unsupported",
+            engine=self.kind,
+            url=self.url,
+            status=None,
+        )
 
     @abstractmethod
     async def current(self) -> ServedSnapshot | None:

@@ -1,0 +1,36 @@
+"""How to start a reference engine: the `hotload serve` options as one frozen record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # model.py imports torch, which only the 'engine' extra installs
+    from hotload.engine.model import Numerics
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to start an engine (the `hotload serve` options)."""
+
+    model_path: Path
+    name: str = "model"
+    identity: str | None = None  # default: the model folder's name
+    sequence: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch: int = 8
+    numerics: Numerics = "auto"
+    session_max: int = 1024
+    session_tokens: int = 1 << 18
+    #: LoRA adapters loaded at once (`POST /v1/load_lora_adapter`); 0 refuses adapters.
+    max_adapters: int = 8
+    # Niceness of the thread that stages a hot load: generation keeps the CPU while the old
+    # weights serve, and staging takes what is left (0: same priority as generation).
+    stage_nice: int = 10
+
+    @property
+    def initial_identity(self) -> str:
+        """The identity of the snapshot the engine starts with."""
+        return self.identity or Path(self.model_path).resolve().name

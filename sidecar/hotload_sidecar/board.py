@@ -1,0 +1,63 @@
+"""The replica status a loader keeps: every change goes through `StatusBoard.set`, which fills
+in the `SnapshotLoaded` condition, updates the gauges and hands the status to the reporter."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hotload.errors import HotloadError
+from hotload.ledger import LedgerEntry
+from hotload.ledger.fields import format_time, utc_now
+from hotload_sidecar.materialize import BuildResult
+from hotload_sidecar.metrics import LoaderMetrics
+from hotload_sidecar.status import ReplicaStatus, Reporter, condition
+
+log = logging.getLogger("hotload_sidecar.loader")
+
+
+class StatusBoard:
+    """One replica's status, published on every change; reporting never stops loading."""
+
+    def __init__(self, reporter: Reporter, metrics: LoaderMetrics) -> None:
+        self.reporter = reporter
+        self.metrics = metrics
+        self.status = ReplicaStatus()
+        #: Whether the engine answered its last health check (the condition's first input).
+        self.engine_live = True
+
+    async def set(self, *, target: LedgerEntry | None = None, **changes: Any) -> None:
+        """Apply `changes` (and `target`'s identity and sequence) and publish."""
+        if target is not None:
+            changes["target_identity"] = target.identity
+            changes["target_sequence"] = target.sequence
+        status = self.status.evolve(**changes)
+        moved = "state" not in changes and status.target_identity != self.status.target_identity
+        if status.state == "failed" and (status.loaded or moved):
+            # A failure is about the target it happened on: once the head moves on, the pod
+            # must not read as failing the new target (roll-ups attribute failures by target).
+            status = status.evolve(state="idle")
+        await self.publish(status)
+
+    async def record_build(self, built: BuildResult) -> None:
+        """Count and log a finished build; one resumed from the volume is also reported."""
+        self.metrics.observe_build(built)
+        log.info("built %s", built.summary())
+        if built.resumed:
+            seconds = round(built.timings.verify_seconds, 3)
+            await self.set(resumed_from=built.identity, resume_verify_seconds=seconds)
+            await self.reporter.event("Normal", "ResumedFromVolume", built.summary())
+
+    async def publish(self, status: ReplicaStatus | None = None) -> None:
+        """Publish `status` (default: the current one) with its condition filled in."""
+        status = status or self.status
+        ready, reason = condition(status, engine_live=self.engine_live)
+        status = status.evolve(ready=ready, reason=reason, updated_time=format_time(utc_now()))
+        self.status = status
+        self.metrics.staleness.set(status.staleness)
+        if status.sequence is not None:
+            self.metrics.served_sequence.set(status.sequence)
+        try:
+            await self.reporter.report(status)
+        except HotloadError as err:
+            log.warning("report failed: %s", err)
