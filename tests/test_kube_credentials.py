@@ -510,7 +510,7 @@ async def test_a_client_certificate_from_an_exec_plugin(
     presented on new connections. The server: aiohttp over TLS, requiring client
     certificates (the shared control plane trusts none)."""
     if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make certificates")
+        pytest.fail("needs the openssl command to make certificates: apt-get install openssl")
     server_cert, server_key = _self_signed(tmp_path, "server")
     first = _self_signed(tmp_path, "first-user")
     renewed = _self_signed(tmp_path, "renewed-user")
