@@ -14,11 +14,12 @@ import pytest
 
 from hotload.arc.container import read_header
 from hotload.arc.patch import PatchTooDenseError, delta_changes, prepare_patch
-from hotload.arc.patch_file import CorruptPatchError, PatchFile
 from hotload.errors import ChecksumMismatchError, CorruptDeltaError, WrongParentError
 from hotload.snapshot import Snapshot, write_snapshot
 from hotload.snapshot.dtypes import uint_view_dtype
 from hotload.snapshot.safetensors_io import iter_file
+from hotload_patch import PatchError
+from hotload_patch.format import PatchFile
 from support.snapshots import CONFIG, weights
 from support.tiny_llm import sparse_steps
 
@@ -132,12 +133,13 @@ def test_a_damaged_patch_file_does_not_open(tmp_path: Path) -> None:
     prepare_patch(fulls[0], deltas[1], out)
     data = out.read_bytes()
     out.write_bytes(data[: len(data) - 7])
-    with pytest.raises(CorruptPatchError, match="outside the file"):
+    with pytest.raises(PatchError, match="outside the file") as info:
         PatchFile(out)
+    assert info.value.reason == "patch_corrupt"
     broken = bytearray(data)
     broken[-3] ^= 0x01  # inside the JSON header
     out.write_bytes(bytes(broken))
-    with pytest.raises(CorruptPatchError, match="CRC-32"):
+    with pytest.raises(PatchError, match="CRC-32"):
         PatchFile(out)
-    with pytest.raises(CorruptPatchError, match="not found"):
+    with pytest.raises(PatchError, match="not found"):
         PatchFile(tmp_path / "missing.patch")

@@ -16,8 +16,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from hotload.arc.patch import prepare_patch
-from hotload.arc.patch_file import PatchFile
 from hotload.engine.server import create_app
+from hotload_patch.format import PatchFile
 from support.tiny_llm import build_tiny_llm, sparse_steps
 from test_engine import PROMPTS, complete, engine_of, load, serve
 
@@ -99,7 +99,7 @@ async def test_a_patch_that_does_not_verify_changes_nothing(tmp_path: Path) -> N
         assert (status, body["error"]["type"]) == (409, "parent_not_served"), body
         # The patch names another identity than the one asked for.
         status, body = await patch(client, good, "step-9", 9, "step-0")
-        assert (status, body["error"]["type"]) == (422, "snapshot_unusable"), body
+        assert (status, body["error"]["type"]) == (422, "wrong_patch"), body
         # A changed value: the predicted checksum is not the delta's.
         with PatchFile(good) as pf:
             t = next(t for t in pf.tensors if t.positions.size)

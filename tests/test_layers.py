@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = {
     "hotload": REPO / "hotload",
+    "hotload_patch": REPO / "hotload_patch",
     "hotload_operator": REPO / "operator" / "hotload_operator",
     "hotload_sidecar": REPO / "sidecar" / "hotload_sidecar",
 }
@@ -43,7 +44,11 @@ BASE = {
     "hotload._extras",
     "hotload.logs",
 }
+# The engine side of sparse hot loads runs inside vLLM's process, where hotload is not installed:
+# it imports nothing of ours, and the core may import it (the patch format, dtypes, checksums).
+ENGINE_SIDE = "hotload_patch"
 ALLOWED: dict[str, set[str]] = {
+    ENGINE_SIDE: set(),
     "hotload.errors": set(),
     "hotload.units": {"hotload.errors"},
     "hotload.parse_cache": set(),
@@ -54,13 +59,13 @@ ALLOWED: dict[str, set[str]] = {
     "hotload.process": set(),
     "hotload.api": BASE,
     # Only the delta container (checksums, the shard header): see FORMAT_MAY_USE.
-    "hotload.snapshot": BASE | {"hotload.arc"},
+    "hotload.snapshot": BASE | {"hotload.arc", ENGINE_SIDE},
     # The codec knows no storage: no bucket, ledger, Kubernetes or SDK.
-    "hotload.arc": BASE | {"hotload.snapshot"},
+    "hotload.arc": BASE | {"hotload.snapshot", ENGINE_SIDE},
     "hotload.bucket": BASE | {"hotload.snapshot", "hotload.arc"},
     "hotload.kube": BASE,
     "hotload.ledger": BASE | {"hotload.snapshot", "hotload.arc", "hotload.bucket"},
-    "hotload.engine": BASE | {"hotload.snapshot", "hotload.arc"},
+    "hotload.engine": BASE | {"hotload.snapshot", "hotload.arc", ENGINE_SIDE},
     "hotload.router": BASE | {"hotload.api", "hotload.kube", "hotload.engine"},
     "hotload.sdk": BASE
     | {"hotload.api", "hotload.snapshot", "hotload.arc", "hotload.bucket", "hotload.kube"}
@@ -81,7 +86,7 @@ ALLOWED: dict[str, set[str]] = {
     | {"hotload.router"},
     "hotload_sidecar": BASE
     | {"hotload.process", "hotload.api", "hotload.snapshot", "hotload.arc", "hotload.bucket"}
-    | {"hotload.kube", "hotload.ledger"},
+    | {"hotload.kube", "hotload.ledger", ENGINE_SIDE},
 }
 
 # The format knows no codec internals: what `hotload.snapshot` may use of `hotload.arc`.
@@ -92,6 +97,9 @@ CONTAINER = {"hotload.arc.checksum", "hotload.arc.container", "hotload.arc.strea
 
 # Entry points: the only importers of `hotload.cli`.
 ALLOWED_CLI_USERS = {"hotload.cli", "hotload.__main__"}
+
+# What the engine side may import besides the standard library: it runs in engines' images.
+ENGINE_SIDE_THIRD_PARTY = {"numpy", "torch", "vllm"}
 
 # Third-party packages that belong to one place only.
 CONFINED = {
@@ -302,7 +310,11 @@ def test_the_format_knows_no_codec_internals() -> None:
             and layer(edge.target) == "hotload.arc"
             and edge.target not in FORMAT_MAY_USE
         )
-        or (source in CONTAINER and edge.target not in CONTAINER | BASE)
+        or (
+            source in CONTAINER
+            and edge.target not in CONTAINER | BASE
+            and layer(edge.target) != ENGINE_SIDE
+        )
     ]
     assert not broken, "the format reaches into the codec:\n" + "\n".join(broken)
 
@@ -329,6 +341,20 @@ def test_confined_third_party_packages() -> None:
         and not any(source == home or source.startswith(home + ".") for home in homes)
     ]
     assert not broken, "third-party packages outside their home:\n" + "\n".join(broken)
+
+
+def test_the_engine_side_needs_only_numpy_and_torch() -> None:
+    # hotload_patch is copied into engines' containers, where only the standard library, numpy,
+    # torch and the engine itself are installed.
+    broken = [
+        f"{MODULES[source].relative_to(REPO)}:{line} imports {imported}"
+        for source, imports in ALL_IMPORTS.items()
+        if layer(source) == ENGINE_SIDE
+        for imported, line in imports
+        if (top := imported.split(".")[0]) not in sys.stdlib_module_names
+        and top not in ENGINE_SIDE_THIRD_PARTY | {ENGINE_SIDE, "__future__"}
+    ]
+    assert not broken, "the engine side imports what engines lack:\n" + "\n".join(broken)
 
 
 # Imports every module named on the command line first, in a process where no module of ours

@@ -218,7 +218,7 @@ async def test_the_adapter_says_why_a_patch_was_refused(tmp_path: Path) -> None:
             # A patch that produces another snapshot than the one asked for: 422, its type.
             with pytest.raises(PatchRefusedError) as refused:
                 await adapter.patch(LoadRequest(str(p1), "step-1b", 3), "step-1")
-            assert refused.value.reason == "snapshot_unusable" and refused.value.status == 422
+            assert refused.value.reason == "wrong_patch" and refused.value.status == 422
             # An engine without the route (here: the serving port) cannot patch.
             from aiohttp.test_utils import TestClient, TestServer
 

@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency; stay correct 
     _crc32 = zlib.crc32
 
 from hotload.errors import ArcError, CorruptDeltaError
+from hotload_patch.sums import delta_partial, shift
 
 MOD_ADLER = 65521
 _HEX8 = re.compile(r"[0-9a-f]{8}")
@@ -81,38 +82,16 @@ def adler32_sparse_update(
 
     `checksum` is the adler32 of the `length`-byte buffer before the change; values are unsigned
     integer arrays of one element width. Each changed byte at offset i shifts A by its delta and
-    B by (length - i) times it, modulo 65521.
+    B by (length - i) times it, modulo 65521 (`hotload_patch.sums`, which engines use too).
     """
-    k = int(positions.size)
-    if k == 0:
-        return checksum
-    width = old_values.dtype.itemsize
-    old_b = np.ascontiguousarray(old_values).view(np.uint8).reshape(k, width)
-    new_b = np.ascontiguousarray(new_values).view(np.uint8).reshape(k, width)
-    # Byte j of element e sits at offset e*width + j and weighs (length - offset) in B, so an
-    # element contributes (length - e*width) * sum_j delta_j - sum_j j * delta_j. The products
-    # stay below 2**60 for chunks under 64 MiB, so int64 holds them without a modulo per element.
-    per_element = np.zeros(k, dtype=np.int64)
-    tail = 0
-    for j in range(width):
-        column = new_b[:, j].astype(np.int64)
-        column -= old_b[:, j]
-        per_element += column
-        if j:
-            tail += j * int(column.sum())
-    d_a = int(per_element.sum())
-    weight = np.int64(length) - positions.astype(np.int64) * width
-    weight *= per_element
-    d_b = int(weight.sum()) - tail
-    return adler32_shift(checksum, d_a, d_b)
+    moved = delta_partial(positions.astype(np.int64), old_values, new_values, length)
+    return shift(checksum, [moved])
 
 
 def adler32_shift(checksum: int, da: int, db: int) -> int:
     """Return `checksum` with (da, db) added to its sums A and B, modulo 65521 (negative
     values undo a shift): how a sparse edit moves an adler32, see `adler32_sparse_update`."""
-    a = ((checksum & 0xFFFF) + da) % MOD_ADLER
-    b = (((checksum >> 16) & 0xFFFF) + db) % MOD_ADLER
-    return a | (b << 16)
+    return shift(checksum, [(da, db)])
 
 
 def format_checksum(value: int) -> str:

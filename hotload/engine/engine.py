@@ -42,7 +42,7 @@ with needs_extra("engine", "hotload's reference engine"):
     from hotload.engine.batch import KVCache
     from hotload.engine.lora import stage_adapter
     from hotload.engine.model import ModelRunner, StagedWeights
-    from hotload.engine.patching import StagedPatch, stage_patch, weight_checksums
+    from hotload.engine.patching import EnginePatches, StagedPatch
     from hotload.engine.scheduler import (
         AdapterOrder,
         ErrorEvent,
@@ -51,7 +51,7 @@ with needs_extra("engine", "hotload's reference engine"):
         Scheduler,
         SwapOrder,
     )
-    from hotload.engine.staging import load_error, run_in_thread
+    from hotload.engine.staging import load_error, lower_priority, run_in_thread
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class Engine:
         self.name = config.name
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self.runner: ModelRunner | None = None
+        self.patches: EnginePatches | None = None
         self.scheduler: Scheduler | None = None
         self.codec: TextCodec | None = None  # the event loop's tokenizer (the worker has its own)
         self.sessions: SessionCache[KVCache] = SessionCache(
@@ -138,6 +139,8 @@ class Engine:
         served = ServedSnapshot(cfg.initial_identity, cfg.sequence)
         runner.lora.limit = cfg.max_adapters
         self.runner = runner
+        self.patches = EnginePatches(runner, initializer=lambda: lower_priority(cfg.stage_nice))
+        self.patches.loaded(cfg.model_path)
         self.scheduler = Scheduler(
             runner,
             worker_codec,
@@ -167,6 +170,8 @@ class Engine:
                 await self._start_task
         if self.scheduler is not None:
             await asyncio.to_thread(self.scheduler.stop)
+        if self.patches is not None:
+            await asyncio.to_thread(self.patches.close)
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -373,13 +378,18 @@ class Engine:
         """Stage and swap in `req`'s snapshot; on failure raise `ApiError` (old weights serve)."""
         runner = self._idle_runner()
         staged = await self._swap_in(req, lambda: runner.stage(req.path))
+        if self.patches is not None:
+            # The parent of the next patch: its checksums, read while it serves.
+            self.patches.loaded(req.path)
         return {**self._loaded(req), "stage_seconds": staged.seconds}
 
     async def patch(self, req: LoadRequest) -> dict[str, Any]:
         """Write the patch file `req.path` (made from a delta of the snapshot served now,
         `req.parent`) into the served weights in place and serve `req.identity`; on failure
         raise `ApiError` (the old weights serve, none of them changed)."""
-        runner = self._idle_runner()
+        self._idle_runner()
+        patches = self.patches
+        assert patches is not None
         served = self.served
         if served is None or served.identity != req.parent:
             raise ApiError(
@@ -391,7 +401,7 @@ class Engine:
         assert req.parent is not None
         parent = req.parent
         staged = await self._swap_in(
-            req, lambda: stage_patch(runner, req.path, identity=req.identity, parent=parent)
+            req, lambda: patches.stage(req.path, identity=req.identity, parent=parent)
         )
         return {
             **self._loaded(req),
@@ -402,13 +412,10 @@ class Engine:
 
     async def weight_checksums(self) -> dict[str, Any]:
         """sha256 of every weight as the engine holds it, read between two decode steps."""
-        scheduler = self.scheduler
-        if scheduler is None or self.runner is None:
+        scheduler, patches = self.scheduler, self.patches
+        if scheduler is None or patches is None:
             raise ApiError(503, "not_ready", "the engine is still loading its initial weights")
-        runner = self.runner
-        digests = await asyncio.wrap_future(
-            scheduler.between_steps(lambda: weight_checksums(runner))
-        )
+        digests = await asyncio.wrap_future(scheduler.between_steps(patches.checksums))
         served = scheduler.served
         return {
             "identity": served.identity,

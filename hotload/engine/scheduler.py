@@ -36,7 +36,7 @@ from hotload.engine.batch import BatchKV, KVCache
 from hotload.engine.lora import StagedAdapter
 from hotload.engine.metrics import EngineMetrics
 from hotload.engine.model import ModelRunner, StagedWeights
-from hotload.engine.patching import StagedPatch, apply_patch
+from hotload.engine.patching import StagedPatch
 from hotload.engine.protocol import (
     ApiError,
     CachePolicy,
@@ -454,7 +454,7 @@ class Scheduler:
         started = time.perf_counter()
         try:
             if isinstance(order.staged, StagedPatch):
-                apply_patch(order.staged)
+                order.staged.apply()
             else:
                 self.runner.apply(order.staged)
         except Exception as exc:  # both roll back: the old weights still serve

@@ -13,13 +13,8 @@ from typing import Any, TypeVar
 
 from hotload.engine.model import WeightsMismatchError
 from hotload.engine.protocol import ApiError
-from hotload.errors import (
-    ChecksumMismatchError,
-    CorruptDeltaError,
-    HotloadError,
-    SnapshotValidationError,
-    WrongParentError,
-)
+from hotload.errors import ChecksumMismatchError, HotloadError, SnapshotValidationError
+from hotload_patch import PatchError
 
 T = TypeVar("T")
 
@@ -41,11 +36,7 @@ async def run_in_thread(fn: Callable[[], T], *, nice: int = 0, name: str = "hotl
                 future.set_exception(value)
 
     def run() -> None:
-        if nice:
-            with contextlib.suppress(AttributeError, OSError):
-                tid = threading.get_native_id()
-                current = os.getpriority(os.PRIO_PROCESS, tid)
-                os.setpriority(os.PRIO_PROCESS, tid, min(current + nice, 19))
+        lower_priority(nice)
         try:
             result = fn()
         except BaseException as exc:
@@ -57,19 +48,30 @@ async def run_in_thread(fn: Callable[[], T], *, nice: int = 0, name: str = "hotl
     return await future
 
 
+def lower_priority(nice: int) -> None:
+    """Raise the calling thread's niceness by `nice` (Linux; elsewhere, or when refused, a
+    no-op)."""
+    if nice:
+        with contextlib.suppress(AttributeError, OSError):
+            tid = threading.get_native_id()
+            current = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(current + nice, 19))
+
+
 def load_error(exc: BaseException) -> ApiError:
     """Map a staging failure to the hot-load API's error (422 unusable snapshot or patch, else
     500)."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, PatchError):
+        # A patch that cannot be written here is refused (422: nothing changed); a failure
+        # while writing or staging it is the engine's (500), the old weights serving either way.
+        failed = exc.reason in ("write_failed", "stage_failed")
+        return ApiError(500 if failed else 422, exc.reason, str(exc))
     if isinstance(exc, WeightsMismatchError):
         return ApiError(422, "weights_mismatch", str(exc))
     if isinstance(exc, ChecksumMismatchError):
         return ApiError(422, "checksum_mismatch", str(exc))
-    if isinstance(exc, WrongParentError):  # a patch whose parent is not what the engine holds
-        return ApiError(422, "parent_mismatch", str(exc))
-    if isinstance(exc, CorruptDeltaError):  # a damaged patch file
-        return ApiError(422, "patch_corrupt", str(exc))
     if isinstance(exc, SnapshotValidationError):
         return ApiError(422, "snapshot_invalid", str(exc))
     if isinstance(exc, HotloadError):

@@ -2,50 +2,22 @@
 
 from __future__ import annotations
 
-import numpy as np
+# The table and the unsigned views live with the engine side of patches (`hotload_patch`, which
+# imports nothing of hotload), so both halves read the same dtypes.
+from hotload_patch.dtypes import ELEMENT_SIZE, uint_view_dtype
 
-# dtype name (as in a safetensors header) -> element size in bytes.
-ELEMENT_SIZE: dict[str, int] = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "F8_E8M0": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-
-_UINT_BY_SIZE: dict[int, type[np.unsignedinteger]] = {
-    1: np.uint8,
-    2: np.uint16,
-    4: np.uint32,
-    8: np.uint64,
-}
+__all__ = [
+    "ELEMENT_SIZE",
+    "NUMPY_TO_SAFETENSORS",
+    "TORCH_TO_SAFETENSORS",
+    "element_size",
+    "uint_view_dtype",
+]
 
 
 def element_size(dtype: str) -> int:
     """Return the size in bytes of one element of a safetensors dtype, or raise `KeyError`."""
     return ELEMENT_SIZE[dtype]
-
-
-# Built once: the decoder asks for one per chunk, and building a numpy dtype is not free.
-_UINT_VIEW: dict[str, np.dtype[np.unsignedinteger]] = {
-    name: np.dtype(_UINT_BY_SIZE[size]).newbyteorder("<") for name, size in ELEMENT_SIZE.items()
-}
-
-
-def uint_view_dtype(dtype: str) -> np.dtype[np.unsignedinteger]:
-    """Return the little-endian unsigned integer numpy dtype with the element size of `dtype`."""
-    return _UINT_VIEW[dtype]
 
 
 # torch dtype name -> safetensors dtype name (torch is never imported here).

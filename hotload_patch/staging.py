@@ -1,0 +1,373 @@
+"""Stage a patch while the old weights serve, verify it, write it in a pause, undo it.
+
+`stage` maps the patch file (`format`), places every changed checkpoint element in the engine's
+parameters (`placement`), converts the new values to the parameters' dtype and device and keeps
+the values they replace. It also computes, per region of each tensor the engine holds, how the
+patch moves the tensor's adler32 (`sums.delta_partial`), from the old values as the engine holds
+them. `verify` then checks, wherever every rank's results meet, that the served weights are the
+patch's parent (their checksums, `served_sums`, equal the delta's parent checksums) and that the
+served weights with the patch's changes give the delta's result checksums. `apply` only writes.
+
+Dtypes: an engine may hold a tensor in a wider floating dtype than its checkpoint (float32 for
+bfloat16 weights). The new values are converted as a full load converts them (`Tensor.to`), and
+the held values convert back to the checkpoint's bits exactly, so the checksums still apply. A
+narrower dtype cannot give the parent's bits back: such a patch is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hotload_patch.checkpoint import Specs
+from hotload_patch.dtypes import ELEMENT_SIZE, from_torch, torch_dtype, uint_view_dtype
+from hotload_patch.errors import PatchError
+from hotload_patch.format import PatchFile, PatchTensor, format_checksum
+from hotload_patch.placement import Host, Slot
+from hotload_patch.sums import (
+    MOD,
+    Region,
+    RegionSum,
+    combine_regions,
+    delta_partial,
+    distinct_regions,
+    rows_partial,
+    shift,
+    span_partial,
+)
+
+#: (checkpoint dtype, held dtype) pairs whose conversion is exact and reversible.
+EXACT_WIDENING = {("BF16", "F32"), ("F16", "F32"), ("BF16", "F64"), ("F16", "F64"), ("F32", "F64")}
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INT_OF_WIDTH: dict[int, Any] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+#: Elements read at once when checksumming the served weights (bounds the extra memory).
+CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """What the delta promises of one checkpoint tensor: size, parent and result checksums."""
+
+    numel: int
+    nbytes: int
+    base: int
+    target: int
+
+
+def checks_of(tensors: list[PatchTensor]) -> dict[str, TensorCheck]:
+    """The checksum promises of a patch's tensors, by name."""
+    return {t.name: TensorCheck(t.numel, t.nbytes, t.base_checksum, t.checksum) for t in tensors}
+
+
+@dataclass
+class Write:
+    """The writes into one parameter: flat positions, new values, the values they replace."""
+
+    param: str
+    index: torch.Tensor
+    new: torch.Tensor
+    old: torch.Tensor
+
+
+@dataclass
+class Staged:
+    """A patch placed and converted for this engine (one rank of it), ready for `apply`."""
+
+    path: str
+    identity: str
+    parent: str
+    writes: list[Write]
+    deltas: list[RegionSum]
+    checks: dict[str, TensorCheck]
+    changed: int
+    nbytes: int
+    seconds: float
+    written: list[Write] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """What the stage found, as JSON (counts and timings, no arrays)."""
+        return {
+            "identity": self.identity,
+            "parent": self.parent,
+            "changed": self.changed,
+            "parameters": len(self.writes),
+            "patch_bytes": self.nbytes,
+            "stage_seconds": round(self.seconds, 6),
+        }
+
+
+def held_dtype(slot: Slot, param: torch.Tensor, ckpt: str) -> None:
+    """Refuse a parameter whose dtype cannot give back the checkpoint's bits."""
+    held = from_torch(param.dtype) or str(param.dtype)
+    if held != ckpt and (ckpt, held) not in EXACT_WIDENING:
+        raise PatchError(
+            f"is held as {param.dtype} in {slot.param}, which cannot give back the checkpoint's "
+            f"{ckpt} bits: its parent cannot be verified",
+            reason="weights_mismatch",
+            tensor=slot.tensor,
+        )
+    if not param.is_contiguous():
+        raise PatchError(
+            f"{slot.param} is not contiguous in the engine",
+            reason="weights_mismatch",
+            tensor=slot.tensor,
+        )
+
+
+def region_view(param: torch.Tensor, region: Region) -> torch.Tensor:
+    """The elements `region` of a parameter, as a view."""
+    return param.detach().as_strided(
+        region.sizes, region.strides, param.storage_offset() + region.offset
+    )
+
+
+def as_bits(values: torch.Tensor, ckpt: str) -> np.ndarray:
+    """Held values as the checkpoint's unsigned bit patterns, on the CPU (a copy)."""
+    t = values.detach()
+    dtype = torch_dtype(ckpt)
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    t = t.reshape(-1).cpu()
+    return t.view(_INT_OF_WIDTH[t.element_size()]).numpy().view(uint_view_dtype(ckpt))
+
+
+def from_bits(bits: np.ndarray, ckpt: str, like: torch.Tensor) -> torch.Tensor:
+    """Checkpoint bit patterns as `like`'s dtype and device, converted as a full load does."""
+    raw = torch.from_numpy(np.ascontiguousarray(bits).view(_NP_INT_OF_WIDTH[bits.dtype.itemsize]))
+    return raw.view(torch_dtype(ckpt)).to(device=like.device, dtype=like.dtype)
+
+
+# --- the served weights' checksums ---------------------------------------------------------------
+
+
+def served_sums(host: Host, specs: Specs) -> list[RegionSum]:
+    """Partial adler32 sums of every checkpoint tensor the engine holds, per region, as held
+    now (a full read of the weights: run it while they serve, not in a pause)."""
+    params = host.parameters()
+    out: list[RegionSum] = []
+    with torch.no_grad():
+        for name, (shape, dtype) in specs.items():
+            for slot in host.place(name, shape, dtype):
+                param = params[slot.param]
+                held_dtype(slot, param, dtype)
+                nbytes = int(np.prod(shape, dtype=np.int64)) * ELEMENT_SIZE[dtype]
+                a, b = _region_partial(region_view(param, slot.dst), slot.src, dtype, nbytes)
+                out.append(RegionSum(name, slot.src, a, b))
+    return out
+
+
+def _region_partial(view: torch.Tensor, src: Region, ckpt: str, total: int) -> tuple[int, int]:
+    width = ELEMENT_SIZE[ckpt]
+    flat = view.reshape(-1) if view.is_contiguous() else None
+    span = src.span()
+    if span is not None:
+        adler = 1
+        for first in range(0, src.numel, CHUNK_ELEMENTS):
+            count = min(CHUNK_ELEMENTS, src.numel - first)
+            chunk = _chunk(view, flat, first, count)
+            adler = zlib.adler32(as_bits(chunk, ckpt).view(np.uint8).data, adler)
+        return span_partial(adler, span[0] * width, span[1] * width, total)
+    # A strided region (a column shard): each run of contiguous checkpoint bytes is a row.
+    run = src.sizes[-1] if src.sizes and src.strides[-1] == 1 else 1
+    rows_per_chunk = max(1, CHUNK_ELEMENTS // run)
+    parts = []
+    for first_row in range(0, src.numel // run, rows_per_chunk):
+        rows = min(rows_per_chunk, src.numel // run - first_row)
+        chunk = _chunk(view, flat, first_row * run, rows * run)
+        data = as_bits(chunk, ckpt).view(np.uint8).reshape(rows, run * width)
+        starts = src.element_offsets(first_row * run, rows * run)[::run] * width
+        parts.append(rows_partial(data, starts, total))
+    return sum(p[0] for p in parts) % MOD, sum(p[1] for p in parts) % MOD
+
+
+def _chunk(view: torch.Tensor, flat: torch.Tensor | None, first: int, count: int) -> torch.Tensor:
+    """Elements `first .. first + count` of a region in row-major order."""
+    if flat is not None:
+        return flat[first : first + count]
+    return view.reshape(-1)[first : first + count]
+
+
+# --- staging and writing -------------------------------------------------------------------------
+
+
+def stage(host: Host, path: str | Path, *, identity: str, parent: str) -> Staged:
+    """Place, convert and check the patch at `path` for this engine (see the module docstring);
+    raises `PatchError` and changes nothing."""
+    started = time.perf_counter()
+    where = str(path)
+    problems = host.problems()
+    if problems:
+        raise PatchError("; ".join(problems), reason="kernel_format", path=where)
+    with PatchFile(path) as pf:
+        for what, want, got in (
+            ("produces", identity, pf.identity),
+            ("applies to", parent, pf.parent),
+        ):
+            if got is not None and got != want:
+                raise PatchError(
+                    f"the patch {what} {got!r}, not {want!r}", reason="wrong_patch", path=where
+                )
+        params = host.parameters()
+        parts: dict[str, list[tuple[Slot, np.ndarray, torch.Tensor, torch.Tensor]]] = {}
+        deltas: list[RegionSum] = []
+        checks: dict[str, TensorCheck] = {}
+        changed = 0
+        with torch.no_grad():
+            for t in pf.tensors:
+                slots = host.place(t.name, t.shape, t.dtype)
+                if not slots:
+                    continue  # the engine does not load this tensor (a full load skips it too)
+                checks[t.name] = TensorCheck(t.numel, t.nbytes, t.base_checksum, t.checksum)
+                positions, bits = t.changes()
+                for slot in slots:
+                    param = params[slot.param]
+                    held_dtype(slot, param, t.dtype)
+                    inside, local = slot.src.locate(positions)
+                    at, new_bits = positions[inside], bits[inside]
+                    dst = slot.dst.offsets_of(local)
+                    index = torch.from_numpy(dst).to(param.device)
+                    new = from_bits(new_bits, t.dtype, param)
+                    if new.is_floating_point() and not bool(torch.isfinite(new).all()):
+                        raise PatchError(
+                            "the patch writes NaN or infinite values",
+                            reason="not_finite",
+                            tensor=t.name,
+                            path=where,
+                        )
+                    old = param.detach().view(-1).index_select(0, index)
+                    da, db = delta_partial(at, as_bits(old, t.dtype), new_bits, t.nbytes)
+                    deltas.append(RegionSum(t.name, slot.src, da, db))
+                    parts.setdefault(slot.param, []).append((slot, dst, new, old))
+                    changed += int(at.size)
+        writes = [_merge(name, items) for name, items in parts.items()]
+        nbytes = Path(path).stat().st_size
+    seconds = time.perf_counter() - started
+    return Staged(where, identity, parent, writes, deltas, checks, changed, nbytes, seconds)
+
+
+def _merge(param: str, items: list[tuple[Slot, np.ndarray, torch.Tensor, torch.Tensor]]) -> Write:
+    """One parameter's writes from all its slots. Two slots over the same elements (tied
+    weights: one tensor under two checkpoint names) must write the same values."""
+    kept: list[tuple[Slot, np.ndarray, torch.Tensor, torch.Tensor]] = []
+    for item in items:
+        twin = next((k for k in kept if k[0].dst == item[0].dst), None)
+        if twin is None:
+            kept.append(item)
+        elif not (np.array_equal(twin[1], item[1]) and torch.equal(twin[2], item[2])):
+            raise PatchError(
+                f"is tied to {twin[0].tensor} in the model but the patch changes it differently",
+                reason="weights_mismatch",
+                tensor=item[0].tensor,
+            )
+    if len(kept) > 1 and not _disjoint([k[0].dst for k in kept]):
+        raise PatchError(
+            f"two checkpoint tensors overlap in {param}",
+            reason="unmappable",
+            tensor=kept[0][0].tensor,
+        )
+    index = torch.cat([torch.from_numpy(k[1]).to(k[2].device) for k in kept])
+    return Write(param, index, torch.cat([k[2] for k in kept]), torch.cat([k[3] for k in kept]))
+
+
+def _disjoint(regions: list[Region]) -> bool:
+    spans = [r.span() for r in regions]
+    if any(s is None for s in spans):
+        # Strided shards of one parameter do not occur in the engines we place; refuse rather
+        # than risk two writes to one element.
+        return False
+    ordered = sorted(s for s in spans if s is not None)
+    return all(a[0] + a[1] <= b[0] for a, b in pairwise(ordered))
+
+
+def verify(
+    checks: Mapping[str, TensorCheck], served: list[RegionSum], deltas: list[RegionSum]
+) -> None:
+    """Check, over every rank's results, that the engine holds the patch's parent and that the
+    patch gives the delta's result; raises `PatchError` (parent_mismatch, checksum_mismatch)."""
+    sizes = {n: (c.numel, c.nbytes) for n, c in checks.items()}
+    held = combine_regions([s for s in served if s.tensor in sizes], sizes)
+    for name, check in checks.items():
+        if name not in held:
+            if any(d.tensor == name for d in deltas):
+                raise PatchError(
+                    "the engine has no checksum of the weights it serves here",
+                    reason="parent_mismatch",
+                    tensor=name,
+                )
+            continue
+        if held[name] != check.base:
+            raise PatchError(
+                f"the served weights have checksum {format_checksum(held[name])}, the patch's "
+                f"parent {format_checksum(check.base)}: the engine does not hold the parent",
+                reason="parent_mismatch",
+                tensor=name,
+            )
+    for name, regions in distinct_regions(deltas).items():
+        predicted = shift(held[name], regions.values())
+        if predicted != checks[name].target:
+            raise PatchError(
+                f"the patch's changes would give checksum {format_checksum(predicted)}, the "
+                f"delta promises {format_checksum(checks[name].target)}: the patch is corrupted",
+                reason="checksum_mismatch",
+                tensor=name,
+            )
+
+
+def apply(staged: Staged, params: Mapping[str, torch.Tensor]) -> None:
+    """Write a staged patch; on any failure put back every value written and raise
+    `PatchError` (write_failed). Only writes: nothing here allocates much or reads the file."""
+    staged.written = []
+    with torch.no_grad():
+        try:
+            for w in staged.writes:
+                staged.written.append(w)
+                _scatter(params[w.param].data.view(-1), w.index, w.new)
+        except Exception as exc:
+            undo(staged, params)
+            raise PatchError(
+                f"writing the patch failed: {type(exc).__name__}: {exc}",
+                reason="write_failed",
+                path=staged.path,
+            ) from exc
+
+
+def undo(staged: Staged, params: Mapping[str, torch.Tensor]) -> None:
+    """Put back the values a (possibly partial) `apply` replaced."""
+    with torch.no_grad():
+        for w in reversed(staged.written):
+            _scatter(params[w.param].data.view(-1), w.index, w.old)
+    staged.written = []
+
+
+def _scatter(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """`flat[index] = values`. On the CPU through numpy views of the bit patterns: a scattered
+    write is bound by memory, and numpy's loop holds the pause about a third shorter than
+    `index_copy_` does there (and has no bfloat16 type, hence the integer views)."""
+    if flat.device.type != "cpu":
+        flat.index_copy_(0, index, values)
+        return
+    ints = _INT_OF_WIDTH[flat.element_size()]
+    flat.view(ints).numpy()[index.numpy()] = values.view(ints).numpy()
+
+
+def parameter_checksums(params: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """sha256 of every parameter's bytes as held (its own dtype and layout): two engines with
+    equal digests hold bit-identical weights."""
+    digests: dict[str, str] = {}
+    with torch.no_grad():
+        for name, tensor in params.items():
+            t = tensor.detach().contiguous().reshape(-1)
+            if t.device.type != "cpu":
+                t = t.cpu()
+            raw = t.view(_INT_OF_WIDTH[t.element_size()]).numpy()
+            digests[name] = hashlib.sha256(raw.view(np.uint8).data).hexdigest()
+    return digests

@@ -1,0 +1,196 @@
+"""The vLLM worker extension: sparse hot loads inside vLLM's workers.
+
+Start vLLM with `--worker-extension-cls hotload_patch.vllm.HotloadWorkerExtension` (this
+package on its PYTHONPATH: the operator's pods have the loader copy it onto the weights volume).
+vLLM mixes the class into every worker, and its dev-mode `POST /collective_rpc` calls these
+methods on every rank, returning one result per rank. The loader's vLLM adapter drives them:
+
+    hotload_describe          protocol, rank, why this engine cannot take patches (if it cannot)
+    hotload_weights_changed   after a full load: checksum the served weights in the background
+    hotload_stage             stage a patch file in the background (returns at once)
+    hotload_poll              the background work's state; once done, the served region sums and
+                              the patch's sum changes, for the adapter to verify over all ranks
+    hotload_apply             write the staged patch (the adapter has paused generation)
+    hotload_rollback          put back what the last apply replaced
+    hotload_discard           drop a staged patch
+    hotload_parameter_checksums   sha256 of every parameter as held (tests, audits)
+
+Every method answers a JSON object and never raises for a refused patch: `{"error": {"reason",
+"message", "tensor"}}` says why, and the weights are unchanged.
+
+On the CPU, vLLM repacks linear weights for its GEMM kernels (oneDNN) and frees the originals,
+which leaves nothing a patch could write into. With this extension loaded, vLLM keeps them as
+they are and multiplies with `torch.nn.functional.linear` instead (set
+HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS=0 to keep vLLM's kernels; patches are then refused with
+`kernel_format` and the loader reloads in full). GPUs compute with the weights as loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch.nn import functional
+
+from hotload_patch import PROTOCOL
+from hotload_patch.checkpoint import checkpoint_specs
+from hotload_patch.errors import PatchError
+from hotload_patch.placement import LoaderHost
+from hotload_patch.session import Patcher
+from hotload_patch.staging import parameter_checksums
+
+PLAIN_ENV = "HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS"
+
+
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    return functional.linear(x, weight, bias)
+
+
+def _keep_weights(layer: torch.nn.Module, remove_weight: bool) -> None:
+    """Stands in for vLLM's `dispatch_cpu_unquantized_gemm`: keep the weight, plain GEMM."""
+    # vLLM's CPU linear methods call `layer.cpu_linear(x, weight, bias)`.
+    layer.__dict__["cpu_linear"] = _plain_linear
+
+
+def keep_plain_cpu_weights() -> bool:
+    """On vLLM's CPU platform (unless HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS=0), make layers loaded
+    from now on keep their weights unpacked; True when it did. Runs when vLLM imports this
+    module, which it does while building its workers, before it loads the model."""
+    if os.environ.get(PLAIN_ENV, "1") == "0":
+        return False
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return False
+        import vllm.model_executor.layers.utils as layer_utils
+    except ImportError:
+        return False
+    layer_utils.dispatch_cpu_unquantized_gemm = _keep_weights
+    return True
+
+
+PLAIN_CPU_WEIGHTS = keep_plain_cpu_weights()
+
+
+def kernel_problems(model: torch.nn.Module) -> list[str]:
+    """Why vLLM holds some weights in a format a patch cannot follow: quantised layers, or
+    linear layers repacked for the CPU kernels. One line per kind, with an example layer."""
+    try:
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+            VocabParallelEmbedding,
+        )
+    except ImportError as exc:
+        return [f"this vLLM lacks the layers the extension knows: {exc}"]
+    found: dict[str, list[str]] = {}
+    plain = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(module, LinearBase | VocabParallelEmbedding):
+            if method is not None and not isinstance(method, plain):
+                found.setdefault(f"quantised weights ({type(method).__name__})", []).append(name)
+            linear = getattr(module, "cpu_linear", None)
+            if linear is not None and linear is not _plain_linear:
+                kind = "weights repacked for vLLM's CPU kernels (HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS=0)"
+                found.setdefault(kind, []).append(name)
+        elif method is not None and type(method).__name__.startswith(("Unquantized", "BaseKV")):
+            continue
+        elif method is not None and hasattr(module, "weight"):
+            found.setdefault(f"layers a patch cannot follow ({type(method).__name__})", []).append(
+                name
+            )
+    return [f"{kind}: {len(names)} layer(s), e.g. {names[0]}" for kind, names in found.items()]
+
+
+class HotloadWorkerExtension:
+    """Methods vLLM adds to its worker class (see the module docstring). State lives on the
+    worker instance under one attribute, so nothing clashes with vLLM's own names."""
+
+    def _hotload(self) -> Patcher:
+        patcher = self.__dict__.get("_hotload_patcher")
+        if patcher is None:
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            patcher = Patcher(LoaderHost(model, lambda: kernel_problems(model)))
+            self.__dict__["_hotload_patcher"] = patcher
+            patcher.weights_changed(checkpoint_specs(self._hotload_folder()))
+        return patcher
+
+    def _hotload_folder(self) -> str:
+        return str(self.model_runner.vllm_config.model_config.model)  # type: ignore[attr-defined]
+
+    def _hotload_rank(self) -> int:
+        return int(getattr(self, "rank", 0))
+
+    def hotload_describe(self) -> dict[str, Any]:
+        """The protocol, this rank, and why patches cannot be taken here ([] when they can)."""
+        try:
+            problems = self._hotload().host.problems()
+        except PatchError as exc:
+            problems = [str(exc)]
+        return {
+            "protocol": PROTOCOL,
+            "rank": self._hotload_rank(),
+            "plain_cpu_weights": PLAIN_CPU_WEIGHTS,
+            "problems": problems,
+        }
+
+    def hotload_weights_changed(self, folder: str | None = None) -> dict[str, Any]:
+        """The weights were loaded in full (from `folder`, default vLLM's model path): read
+        their checksums again in the background."""
+        return _answer(lambda: self._hotload_changed(folder))
+
+    def _hotload_changed(self, folder: str | None) -> dict[str, Any]:
+        self._hotload().weights_changed(checkpoint_specs(folder or self._hotload_folder()))
+        return {"rank": self._hotload_rank()}
+
+    def hotload_stage(self, path: str, identity: str, parent: str) -> dict[str, Any]:
+        """Stage the patch file `path` in the background; poll with `hotload_poll`."""
+        return _answer(lambda: self._hotload_stage(path, identity, parent))
+
+    def _hotload_stage(self, path: str, identity: str, parent: str) -> dict[str, Any]:
+        self._hotload().stage(path, identity=identity, parent=parent)
+        return {"rank": self._hotload_rank(), "state": "pending"}
+
+    def hotload_poll(self) -> dict[str, Any]:
+        """The background work's state; when both the served checksums and the staging are
+        ready, their region sums too."""
+        patcher = self._hotload()
+        state = patcher.state()
+        state["rank"] = self._hotload_rank()
+        if state["served"] == "ready" and state["staging"] == "ready":
+            staged = patcher.staged()
+            state["served_sums"] = [s.to_json() for s in patcher.served()]
+            state["deltas"] = [d.to_json() for d in staged.deltas]
+            state["stage"] = staged.summary()
+        return state
+
+    def hotload_apply(self) -> dict[str, Any]:
+        """Write the staged patch; the old values come back on any failure."""
+        return _answer(lambda: {"rank": self._hotload_rank(), **self._hotload().apply().summary()})
+
+    def hotload_rollback(self) -> dict[str, Any]:
+        """Put back what the last apply replaced."""
+        return _answer(
+            lambda: {"rank": self._hotload_rank(), "rolled_back": self._hotload().rollback()}
+        )
+
+    def hotload_discard(self) -> dict[str, Any]:
+        """Drop a staged patch."""
+        self._hotload().discard()
+        return {"rank": self._hotload_rank()}
+
+    def hotload_parameter_checksums(self) -> dict[str, Any]:
+        """sha256 of every parameter with storage, as held."""
+        params = self._hotload().host.parameters()
+        return {"rank": self._hotload_rank(), "checksums": parameter_checksums(params)}
+
+
+def _answer(call: Any) -> dict[str, Any]:
+    try:
+        result: dict[str, Any] = call()
+        return result
+    except PatchError as exc:
+        return {"error": exc.to_json()}
