@@ -282,6 +282,10 @@ async def test_a_production_pod_spec_passes_restricted_pod_security(
             assert spec["imagePullSecrets"] == [{"name": "registry"}]
             # vLLM's inference-only front is in the pod the restricted standard admits.
             assert [c["name"] for c in spec["containers"]] == ["engine", "front"]
+            # And vLLM imports hotload's extension from the claim's folder (sparse hot loads).
+            engine = spec["containers"][0]
+            assert {"name": "PYTHONPATH", "value": "/weights/.hotload/python"} in engine["env"]
+            assert "hotload_patch.vllm.HotloadWorkerExtension" in engine["command"]
 
             def admitted(component: str) -> Callable[[], Awaitable[list[JSON]]]:
                 async def pods() -> list[JSON]:

@@ -323,6 +323,115 @@ def test_engine_command_per_kind() -> None:
     assert (_flag(vllm, "--host"), _flag(vllm, "--port")) == ("127.0.0.1", "18001")
 
 
+def _env(container: JSON) -> list[tuple[str, str]]:
+    return [(e["name"], e.get("value", "")) for e in container.get("env", [])]
+
+
+@pytest.mark.parametrize("volume", ["emptyDir", "persistentVolumeClaim"])
+def test_vllm_imports_the_extension_the_loader_copies_onto_the_volume(volume: str) -> None:
+    """vLLM starts with hotload's worker extension, imported from the folder of the weights
+    volume the loader copies `hotload_patch` into: the engine's PYTHONPATH names it as the engine
+    sees the volume, which is where the loader writes (same mount path, same subPath)."""
+    import kubernetes_validate
+
+    from hotload_sidecar.extension import needs_extension
+
+    weights = (
+        {"type": "persistentVolumeClaim", "claimName": "weights-a"}
+        if volume == "persistentVolumeClaim"
+        else {}
+    )
+    hld = deployment(
+        engine={"image": "e:1", "kind": "vllm", "args": ["--max-model-len", "4096"]},
+        adapters={"enabled": True, "baseModel": "base"},
+        weightsVolume=weights,
+    )
+    dep = next(o for o in build_children(hld) if o["kind"] == "Deployment")
+    kubernetes_validate.validate(dep, "1.33", strict=True)
+    pod = dep["spec"]["template"]
+    engine, loader = _container(pod, "engine"), _container(pod, "loader", "initContainers")
+    command = engine["command"]
+    # After the operator's base arguments, before the LoRA flags and the user's arguments.
+    at = command.index("--worker-extension-cls")
+    assert command[at + 1] == "hotload_patch.vllm.HotloadWorkerExtension"
+    assert command.index("--port") < at < command.index("--enable-lora")
+    assert command[-2:] == ["--max-model-len", "4096"]
+    assert ("PYTHONPATH", "/weights/.hotload/python") in _env(engine)
+    assert [name for name, _ in _env(engine)].count("PYTHONPATH") == 1
+    # The loader copies for this engine kind, into its weights dir's .hotload/python ...
+    loader_env = dict(_env(loader))
+    assert needs_extension(loader_env["HOTLOAD_ENGINE"])
+    assert f"{loader_env['HOTLOAD_WEIGHTS_DIR']}/.hotload/python" == "/weights/.hotload/python"
+    # ... which is the engine's folder: the same volume, path and subPath, read-only there.
+    (engine_mount,) = [m for m in engine["volumeMounts"] if m["name"] == "weights"]
+    (loader_mount,) = [m for m in loader["volumeMounts"] if m["name"] == "weights"]
+    assert engine_mount == {**loader_mount, "readOnly": True}
+    assert engine_mount.get("subPath") == ("fleet" if volume == "persistentVolumeClaim" else None)
+
+
+def test_a_users_pythonpath_comes_after_the_extensions() -> None:
+    """A PYTHONPATH the user sets (spec.engine.env, else spec.podTemplate) is kept after the
+    extension's folder, in one entry where the user's was; SGLang and the reference engine get
+    neither the folder nor the flag, and keep the user's variables as they are."""
+    env = [
+        {"name": "A", "value": "1"},
+        {"name": "PYTHONPATH", "value": "/opt/plugins:$(A)"},
+        {"name": "B", "value": "2"},
+    ]
+    vllm = _container(_pod(deployment(engine={"image": "e", "kind": "vllm", "env": env})), "engine")
+    assert _env(vllm) == [
+        ("A", "1"),
+        ("PYTHONPATH", "/weights/.hotload/python:/opt/plugins:$(A)"),
+        ("B", "2"),
+        ("VLLM_SERVER_DEV_MODE", "1"),
+    ]
+    # Set twice (the kubelet takes the last one): one entry, with the last value.
+    twice = [{"name": "PYTHONPATH", "value": "/a"}, {"name": "PYTHONPATH", "value": "/b"}]
+    pod = _pod(deployment(engine={"image": "e", "kind": "vllm", "env": twice}))
+    assert [v for n, v in _env(_container(pod, "engine")) if n == "PYTHONPATH"] == [
+        "/weights/.hotload/python:/b"
+    ]
+    # Empty: just the extension's folder.
+    empty = [{"name": "PYTHONPATH", "value": ""}]
+    pod = _pod(deployment(engine={"image": "e", "kind": "vllm", "env": empty}))
+    assert ("PYTHONPATH", "/weights/.hotload/python") in _env(_container(pod, "engine"))
+    # From the pod template, merged into the operator's entry rather than replaced by it.
+    template = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "engine",
+                    "env": [
+                        {"name": "PYTHONPATH", "value": "/opt/site"},
+                        {"name": "NCCL_DEBUG", "value": "INFO"},
+                    ],
+                }
+            ]
+        }
+    }
+    pod = _pod(deployment(engine={"image": "e", "kind": "vllm"}, podTemplate=template))
+    merged = _env(_container(pod, "engine"))
+    assert [v for n, v in merged if n == "PYTHONPATH"] == ["/weights/.hotload/python:/opt/site"]
+    assert ("NCCL_DEBUG", "INFO") in merged
+    # spec.engine.env wins over the template, as for every variable the operator sets.
+    both = deployment(
+        engine={"image": "e", "kind": "vllm", "env": [{"name": "PYTHONPATH", "value": "/spec"}]},
+        podTemplate=template,
+    )
+    assert [v for n, v in _env(_container(_pod(both), "engine")) if n == "PYTHONPATH"] == [
+        "/weights/.hotload/python:/spec"
+    ]
+    for kind in ("reference", "sglang"):
+        pod = _pod(deployment(engine={"image": "e", "kind": kind, "env": env}))
+        engine = _container(pod, "engine")
+        assert _env(engine) == [(e["name"], e["value"]) for e in env], kind
+        assert "--worker-extension-cls" not in engine["command"], kind
+        assert not any(".hotload/python" in arg for arg in engine["command"]), kind
+        assert (
+            _env(_container(_pod(deployment(engine={"image": "e", "kind": kind})), "engine")) == []
+        )
+
+
 @pytest.mark.parametrize("kind", ["reference", "vllm", "sglang"])
 def test_only_the_inference_api_reaches_the_serving_port(kind: str) -> None:
     """The pod's `http` port (Service, router, probes, NetworkPolicies) belongs to a listener

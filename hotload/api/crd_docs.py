@@ -94,6 +94,11 @@ _POD_TEMPLATE_DOCS = [
     "probes, `restartPolicy`, the variables the operator sets, the mounts of `/weights`, "
     "`/var/run/hotload/bucket` and `/dev/shm`, the resources `spec.engine` and `spec.loader` "
     "set | the operator; the template adds variables, mounts, resources and other fields |",
+    "| vLLM's engine: `--worker-extension-cls hotload_patch.vllm.HotloadWorkerExtension` in "
+    "`command` (before `spec.engine.args`) and `PYTHONPATH` | the operator: `PYTHONPATH` starts "
+    "with `/weights/.hotload/python`, where the loader copies hotload's extension (sparse hot "
+    "loads) at start-up; a `PYTHONPATH` of `spec.engine.env` (else of the template) follows "
+    "it, joined with `:`, in one variable |",
     "| volumes `weights`, `bucket-credentials`, `dshm` | the operator (`spec.weightsVolume`, "
     "`spec.bucket.credentialsSecret`, `spec.engine.shmSize`) |",
     "| `securityContext` of the pod and of each container | defaults the template may change: "

@@ -41,6 +41,14 @@ LABEL_SEQUENCE: Final = "hotload.dev/snapshot-sequence"
 LABEL_DEPLOYMENT: Final = "hotload.dev/deployment"
 LABEL_COMPONENT: Final = "hotload.dev/component"
 
+# --- the engine side of sparse hot loads, on the weights volume -------------------------------
+
+#: Where, relative to the weights folder, the loader copies `hotload_patch` for an engine whose
+#: image lacks hotload (vLLM): the operator puts this folder on the engine's PYTHONPATH.
+ENGINE_PYTHONPATH_DIR: Final = ".hotload/python"
+#: The vLLM worker extension class of sparse hot loads (`--worker-extension-cls`).
+VLLM_WORKER_EXTENSION: Final = "hotload_patch.vllm.HotloadWorkerExtension"
+
 # SnapshotLoaded=True: the engine serves a verified snapshot from the ledger ...
 REASON_CURRENT: Final = "Current"  # ... and it is the ledger head
 REASON_UPDATING: Final = "Updating"  # ... and a newer one is being fetched or loaded

@@ -7,12 +7,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotload.api.models import HotLoadDeployment, Snapshot
-from hotload.api.names import API_VERSION, DEPLOYMENT_KIND, LABEL_COMPONENT, LABEL_DEPLOYMENT
+from hotload.api.names import (
+    API_VERSION,
+    DEPLOYMENT_KIND,
+    ENGINE_PYTHONPATH_DIR,
+    LABEL_COMPONENT,
+    LABEL_DEPLOYMENT,
+)
 from hotload.ledger.pins import pin_key
 
 JSON = dict[str, Any]
 
 WEIGHTS_MOUNT = "/weights"
+#: The engine's PYTHONPATH entry for hotload's vLLM extension: the loader copies `hotload_patch`
+#: there at start-up. The loader and the engine mount the same folder of the volume (the same
+#: subPath on a claim) at `WEIGHTS_MOUNT`, so this path names the same folder in both.
+ENGINE_PYTHONPATH = f"{WEIGHTS_MOUNT}/{ENGINE_PYTHONPATH_DIR}"
 CREDENTIALS_MOUNT = "/var/run/hotload/bucket"
 LOADER_PORT = 8091
 ROUTER_PORT = 8080

@@ -7,11 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from hotload.api.models import HotLoadDeployment
-from hotload.api.names import CONDITION_SNAPSHOT_LOADED
+from hotload.api.names import CONDITION_SNAPSHOT_LOADED, VLLM_WORKER_EXTENSION
 from hotload.router import FRONT_HEALTH_PATH, build_front_args
 from hotload_operator.meta import (
     CREDENTIALS_MOUNT,
     ENGINE_LOOPBACK_PORT,
+    ENGINE_PYTHONPATH,
     LOADER_PORT,
     WEIGHTS_MOUNT,
     OperatorImages,
@@ -52,6 +53,8 @@ def engine_command(hld: HotLoadDeployment) -> list[str]:
     elif engine.kind == "vllm":
         base = ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", model]
         base += ["--served-model-name", name_of(hld), "--host", "127.0.0.1", "--port", loopback]
+        # Sparse hot loads inside vLLM's workers, imported from the volume (`engine_env`).
+        base += ["--worker-extension-cls", VLLM_WORKER_EXTENSION]
     else:
         base = ["python3", "-m", "sglang.launch_server", "--model-path", model]
         base += ["--served-model-name", name_of(hld), "--host", "127.0.0.1", "--port", loopback]
@@ -266,14 +269,14 @@ def build_pod_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
     the `hotload.dev/SnapshotLoaded` readiness gate and image pull secrets, laid over
     `spec.podTemplate`, which lies over the secure defaults (`security_defaults`). What the
     operator sets wins; the template adds or sets everything else."""
-    owned = _owned_template(hld, images)
     user: JSON = {}
     if hld.spec.pod_template is not None:
         user = hld.spec.pod_template.model_dump(by_alias=True, exclude_none=True, mode="json")
+    owned = _owned_template(hld, images, user)
     return dict(overlay(overlay(security_defaults(hld), user), owned))
 
 
-def _owned_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
+def _owned_template(hld: HotLoadDeployment, images: OperatorImages, user: JSON) -> JSON:
     spec = hld.spec
     engine = spec.engine
     volumes: list[JSON] = [weights_volume(hld)]
@@ -306,7 +309,7 @@ def _owned_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
     if images.loader_pull_policy:
         loader["imagePullPolicy"] = images.loader_pull_policy
     ready_path = "/ready" if engine.kind == "reference" else "/health"
-    containers = [_engine_container(hld, volumes, ready_path)]
+    containers = [_engine_container(hld, volumes, ready_path, user)]
     if has_front(hld):
         containers.append(_front_container(hld, images))
     pod_spec: JSON = {
@@ -326,16 +329,55 @@ def _owned_template(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
     return {"metadata": {"labels": labels(hld, "engine")}, "spec": pod_spec}
 
 
-def _engine_container(hld: HotLoadDeployment, volumes: list[JSON], ready_path: str) -> JSON:
-    """The engine; adds its shared-memory volume to `volumes` when it has one."""
+#: The variable whose value the operator merges with the user's (vLLM pods).
+PYTHONPATH = "PYTHONPATH"
+
+
+def engine_env(hld: HotLoadDeployment, template_pythonpath: str | None = None) -> list[JSON]:
+    """The engine container's variables: `spec.engine.env`, then the operator's. For vLLM,
+    PYTHONPATH starts with `ENGINE_PYTHONPATH` (where the loader copies `hotload_patch`, the
+    `--worker-extension-cls` vLLM imports), followed by the user's own PYTHONPATH: the last one
+    `spec.engine.env` sets, else `template_pythonpath` (the one `spec.podTemplate` sets for the
+    engine), joined with ':'. One entry only, where the user's first one was."""
+    spec = hld.spec
+    env: list[JSON] = [e.to_json() for e in spec.engine.env]
+    if spec.engine.kind != "vllm":
+        return env
+    set_by_spec = [e.get("value") for e in env if e["name"] == PYTHONPATH]
+    theirs = set_by_spec[-1] if set_by_spec else template_pythonpath
+    # In place of the user's first entry, so `$(VAR)` references in it still expand.
+    at = next((i for i, e in enumerate(env) if e["name"] == PYTHONPATH), len(env))
+    env = [e for e in env if e["name"] != PYTHONPATH]
+    merged = ":".join(filter(None, (ENGINE_PYTHONPATH, theirs)))
+    env.insert(at, {"name": PYTHONPATH, "value": merged})
+    env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})
+    if spec.adapters.enabled:
+        # Without it vLLM has no /v1/load_lora_adapter route at all.
+        env.append({"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"})
+    return env
+
+
+def _template_env_value(template: JSON, container: str, name: str) -> str | None:
+    """The plain value the pod template gives variable `name` of `container` (the last one
+    set), or None."""
+    found: str | None = None
+    for c in (template.get("spec") or {}).get("containers") or []:
+        if isinstance(c, dict) and c.get("name") == container:
+            for e in c.get("env") or []:
+                if isinstance(e, dict) and e.get("name") == name and "value" in e:
+                    found = str(e["value"])
+    return found
+
+
+def _engine_container(
+    hld: HotLoadDeployment, volumes: list[JSON], ready_path: str, user: JSON
+) -> JSON:
+    """The engine; adds its shared-memory volume to `volumes` when it has one. `user` is the
+    pod template laid under the pod (read for the engine's PYTHONPATH)."""
     spec = hld.spec
     engine = spec.engine
-    engine_env: list[JSON] = [e.to_json() for e in engine.env]
-    if engine.kind == "vllm":
-        engine_env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})
-        if spec.adapters.enabled:
-            # Without it vLLM has no /v1/load_lora_adapter route at all.
-            engine_env.append({"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"})
+    template_pythonpath = _template_env_value(user, "engine", PYTHONPATH)
+    env = engine_env(hld, template_pythonpath)
     engine_mounts = [_weights_mount(hld, read_only=True)]
     if (shm := shm_volume(hld)) is not None:
         volumes.append(shm)
@@ -355,8 +397,8 @@ def _engine_container(hld: HotLoadDeployment, volumes: list[JSON], ready_path: s
     }
     if not has_front(hld):
         engine_container["ports"] = [{"name": "http", "containerPort": engine.port}]
-    if engine_env:
-        engine_container["env"] = engine_env
+    if env:
+        engine_container["env"] = env
     if resources := _resources(hld):
         engine_container["resources"] = resources
     return engine_container

@@ -15,6 +15,7 @@ from hotload.errors import HotloadError
 from hotload.ledger import Ledger
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import Timeouts, make_adapter
+from hotload_sidecar.extension import prepare_engine_extension
 from hotload_sidecar.loader import Loader
 from hotload_sidecar.server import create_app
 from hotload_sidecar.status import LocalReporter, Reporter
@@ -72,12 +73,16 @@ def build_loader(settings: Settings, reporter: Reporter) -> Loader:
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     """Run the loader and its endpoints until `stop` is set (or SIGTERM/SIGINT arrives); raise
-    `LoaderCrashedError` as soon as the loader loop dies on its own."""
+    `LoaderCrashedError` as soon as the loader loop dies on its own. First, for an engine that
+    imports hotload's extension from the volume (vLLM), copy it there (`extension.py`)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    # Before anything can answer /startup: the engine starts only after that probe passed, and
+    # vLLM imports its extension from the volume (a failure ends the process, naming the path).
+    await prepare_engine_extension(settings.weights_dir, settings.engine_kind)
     local = LocalReporter()
     reporter = await _reporter(settings, local)
     loader = build_loader(settings, reporter)

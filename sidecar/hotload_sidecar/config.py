@@ -245,6 +245,10 @@ after it) into WEIGHTS_DIR/snapshots/<identity>, points WEIGHTS_DIR/current at i
 follows the ledger: each new head is fetched, rebuilt, verified, switched to and hot-loaded.
 With a pin (--pin, or a --pin-object that exists) it serves the pinned snapshot instead and
 never moves past it; a pin whose chain the ledger no longer holds is reported, not served.
+Before all that, with --engine vllm, it copies its own hotload_patch package (vLLM's worker
+extension for sparse loads) to WEIGHTS_DIR/.hotload/python, on the engine's PYTHONPATH (started
+with --worker-extension-cls hotload_patch.vllm.HotloadWorkerExtension); an identical copy is
+kept, and a volume it cannot write to ends the loader with code 1, naming the path.
 Exit codes: 0 stopped by a signal, 1 a fatal error (message on stderr), 2 bad settings.
 """
 

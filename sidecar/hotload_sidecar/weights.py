@@ -6,13 +6,15 @@
 <root>/.hotload/staging/        snapshots being rebuilt (renamed into snapshots/ when verified)
 <root>/.hotload/downloads/      deltas and full snapshots being fetched
 <root>/.hotload/early/          the same two, for hinted snapshots not yet admitted (early fetch)
+<root>/.hotload/python/         code the engine imports (vLLM's extension, `extension.py`): kept
 <root>/adapters/<identity>/     verified LoRA adapters, one weight file each (what engines load)
 ```
 
 A folder appears under `snapshots/` only by an atomic rename after every tensor verified, so a
 loader restarted at any moment finds either nothing or a whole snapshot there, and leftovers in
-`.hotload/` are simply removed. The engine boots from `current`; the loader hot-loads the stable
-`snapshots/<identity>` path.
+`.hotload/`'s work folders are simply removed (never `.hotload/python/`: the engine imports from
+it, and `extension.py` keeps it whole). The engine boots from `current`; the loader hot-loads
+the stable `snapshots/<identity>` path.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+from hotload.api.names import ENGINE_PYTHONPATH_DIR
 from hotload.errors import HotloadError
 from hotload.fileio import fsync_dir
 from hotload.snapshot import validate_identity
@@ -47,6 +50,9 @@ class WeightsFolder:
         #: Early fetch works apart (`early/downloads`, `early/staging`), so an update building
         #: the same identity the normal way never shares a folder with a background rebuild.
         self.early_root = self.work / "early"
+        #: The engine's importable code (`extension.py`): not a work folder, so `prepare` keeps
+        #: it, and not under `snapshots/`, so it is never taken for a snapshot.
+        self.python_root = self.root / ENGINE_PYTHONPATH_DIR
         self.current_link = self.root / CURRENT
         self.adapters = self.root / ADAPTERS
 
