@@ -188,7 +188,12 @@ class _Recorder(TorchFunctionMode):
                 self._record(owner, first, args[1])
                 return first
             if op == "__setitem__" and len(args) == 3:
-                self._record(owner, first[args[1]], args[2])
+                view = first[args[1]]
+                if view.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+                    # Advanced indexing gives a copy: where it writes is not a view's geometry.
+                    self.problems.append(f"its loader writes {owner[0]} through advanced indexing")
+                else:
+                    self._record(owner, view, args[2])
                 return None
         if op in _CONSTANT_FILLS and self._owner(first) is not None:
             # Padding (a vocabulary rounded up): constant, the same in every load, so a patch

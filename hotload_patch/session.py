@@ -33,15 +33,23 @@ class Patcher:
         )
         self._lock = threading.Lock()
         self._specs: Specs | None = None
+        #: The folder the served weights were last loaded from in full (patches since then
+        #: included), when the engine says: lets it notice a reload it was not told about.
+        self.source: str | None = None
         self._served: Future[list[RegionSum]] | None = None
         self._staging: Future[Staged] | None = None
         self._applied: Staged | None = None
 
-    def weights_changed(self, specs: Specs | None = None, *, loaded: bool = True) -> None:
-        """The served weights changed (`loaded`: a full load, whose old values a rollback can no
-        longer restore; else a patch): checksum them again in the background. `specs` names
-        the checkpoint's tensors (kept from the last call when None)."""
+    def weights_changed(
+        self, specs: Specs | None = None, *, loaded: bool = True, source: str | None = None
+    ) -> None:
+        """The served weights changed (`loaded`: a full load from folder `source`, whose old
+        values a rollback can no longer restore; else a patch): checksum them again in the
+        background. `specs` names the checkpoint's tensors (kept from the last call when
+        None)."""
         with self._lock:
+            if loaded:
+                self.source = source
             if specs is not None:
                 self._specs = specs
             if loaded:
@@ -70,7 +78,7 @@ class Patcher:
         is under way); a patch staged before is dropped."""
         with self._lock:
             self._staging = self._pool.submit(
-                stage, self.host, path, identity=identity, parent=parent
+                stage, self.host, path, identity=identity, parent=parent, specs=self._specs
             )
             return self._staging
 

@@ -31,19 +31,17 @@ import torch
 from hotload_patch.checkpoint import Specs
 from hotload_patch.dtypes import ELEMENT_SIZE, from_torch, torch_dtype, uint_view_dtype
 from hotload_patch.errors import PatchError
-from hotload_patch.format import PatchFile, PatchTensor, format_checksum
+from hotload_patch.format import PatchFile, PatchTensor
 from hotload_patch.placement import Host, Slot
 from hotload_patch.sums import (
     MOD,
     Region,
     RegionSum,
-    combine_regions,
     delta_partial,
-    distinct_regions,
     rows_partial,
-    shift,
     span_partial,
 )
+from hotload_patch.verify import TensorCheck
 
 #: (checkpoint dtype, held dtype) pairs whose conversion is exact and reversible.
 EXACT_WIDENING = {("BF16", "F32"), ("F16", "F32"), ("BF16", "F64"), ("F16", "F64"), ("F32", "F64")}
@@ -51,21 +49,6 @@ _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_WIDTH: dict[int, Any] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 #: Elements read at once when checksumming the served weights (bounds the extra memory).
 CHUNK_ELEMENTS = 1 << 24
-
-
-@dataclass(frozen=True)
-class TensorCheck:
-    """What the delta promises of one checkpoint tensor: size, parent and result checksums."""
-
-    numel: int
-    nbytes: int
-    base: int
-    target: int
-
-
-def checks_of(tensors: list[PatchTensor]) -> dict[str, TensorCheck]:
-    """The checksum promises of a patch's tensors, by name."""
-    return {t.name: TensorCheck(t.numel, t.nbytes, t.base_checksum, t.checksum) for t in tensors}
 
 
 @dataclass
@@ -199,9 +182,12 @@ def _chunk(view: torch.Tensor, flat: torch.Tensor | None, first: int, count: int
 # --- staging and writing -------------------------------------------------------------------------
 
 
-def stage(host: Host, path: str | Path, *, identity: str, parent: str) -> Staged:
+def stage(
+    host: Host, path: str | Path, *, identity: str, parent: str, specs: Specs | None = None
+) -> Staged:
     """Place, convert and check the patch at `path` for this engine (see the module docstring);
-    raises `PatchError` and changes nothing."""
+    `specs`, the served checkpoint's tensors, must be the patch's, with the same shapes and
+    dtypes. Raises `PatchError` and changes nothing."""
     started = time.perf_counter()
     where = str(path)
     problems = host.problems()
@@ -216,6 +202,8 @@ def stage(host: Host, path: str | Path, *, identity: str, parent: str) -> Staged
                 raise PatchError(
                     f"the patch {what} {got!r}, not {want!r}", reason="wrong_patch", path=where
                 )
+        if specs is not None:
+            _check_specs(pf.tensors, specs, where)
         params = host.parameters()
         parts: dict[str, list[tuple[Slot, np.ndarray, torch.Tensor, torch.Tensor]]] = {}
         deltas: list[RegionSum] = []
@@ -254,6 +242,35 @@ def stage(host: Host, path: str | Path, *, identity: str, parent: str) -> Staged
     return Staged(where, identity, parent, writes, deltas, checks, changed, nbytes, seconds)
 
 
+def _check_specs(tensors: list[PatchTensor], specs: Specs, where: str) -> None:
+    names = {t.name for t in tensors}
+    for t in tensors:
+        held = specs.get(t.name)
+        if held is None:
+            raise PatchError(
+                "the served checkpoint has no such tensor",
+                reason="weights_mismatch",
+                tensor=t.name,
+                path=where,
+            )
+        if held != (tuple(t.shape), t.dtype):
+            raise PatchError(
+                f"shape/dtype {list(t.shape)} {t.dtype} differs from the served checkpoint's "
+                f"{list(held[0])} {held[1]}",
+                reason="weights_mismatch",
+                tensor=t.name,
+                path=where,
+            )
+    missing = sorted(specs.keys() - names)
+    if missing:
+        raise PatchError(
+            f"missing from the patch ({len(missing)} tensor(s) the served checkpoint has)",
+            reason="weights_mismatch",
+            tensor=missing[0],
+            path=where,
+        )
+
+
 def _merge(param: str, items: list[tuple[Slot, np.ndarray, torch.Tensor, torch.Tensor]]) -> Write:
     """One parameter's writes from all its slots. Two slots over the same elements (tied
     weights: one tensor under two checkpoint names) must write the same values."""
@@ -288,64 +305,44 @@ def _disjoint(regions: list[Region]) -> bool:
     return all(a[0] + a[1] <= b[0] for a, b in pairwise(ordered))
 
 
-def verify(
-    checks: Mapping[str, TensorCheck], served: list[RegionSum], deltas: list[RegionSum]
-) -> None:
-    """Check, over every rank's results, that the engine holds the patch's parent and that the
-    patch gives the delta's result; raises `PatchError` (parent_mismatch, checksum_mismatch)."""
-    sizes = {n: (c.numel, c.nbytes) for n, c in checks.items()}
-    held = combine_regions([s for s in served if s.tensor in sizes], sizes)
-    for name, check in checks.items():
-        if name not in held:
-            if any(d.tensor == name for d in deltas):
-                raise PatchError(
-                    "the engine has no checksum of the weights it serves here",
-                    reason="parent_mismatch",
-                    tensor=name,
-                )
-            continue
-        if held[name] != check.base:
-            raise PatchError(
-                f"the served weights have checksum {format_checksum(held[name])}, the patch's "
-                f"parent {format_checksum(check.base)}: the engine does not hold the parent",
-                reason="parent_mismatch",
-                tensor=name,
-            )
-    for name, regions in distinct_regions(deltas).items():
-        predicted = shift(held[name], regions.values())
-        if predicted != checks[name].target:
-            raise PatchError(
-                f"the patch's changes would give checksum {format_checksum(predicted)}, the "
-                f"delta promises {format_checksum(checks[name].target)}: the patch is corrupted",
-                reason="checksum_mismatch",
-                tensor=name,
-            )
-
-
 def apply(staged: Staged, params: Mapping[str, torch.Tensor]) -> None:
     """Write a staged patch; on any failure put back every value written and raise
     `PatchError` (write_failed). Only writes: nothing here allocates much or reads the file."""
     staged.written = []
     with torch.no_grad():
-        try:
-            for w in staged.writes:
-                staged.written.append(w)
+        for w in staged.writes:
+            try:
                 _scatter(params[w.param].data.view(-1), w.index, w.new)
-        except Exception as exc:
-            undo(staged, params)
-            raise PatchError(
-                f"writing the patch failed: {type(exc).__name__}: {exc}",
-                reason="write_failed",
-                path=staged.path,
-            ) from exc
+            except Exception as exc:
+                # This write may have changed some elements before it failed: undo it too.
+                staged.written.append(w)
+                message = f"writing the patch failed in {w.param}: {type(exc).__name__}: {exc}"
+                try:
+                    undo(staged, params)
+                except PatchError as restore:
+                    message += f"; {restore.message}"
+                raise PatchError(message, reason="write_failed", path=staged.path) from exc
+            staged.written.append(w)
 
 
 def undo(staged: Staged, params: Mapping[str, torch.Tensor]) -> None:
-    """Put back the values a (possibly partial) `apply` replaced."""
+    """Put back the values a (possibly partial) `apply` replaced. Every write is undone that
+    can be; raises `PatchError` (write_failed) naming the parameters that could not be."""
+    failed: list[str] = []
     with torch.no_grad():
         for w in reversed(staged.written):
-            _scatter(params[w.param].data.view(-1), w.index, w.old)
+            try:
+                _scatter(params[w.param].data.view(-1), w.index, w.old)
+            except Exception:
+                failed.append(w.param)
     staged.written = []
+    if failed:
+        raise PatchError(
+            f"the old values of {', '.join(failed)} could not be put back: the engine's weights "
+            "are not known; load a full snapshot",
+            reason="write_failed",
+            path=staged.path,
+        )
 
 
 def _scatter(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:

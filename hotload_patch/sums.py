@@ -18,7 +18,6 @@ import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -75,16 +74,16 @@ class Region:
 
     def nested(self) -> bool:
         """Whether no two elements share an offset and each element's index can be read back
-        from its offset (strides sorted, each covering the dimensions after it): true of every
-        view a slice, narrow, transpose or reshape of a contiguous tensor makes."""
-        dims = sorted(
-            ((st, sz) for sz, st in zip(self.sizes, self.strides, strict=True) if sz != 1),
-            reverse=True,
-        )
-        for (stride, _), (inner_stride, inner_size) in pairwise(dims):
-            if stride < inner_stride * inner_size:
+        from its offset: taking the dimensions by increasing stride, each stride exceeds the
+        span of those before it (true of every view a slice, step, narrow, transpose or
+        reshape of a contiguous tensor makes)."""
+        dims = sorted((st, sz) for sz, st in zip(self.sizes, self.strides, strict=True) if sz != 1)
+        extent = 0
+        for stride, size in dims:
+            if stride <= extent:
                 return False
-        return all(st > 0 for st, _ in dims) and self.offset >= 0
+            extent += stride * (size - 1)
+        return self.offset >= 0
 
     def locate(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For flat element positions of the tensor (int64): which lie in the region (a mask)

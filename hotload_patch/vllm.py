@@ -115,7 +115,15 @@ class HotloadWorkerExtension:
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
             patcher = Patcher(LoaderHost(model, lambda: kernel_problems(model)))
             self.__dict__["_hotload_patcher"] = patcher
-            patcher.weights_changed(checkpoint_specs(self._hotload_folder()))
+        return patcher
+
+    def _hotload_current(self) -> Patcher:
+        """The patcher, its served checksums read again when vLLM holds weights from another
+        folder than they stand for (it started, or reloaded without telling this extension)."""
+        patcher = self._hotload()
+        folder = self._hotload_folder()
+        if patcher.source != folder:
+            patcher.weights_changed(checkpoint_specs(folder), source=folder)
         return patcher
 
     def _hotload_folder(self) -> str:
@@ -127,7 +135,7 @@ class HotloadWorkerExtension:
     def hotload_describe(self) -> dict[str, Any]:
         """The protocol, this rank, and why patches cannot be taken here ([] when they can)."""
         try:
-            problems = self._hotload().host.problems()
+            problems = self._hotload_current().host.problems()
         except PatchError as exc:
             problems = [str(exc)]
         return {
@@ -143,7 +151,8 @@ class HotloadWorkerExtension:
         return _answer(lambda: self._hotload_changed(folder))
 
     def _hotload_changed(self, folder: str | None) -> dict[str, Any]:
-        self._hotload().weights_changed(checkpoint_specs(folder or self._hotload_folder()))
+        folder = folder or self._hotload_folder()
+        self._hotload().weights_changed(checkpoint_specs(folder), source=folder)
         return {"rank": self._hotload_rank()}
 
     def hotload_stage(self, path: str, identity: str, parent: str) -> dict[str, Any]:
@@ -151,7 +160,7 @@ class HotloadWorkerExtension:
         return _answer(lambda: self._hotload_stage(path, identity, parent))
 
     def _hotload_stage(self, path: str, identity: str, parent: str) -> dict[str, Any]:
-        self._hotload().stage(path, identity=identity, parent=parent)
+        self._hotload_current().stage(path, identity=identity, parent=parent)
         return {"rank": self._hotload_rank(), "state": "pending"}
 
     def hotload_poll(self) -> dict[str, Any]:

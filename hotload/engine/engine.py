@@ -378,8 +378,7 @@ class Engine:
         """Stage and swap in `req`'s snapshot; on failure raise `ApiError` (old weights serve)."""
         runner = self._idle_runner()
         staged = await self._swap_in(req, lambda: runner.stage(req.path))
-        if self.patches is not None:
-            # The parent of the next patch: its checksums, read while it serves.
+        if self.patches is not None:  # the next patch's parent: checksummed while it serves
             self.patches.loaded(req.path)
         return {**self._loaded(req), "stage_seconds": staged.seconds}
 
@@ -388,18 +387,15 @@ class Engine:
         `req.parent`) into the served weights in place and serve `req.identity`; on failure
         raise `ApiError` (the old weights serve, none of them changed)."""
         self._idle_runner()
-        patches = self.patches
-        assert patches is not None
-        served = self.served
-        if served is None or served.identity != req.parent:
+        served, patches, parent = self.served, self.patches, req.parent
+        assert patches is not None and parent is not None
+        if served is None or served.identity != parent:
             raise ApiError(
                 409,
                 "parent_not_served",
                 f"the patch applies to {req.parent}, but this engine serves "
                 f"{served.identity if served else 'nothing yet'}: load the full snapshot",
             )
-        assert req.parent is not None
-        parent = req.parent
         staged = await self._swap_in(
             req, lambda: patches.stage(req.path, identity=req.identity, parent=parent)
         )

@@ -24,7 +24,8 @@ from hotload.engine.model import ModelRunner
 from hotload_patch.checkpoint import checkpoint_specs
 from hotload_patch.placement import IdentityHost
 from hotload_patch.session import Patcher
-from hotload_patch.staging import Staged, parameter_checksums, verify
+from hotload_patch.staging import Staged, parameter_checksums
+from hotload_patch.verify import verify
 
 
 @dataclass
