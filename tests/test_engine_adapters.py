@@ -5,7 +5,9 @@
   `/pause_generation`, `/continue_generation`, `/get_weight_version`, `/health`) — SGLang cannot
   run on these machines, so this is all that is tested of it;
 * vLLM: the dev-mode call sequence per mode and policy, and its failure paths (the real vLLM
-  runs in test_engine_vllm.py).
+  runs in test_engine_vllm.py); sparse patches through `/collective_rpc` answered by the real
+  hotload worker extension on simulated tensor-parallel ranks (test_engine_vllm_patch.py runs
+  them in a real vLLM).
 
 Error paths: engine down, timeout, rejected load — the old snapshot is still reported.
 """
@@ -14,15 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import pytest_asyncio
+import torch
 from aiohttp import web
 
+from hotload.arc.patch import prepare_patch
 from hotload.errors import (
     EngineBusyError,
     EngineError,
@@ -30,8 +35,14 @@ from hotload.errors import (
     EngineUnavailableError,
     HotloadError,
 )
+from hotload.snapshot import write_snapshot
+from hotload_patch import PROTOCOL
+from hotload_patch import vllm as vllm_extension
+from hotload_patch.staging import parameter_checksums
+from hotload_patch.vllm import HotloadWorkerExtension
 from hotload_sidecar.engines import (
     LoadRequest,
+    PatchRefusedError,
     ReferenceAdapter,
     ServedSnapshot,
     SGLangAdapter,
@@ -40,7 +51,10 @@ from hotload_sidecar.engines import (
     check_loadable,
     make_adapter,
 )
-from support.snapshots import full, weights
+from support.patch_models import ToyConfig, ToyTPModel, checkpoint_weights, load_ranks
+from support.patch_models import read_checkpoint as read_tensors
+from support.snapshots import CONFIG, full, weights
+from support.tiny_llm import sparse_steps
 
 FAST = Timeouts(request=2.0, load=2.0, drain=2.0, probe=2.0, connect=1.0)
 
@@ -611,16 +625,87 @@ async def test_sglang_engine_down(unused_tcp_port: int, snap_b: Path) -> None:
 # --- vLLM call sequences (the real engine: test_engine_vllm.py) -----------------------------------
 
 
+class FakeWorker(HotloadWorkerExtension):
+    """One rank of vLLM running the real hotload worker extension over a toy tensor-parallel
+    model (vLLM-style fused, sharded, padded and tied parameters). `answers` replaces this
+    rank's answer to a method (a failure injected); its first `pending_polls` polls report the
+    staging as still under way."""
+
+    def __init__(self, rank: int, model: ToyTPModel, folder: Path) -> None:
+        self.rank = rank
+        self.model = model
+        # What the extension reads of vLLM's model runner: the model and its start-up folder.
+        self.model_runner = SimpleNamespace(
+            get_model=lambda: model,
+            vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(folder))),
+        )
+        self.answers: dict[str, dict[str, Any]] = {}
+        self.pending_polls = 0
+
+    def call(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """What this rank answers `collective_rpc` `method`."""
+        if method in self.answers:
+            return {"rank": self.rank, **self.answers[method]}
+        if method == "hotload_poll" and self.pending_polls > 0:
+            self.pending_polls -= 1
+            return {"rank": self.rank, "served": "ready", "staging": "pending"}
+        answer: dict[str, Any] = getattr(self, method)(*args, **kwargs)
+        return answer
+
+    def checksums(self) -> dict[str, str]:
+        """sha256 of this rank's parameters, as held."""
+        return parameter_checksums(dict(self.model.named_parameters()))
+
+    def close(self) -> None:
+        """Stop the extension's background thread, if it started one."""
+        patcher = self.__dict__.get("_hotload_patcher")
+        if patcher is not None:
+            patcher.close()
+
+
+def no_such_method(method: str) -> web.Response:
+    """vLLM 0.32's answer to a collective_rpc method its workers lack (no extension loaded)."""
+    return error(
+        500,
+        "InternalServerError",
+        "Call to collective_rpc method failed: Worker failed with error "
+        f"''CPUWorker' object has no attribute '{method}'', please check the stack trace above "
+        "for the root cause",
+    )
+
+
 @dataclass
 class VLLMStub(Stub):
-    """vLLM 0.32's dev-mode endpoints as the adapter uses them; `on` injects failures."""
+    """vLLM 0.32's dev-mode endpoints as the adapter uses them; `on` injects failures (keyed by
+    endpoint, `rpc` for reload_weights, or a collective_rpc method name; a hook answering None
+    lets the call through). With `workers`, `/collective_rpc` runs the hotload extension's
+    methods on every one of them and reload_weights loads their models; without, vLLM has no
+    extension and answers its methods with an HTTP 500."""
 
     root: str = ""
     version: str = "default"
     paused: bool = False
     loaded: str = ""
-    on: dict[str, Callable[[], web.Response]] = field(default_factory=dict)
+    on: dict[str, Callable[[], web.Response | None]] = field(default_factory=dict)
     pause_delay: float = 0.0
+    workers: list[FakeWorker] = field(default_factory=list)
+    # What each rank's extension finds that a patch cannot follow (kernel_problems), by rank.
+    kernel_problems: dict[int, list[str]] = field(default_factory=dict)
+    # The extension's answers, in order: (method, one result per rank).
+    answered: list[tuple[str, list[dict[str, Any]]]] = field(default_factory=list)
+    # Whether the last hotload_poll before the pause had every rank ready (None: no pause).
+    ready_at_pause: bool | None = None
+    describe_delay: float = 0.0
+
+    def methods(self) -> list[str]:
+        """The collective_rpc methods called, in order."""
+        return [b["method"] for m, p, b in self.calls if p == "/collective_rpc"]
+
+    def trace(self) -> list[str]:
+        """Every call as 'METHOD /path', collective_rpc calls as 'rpc <method>'."""
+        return [
+            f"rpc {b['method']}" if p == "/collective_rpc" else f"{m} {p}" for m, p, b in self.calls
+        ]
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -660,6 +745,10 @@ class VLLMStub(Stub):
 
     async def pause(self, request: web.Request) -> web.Response:
         _, hooked = await self._call(request, "pause")
+        polls = [results for method, results in self.answered if method == "hotload_poll"]
+        self.ready_at_pause = bool(polls) and all(
+            r.get("served") == "ready" and r.get("staging") == "ready" for r in polls[-1]
+        )
         self.paused = True
         await asyncio.sleep(self.pause_delay)
         return hooked or web.json_response({"status": "paused"})
@@ -672,11 +761,33 @@ class VLLMStub(Stub):
         return web.json_response({"status": "resumed"})
 
     async def rpc(self, request: web.Request) -> web.Response:
-        body, hooked = await self._call(request, "rpc")
+        body = await body_of(request)
+        self.record(request, body)
+        method = body["method"]
+        hook = self.on.get("rpc" if method == "reload_weights" else method)
+        hooked = hook() if hook else None
+        if method != "reload_weights":
+            return hooked or await self.extension(method, body)
         if hooked and body["kwargs"]["weights_path"] != self.root:
             return hooked
         self.loaded = body["kwargs"]["weights_path"]
-        return web.json_response({"results": [None]})
+        if self.workers:
+            tensors = read_tensors(Path(self.loaded))
+            for w in self.workers:
+                w.model.load_weights(tensors.items())
+                # vLLM's in-place reload points its model config at the folder it read.
+                w.model_runner.vllm_config.model_config.model = self.loaded
+        return web.json_response({"results": [None] * max(1, len(self.workers))})
+
+    async def extension(self, method: str, body: dict[str, Any]) -> web.Response:
+        if method == "hotload_describe":
+            await asyncio.sleep(self.describe_delay)
+        if not self.workers or not method.startswith("hotload_"):
+            return no_such_method(method)
+        args, kwargs = body.get("args", []), body.get("kwargs", {})
+        results = [w.call(method, args, kwargs) for w in self.workers]
+        self.answered.append((method, results))
+        return web.json_response({"results": results})
 
     async def reset(self, request: web.Request) -> web.Response:
         _, hooked = await self._call(request, "reset")
@@ -740,10 +851,13 @@ async def test_vllm_calls_per_mode_and_policy(
             "POST /update_weight_version",
             "POST /resume",
             "POST /v1/completions",
+            # Once confirmed, the hotload extension is told (this vLLM has none: a 500).
+            "POST /collective_rpc",
         ]
         assert vllm.posts() == expected
         rpc = next(b for m, p, b in vllm.calls if p == "/collective_rpc")
         assert rpc == {"method": "reload_weights", "kwargs": {"weights_path": str(snap_b)}}
+        assert vllm.methods() == ["reload_weights", "hotload_weights_changed"]
         assert result.served == ServedSnapshot("step-b", 2) and result.cache_reset is reset
         assert vllm.version == "step-b" and not vllm.paused
         assert await adapter.current() == ServedSnapshot("step-b", 2)
@@ -766,7 +880,8 @@ async def test_vllm_failure_after_pause_rolls_back_and_resumes(
         assert vllm.loaded == str(snap_a) and not vllm.paused
         posts = vllm.posts()
         assert posts[-2:] == ["POST /resume", "POST /v1/completions"]
-        assert posts.count("POST /collective_rpc") == 2
+        # The failed write, the reload back, and the (absent) extension told of it.
+        assert vllm.methods() == ["reload_weights", "reload_weights", "hotload_weights_changed"]
         assert await adapter.current() is None  # still the start-up weights
         assert (await adapter.health()).ready
 
@@ -865,3 +980,493 @@ async def test_sglang_lora_adapters_follow_its_documented_api(sglang: SGLangStub
         {"lora_name": "lora-1", "lora_path": "/w/adapters/lora-1"},
     )
     assert bodies[-1] == ("/unload_lora_adapter", {"lora_name": "lora-1"})
+
+
+# --- vLLM sparse patches through the hotload worker extension (real vLLM: test_engine_vllm_patch)
+
+TOY = ToyConfig()
+#: What rank 1's extension answers when its loader puts a tensor where no patch can follow it.
+UNMAPPABLE = {
+    "reason": "unmappable",
+    "message": "tensor 'model.layers.0.mlp.down_proj.weight': its loader writes values computed "
+    "from the checkpoint into model.layers.0.mlp.down_proj.weight",
+    "tensor": "model.layers.0.mlp.down_proj.weight",
+}
+WRITE_FAILED = {
+    "reason": "write_failed",
+    "message": "writing the patch failed in model.layers.1.mlp.gate_up_proj.weight: "
+    "RuntimeError: boom",
+    "tensor": None,
+}
+
+
+@dataclass(frozen=True)
+class PatchChain:
+    """Full snapshots `step-0` and `step-1` of the toy model (one training step moving 5% of
+    every tensor by one ulp) and the patch file from the first to the second."""
+
+    parent: Path
+    child: Path
+    patch: Path
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> PatchChain:
+    root = tmp_path_factory.mktemp("vllm-patch")
+    base = write_snapshot(
+        root / "base", checkpoint_weights(TOY), config=CONFIG, overwrite=True
+    ).path
+    fulls, deltas = sparse_steps(base, root, 1, fraction=0.05)
+    patch = root / "step-1.patch"
+    prepare_patch(fulls[0], deltas[1], patch)
+    return PatchChain(fulls[0], fulls[1], patch)
+
+
+MakeStub = Callable[[int], Awaitable[VLLMStub]]
+
+
+@pytest_asyncio.fixture
+async def patching(chain: PatchChain, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MakeStub]:
+    """Makes a vLLM stub serving `step-0` on `world` ranks, each running the real extension."""
+    made: list[VLLMStub] = []
+
+    def problems(model: torch.nn.Module) -> list[str]:
+        # Without vLLM the extension cannot inspect its layers: the stub says what it finds.
+        return list(made[-1].kernel_problems.get(getattr(model, "rank", 0), []))
+
+    monkeypatch.setattr(vllm_extension, "kernel_problems", problems)
+
+    async def make(world: int) -> VLLMStub:
+        models = load_ranks(chain.parent, TOY, world, torch.float32)
+        stub = VLLMStub(
+            root=str(chain.parent),
+            version="step-0",
+            workers=[FakeWorker(r, m, chain.parent) for r, m in enumerate(models)],
+        )
+        made.append(stub)
+        await start(stub, stub.routes())
+        return stub
+
+    try:
+        yield make
+    finally:
+        for stub in made:
+            for w in stub.workers:
+                w.close()
+            if stub.runner is not None:
+                await stub.runner.cleanup()
+
+
+def patch_req(chain: PatchChain, **kw: Any) -> LoadRequest:
+    return req(chain.patch, "step-1", 1, **kw)
+
+
+def held(folder: Path, world: int) -> list[dict[str, str]]:
+    """sha256 of every parameter of every rank after a full load of `folder`."""
+    return [
+        parameter_checksums(dict(m.named_parameters()))
+        for m in load_ranks(folder, TOY, world, torch.float32)
+    ]
+
+
+def rpc_body(stub: VLLMStub, method: str) -> Any:
+    return next(b for _, p, b in stub.calls if p == "/collective_rpc" and b["method"] == method)
+
+
+def answers(stub: VLLMStub, method: str) -> list[dict[str, Any]]:
+    return next(results for m, results in stub.answered if m == method)
+
+
+def after_pause(stub: VLLMStub) -> list[str]:
+    trace = stub.trace()
+    return trace[next(i for i, t in enumerate(trace) if t.startswith("POST /pause")) :]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("world", "mode", "policy", "pause_mode", "reset"),
+    [
+        (1, "async", "all", "keep", True),
+        (2, "sync", "none", "wait", False),
+        (2, "async", "new_session", "keep", True),
+    ],
+)
+async def test_vllm_patch_stages_on_every_rank_then_pauses_writes_and_confirms(
+    *,
+    patching: MakeStub,
+    chain: PatchChain,
+    world: int,
+    mode: str,
+    policy: str,
+    pause_mode: str,
+    reset: bool,
+) -> None:
+    vllm = await patching(world)
+    vllm.workers[-1].pending_polls = 2  # the last rank is still staging twice
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        result = await adapter.patch(
+            patch_req(chain, mode=mode, cache_policy=policy), "step-0", folder=str(chain.child)
+        )
+        polls = vllm.methods().count("hotload_poll")
+        assert polls >= 3
+        assert vllm.trace() == [
+            "GET /weight_info",
+            "GET /v1/models",
+            "rpc hotload_describe",
+            "rpc hotload_stage",
+            *["rpc hotload_poll"] * polls,
+            f"POST /pause?mode={pause_mode}&clear_cache=false",
+            "rpc hotload_apply",
+            *(["POST /reset_prefix_cache?reset_running_requests=true"] if reset else []),
+            "POST /update_weight_version",
+            "POST /resume",
+            "GET /health",
+            "GET /weight_info",
+            "POST /v1/completions",
+        ]
+        assert vllm.ready_at_pause is True, "paused before every rank had staged"
+        assert rpc_body(vllm, "hotload_stage") == {
+            "method": "hotload_stage",
+            "args": [str(chain.patch), "step-1", "step-0"],
+            "kwargs": {},
+        }
+        assert rpc_body(vllm, "hotload_describe") == {
+            "method": "hotload_describe",
+            "args": [],
+            "kwargs": {},
+        }
+        assert [a["rank"] for a in answers(vllm, "hotload_apply")] == list(range(world))
+        assert list(result.steps) == [
+            "version",
+            "models",
+            "describe",
+            "stage",
+            "verify",
+            "pause",
+            "apply",
+            *(["reset_prefix_cache"] if reset else []),
+            "set_version",
+            "resume",
+            "confirm",
+        ]
+        assert result.served == ServedSnapshot("step-1", 1) and result.cache_reset is reset
+        assert 0 < result.pause_seconds < result.load_seconds
+        assert vllm.version == "step-1" and not vllm.paused
+        assert await adapter.current() == ServedSnapshot("step-1", 1)
+        # Every rank holds what a full load of step-1 gives, bit for bit.
+        child = held(chain.child, world)
+        assert [w.checksums() for w in vllm.workers] == child
+        expected = {
+            (f"rank{r}/" if r else "") + name: digest
+            for r, sums in enumerate(child)
+            for name, digest in sums.items()
+        }
+        assert await adapter.parameter_checksums() == expected
+
+
+@pytest.mark.asyncio
+async def test_vllm_patch_step_times_are_each_steps_own(
+    patching: MakeStub, chain: PatchChain
+) -> None:
+    """`LoadResult.steps` times each call: disjoint intervals within the whole load."""
+    vllm = await patching(1)
+    vllm.describe_delay = 0.3
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        result = await adapter.patch(patch_req(chain), "step-0")
+    assert result.steps["describe"] >= 0.29
+    assert result.steps["stage"] < result.steps["describe"], result.steps
+    # (1 ms for the rounding of each step to the microsecond)
+    assert sum(result.steps.values()) <= result.load_seconds + 0.001, result.steps
+
+
+@pytest.mark.asyncio
+async def test_vllm_without_the_extension_refuses_patches_and_is_not_asked_again(
+    vllm: VLLMStub, snap_a: Path, snap_b: Path, tmp_path: Path
+) -> None:
+    vllm.version = "step-0"
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        with pytest.raises(PatchRefusedError) as info:
+            await adapter.check_sparse()
+        err = info.value
+        assert err.reason == "engine_unsupported" and err.serving == "previous"
+        assert "--worker-extension-cls hotload_patch.vllm.HotloadWorkerExtension" in str(err)
+        assert "has no attribute 'hotload_describe'" in str(err)
+        with pytest.raises(PatchRefusedError) as info:
+            await adapter.patch(req(tmp_path / "step-1.patch", "step-1", 1), "step-0")
+        assert info.value.reason == "engine_unsupported"
+        assert vllm.posts() == ["POST /collective_rpc"] * 2 and not vllm.paused
+        assert vllm.methods() == ["hotload_describe"] * 2
+        # A full load still works, and does not tell an extension it knows is not there.
+        result = await adapter.load(req(snap_b, "step-b", 2))
+        assert result.served == ServedSnapshot("step-b", 2)
+    assert vllm.methods() == ["hotload_describe", "hotload_describe", "reload_weights"]
+    # An adapter that never asked tries once; the 500 tells it, and it does not try again.
+    vllm.calls.clear()
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        adapter.adopt(ServedSnapshot("step-b", 2), str(snap_b))
+        await adapter.load(req(snap_a, "step-a", 3))
+        await adapter.load(req(snap_b, "step-b", 4))
+    assert vllm.methods() == ["reload_weights", "hotload_weights_changed", "reload_weights"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", ["kernel_format", "stale_protocol"])
+async def test_vllm_extension_that_cannot_patch_is_refused_at_describe(
+    patching: MakeStub, chain: PatchChain, case: str
+) -> None:
+    vllm = await patching(2)
+    if case == "kernel_format":
+        problem = "quantised weights (Fp8LinearMethod): 4 layer(s), e.g. model.layers.0.qkv_proj"
+        vllm.kernel_problems[1] = [problem]
+        reason, says = "kernel_format", f"rank 1: {problem}"
+    else:
+        vllm.workers[1].answers["hotload_describe"] = {"protocol": PROTOCOL + 1, "problems": []}
+        reason, says = "engine_unsupported", f"rank 1 runs hotload_patch protocol {PROTOCOL + 1}"
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        with pytest.raises(PatchRefusedError) as info:
+            await adapter.check_sparse()
+        assert info.value.reason == reason and says in str(info.value)
+        if case == "stale_protocol":
+            assert "stale" in str(info.value)
+        with pytest.raises(PatchRefusedError) as info:
+            await adapter.patch(patch_req(chain), "step-0")
+        assert info.value.reason == reason
+    assert vllm.methods() == ["hotload_describe"] * 2
+    assert vllm.posts() == ["POST /collective_rpc"] * 2 and vllm.ready_at_pause is None
+    assert [a["rank"] for a in answers(vllm, "hotload_describe")] == [0, 1]
+
+
+@pytest.mark.asyncio
+async def test_vllm_patch_of_a_parent_not_served_calls_nothing(
+    patching: MakeStub, chain: PatchChain
+) -> None:
+    vllm = await patching(1)
+    vllm.version = "step-7"
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        with pytest.raises(PatchRefusedError, match="vLLM serves 'step-7'") as info:
+            await adapter.patch(patch_req(chain), "step-0")
+        assert info.value.reason == "parent_not_served"
+    assert vllm.trace() == ["GET /weight_info", "GET /v1/models"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("method", "answer"),
+    [
+        ("hotload_poll", {"served": "ready", "staging": "failed", "error": UNMAPPABLE}),
+        ("hotload_stage", {"error": UNMAPPABLE}),
+    ],
+)
+async def test_vllm_staging_refused_on_one_rank_discards_and_never_pauses(
+    patching: MakeStub, chain: PatchChain, method: str, answer: dict[str, Any]
+) -> None:
+    vllm = await patching(2)
+    vllm.workers[1].answers[method] = answer
+    parent = [w.checksums() for w in vllm.workers]
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        with pytest.raises(PatchRefusedError) as info:
+            await adapter.patch(patch_req(chain), "step-0")
+        err = info.value
+        assert err.reason == "unmappable" and err.serving == "previous"
+        assert "staging refused on rank 1" in str(err) and "down_proj" in str(err)
+        methods = vllm.methods()
+        assert methods[:2] == ["hotload_describe", "hotload_stage"]
+        assert methods[-1] == "hotload_discard" and "hotload_apply" not in methods
+        assert vllm.posts() == ["POST /collective_rpc"] * len(methods)
+        assert vllm.ready_at_pause is None and vllm.version == "step-0"
+        # Rank 0 staged its part; the discard dropped it.
+        assert vllm.workers[0].hotload_poll()["staging"] == "none"
+        assert [w.checksums() for w in vllm.workers] == parent
+        assert await adapter.current() == ServedSnapshot("step-0", None)
+
+
+def bump_first_delta(answer: dict[str, Any]) -> None:
+    """Make a rank's first sum change say something the patch does not do."""
+    if answer.get("deltas"):
+        answer["deltas"][0]["a"] = (answer["deltas"][0]["a"] + 1) % 65521
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("world", "fault"), [(1, "weights"), (2, "weights"), (2, "deltas")])
+async def test_vllm_patch_failing_verification_over_all_ranks_is_refused(
+    patching: MakeStub, chain: PatchChain, world: int, fault: str
+) -> None:
+    vllm = await patching(world)
+    last = vllm.workers[-1]
+    if fault == "weights":
+        # The last rank does not hold the parent: its own staging cannot tell, the sums can.
+        param = dict(last.model.named_parameters())["model.layers.0.mlp.gate_up_proj.weight"]
+        with torch.no_grad():
+            param.view(-1)[5] += 1.0
+        reason = "parent_mismatch"
+    else:
+        real = last.call
+
+        def tampered(method: str, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+            out = real(method, args, kwargs)
+            if method == "hotload_poll":
+                bump_first_delta(out)
+            return out
+
+        last.call = tampered  # type: ignore[method-assign]
+        reason = "checksum_mismatch"
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        with pytest.raises(PatchRefusedError, match="verifying the patch over all ranks") as info:
+            await adapter.patch(patch_req(chain), "step-0")
+        assert info.value.reason == reason
+    assert all(r["staging"] == "ready" for r in vllm.answered[-2][1])  # every rank staged
+    methods = vllm.methods()
+    assert methods[-1] == "hotload_discard" and "hotload_apply" not in methods
+    assert vllm.ready_at_pause is None and vllm.version == "step-0"
+
+
+@pytest.mark.asyncio
+async def test_vllm_patch_failing_on_one_rank_after_the_pause_rolls_back_every_rank(
+    patching: MakeStub, chain: PatchChain
+) -> None:
+    vllm = await patching(2)
+    parent = [w.checksums() for w in vllm.workers]
+    vllm.workers[1].answers["hotload_apply"] = {"error": WRITE_FAILED}
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        adapter.adopt(ServedSnapshot("step-0", 0), str(chain.parent))
+        with pytest.raises(EngineLoadError, match="boom") as info:
+            await adapter.patch(patch_req(chain), "step-0", folder=str(chain.child))
+        err = info.value
+        assert err.serving == "previous" and "rank 1" in str(err)
+        assert after_pause(vllm) == [
+            "POST /pause?mode=keep&clear_cache=false",
+            "rpc hotload_apply",
+            "rpc hotload_rollback",
+            "POST /update_weight_version",
+            "POST /resume",
+            "POST /v1/completions",
+        ]
+        assert vllm.calls[-3][2] == {"new_version": "step-0"}
+        # Rank 0 wrote and put its old values back; rank 1 had written nothing.
+        assert [r["rolled_back"] for r in answers(vllm, "hotload_rollback")] == [True, False]
+        assert [w.checksums() for w in vllm.workers] == parent
+        assert vllm.version == "step-0" and not vllm.paused
+        assert await adapter.current() == ServedSnapshot("step-0", 0)
+        assert (await adapter.health()).ready
+        # The engine was paused and written to: a failed load, not a refusal before changing
+        # anything (the loader counts those apart and trusts `serving` only on this error).
+        assert not isinstance(err, PatchRefusedError), f"{type(err).__name__}: {err}"
+        assert err.step == "apply"
+
+
+@pytest.mark.asyncio
+async def test_vllm_patch_whose_rollback_fails_on_a_rank_is_unknown(
+    patching: MakeStub, chain: PatchChain
+) -> None:
+    """A rank that cannot put its old values back answers an error (the extension never
+    raises): the weights are not known, whatever the other ranks did."""
+    vllm = await patching(2)
+    vllm.workers[1].answers["hotload_apply"] = {"error": WRITE_FAILED}
+    vllm.workers[0].answers["hotload_rollback"] = {
+        "error": {
+            "reason": "write_failed",
+            "message": "the old values of model.layers.0.mlp.gate_up_proj.weight could not be "
+            "put back: the engine's weights are not known; load a full snapshot",
+            "tensor": None,
+        }
+    }
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        adapter.adopt(ServedSnapshot("step-0", 0), str(chain.parent))
+        with pytest.raises(EngineLoadError) as info:
+            await adapter.patch(patch_req(chain), "step-0", folder=str(chain.child))
+        assert vllm.methods()[-2:] == ["hotload_apply", "hotload_rollback"]
+        assert not vllm.paused  # resumed all the same
+        assert info.value.serving == "unknown"
+        assert await adapter.current() is None
+        assert not (await adapter.health()).ready
+
+
+@pytest.mark.asyncio
+async def test_vllm_patch_whose_version_fails_rolls_back_version_and_weights(
+    patching: MakeStub, chain: PatchChain
+) -> None:
+    vllm = await patching(2)
+    parent = [w.checksums() for w in vllm.workers]
+    answered: list[bool] = []
+
+    def set_then_fail() -> web.Response | None:
+        if answered:
+            return None
+        answered.append(True)
+        vllm.version = "step-1"  # it took the version, then its answer failed
+        return crash()
+
+    vllm.on["set_version"] = set_then_fail
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        with pytest.raises(EngineLoadError, match="boom") as info:
+            await adapter.patch(patch_req(chain), "step-0", folder=str(chain.child))
+        assert info.value.serving == "previous" and info.value.step == "set_version"
+        assert not isinstance(info.value, PatchRefusedError)
+        assert after_pause(vllm) == [
+            "POST /pause?mode=keep&clear_cache=false",
+            "rpc hotload_apply",
+            "POST /reset_prefix_cache?reset_running_requests=true",
+            "POST /update_weight_version",
+            "rpc hotload_rollback",
+            "POST /update_weight_version",
+            "POST /resume",
+            "POST /v1/completions",
+        ]
+        assert [r["rolled_back"] for r in answers(vllm, "hotload_rollback")] == [True, True]
+        assert [w.checksums() for w in vllm.workers] == parent
+        assert vllm.version == "step-0" and not vllm.paused
+        assert await adapter.current() == ServedSnapshot("step-0", None)
+
+
+@pytest.mark.asyncio
+async def test_vllm_full_load_tells_the_extension(patching: MakeStub, chain: PatchChain) -> None:
+    vllm = await patching(2)
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        await adapter.check_sparse()
+        result = await adapter.load(req(chain.child, "step-1", 1))
+        assert result.served == ServedSnapshot("step-1", 1)
+        assert vllm.methods() == ["hotload_describe", "reload_weights", "hotload_weights_changed"]
+        assert rpc_body(vllm, "hotload_weights_changed") == {
+            "method": "hotload_weights_changed",
+            "args": [],
+            "kwargs": {"folder": str(chain.child)},
+        }
+        assert answers(vllm, "hotload_weights_changed") == [{"rank": 0}, {"rank": 1}]
+        # Told after the load's confirmation, not while paused.
+        assert vllm.trace()[-2:] == ["POST /v1/completions", "rpc hotload_weights_changed"]
+        assert [w.checksums() for w in vllm.workers] == held(chain.child, 2)
+    # An adapter that has not asked yet tells it too (the extension answers: it is there).
+    vllm.calls.clear()
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        await adapter.load(req(chain.parent, "step-0", 2))
+        assert vllm.methods() == ["reload_weights", "hotload_weights_changed"]
+        assert rpc_body(vllm, "hotload_weights_changed")["kwargs"] == {"folder": str(chain.parent)}
+        # The extension's checksums follow the reloads: the patch of step-0 verifies.
+        result = await adapter.patch(patch_req(chain), "step-0")
+        assert result.served == ServedSnapshot("step-1", 1)
+    assert [w.checksums() for w in vllm.workers] == held(chain.child, 2)
+
+
+@pytest.mark.asyncio
+async def test_sglang_refuses_sparse_patches_before_anything_is_fetched(snap_b: Path) -> None:
+    """SGLang cannot take patches (docs/engines.md, "SGLang: full reloads"): the adapter says
+    so without calling the engine, and the loader loads in full."""
+    async with SGLangAdapter("http://127.0.0.1:9", timeouts=FAST) as adapter:
+        for call in (adapter.check_sparse(), adapter.patch(req(snap_b, "step-b", 2), "step-a")):
+            with pytest.raises(PatchRefusedError) as refused:
+                await call
+            assert refused.value.reason == "engine_unsupported"
+            assert "whole tensors" in str(refused.value)

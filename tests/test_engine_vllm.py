@@ -202,6 +202,10 @@ def test_the_loader_drives_vllm_end_to_end(world: World, tmp_path: Path) -> None
         trainer.publish(2)
         status = replica.wait_serving("step-002", timeout=180)
         assert status["last_load"]["steps"] == 1 and status["sequence"] == 3
+        # This vLLM runs without hotload's worker extension: the delta of the served snapshot
+        # is loaded in full, and the loader says why it was not patched.
+        assert status["last_load"]["method"] == "full"
+        assert status["last_load"]["sparse_fallback"] == "engine_unsupported"
         assert world.server.completion_ids(PROMPTS[0], NEW_TOKENS) == first
     finally:
         replica.stop()

@@ -395,6 +395,7 @@ class Loader:
                 await self._refresh_served()
             return outcome.reason
         self.metrics.engine_load_seconds.observe(done.timings.load_seconds)
+        self.metrics.engine_pause_seconds.observe(done.timings.pause_seconds)
         self.metrics.update_seconds.observe(done.timings.total_seconds)
         self.metrics.loads.labels("sparse").inc()
         await self._served(done.result.served, done.timings)
@@ -436,9 +437,15 @@ class Loader:
             return False
         load_seconds = time.perf_counter() - t0
         self.metrics.engine_load_seconds.observe(load_seconds)
+        self.metrics.engine_pause_seconds.observe(result.pause_seconds)
         self.weights.switch(entry.identity)
         total = timings.total_seconds + load_seconds
-        done = replace(timings, load_seconds=load_seconds, total_seconds=total)
+        done = replace(
+            timings,
+            load_seconds=load_seconds,
+            pause_seconds=result.pause_seconds,
+            total_seconds=total,
+        )
         await self._served(result.served, done)
         await self.reporter.event(
             "Normal",

@@ -35,6 +35,11 @@ class LoaderMetrics(MetricSet):
             "Seconds the engine took to hot-load and confirm a snapshot",
             _SECONDS,
         )
+        self.engine_pause_seconds = self.histogram(
+            "hotload_loader_engine_pause_seconds",
+            "Seconds the engine held generation for a load or a sparse patch",
+            _SECONDS,
+        )
         self.update_seconds = self.histogram(
             "hotload_loader_update_seconds",
             "Seconds from seeing a new ledger head to the engine serving it",

@@ -112,6 +112,13 @@ class SparseLoads:
         """Fetch, verify and send `entry` as a patch of its parent (which the engine serves)."""
         parent = entry.previous
         assert parent is not None
+        try:
+            # Before anything is fetched: an engine that cannot take patches costs no download.
+            await self.adapter.check_sparse()
+        except PatchRefusedError as err:
+            return self._refused(entry, err.reason, err, None)
+        except EngineError as err:
+            return self._refused(entry, "engine_failed", err, None)
         if not self.weights.has(parent):
             return Outcome(
                 reason="parent_not_on_volume",
@@ -152,7 +159,8 @@ class SparseLoads:
             t2 = time.perf_counter()
             req = LoadRequest(str(patch), entry.identity, entry.sequence, mode, policy)
             try:
-                result = await self.adapter.patch(req, parent)
+                folder = str(self.weights.path(entry.identity))
+                result = await self.adapter.patch(req, parent, folder=folder)
             except PatchRefusedError as err:
                 return self._refused(entry, err.reason, err, delta)
             except EngineLoadError as err:
@@ -168,6 +176,7 @@ class SparseLoads:
             fetch_seconds=fetch_seconds,
             rebuild_seconds=prepare_seconds,
             load_seconds=load_seconds,
+            pause_seconds=result.pause_seconds,
             total_seconds=time.perf_counter() - started,
             bytes_fetched=fetched.bytes,
             steps=1,
@@ -176,8 +185,11 @@ class SparseLoads:
         done = Patched(entry, parent, result, timings, delta, stats.changed, stats.elements)
         return Outcome(patched=done)
 
-    def _refused(self, entry: LedgerEntry, reason: str, err: BaseException, delta: Path) -> Outcome:
-        remove_tree(delta)
+    def _refused(
+        self, entry: LedgerEntry, reason: str, err: BaseException, delta: Path | None
+    ) -> Outcome:
+        if delta is not None:
+            remove_tree(delta)
         message = f"sparse load of {entry.identity} refused ({reason}): {err}"
         log.warning("%s; loading the full snapshot", message)
         return Outcome(reason=reason, message=message, corruption=is_corruption(err))

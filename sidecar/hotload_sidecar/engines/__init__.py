@@ -18,8 +18,8 @@ from hotload_sidecar.engines.base import (
     PatchRefusedError,
     ServedSnapshot,
     Timeouts,
-    check_loadable,
 )
+from hotload_sidecar.engines.loadable import check_loadable
 from hotload_sidecar.engines.reference import ReferenceAdapter
 from hotload_sidecar.engines.sglang import SGLangAdapter
 from hotload_sidecar.engines.vllm import VLLMAdapter

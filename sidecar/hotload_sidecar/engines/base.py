@@ -13,13 +13,12 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, Final, Literal, get_args
 
 import aiohttp
 
-from hotload.errors import EngineError, EngineLoadError, EngineUnavailableError, SnapshotError
+from hotload.errors import EngineError, EngineLoadError, EngineUnavailableError
 
 log = logging.getLogger("hotload_sidecar.engines")
 
@@ -251,6 +250,8 @@ class EngineAdapter(ABC):
     lora_routes: ClassVar[LoraRoutes] = OPENAI_LORA_ROUTES
     #: Whether `patch` writes sparse patches (else a loader does not prepare any).
     sparse_loads: ClassVar[bool] = False
+    #: Why not, when it does not (the refusal's message).
+    no_sparse_loads: ClassVar[str] = "this adapter does not write sparse patches"
 
     def __init__(self, url: str, *, timeouts: Timeouts | None = None) -> None:
         self.url = url.rstrip("/")
@@ -263,13 +264,26 @@ class EngineAdapter(ABC):
     async def load(self, req: LoadRequest) -> LoadResult:
         """Load `req.path` and return once the engine serves it (confirmed); else raise."""
 
-    async def patch(self, req: LoadRequest, parent: str) -> LoadResult:
+    async def check_sparse(self) -> None:
+        """Raise `PatchRefusedError` when this engine cannot take sparse patches now (asked
+        before a patch is prepared, so a refusal costs no download)."""
+        if not self.sparse_loads:
+            raise self._no_patches()
+
+    async def patch(
+        self, req: LoadRequest, parent: str, *, folder: str | None = None
+    ) -> LoadResult:
         """Write the patch file `req.path` (a delta's changes to `parent`, which the engine must
         serve) into the served weights in place; return once it serves `req.identity`
-        (confirmed). Raises `PatchRefusedError` when the engine refused it unchanged (engines
-        without sparse loads always do), `EngineLoadError` on any other failure."""
-        raise PatchRefusedError(
-            f"the {self.kind} adapter does not write sparse patches",
+        (confirmed). `folder` is where the full snapshot of `req.identity` will lie once the
+        loader rebuilt it (engines that roll back by reloading a folder keep it). Raises
+        `PatchRefusedError` when the engine refused it unchanged (engines without sparse loads
+        always do), `EngineLoadError` on any other failure."""
+        raise self._no_patches()
+
+    def _no_patches(self) -> PatchRefusedError:
+        return PatchRefusedError(
+            f"{self.kind}: {self.no_sparse_loads}",
             reason="engine_unsupported",
             engine=self.kind,
             url=self.url,
@@ -421,70 +435,3 @@ class StepTimer:
     def elapsed(self) -> float:
         """Seconds since the timer started."""
         return time.monotonic() - self.t0
-
-
-# --- what a weight-loading engine can take -----------------------------------------------------
-
-
-def weight_specs(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Tensor name -> (shape, dtype) of a model folder, from its spec manifest or shard headers."""
-    from hotload.snapshot import SPEC_FILE
-    from hotload.snapshot.manifests import parse_tensor_map
-    from hotload.snapshot.safetensors_io import read_header
-
-    folder = Path(path)
-    if (folder / SPEC_FILE).is_file():
-        return {n: (s.shape, s.dtype) for n, s in parse_tensor_map(folder / SPEC_FILE).items()}
-    specs: dict[str, tuple[tuple[int, ...], str]] = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        tensors, _, _ = read_header(shard)
-        for name, info in tensors.items():
-            specs[name] = (tuple(info.shape), info.dtype)
-    return specs
-
-
-def check_loadable(path: str, previous: str | None) -> None:
-    """Refuse, before the engine sees it, a folder an in-place reload cannot take.
-
-    The folder must be a full snapshot (config, weights; not an arc_v2 delta or a LoRA adapter)
-    and, when the folder the engine loaded last is known and readable, have the same tensor
-    names, shapes and dtypes: vLLM's in-place reload leaves a half-loaded model on a mismatch.
-    Raises `SnapshotError` naming the file and tensor.
-    """
-    from hotload.snapshot import CONFIG_FILE, INDEX_FILE, Snapshot
-
-    folder = Path(path)
-    if not folder.is_dir():
-        raise SnapshotError("snapshot folder does not exist (or is not visible here)", path=path)
-    if not (folder / CONFIG_FILE).is_file():
-        raise SnapshotError("no config.json: not a model folder", path=path)
-    if (folder / INDEX_FILE).is_file():
-        kind = Snapshot(folder).kind
-        if kind != "full":
-            raise SnapshotError(
-                f"is a {kind} snapshot; engines load full snapshots (reconstruct it first)",
-                path=path,
-            )
-    elif not any(folder.glob("*.safetensors")):
-        raise SnapshotError("no safetensors weights", path=path)
-    if previous is None or not Path(previous).is_dir():
-        return
-    new, old = weight_specs(folder), weight_specs(previous)
-    missing, extra = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
-    if missing:
-        raise SnapshotError(
-            f"{len(missing)} tensor(s) of the loaded model are missing, e.g. {missing[0]!r}",
-            path=path,
-        )
-    if extra:
-        raise SnapshotError(
-            f"{len(extra)} tensor(s) the loaded model does not have, e.g. {extra[0]!r}",
-            path=path,
-        )
-    for name in sorted(new):
-        if new[name] != old[name]:
-            raise SnapshotError(
-                f"shape/dtype {new[name]} differs from the loaded model's {old[name]}",
-                path=path,
-                field=name,
-            )

@@ -45,7 +45,9 @@ class ReferenceAdapter(EngineAdapter):
         """Ask the engine to load `req` and confirm through its status that it serves it."""
         return await self._hot_load(LOAD_PATH, req, None)
 
-    async def patch(self, req: LoadRequest, parent: str) -> LoadResult:
+    async def patch(
+        self, req: LoadRequest, parent: str, *, folder: str | None = None
+    ) -> LoadResult:
         """`POST /hotload/v1/patch`: the engine checks the patch against the weights it serves
         (`parent`), writes the changed elements in place at a pause point, and serves
         `req.identity`; confirmed through its status like a load."""

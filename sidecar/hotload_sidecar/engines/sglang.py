@@ -37,9 +37,9 @@ from hotload_sidecar.engines.base import (
     ServedSnapshot,
     StepTimer,
     Timeouts,
-    check_loadable,
     served_version,
 )
+from hotload_sidecar.engines.loadable import check_loadable
 
 #: SGLang's weight version before anyone sets one (`ServerArgs.weight_version`).
 DEFAULT_VERSION = "default"
@@ -50,6 +50,11 @@ class SGLangAdapter(EngineAdapter):
 
     kind: ClassVar[str] = "sglang"
     lora_routes: ClassVar[LoraRoutes] = SGLANG_LORA_ROUTES
+    no_sparse_loads: ClassVar[str] = (
+        "SGLang's weight-update APIs take whole tensors, and a custom weight loader reports "
+        "nothing back: every snapshot is loaded in full (docs/engines.md, 'SGLang: full "
+        "reloads')"
+    )
 
     def __init__(
         self,

@@ -19,20 +19,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import ClassVar, Literal
 
 from hotload.errors import EngineError, EngineLoadError, EngineUnavailableError, SnapshotError
+from hotload_sidecar.engines import vllm_patch
 from hotload_sidecar.engines.base import (
     EngineAdapter,
     EngineHealth,
     LoadRequest,
     LoadResult,
+    PatchRefusedError,
     ServedSnapshot,
     StepTimer,
     Timeouts,
-    check_loadable,
     served_version,
 )
+from hotload_sidecar.engines.loadable import check_loadable
 
 log = logging.getLogger("hotload_sidecar.engines.vllm")
 
@@ -44,6 +47,7 @@ class VLLMAdapter(EngineAdapter):
     """Loads snapshots into a running vLLM server through its dev-mode endpoints."""
 
     kind: ClassVar[str] = "vllm"
+    sparse_loads: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -73,6 +77,8 @@ class VLLMAdapter(EngineAdapter):
         self._root: str | None = None
         # Why the engine's state is unknown after a failed load (None: it is known).
         self._broken: str | None = None
+        # Whether vLLM runs the hotload extension (None: not asked yet).
+        self._extension: bool | None = None
 
     def adopt(self, served: ServedSnapshot, path: str) -> None:
         """Record that the engine holds `served` from folder `path` (e.g. after a sidecar
@@ -104,37 +110,70 @@ class VLLMAdapter(EngineAdapter):
                     f"refused before pausing: {err}", step="check", serving="previous"
                 ) from err
 
+        result = await self._swap(
+            req,
+            version,
+            write=("reload", lambda: self._reload(req.path, step="reload")),
+            undo=self._reload_back(previous),
+            folder=req.path,
+            timer=timer,
+        )
+        await self._weights_changed(req.path)
+        return result
+
+    async def _swap(
+        self,
+        req: LoadRequest,
+        version: str | None,
+        *,
+        write: tuple[str, Callable[[], Awaitable[None]]],
+        undo: Callable[[], Awaitable[None]],
+        folder: str | None,
+        timer: StepTimer,
+    ) -> LoadResult:
+        """Pause, `write` the new weights (a reload or a patch), reset the prefix cache per
+        policy, set the weight version, resume and confirm; record that the engine serves
+        `req` from `folder`. A failure once paused runs `undo` (if the write began), resumes
+        and confirms the old weights (`EngineLoadError.serving` says how that went)."""
         pause_mode = "keep" if req.mode == "async" else self.sync_in_flight
         paused_at = time.monotonic()
         reset = False
+        wrote = False
+        step, do_write = write
         try:
             # The pause may have taken effect even if its answer never came: resume below.
             await timer.run("pause", self._pause(pause_mode))
-            await timer.run("reload", self._reload(req.path, step="reload"))
+            wrote = True  # from here a failure may leave the weights changed
+            await timer.run(step, do_write())
             if req.cache_policy != "none":
                 await timer.run("reset_prefix_cache", self._reset_prefix_cache())
                 reset = True
             await timer.run("set_version", self._set_version(req.identity))
         except EngineError as err:
-            serving = await self._recover(previous, version, step=err.step or "load", timer=timer)
-            raise self._fail(err, step=err.step or "load", serving=serving) from err
+            serving = await self._recover(undo if wrote else None, version, timer=timer)
+            failure: EngineError = err
+            if isinstance(err, PatchRefusedError):
+                # Refused once paused (a rank could not write): a failed load, not a refusal
+                # before anything changed.
+                failure = self.load_error(err.message, step=step, status=err.status)
+            raise self._fail(failure, step=failure.step or step, serving=serving) from err
 
         try:
             await timer.run("resume", self._resume())
         except EngineError as err:
             # New weights are in but the engine may still be paused: not confirmed either way.
-            self._broken = f"resume failed after loading {req.identity!r}: {err}"
+            self._broken = f"resume failed after the {step} of {req.identity!r}: {err}"
             raise self._fail(err, step="resume", serving="unknown") from err
         pause_seconds = time.monotonic() - paused_at
 
         try:
             await timer.run("confirm", self._confirm(req.identity))
         except EngineError as err:
-            self._broken = f"could not confirm {req.identity!r} after loading it: {err}"
+            self._broken = f"could not confirm {req.identity!r} after its {step}: {err}"
             raise self._fail(err, step="confirm", serving="unknown") from err
 
         self._served = ServedSnapshot(req.identity, req.sequence)
-        self._loaded_path = req.path
+        self._loaded_path = folder
         self._broken = None
         return LoadResult(
             engine=self.kind,
@@ -154,28 +193,48 @@ class VLLMAdapter(EngineAdapter):
             return self.initial_path or self._root
         return None
 
+    def _reload_back(self, previous: str | None) -> Callable[[], Awaitable[None]]:
+        """Undo for a failed or finished `reload_weights`: load the previous folder again."""
+
+        async def undo() -> None:
+            if previous is None:
+                raise EngineError(
+                    "no previous folder to roll back to",
+                    engine=self.kind,
+                    url=self.url,
+                    step="rollback",
+                )
+            await self._reload(previous, step="rollback")
+            await self._weights_changed(previous)
+
+        return undo
+
     async def _recover(
-        self, previous: str | None, version: str | None, *, step: str, timer: StepTimer
+        self,
+        undo: Callable[[], Awaitable[None]] | None,
+        version: str | None,
+        *,
+        timer: StepTimer,
     ) -> str:
-        """After a failure while paused: reload the previous weights, resume, and confirm."""
-        rolled_back = False
-        if step in ("reload", "reset_prefix_cache", "set_version") and previous is not None:
-            # A failed or completed reload_weights leaves the model changed: load back the old
-            # folder before any forward pass runs on a half-loaded model.
+        """After a failure while paused: `undo` what changed the weights (None: nothing did),
+        put the old weight version back, resume, and confirm with a completion."""
+        undone = undo is None
+        if undo is not None:
+            # A failed or completed write leaves the model changed: put the old weights back
+            # before any forward pass runs on a half-loaded model.
             try:
-                await timer.run("rollback", self._reload(previous, step="rollback"))
-                rolled_back = True
+                await timer.run("rollback", undo())
+                undone = True
                 if version is not None:
                     await timer.run("rollback_version", self._set_version(version))
             except EngineError as err:
-                log.error("vllm at %s: rollback to %s failed: %s", self.url, previous, err)
+                log.error("vllm at %s: rollback failed: %s", self.url, err)
         try:
             await timer.run("resume", self._resume())
         except EngineError as err:
             log.error("vllm at %s: resume after a failed load failed: %s", self.url, err)
-        needs_rollback = step in ("reload", "reset_prefix_cache", "set_version")
-        if needs_rollback and not rolled_back:
-            self._broken = f"{step} failed and no rollback to the previous weights was possible"
+        if not undone:
+            self._broken = "a failed load changed the weights and no rollback was possible"
             return "unknown"
         try:
             await timer.run("confirm", self._probe(step="confirm"))
@@ -190,6 +249,72 @@ class VLLMAdapter(EngineAdapter):
             err.serving = serving
             return err
         return self.load_error(err.message, step=step, status=err.status, serving=serving)
+
+    # --- sparse patches (hotload_patch's worker extension, see vllm_patch) ---------------------
+
+    async def check_sparse(self) -> None:
+        """Raise `PatchRefusedError` unless vLLM runs the hotload extension with weights a
+        patch can follow (asked before the loader prepares a patch)."""
+        try:
+            await vllm_patch.describe(self)
+        except PatchRefusedError as err:
+            if err.reason == "engine_unsupported":
+                self._extension = False
+            raise
+        self._extension = True
+
+    async def patch(
+        self, req: LoadRequest, parent: str, *, folder: str | None = None
+    ) -> LoadResult:
+        """Stage the patch file `req.path` on every rank while `parent` serves, verify it over
+        all ranks, then pause, write, set the version, resume and confirm (vllm_patch's
+        docstring). `folder`: where the full snapshot of `req.identity` will lie, for a later
+        rollback to it."""
+        async with self._lock:
+            timer = StepTimer()
+            try:
+                version = await timer.run("version", self._weight_version(step="prepare"))
+                await timer.run("models", self._model_info(step="prepare"))
+            except EngineError as err:
+                raise self._fail(err, step=err.step or "prepare", serving="previous") from err
+            if version != parent:
+                raise vllm_patch.refused(
+                    self,
+                    "parent_not_served",
+                    f"vLLM serves {version!r}, the patch applies to {parent!r}",
+                )
+            await timer.run("describe", vllm_patch.describe(self))
+            self._extension = True
+            try:
+                await vllm_patch.stage(self, req, parent, timer)
+            except (PatchRefusedError, EngineError) as err:
+                await vllm_patch.discard(self)
+                if isinstance(err, PatchRefusedError):
+                    raise
+                raise self._fail(err, step=err.step or "stage", serving="previous") from err
+            return await self._swap(
+                req,
+                version,
+                write=("apply", lambda: vllm_patch.apply(self)),
+                undo=lambda: vllm_patch.rollback(self),
+                folder=folder,
+                timer=timer,
+            )
+
+    async def _weights_changed(self, folder: str) -> None:
+        # Tried until vLLM answers that it has no extension: then never again.
+        if self._extension is not False:
+            self._extension = await vllm_patch.weights_changed(self, folder)
+
+    async def parameter_checksums(self) -> dict[str, str]:
+        """sha256 of every parameter as vLLM holds it, from the extension on every rank (rank
+        0's names first; tensor-parallel ranks prefix theirs with `rank<N>/`)."""
+        ranks = await vllm_patch.rpc(self, "hotload_parameter_checksums", step="checksums")
+        out: dict[str, str] = {}
+        for r in ranks:
+            prefix = "" if not r.get("rank") else f"rank{r['rank']}/"
+            out.update({prefix + k: str(v) for k, v in (r.get("checksums") or {}).items()})
+        return out
 
     # --- the engine's calls --------------------------------------------------------------------
 
