@@ -172,15 +172,23 @@ def delta_partial(
     if k == 0:
         return 0, 0
     width = old.dtype.itemsize
-    old_b = np.ascontiguousarray(old).view(np.uint8).reshape(k, width).astype(np.int64)
-    new_b = np.ascontiguousarray(new).view(np.uint8).reshape(k, width).astype(np.int64)
-    change = new_b - old_b
-    per_element = change.sum(axis=1)
-    tails = change @ np.arange(width, dtype=np.int64)
-    weight = (total - positions * width) % MOD
-    da = int(per_element.sum()) % MOD
-    db = (int((weight * (per_element % MOD)).sum() % MOD) - int(tails.sum())) % MOD
-    return da, db
+    old_b = np.ascontiguousarray(old).view(np.uint8).reshape(k, width)
+    new_b = np.ascontiguousarray(new).view(np.uint8).reshape(k, width)
+    # Byte j of element e lies at e*width + j and weighs (total - e*width - j) in B, so the
+    # element moves B by (total - e*width) * sum_j d_j - sum_j j * d_j. Per byte column, in
+    # int32 (a column's differences are within +-255); the positions' weights modulo 65521
+    # keep every product below 2**27 and every sum below 2**63.
+    per = np.zeros(k, dtype=np.int32)
+    tail = 0
+    for j in range(width):
+        d = new_b[:, j].astype(np.int32)
+        d -= old_b[:, j]
+        per += d
+        if j:
+            tail += j * int(d.sum(dtype=np.int64))
+    moved = int(per.sum(dtype=np.int64))
+    weighted = int(((positions % MOD) * per).sum(dtype=np.int64))
+    return moved % MOD, ((total % MOD) * moved - width * weighted - tail) % MOD
 
 
 def combine(total: int, parts: Iterable[tuple[int, int]]) -> int:

@@ -148,7 +148,7 @@ class HotloadWorkerExtension:
     def hotload_weights_changed(self, folder: str | None = None) -> dict[str, Any]:
         """The weights were loaded in full (from `folder`, default vLLM's model path): read
         their checksums again in the background."""
-        return _answer(lambda: self._hotload_changed(folder))
+        return _answer(self._hotload_rank(), lambda: self._hotload_changed(folder))
 
     def _hotload_changed(self, folder: str | None) -> dict[str, Any]:
         folder = folder or self._hotload_folder()
@@ -157,7 +157,7 @@ class HotloadWorkerExtension:
 
     def hotload_stage(self, path: str, identity: str, parent: str) -> dict[str, Any]:
         """Stage the patch file `path` in the background; poll with `hotload_poll`."""
-        return _answer(lambda: self._hotload_stage(path, identity, parent))
+        return _answer(self._hotload_rank(), lambda: self._hotload_stage(path, identity, parent))
 
     def _hotload_stage(self, path: str, identity: str, parent: str) -> dict[str, Any]:
         self._hotload_current().stage(path, identity=identity, parent=parent)
@@ -178,12 +178,16 @@ class HotloadWorkerExtension:
 
     def hotload_apply(self) -> dict[str, Any]:
         """Write the staged patch; the old values come back on any failure."""
-        return _answer(lambda: {"rank": self._hotload_rank(), **self._hotload().apply().summary()})
+        return _answer(
+            self._hotload_rank(),
+            lambda: {"rank": self._hotload_rank(), **self._hotload().apply().summary()},
+        )
 
     def hotload_rollback(self) -> dict[str, Any]:
         """Put back what the last apply replaced."""
         return _answer(
-            lambda: {"rank": self._hotload_rank(), "rolled_back": self._hotload().rollback()}
+            self._hotload_rank(),
+            lambda: {"rank": self._hotload_rank(), "rolled_back": self._hotload().rollback()},
         )
 
     def hotload_discard(self) -> dict[str, Any]:
@@ -197,9 +201,9 @@ class HotloadWorkerExtension:
         return {"rank": self._hotload_rank(), "checksums": parameter_checksums(params)}
 
 
-def _answer(call: Any) -> dict[str, Any]:
+def _answer(rank: int, call: Any) -> dict[str, Any]:
     try:
         result: dict[str, Any] = call()
         return result
     except PatchError as exc:
-        return {"error": exc.to_json()}
+        return {"rank": rank, "error": exc.to_json()}

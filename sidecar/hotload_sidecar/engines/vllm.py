@@ -95,12 +95,7 @@ class VLLMAdapter(EngineAdapter):
 
     async def _load(self, req: LoadRequest) -> LoadResult:
         timer = StepTimer()
-        try:
-            version = await timer.run("version", self._weight_version(step="prepare"))
-            await timer.run("models", self._model_info(step="prepare"))
-        except EngineError as err:
-            # Nothing was changed yet: the engine serves what it served.
-            raise self._fail(err, step=err.step or "prepare", serving="previous") from err
+        version = await self._begin(timer)
         previous = self._previous_path(version)
         if self.check_path:
             try:
@@ -183,6 +178,16 @@ class VLLMAdapter(EngineAdapter):
             steps=timer.steps,
             cache_reset=reset,
         )
+
+    async def _begin(self, timer: StepTimer) -> str | None:
+        """The weight version vLLM serves, and its model name (cached); a failure here changed
+        nothing, so the engine serves what it served."""
+        try:
+            version: str | None = await timer.run("version", self._weight_version(step="prepare"))
+            await timer.run("models", self._model_info(step="prepare"))
+        except EngineError as err:
+            raise self._fail(err, step=err.step or "prepare", serving="previous") from err
+        return version
 
     def _previous_path(self, version: str | None) -> str | None:
         """The folder whose weights the engine holds now, when this adapter can know it."""
@@ -272,11 +277,7 @@ class VLLMAdapter(EngineAdapter):
         rollback to it."""
         async with self._lock:
             timer = StepTimer()
-            try:
-                version = await timer.run("version", self._weight_version(step="prepare"))
-                await timer.run("models", self._model_info(step="prepare"))
-            except EngineError as err:
-                raise self._fail(err, step=err.step or "prepare", serving="previous") from err
+            version = await self._begin(timer)
             if version != parent:
                 raise vllm_patch.refused(
                     self,
