@@ -106,6 +106,8 @@ def test_demo_runs_a_fleet_and_reports_a_clean_summary(tmp_path: Path) -> None:
         if row["kind"] == "incremental":
             assert row["shipped_bytes"] < row["full_bytes"] / 2, row
     assert all(r["ready_seconds"] is not None for r in s["rows"][1:])
+    # A delta of the served step is written into the engine in place; a full snapshot reloads.
+    assert [r["loads"] for r in s["rows"][1:]] == ["sparse", "full", "sparse", "full", "sparse"]
     # The policy learns: the fleet's greedy answer to the demo prompt changes.
     assert s["first_completion"] != s["last_completion"]
     assert wait_until_gone(str(tmp_path)) == []

@@ -36,6 +36,8 @@ class StepRow:
     ready_seconds: float | None = None
     serving: dict[str, str] = field(default_factory=dict)
     completion: str = ""
+    #: How the replicas loaded it: "sparse" (changed elements written in place), "full" or both.
+    loads: str = ""
 
 
 @dataclass
@@ -137,7 +139,8 @@ class Display:
         self.console.print(
             f"step {row.step:>3}{loss}  {row.identity}  {row.kind:<11} "
             f"shipped {human_bytes(row.shipped_bytes)} of {human_bytes(row.full_bytes)}  "
-            f"all replicas in {fmt_seconds(row.ready_seconds)}  [{serving}]  "
+            f"all replicas in {fmt_seconds(row.ready_seconds)}"
+            f"{f' ({row.loads})' if row.loads else ''}  [{serving}]  "
             f"{PROMPT!r} -> {row.completion!r}",
             highlight=False,
             soft_wrap=True,
@@ -151,7 +154,7 @@ class Display:
         for name, justify in (
             ("step", "right"), ("loss", "right"), ("identity", "left"), ("kind", "left"),
             ("shipped", "right"), ("full size", "right"), ("all serving after", "right"),
-            ("replicas", "left"),
+            ("load", "left"), ("replicas", "left"),
         ):  # fmt: skip
             table.add_column(name, justify=justify)  # type: ignore[arg-type]
         table.add_column("fleet's answer", no_wrap=True, overflow="ellipsis", max_width=44)
@@ -166,6 +169,7 @@ class Display:
                 human_bytes(row.shipped_bytes),
                 human_bytes(row.full_bytes),
                 fmt_seconds(row.ready_seconds),
+                row.loads,
                 f"all {len(served)}" if everyone else " ".join(served),
                 row.completion,
             )

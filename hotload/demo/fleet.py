@@ -264,7 +264,7 @@ def _train_publish_serve(
     row = StepRow(
         step, handle.identity, handle.kind, report.loss, handle.shipped_bytes, handle.full_bytes,
         handle.seconds, ready, _serving(display),
-        _sample(replicas[step % len(replicas)], display.completion_tokens),
+        _sample(replicas[step % len(replicas)], display.completion_tokens), _loads(display),
     )  # fmt: skip
     # A real step takes seconds to minutes; the tiny one here takes milliseconds.
     time.sleep(max(0.0, pace - (time.monotonic() - started)))
@@ -310,6 +310,15 @@ def _wait_serving(procs: ProcessSet, display: Display, identity: str, timeout: f
 
 def _serving(display: Display) -> dict[str, str]:
     return {r.name: str(display.fleet.get(r.name, {}).get("identity")) for r in display.replicas}
+
+
+def _loads(display: Display) -> str:
+    """How the replicas loaded what they serve (the loader's `last_load.method`)."""
+    methods = {
+        str((display.fleet.get(r.name, {}).get("last_load") or {}).get("method") or "")
+        for r in display.replicas
+    }
+    return "/".join(sorted(m for m in methods if m))
 
 
 def _sample(replica: Replica, max_tokens: int) -> str:
