@@ -205,6 +205,18 @@ def _without_dac_override() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE)")
 
 
+def _loader(tmp_path: Path, weights: Path, kind: str, port: int) -> list[str]:
+    """The loader's command line, following an empty ledger under tmp_path/bucket."""
+    ledger, listen = str(tmp_path / "bucket" / "policy"), f"127.0.0.1:{port}"
+    return [sys.executable, "-m", "hotload_sidecar", "--ledger-url", ledger,
+            "--weights-dir", str(weights), "--engine", kind, "--listen", listen]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    """This environment without hotload's settings or a PYTHONPATH that would hide the copy."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("HOTLOAD_", "PYTHON"))}
+
+
 def test_a_volume_the_loader_cannot_write_ends_it_naming_the_path(tmp_path: Path) -> None:
     """The loader process exits with code 1 and a message naming the folder it could not
     write, before it listens (so the pod never starts its engine)."""
@@ -212,24 +224,11 @@ def test_a_volume_the_loader_cannot_write_ends_it_naming_the_path(tmp_path: Path
     weights = tmp_path / "weights"
     weights.mkdir()
     weights.chmod(0o555)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOTLOAD_", "PYTHON"))}
     try:
         run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "hotload_sidecar",
-                "--ledger-url",
-                str(tmp_path / "bucket" / "policy"),
-                "--weights-dir",
-                str(weights),
-                "--engine",
-                "vllm",
-                "--listen",
-                f"127.0.0.1:{free_port()}",
-            ],
+            _loader(tmp_path, weights, "vllm", free_port()),
             cwd=tmp_path,
-            env=env,
+            env=_env(),
             capture_output=True,
             text=True,
             timeout=60,
@@ -279,25 +278,14 @@ def test_the_loader_copies_before_its_endpoints_answer(tmp_path: Path, kind: str
     (tmp_path / "bucket").mkdir()
     weights = tmp_path / "weights"
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOTLOAD_", "PYTHON"))}
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "hotload_sidecar",
-            "--ledger-url",
-            str(tmp_path / "bucket" / "policy"),
-            "--weights-dir",
-            str(weights),
-            "--engine",
-            kind,
+            *_loader(tmp_path, weights, kind, port),
             "--engine-url",
             f"http://127.0.0.1:{free_port()}",
-            "--listen",
-            f"127.0.0.1:{port}",
         ],
         cwd=tmp_path,
-        env=env,
+        env=_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
