@@ -241,6 +241,8 @@ async def test_a_production_pod_spec_passes_restricted_pod_security(
             }
         }
     }
+    # The engine's own PYTHONPATH from a ConfigMap: kept, after hotload's folder.
+    site = {"configMapKeyRef": {"name": "site", "key": "pythonpath", "optional": True}}
     body = fleet(
         "fleet",
         tmp_path,
@@ -253,6 +255,9 @@ async def test_a_production_pod_spec_passes_restricted_pod_security(
             "spec": {
                 "affinity": affinity,
                 "securityContext": {"runAsNonRoot": True, "runAsUser": 1000},
+                "containers": [
+                    {"name": "engine", "env": [{"name": "PYTHONPATH", "valueFrom": site}]}
+                ],
             },
         },
     )
@@ -284,7 +289,13 @@ async def test_a_production_pod_spec_passes_restricted_pod_security(
             assert [c["name"] for c in spec["containers"]] == ["engine", "front"]
             # And vLLM imports hotload's extension from the claim's folder (sparse hot loads).
             engine = spec["containers"][0]
-            assert {"name": "PYTHONPATH", "value": "/weights/.hotload/python"} in engine["env"]
+            assert [e for e in engine["env"] if "PYTHONPATH" in e["name"]] == [
+                {"name": "HOTLOAD_USER_PYTHONPATH", "valueFrom": site},
+                {
+                    "name": "PYTHONPATH",
+                    "value": "/weights/.hotload/python:$(HOTLOAD_USER_PYTHONPATH)",
+                },
+            ]
             assert "hotload_patch.vllm.HotloadWorkerExtension" in engine["command"]
 
             def admitted(component: str) -> Callable[[], Awaitable[list[JSON]]]:

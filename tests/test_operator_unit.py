@@ -174,6 +174,35 @@ def test_the_pod_template_adds_what_the_operator_has_no_field_for() -> None:
     )
 
 
+def test_a_variable_the_operator_sets_replaces_the_templates_whole() -> None:
+    """A variable is a `value` or a `valueFrom`: the operator's replaces the template's of the
+    same name whole (merged field by field, the pod would hold both and be refused); the
+    template's other variables stay."""
+    template = {
+        "spec": {
+            "initContainers": [
+                {
+                    "name": "loader",
+                    "env": [
+                        {"name": "POD_NAME", "value": "mine"},
+                        {
+                            "name": "EXTRA",
+                            "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+                        },
+                    ],
+                }
+            ]
+        }
+    }
+    loader = _container(_pod(deployment(podTemplate=template)), "loader", "initContainers")
+    env = {e["name"]: e for e in loader["env"]}
+    assert env["POD_NAME"] == {
+        "name": "POD_NAME",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+    }
+    assert env["EXTRA"] == template["spec"]["initContainers"][0]["env"][1]  # type: ignore[index]
+
+
 def test_secure_defaults_the_template_may_change() -> None:
     """The loader (and the reference engine) meet the restricted Pod Security Standard by
     default; vLLM's image runs as root, so its runAsNonRoot comes from the template."""
@@ -413,6 +442,16 @@ def test_a_users_pythonpath_comes_after_the_extensions() -> None:
     merged = _env(_container(pod, "engine"))
     assert [v for n, v in merged if n == "PYTHONPATH"] == ["/weights/.hotload/python:/opt/site"]
     assert ("NCCL_DEBUG", "INFO") in merged
+    # From the template with valueFrom: kept under another name, which PYTHONPATH refers to (a
+    # variable merged from the template's valueFrom and the operator's value would be refused).
+    source = {"secretKeyRef": {"name": "site", "key": "path"}}
+    template["spec"]["containers"][0]["env"][0] = {"name": "PYTHONPATH", "valueFrom": source}
+    pod = _pod(deployment(engine={"image": "e", "kind": "vllm"}, podTemplate=template))
+    engine = _container(pod, "engine")
+    assert [e for e in engine["env"] if "PYTHONPATH" in e["name"]] == [
+        {"name": "HOTLOAD_USER_PYTHONPATH", "valueFrom": source},
+        {"name": "PYTHONPATH", "value": "/weights/.hotload/python:$(HOTLOAD_USER_PYTHONPATH)"},
+    ]
     # spec.engine.env wins over the template, as for every variable the operator sets.
     both = deployment(
         engine={"image": "e", "kind": "vllm", "env": [{"name": "PYTHONPATH", "value": "/spec"}]},

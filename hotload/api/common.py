@@ -131,7 +131,8 @@ class PodTemplateOverlay(ApiModel):
         "priorityClassName, runtimeClassName, securityContext, volumes, extra containers, "
         "...). The operator's pod is merged over it: lists of named items (containers, "
         "initContainers, volumes, env, imagePullSecrets) by name, volumeMounts by mountPath, "
-        "ports by containerPort, other lists replaced; fields the operator sets win, except "
+        "ports by containerPort, other lists replaced; fields the operator sets win (a "
+        "variable it sets replaces the template's whole), except "
         "the securityContexts, which are defaults the template may change. The API server "
         "validates the result when the operator applies the Deployment (a refusal shows as "
         "Degraded=True, InvalidSpec).",

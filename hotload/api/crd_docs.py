@@ -98,7 +98,8 @@ _POD_TEMPLATE_DOCS = [
     "`command` (before `spec.engine.args`) and `PYTHONPATH` | the operator: `PYTHONPATH` starts "
     "with `/weights/.hotload/python`, where the loader copies hotload's extension (sparse hot "
     "loads) at start-up; a `PYTHONPATH` of `spec.engine.env` (else of the template) follows "
-    "it, joined with `:`, in one variable |",
+    "it, joined with `:`, in one variable (a template's `valueFrom` one is kept as "
+    "`HOTLOAD_USER_PYTHONPATH` and named as `$(HOTLOAD_USER_PYTHONPATH)`) |",
     "| volumes `weights`, `bucket-credentials`, `dshm` | the operator (`spec.weightsVolume`, "
     "`spec.bucket.credentialsSecret`, `spec.engine.shmSize`) |",
     "| `securityContext` of the pod and of each container | defaults the template may change: "

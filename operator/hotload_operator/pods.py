@@ -241,11 +241,15 @@ MERGE_KEYS = {
     "volumeMounts": "mountPath",
     "ports": "containerPort",
 }
+#: Lists whose named items `over` replaces whole: a variable is a `value` or a `valueFrom`, and
+#: one merged from both would be refused.
+REPLACED_ITEMS = {"env"}
 
 
 def overlay(under: Any, over: Any, field: str = "") -> Any:
     """`over` laid on `under`: objects merged field by field, lists of named items merged by
-    name (`MERGE_KEYS`; `over`'s items first, in its order), anything else `over`'s."""
+    name (`MERGE_KEYS`; `over`'s items first, in its order; `REPLACED_ITEMS` lists' items
+    replaced whole), anything else `over`'s."""
     if isinstance(under, dict) and isinstance(over, dict):
         out = dict(under)
         for key, value in over.items():
@@ -254,12 +258,11 @@ def overlay(under: Any, over: Any, field: str = "") -> Any:
     key = MERGE_KEYS.get(field)
     if key is not None and isinstance(under, list) and isinstance(over, list):
         named = {item.get(key): item for item in under if isinstance(item, dict)}
-        merged = [
-            overlay(named.pop(item.get(key)), item)
-            if isinstance(item, dict) and item.get(key) in named
-            else item
-            for item in over
-        ]
+        merged = []
+        for item in over:
+            below = named.pop(item.get(key), None) if isinstance(item, dict) else None
+            whole = below is None or field in REPLACED_ITEMS
+            merged.append(item if whole else overlay(below, item))
         return merged + [i for i in under if not isinstance(i, dict) or i.get(key) in named]
     return over
 
@@ -331,25 +334,35 @@ def _owned_template(hld: HotLoadDeployment, images: OperatorImages, user: JSON) 
 
 #: The variable whose value the operator merges with the user's (vLLM pods).
 PYTHONPATH = "PYTHONPATH"
+#: A user's PYTHONPATH set with `valueFrom` (a ConfigMap, a Secret, a field) is kept under this
+#: name, and PYTHONPATH refers to it: the kubelet expands `$(VAR)` from earlier variables.
+USER_PYTHONPATH = "HOTLOAD_USER_PYTHONPATH"
 
 
-def engine_env(hld: HotLoadDeployment, template_pythonpath: str | None = None) -> list[JSON]:
+def engine_env(hld: HotLoadDeployment, template_pythonpath: JSON | None = None) -> list[JSON]:
     """The engine container's variables: `spec.engine.env`, then the operator's. For vLLM,
     PYTHONPATH starts with `ENGINE_PYTHONPATH` (where the loader copies `hotload_patch`, the
-    `--worker-extension-cls` vLLM imports), followed by the user's own PYTHONPATH: the last one
+    `--worker-extension-cls` vLLM imports), followed by the user's own PYTHONPATH: the last entry
     `spec.engine.env` sets, else `template_pythonpath` (the one `spec.podTemplate` sets for the
     engine), joined with ':'. One entry only, where the user's first one was."""
     spec = hld.spec
     env: list[JSON] = [e.to_json() for e in spec.engine.env]
     if spec.engine.kind != "vllm":
         return env
-    set_by_spec = [e.get("value") for e in env if e["name"] == PYTHONPATH]
+    set_by_spec = [e for e in env if e["name"] == PYTHONPATH]
     theirs = set_by_spec[-1] if set_by_spec else template_pythonpath
     # In place of the user's first entry, so `$(VAR)` references in it still expand.
     at = next((i for i, e in enumerate(env) if e["name"] == PYTHONPATH), len(env))
     env = [e for e in env if e["name"] != PYTHONPATH]
-    merged = ":".join(filter(None, (ENGINE_PYTHONPATH, theirs)))
-    env.insert(at, {"name": PYTHONPATH, "value": merged})
+    merged = [{"name": PYTHONPATH, "value": ENGINE_PYTHONPATH}]
+    if theirs is not None and "valueFrom" in theirs:
+        merged = [
+            {"name": USER_PYTHONPATH, "valueFrom": theirs["valueFrom"]},
+            {"name": PYTHONPATH, "value": f"{ENGINE_PYTHONPATH}:$({USER_PYTHONPATH})"},
+        ]
+    elif theirs is not None and theirs.get("value"):
+        merged[0]["value"] += f":{theirs['value']}"
+    env[at:at] = merged
     env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})
     if spec.adapters.enabled:
         # Without it vLLM has no /v1/load_lora_adapter route at all.
@@ -357,15 +370,15 @@ def engine_env(hld: HotLoadDeployment, template_pythonpath: str | None = None) -
     return env
 
 
-def _template_env_value(template: JSON, container: str, name: str) -> str | None:
-    """The plain value the pod template gives variable `name` of `container` (the last one
-    set), or None."""
-    found: str | None = None
+def _template_env(template: JSON, container: str, name: str) -> JSON | None:
+    """The entry the pod template gives variable `name` of `container` (the last one), or
+    None."""
+    found: JSON | None = None
     for c in (template.get("spec") or {}).get("containers") or []:
         if isinstance(c, dict) and c.get("name") == container:
             for e in c.get("env") or []:
-                if isinstance(e, dict) and e.get("name") == name and "value" in e:
-                    found = str(e["value"])
+                if isinstance(e, dict) and e.get("name") == name:
+                    found = e
     return found
 
 
@@ -376,7 +389,7 @@ def _engine_container(
     pod template laid under the pod (read for the engine's PYTHONPATH)."""
     spec = hld.spec
     engine = spec.engine
-    template_pythonpath = _template_env_value(user, "engine", PYTHONPATH)
+    template_pythonpath = _template_env(user, "engine", PYTHONPATH)
     env = engine_env(hld, template_pythonpath)
     engine_mounts = [_weights_mount(hld, read_only=True)]
     if (shm := shm_volume(hld)) is not None:
