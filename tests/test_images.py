@@ -175,7 +175,8 @@ def test_dockerignore_keeps_local_state_out_of_the_context() -> None:
     patterns = dockerignore()
     for path in (".git", ".venv", ".venv-vllm", ".tools", "tests", "hotload/__pycache__"):
         assert ignored(path, patterns), path
-    for path in ("pyproject.toml", "README.md", "hotload/engine/server.py", "operator", "sidecar"):
+    kept = ("pyproject.toml", "README.md", "hotload/engine/server.py", "hotload_patch", "operator")
+    for path in (*kept, "sidecar"):
         assert not ignored(path, patterns), path
 
 

@@ -25,7 +25,7 @@ from hotload.snapshot.safetensors_io import write_safetensors
 REPO = Path(__file__).resolve().parents[1]
 WHEELHOUSE = Path(sys.prefix) / "wheelhouse"
 # What a Dockerfile copies: the distribution's sources.
-SOURCES = ("pyproject.toml", "README.md", "hotload", "operator", "sidecar")
+SOURCES = ("pyproject.toml", "README.md", "hotload", "hotload_patch", "operator", "sidecar")
 
 pytestmark = pytest.mark.slow
 
