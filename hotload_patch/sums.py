@@ -163,21 +163,56 @@ def rows_partial(rows: np.ndarray, starts: np.ndarray, total: int) -> tuple[int,
     return a, b
 
 
+#: The sum of the two bytes of every 16-bit value (a table gather is one pass over the values).
+_BYTE_SUMS = ((np.arange(1 << 16) & 0xFF) + (np.arange(1 << 16) >> 8)).astype(np.int32)
+
+
 def delta_partial(
     positions: np.ndarray, old: np.ndarray, new: np.ndarray, total: int
 ) -> tuple[int, int]:
-    """How replacing elements at `positions` (int64) moves the partial sums of a `total`-byte
-    tensor: `old` and `new` are the elements' bit patterns (one unsigned width)."""
+    """How replacing elements at `positions` (int64) moves the partial sums of a
+    `total`-byte tensor: `old` and `new` are the elements' bit patterns (one unsigned width)."""
     k = int(positions.size)
     if k == 0:
         return 0, 0
     width = old.dtype.itemsize
+    # Byte j of element e lies at e*width + j and weighs (total - e*width - j) in B, so the
+    # element moves B by (total - e*width) * sum_j d_j - sum_j j * d_j, with d_j the change of
+    # its byte j (little-endian). `per` is sum_j d_j per element, within +-255 * width.
+    if width % 2:
+        per, tail = _byte_changes(old, new, k, width)
+    else:
+        per, tail = _half_changes(old, new, k, width)
+    moved = int(per.sum(dtype=np.int64))
+    # Positions times `per` fit in int64 unless the tensor is huge; then reduce them first.
+    fits = int(positions.max()) * 255 * width * k < 2**62
+    weights = positions if fits else positions % MOD
+    weighted = int(np.dot(weights, per.astype(np.int64)))
+    return moved % MOD, ((total % MOD) * moved - width * weighted - tail) % MOD
+
+
+def _half_changes(old: np.ndarray, new: np.ndarray, k: int, width: int) -> tuple[np.ndarray, int]:
+    """`per` and sum_j j * d_j for an even width, 16 bits at a time: half h holds bytes 2h and
+    2h + 1, so it adds 2h * (its byte sum's change) + (its high byte's change) to the tail."""
+    halves = width // 2
+    old16 = np.ascontiguousarray(old).view(np.uint16).reshape(k, halves)
+    new16 = np.ascontiguousarray(new).view(np.uint16).reshape(k, halves)
+    per = np.zeros(k, dtype=np.int32)
+    tail = 0
+    for h in range(halves):
+        o, n = old16[:, h], new16[:, h]
+        d = _BYTE_SUMS[n]
+        d -= _BYTE_SUMS[o]
+        per += d
+        high = int((n >> 8).sum(dtype=np.int64)) - int((o >> 8).sum(dtype=np.int64))
+        tail += 2 * h * int(d.sum(dtype=np.int64)) + high
+    return per, tail
+
+
+def _byte_changes(old: np.ndarray, new: np.ndarray, k: int, width: int) -> tuple[np.ndarray, int]:
+    """`per` and sum_j j * d_j a byte column at a time (odd widths: one-byte dtypes)."""
     old_b = np.ascontiguousarray(old).view(np.uint8).reshape(k, width)
     new_b = np.ascontiguousarray(new).view(np.uint8).reshape(k, width)
-    # Byte j of element e lies at e*width + j and weighs (total - e*width - j) in B, so the
-    # element moves B by (total - e*width) * sum_j d_j - sum_j j * d_j. Per byte column, in
-    # int32 (a column's differences are within +-255); the positions' weights modulo 65521
-    # keep every product below 2**27 and every sum below 2**63.
     per = np.zeros(k, dtype=np.int32)
     tail = 0
     for j in range(width):
@@ -186,9 +221,7 @@ def delta_partial(
         per += d
         if j:
             tail += j * int(d.sum(dtype=np.int64))
-    moved = int(per.sum(dtype=np.int64))
-    weighted = int(((positions % MOD) * per).sum(dtype=np.int64))
-    return moved % MOD, ((total % MOD) * moved - width * weighted - tail) % MOD
+    return per, tail
 
 
 def combine(total: int, parts: Iterable[tuple[int, int]]) -> int:
