@@ -13,6 +13,9 @@ and the vLLM worker extension's JSON protocol on simulated ranks (no vLLM needed
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -1100,3 +1103,18 @@ def test_the_worker_extension_patches_every_rank_over_json(
     assert workers[0].hotload_apply()["error"]["reason"] == "not_staged"
     for w in workers:
         w._hotload().close()
+
+
+def test_write_threads_run_on_every_cpu_of_a_pinned_process() -> None:
+    """vLLM pins its CPU workers to their compute cores; the threads that write a patch during
+    the pause may still use every core (the engine computes nothing then)."""
+    code = (
+        "import os; os.sched_setaffinity(0, {0}); from hotload_patch import staging; "
+        "print(*staging._write_pool().submit(os.sched_getaffinity, 0).result())"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    # Every CPU this test may use (pinned to CPU 0 alone, the threads would report just it).
+    assert {int(cpu) for cpu in run.stdout.split()} >= os.sched_getaffinity(0), run.stdout
