@@ -139,12 +139,17 @@ def measure(replica: Replica, appended: float, identity: str) -> dict[str, Any]:
     }
 
 
-def vm_hwm(pid: int) -> int:
-    """Peak resident set size of a running process, in bytes."""
+def proc_status_bytes(pid: int, field: str) -> int:
+    """A size field of a running process's /proc status (`VmHWM`, `VmRSS`), in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def vm_hwm(pid: int) -> int:
+    """Peak resident set size of a running process, in bytes."""
+    return proc_status_bytes(pid, "VmHWM")
 
 
 def main() -> None:

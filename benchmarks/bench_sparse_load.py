@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from bench_sidecar import append, model_config, vm_hwm
+from bench_sidecar import append, model_config, proc_status_bytes, vm_hwm
 
 from hotload.arc.patch import prepare_patch
 from hotload.bucket import open_bucket, upload_snapshot
@@ -96,14 +96,11 @@ class Engine:
 
     def replica(self, name: str, ledger_url: str, env: dict[str, str], args: list[str]) -> Replica:
         """A replica for one phase (not started)."""
-        return Replica(
-            name,
-            self.work / f"replica-{name}",
-            ledger_url,
-            env,
-            loader_args=args,
-            admin_port=free_port(),
-        )
+        return Replica(name, self.work / f"replica-{name}", ledger_url, env, **self.wiring(args))
+
+    def wiring(self, args: list[str]) -> dict[str, Any]:
+        """How the replica's loader reaches its engine: the reference engine beside it."""
+        return {"loader_args": args, "admin_port": free_port()}
 
     def start(self, replica: Replica) -> None:
         """Start the loader and the engine."""
@@ -152,16 +149,9 @@ class VLLMEngine(Engine):
         finally:
             server.stop()
 
-    def replica(self, name: str, ledger_url: str, env: dict[str, str], args: list[str]) -> Replica:
-        """A loader-only replica pointed at the vLLM server (its port is chosen up front)."""
-        return Replica(
-            name,
-            self.work / f"replica-{name}",
-            ledger_url,
-            env,
-            loader_args=["--engine", "vllm", *args],
-            engine_port=self.port,
-        )
+    def wiring(self, args: list[str]) -> dict[str, Any]:
+        """A loader only, pointed at the vLLM server (its port is chosen up front)."""
+        return {"loader_args": ["--engine", "vllm", *args], "engine_port": self.port}
 
     def start(self, replica: Replica) -> None:
         """Start the loader; the first time, vLLM on what it materialised, as in a pod (the
@@ -221,10 +211,9 @@ def descendants(pid: int) -> list[int]:
 def vm_rss(pid: int) -> int:
     """Resident set size of a running process, in bytes (0 when it is gone)."""
     try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        return proc_status_bytes(pid, "VmRSS")
     except OSError:
         return 0
-    return next((int(x.split()[1]) * 1024 for x in lines if x.startswith("VmRSS:")), 0)
 
 
 def measure(engine: Engine, replica: Replica, appended: float, identity: str) -> dict[str, Any]:
