@@ -22,7 +22,7 @@ from hotload_operator.admission import admit
 from hotload_operator.builders import build_children
 from hotload_operator.pods import engine_command
 from hotload_operator.policy import build_loader_admission_policy
-from hotload_operator.rollup import rollup_deployment, rollup_snapshot
+from hotload_operator.rollup import PodReport, read_pod, rollup_deployment, rollup_snapshot
 from hotload_sidecar.kube_report import build_pod_metadata_patch
 from support.operator import serving
 from support.snapshots import CONFIG, delta, full, nudged, weights
@@ -320,7 +320,6 @@ def test_loader_role_grants_exactly_what_the_loader_needs() -> None:
     grants = {(r["resources"][0], verb) for r in role["rules"] for verb in r["verbs"]}
     assert grants == {
         ("pods", "get"),
-        ("pods", "patch"),
         ("pods/status", "patch"),
         ("events", "create"),
     }
@@ -624,15 +623,18 @@ def test_every_name_and_label_fits_for_the_longest_name_the_crd_accepts() -> Non
 # --- roll-up ------------------------------------------------------------------------------------
 
 
-def pod(name: str, report: Any | None, *, ready: bool = True) -> JSON:
-    """A pod as the API returns it, with a loader report."""
+def pod(name: str, report: Any | None, *, ready: bool = True) -> PodReport:
+    """A pod with a loader report, as the roll-up reads it (`read_pod` of the pod the API
+    returns)."""
     meta: JSON = {"name": name, "labels": {"hotload.dev/deployment": "fleet"}}
     if report is not None:
         meta.update(build_pod_metadata_patch(report)["metadata"])
-    return {
-        "metadata": meta,
-        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
-    }
+    return read_pod(
+        {
+            "metadata": meta,
+            "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+        }
+    )
 
 
 def entries(n: int) -> list[Any]:
@@ -712,7 +714,7 @@ def test_rollup_tolerates_garbled_annotations() -> None:
         "metadata": {"name": "x", "annotations": {"hotload.dev/snapshot": "{not json"}},
         "status": {},
     }
-    status = rollup_deployment(deployment(replicas=1), [bad], es[0], es, now=NOW)
+    status = rollup_deployment(deployment(replicas=1), [read_pod(bad)], es[0], es, now=NOW)
     assert status["replicaStatuses"][0]["snapshot"] is None
     assert cond(status, "Ready")["reason"] == "ReplicasBehind"
 

@@ -34,7 +34,7 @@ from hotload.ledger import (
 from hotload.sdk import publish_folder_async
 from hotload_operator.meta import pin_object_key
 from hotload_operator.pods import loader_env
-from hotload_operator.rollup import rollup_deployment, rollup_snapshot
+from hotload_operator.rollup import PodReport, read_pod, rollup_deployment, rollup_snapshot
 from hotload_sidecar.config import ConfigError, load_settings
 from hotload_sidecar.loader import move_cache_policy
 from support.cluster import install_crds
@@ -170,13 +170,15 @@ def _deployment(pin: str | None = None, replicas: int = 2) -> HotLoadDeployment:
     )
 
 
-def _pod(name: str, identity: str | None, state: str = "idle", error: str = "") -> JSON:
+def _pod(name: str, identity: str | None, state: str = "idle", error: str = "") -> PodReport:
     report = serving(identity, 1, state=state, error=error) if identity else None
     note = report.to_annotation() if report else {}
-    return {
-        "metadata": {"name": name, "annotations": {"hotload.dev/snapshot": json.dumps(note)}},
-        "status": {"conditions": [{"type": "Ready", "status": "True"}]},
-    }
+    return read_pod(
+        {
+            "metadata": {"name": name, "annotations": {"hotload.dev/snapshot": json.dumps(note)}},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        }
+    )
 
 
 def _ready(status: JSON) -> JSON:

@@ -34,6 +34,9 @@ LEDGER_NAME_PATTERN: Final = IDENTITY_PATTERN
 CONDITION_SNAPSHOT_LOADED: Final = "hotload.dev/SnapshotLoaded"
 #: Pod annotation with the loader's report as JSON (see `hotload_sidecar.status`).
 ANNOTATION_SNAPSHOT: Final = "hotload.dev/snapshot"
+#: On a HotLoadDeployment: the digest of what the operator last applied for it (its owned
+#: objects, pin and router), so an operator that takes over skips what is already in place.
+ANNOTATION_APPLIED: Final = "hotload.dev/applied"
 #: Pod labels with the served identity and sequence, for selectors (routers, dashboards).
 LABEL_IDENTITY: Final = "hotload.dev/snapshot-identity"
 LABEL_SEQUENCE: Final = "hotload.dev/snapshot-sequence"

@@ -3,26 +3,33 @@ and the operator's memory of each deployment; and the parsing of the objects kop
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from hotload.api.models import HotLoadDeployment, Snapshot
+from hotload.api.models import HotLoadDeployment
 from hotload.bucket import Bucket, open_bucket
 from hotload.bucket.url import S3_SETTINGS
 from hotload.errors import BucketError, KubeError, KubeForbiddenError, KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
+from hotload.kube.events import EventRecorder
+from hotload_operator.ledgers import LedgerCache
 from hotload_operator.meta import OperatorImages, namespace_of
+from hotload_operator.workqueue import WorkQueue
+from hotload_operator.writes import StatusWriter
+
+if TYPE_CHECKING:
+    from hotload_operator.fleet import FleetCache
 
 JSON = dict[str, Any]
+Key = tuple[str, str]
 
 
 class CredentialsUnreadableError(BucketError):
@@ -74,26 +81,66 @@ class OperatorMetrics:
         self.rollup_seconds = Histogram(
             "hotload_operator_rollup_seconds", "Seconds per deployment roll-up", registry=r
         )
+        self.status_writes = Counter(
+            "hotload_operator_status_writes",
+            "Status writes by kind (writes that would change nothing are not sent)",
+            ["resource"],
+            registry=r,
+        )
+        self.leader = Gauge(
+            "hotload_operator_leader",
+            "1 while this operator replica holds the lease and writes, else 0",
+            registry=r,
+        )
+
+
+async def _unset(_: Key) -> None:
+    raise RuntimeError("the operator's work queues run only in `hotload_operator.runtime`")
 
 
 @dataclass
 class Context:
-    """What every handler shares: the API client, images, bucket cache and metrics."""
+    """What every handler shares: the API client, images, bucket cache and metrics, the
+    watch-fed caches, the work queues and the status writer (`runtime.run` wires them)."""
 
     kube: KubeClient
     images: OperatorImages = field(default_factory=OperatorImages)
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     now: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+    #: HotLoadDeployments, Snapshots and pods, kept by informers (`fleet()` reads it).
+    cache: FleetCache | None = None
+    #: Roll-ups by deployment key, coalesced; and each deployment's periodic ledger poll.
+    rollups: WorkQueue[Key] = field(default_factory=lambda: WorkQueue(_unset, name="roll-up"))
+    polls: WorkQueue[Key] = field(default_factory=lambda: WorkQueue(_unset, name="poll"))
+    #: Applies a deployment's spec again (set by the handlers, for the poll's apply retry).
+    respec: Callable[[JSON], Awaitable[None]] | None = None
+    #: Seconds between ledger polls of each deployment, and the oldest ledger copy a roll-up
+    #: uses (a new head moves no Kubernetes object; pod reports bring a roll-up sooner).
+    poll_interval: float = 5.0
+    #: This replica's name (the Lease holder's identity; `reportingInstance` of its Events).
+    identity: str = "hotload-operator"
+    writer: StatusWriter = field(init=False)
+    ledgers: LedgerCache = field(init=False)
+    events: EventRecorder = field(init=False)
     _buckets: dict[tuple[str, str, str | None], Bucket] = field(default_factory=dict)
-    _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
-    _pending: set[tuple[str, str]] = field(default_factory=set)
-    #: Per deployment: the ledger's ETag and when it was last rolled up (for the cheap timer).
-    _ticks: dict[tuple[str, str], tuple[str | None, float]] = field(default_factory=dict)
+    #: Per deployment: when (monotonic) it was last rolled up.
+    _rolled_at: dict[Key, float] = field(default_factory=dict)
     #: Per deployment: why its owned objects could not be applied, until an apply succeeds;
     #: the roll-up shows it as Degraded=True with the problem's reason.
     _problems: dict[tuple[str, str], SpecProblem] = field(default_factory=dict)
     #: Per deployment: when (monotonic) its owned objects were last applied or tried.
     _applied_at: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.writer = StatusWriter(self.kube, writes=self.metrics.status_writes)
+        self.ledgers = LedgerCache(self.bucket)
+        self.events = EventRecorder(self.kube, "hotload-operator", self.identity)
+
+    def fleet(self) -> FleetCache:
+        """The watch-fed cache (set by `runtime.run` before any handler runs)."""
+        if self.cache is None:
+            raise RuntimeError("the operator's cache is not running (start it with runtime.run)")
+        return self.cache
 
     async def bucket(self, hld: HotLoadDeployment) -> Bucket:
         """The deployment's bucket, with credentials from its Secret (cached per secret).
@@ -123,25 +170,3 @@ class Context:
             if key.upper() in wanted:
                 (folder / key).write_bytes(base64.b64decode(value))
         return folder
-
-    def lock(self, namespace: str, name: str) -> asyncio.Lock:
-        """One roll-up at a time per deployment."""
-        return self._locks.setdefault((namespace, name), asyncio.Lock())
-
-
-def parse_deployment(body: JSON) -> HotLoadDeployment:
-    """The deployment body as a model (the API server already validated it)."""
-    return HotLoadDeployment.model_validate(
-        {"metadata": dict(body.get("metadata") or {}), "spec": dict(body.get("spec") or {})}
-    )
-
-
-def parse_snapshot(body: JSON) -> Snapshot:
-    """The snapshot body as a model."""
-    return Snapshot.model_validate(
-        {
-            "metadata": dict(body.get("metadata") or {}),
-            "spec": dict(body.get("spec") or {}),
-            "status": dict(body.get("status") or {}) or None,
-        }
-    )

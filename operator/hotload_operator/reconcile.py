@@ -30,16 +30,17 @@ from hotload.errors import (
     LedgerError,
 )
 from hotload.kube import resource_path
-from hotload.ledger import Ledger, LedgerDocument
+from hotload.ledger import Ledger
+from hotload_operator import apply
 from hotload_operator.admission import Admission, admit
-from hotload_operator.conditions import format_time, set_condition, stored_form
-from hotload_operator.context import Context, parse_deployment, parse_snapshot
+from hotload_operator.conditions import format_time, set_condition
+from hotload_operator.context import Context
 from hotload_operator.meta import (
     generation_of,
-    ledger_url,
     name_of,
     namespace_of,
-    selector_string,
+    parse_deployment,
+    parse_snapshot,
 )
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 
@@ -56,9 +57,8 @@ async def admit_snapshot(ctx: Context, body: JSON) -> Admission:
     """Admit one Snapshot and write its `Accepted` condition (and sizes) to its status."""
     snap = parse_snapshot(body)
     ns = namespace_of(snap)
-    hld_path = resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, snap.spec.deployment)
     try:
-        hld = parse_deployment(await ctx.kube.get(hld_path))
+        hld = await _deployment(ctx, ns, snap.spec.deployment)
     except KubeNotFoundError:
         result = Admission(
             False,
@@ -140,115 +140,101 @@ async def write_admission(ctx: Context, snap: Snapshot, result: Admission) -> No
 
 async def _patch_status(ctx: Context, snap: Snapshot, status: JSON) -> None:
     """Merge-patch `status` (and the generation it observed) into the snapshot's status."""
-    path = resource_path(
-        API_VERSION, SNAPSHOT_PLURAL, namespace_of(snap), str(snap.metadata["name"]), "status"
-    )
+    key = (namespace_of(snap), str(snap.metadata["name"]))
     body = {"observedGeneration": generation_of(snap), **status}
-    await ctx.kube.patch(path, {"status": body}, "merge")
+    cached = snap.status.to_json() if snap.status else {}
+    version = str(snap.metadata.get("resourceVersion") or "")
+    await ctx.writer.write(SNAPSHOT_PLURAL, key, body, cached, version)
+
+
+async def _deployment(ctx: Context, namespace: str, name: str) -> HotLoadDeployment:
+    """HotLoadDeployment `namespace/name` from the cache, else from the API server (one just
+    created may reach the cache a moment later); raises `KubeNotFoundError`."""
+    record = ctx.fleet().deployment((namespace, name))
+    if record is not None:
+        return record.hld
+    path = resource_path(API_VERSION, DEPLOYMENT_PLURAL, namespace, name)
+    return parse_deployment(await ctx.kube.get(path))
 
 
 async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
-    """Recompute and write the statuses of deployment `namespace/name` and its snapshots.
+    """Recompute deployment `namespace/name`'s status and its Snapshots' from the operator's
+    caches (pods, Snapshots, the ledger's copy) and write what changed; return the status.
 
-    Requests arriving while one runs collapse into one more run after it.
-    """
+    Reads nothing from the API server: a report costs one watch event and its share of one
+    roll-up (`ctx.rollups` coalesces the reports that arrive together)."""
     key = (namespace, name)
-    if key in ctx._pending:
+    cache = ctx.fleet()
+    record = cache.deployment(key)
+    if record is None:
         return None
-    ctx._pending.add(key)
-    async with ctx.lock(namespace, name):
-        ctx._pending.discard(key)
-        with ctx.metrics.rollup_seconds.time():
-            return await _rollup(ctx, namespace, name)
-
-
-#: The periodic roll-up runs in full at least this often even when the ledger did not move
-#: (pod events trigger roll-ups as they happen; this only catches anything missed).
-FULL_ROLLUP_SECONDS = 60.0
-
-
-async def tick(ctx: Context, namespace: str, name: str, hld: HotLoadDeployment) -> JSON | None:
-    """The periodic check: one conditional GET of the ledger; roll up only when its head may
-    have moved, or when the last roll-up is older than `FULL_ROLLUP_SECONDS`."""
-    key = (namespace, name)
-    etag, last = ctx._ticks.get(key, (None, 0.0))
-    now = time.monotonic()
-    try:
-        bucket = await ctx.bucket(hld)
-        state = await Ledger(bucket, hld.spec.ledger or name_of(hld)).poll_async(etag)
-    except (BucketError, LedgerError) as err:
-        log.warning("cannot poll ledger %s: %s", ledger_url(hld), err)
-        state = None
-    changed = state is not None and state.etag != etag
-    if not changed and now - last < FULL_ROLLUP_SECONDS:
-        return None
-    ctx._ticks[key] = (state.etag if state is not None else etag, now)
-    return await rollup(ctx, namespace, name)
-
-
-async def _rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
-    path = resource_path(API_VERSION, DEPLOYMENT_PLURAL, namespace, name)
-    try:
-        body = await ctx.kube.get(path)
-    except KubeNotFoundError:
-        return None
-    hld = parse_deployment(body)
-    pods = (
-        await ctx.kube.list(
-            resource_path("v1", "pods", namespace), label_selector=selector_string(hld)
+    hld = record.hld
+    ctx._rolled_at[key] = time.monotonic()
+    with ctx.metrics.rollup_seconds.time():
+        reports = [r for r in cache.pods_of(key) if not r.deleting]
+        named = {i for r in reports for i in (r.identity, r.target) if i}
+        document = await ctx.ledgers.document(hld, max_age=ctx.poll_interval, wanted=named)
+        head = document.head if document else None
+        entries = list(document.entries) if document else []
+        kept = document.adapters(hld.spec.adapters.max_loaded) if document else []
+        kept_adapters = [e.identity for e in kept]
+        previous = ctx.writer.previous(
+            DEPLOYMENT_PLURAL, key, record.status, record.resource_version
         )
-    ).get("items") or []
-    document = await _ledger_document(ctx, hld)
-    head = document.head if document else None
-    entries = list(document.entries) if document else []
-    kept = document.adapters(hld.spec.adapters.max_loaded) if document else []
-    kept_adapters = [e.identity for e in kept]
-    previous = body.get("status") or {}
-    status = rollup_deployment(hld, pods, head, entries, now=ctx.now(), previous=previous)
-    problem = ctx._problems.get((namespace, name))
-    if problem is not None:
-        # The pods say nothing about a spec that could not be applied: that outranks them.
-        status["conditions"] = set_condition(
-            status["conditions"],
-            CONDITION_DEGRADED,
-            True,
-            problem.reason,
-            problem.message,
-            generation=status.get("observedGeneration"),
-            now=ctx.now(),
+        status = rollup_deployment(hld, reports, head, entries, now=ctx.now(), previous=previous)
+        problem = ctx._problems.get(key)
+        if problem is not None:
+            # The pods say nothing about a spec that could not be applied: that outranks them.
+            status["conditions"] = set_condition(
+                status["conditions"],
+                CONDITION_DEGRADED,
+                True,
+                problem.reason,
+                problem.message,
+                generation=status.get("observedGeneration"),
+                now=ctx.now(),
+            )
+        await ctx.writer.write(
+            DEPLOYMENT_PLURAL, key, status, record.status, record.resource_version
         )
-    # Top-level nulls in the merge patch remove stale fields; nested ones the server prunes.
-    if stored_form(status) != stored_form({k: previous.get(k) for k in status}):
-        await ctx.kube.patch(path + "/status", {"status": status}, "merge")
-    snaps = await ctx.kube.list(resource_path(API_VERSION, SNAPSHOT_PLURAL, namespace))
-    for item in snaps.get("items") or []:
-        if (item.get("spec") or {}).get("deployment") != name:
-            continue
-        snap = parse_snapshot(item)
-        update = rollup_snapshot(snap, hld, pods, head, now=ctx.now(), adapters=kept_adapters)
-        current = item.get("status") or {}
-        if update is None or stored_form(update) == stored_form(
-            {k: current.get(k) for k in update}
-        ):
-            continue
-        spath = resource_path(
-            API_VERSION, SNAPSHOT_PLURAL, namespace, str(snap.metadata["name"]), "status"
-        )
-        try:
-            await ctx.kube.patch(spath, {"status": update}, "merge")
-        except KubeNotFoundError:
-            continue
+        named |= {r_a.identity for r in reports for r_a in r.adapters}
+        named |= {i for i in (head.identity if head else None, hld.spec.pin) if i}
+        for snap in cache.snapshots_of(key, named):
+            update = rollup_snapshot(
+                snap.snapshot, hld, reports, head, now=ctx.now(), adapters=kept_adapters
+            )
+            if update is None:
+                continue
+            await ctx.writer.write(
+                SNAPSHOT_PLURAL,
+                (snap.namespace, snap.name),
+                update,
+                snap.status,
+                snap.resource_version,
+            )
     return status
 
 
-async def _ledger_document(ctx: Context, hld: HotLoadDeployment) -> LedgerDocument | None:
-    try:
-        bucket = await ctx.bucket(hld)
-        state = await Ledger(bucket, hld.spec.ledger or name_of(hld)).read_async()
-    except (BucketError, LedgerError, KubeError) as err:
-        log.warning("cannot read ledger %s: %s", ledger_url(hld), err)
-        return None
-    return state.document
+#: Every deployment is rolled up at least this often even when nothing changed (level-triggered
+#: safety; it writes only what differs).
+RESYNC_SECONDS = 300.0
+
+
+async def poll(ctx: Context, namespace: str, name: str) -> None:
+    """The periodic check of one deployment: one conditional GET of its ledger (a roll-up when
+    the head moved), the apply retried while another field manager holds a field, and a roll-up
+    every `RESYNC_SECONDS`; then the next check is scheduled."""
+    key = (namespace, name)
+    record = ctx.fleet().deployment(key)
+    if record is None:
+        return
+    ctx.polls.request(key, ctx.poll_interval)
+    if apply.apply_retry_due(ctx, namespace, name) and ctx.respec is not None:
+        await ctx.respec(record.body)
+        return
+    moved = await ctx.ledgers.refresh(record.hld)
+    if moved or time.monotonic() - ctx._rolled_at.get(key, 0.0) >= RESYNC_SECONDS:
+        ctx.rollups.request(key, 0)
 
 
 def deployment_of_pod(body: JSON) -> str | None:

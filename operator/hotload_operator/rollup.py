@@ -1,8 +1,9 @@
 """Roll per-replica reports up into `HotLoadDeployment.status` and `Snapshot.status` (pure).
 
 Each loader writes what its engine serves on its own pod (`hotload.dev/snapshot` annotation,
-`hotload.dev/SnapshotLoaded` condition). These functions read those pods, the ledger head and
-the previous status, and return the new status documents; they never call the API.
+`hotload.dev/SnapshotLoaded` condition); `read_pod` turns a pod into its `PodReport`. These
+functions take those reports, the ledger and the previous status, and return the new status
+documents; they never call the API.
 """
 
 from __future__ import annotations
@@ -116,22 +117,21 @@ def required_replicas(hld: HotLoadDeployment) -> int:
 
 def rollup_deployment(
     hld: HotLoadDeployment,
-    pods: list[JSON],
+    pods: Sequence[PodReport],
     head: LedgerEntry | None,
     entries: list[LedgerEntry],
     *,
     now: datetime,
     previous: JSON | None = None,
 ) -> JSON:
-    """The new `HotLoadDeployment.status` from its pods and the ledger: the fleet's target is
-    the ledger head, or `spec.pin` when pinned."""
+    """The new `HotLoadDeployment.status` from its pods' reports and the ledger: the fleet's
+    target is the ledger head, or `spec.pin` when pinned."""
     from hotload_operator.meta import router_endpoint, selector_string
 
     goal = deployment_target(hld, head, entries)
     pinned = goal.mode == "Pinned"
 
-    reports = sorted((read_pod(p) for p in pods), key=lambda r: r.pod)
-    reports = [r for r in reports if not r.deleting]
+    reports = sorted((r for r in pods if not r.deleting), key=lambda r: r.pod)
     generation = generation_of(hld)
     target = goal.identity
     updated = [r for r in reports if target is not None and r.identity == target]
@@ -287,7 +287,7 @@ def _current(reports: list[PodReport], need: int, sequences: dict[str, int]) -> 
 def rollup_snapshot(
     snap: Snapshot,
     hld: HotLoadDeployment,
-    pods: list[JSON],
+    pods: Sequence[PodReport],
     head: LedgerEntry | None,
     *,
     now: datetime,
@@ -302,7 +302,7 @@ def rollup_snapshot(
         return None
     identity = snap.spec.identity
     sequence = int(status["sequence"])
-    reports = [r for r in map(read_pod, pods) if not r.deleting]
+    reports = [r for r in pods if not r.deleting]
     lora = status.get("kind") == "lora" or snap.spec.kind == "lora"
     superseded_by: str | None = None
     if lora:
@@ -394,3 +394,19 @@ def _float(value: Any) -> float | None:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     return None
+
+
+def snapshot_settled(status: JSON) -> bool:
+    """Whether a Snapshot's status is final unless a replica names it again: refused, or
+    superseded with no replica serving it and no failure listed (not yet decided counts as
+    settled too: admission, not the roll-up, moves it)."""
+    conditions = status.get("conditions")
+    if not is_true(conditions, "Accepted"):
+        return True
+    ready = get_condition(conditions, "Ready")
+    return (
+        ready is not None
+        and ready.get("reason") == SnapshotReasons.SUPERSEDED
+        and not status.get("replicasLoaded")
+        and not status.get("failures")
+    )
