@@ -173,7 +173,7 @@ NAMESPACED_PERMISSIONS = permissions(
         {
             "apiGroups": ["hotload.dev"],
             "resources": ["snapshots"],
-            "verbs": ["list", "watch", "patch"],
+            "verbs": ["list", "watch"],
         },
         {
             "apiGroups": ["hotload.dev"],
@@ -932,10 +932,10 @@ def test_fireworks_api_from_the_chart(helm_cli: Helm, tmp_path: Path) -> None:
             for verb in rule["verbs"]
         }
 
-    assert snapshot_verbs(objs) == {"list", "watch", "patch", "create", "get"}
+    assert snapshot_verbs(objs) == {"list", "watch", "create", "get"}
     # Off by default: no variable, port, volume, Service or Snapshot creation.
     default = render(helm_cli, tmp_path, {})
-    assert snapshot_verbs(default) == {"list", "watch", "patch"}
+    assert snapshot_verbs(default) == {"list", "watch"}
     assert not [v for v in env_of(operator_container(default)) if "FIREWORKS" in v]
     assert not [o for o in default if o["kind"] == "Service"]
 

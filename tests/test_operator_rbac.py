@@ -26,7 +26,7 @@ from hotload.bucket import open_bucket
 from hotload.errors import KubeForbiddenError, KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
 from hotload.ledger import Ledger
-from hotload_operator import handlers
+from hotload_operator import reconcile
 from hotload_operator.leader import LeaseSettings
 from support.cluster import install_crds
 from support.kubeapi import KubeAPI
@@ -202,7 +202,7 @@ async def test_the_operator_needs_nothing_beyond_the_charts_rbac(
     bucket_dir.mkdir()
     await upload(bucket_dir, full(tmp_path / "snaps" / "step-000", weights(0)))
     # Retries of an unreachable bucket come quickly here (15 s in production).
-    monkeypatch.setattr(handlers, "BUCKET_RETRY_SECONDS", 1.0)
+    monkeypatch.setattr(reconcile, "BUCKET_RETRY_SECONDS", 1.0)
     caplog.set_level(logging.INFO)
 
     async with kube_api.client() as kube:

@@ -112,6 +112,8 @@ class Context:
     #: Roll-ups by deployment key, coalesced; and each deployment's periodic ledger poll.
     rollups: WorkQueue[Key] = field(default_factory=lambda: WorkQueue(_unset, name="roll-up"))
     polls: WorkQueue[Key] = field(default_factory=lambda: WorkQueue(_unset, name="poll"))
+    #: Snapshot admissions by Snapshot key (undecided Snapshots, retried with delays).
+    admissions: WorkQueue[Key] = field(default_factory=lambda: WorkQueue(_unset, name="admission"))
     #: Applies a deployment's spec again (set by the handlers, for the poll's apply retry).
     respec: Callable[[JSON], Awaitable[None]] | None = None
     #: Seconds between ledger polls of each deployment, and the oldest ledger copy a roll-up
@@ -125,6 +127,8 @@ class Context:
     _buckets: dict[tuple[str, str, str | None], Bucket] = field(default_factory=dict)
     #: Per deployment: when (monotonic) it was last rolled up.
     _rolled_at: dict[Key, float] = field(default_factory=dict)
+    #: Per Snapshot whose admission waits for its bucket: why (logged once per cause).
+    _deferred: dict[Key, str] = field(default_factory=dict)
     #: Per deployment: why its owned objects could not be applied, until an apply succeeds;
     #: the roll-up shows it as Degraded=True with the problem's reason.
     _problems: dict[tuple[str, str], SpecProblem] = field(default_factory=dict)

@@ -1,5 +1,6 @@
-"""kopf handlers: the only module with kopf decorators. Each one is a few lines that call
-`reconcile` (API side), which calls the pure builders, admission and roll-up."""
+"""kopf handlers: the only module with kopf decorators. kopf runs a deployment's spec (create,
+update, resume: the owned objects, the pin, the router); everything else (admission, roll-ups,
+the periodic checks) runs from the operator's own caches and queues (`runtime`)."""
 
 from __future__ import annotations
 
@@ -13,27 +14,18 @@ import kopf
 
 from hotload.api.names import (
     ANNOTATION_APPLIED,
-    CONDITION_ACCEPTED,
     DEPLOYMENT_PLURAL,
     GROUP,
-    SNAPSHOT_PLURAL,
     VERSION,
 )
 from hotload.errors import BucketError, KubeError
 from hotload.kube import KubeConfig
 from hotload.kube.events import involved_object
-from hotload_operator import apply, meta, reconcile
+from hotload_operator import apply, meta
 from hotload_operator.context import Context
 
 log = logging.getLogger("hotload_operator")
 JSON = dict[str, Any]
-
-#: Seconds between admission attempts while a Snapshot's bucket cannot be read.
-BUCKET_RETRY_SECONDS = 15.0
-#: Seconds before admission runs again after an unexpected error (e.g. its status write
-#: failed after the ledger append; kopf's default, 60 s, would hold a trainer's
-#: `wait_ready` that long). Kept across operator restarts in kopf's progress annotations.
-ADMISSION_BACKOFF_SECONDS = 5.0
 
 
 @kopf.on.login()
@@ -151,35 +143,6 @@ async def _reconcile_spec(ctx: Context, body: JSON, *, remove_router: bool = Tru
             involved_object(body), "Warning", refused.problem.reason, refused.problem.message
         )
     return refused is None
-
-
-@kopf.on.resume(GROUP, VERSION, SNAPSHOT_PLURAL, backoff=ADMISSION_BACKOFF_SECONDS)
-@kopf.on.create(GROUP, VERSION, SNAPSHOT_PLURAL, backoff=ADMISSION_BACKOFF_SECONDS)
-async def snapshot_created(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Admit a new Snapshot into its deployment's ledger (once; the spec is immutable)."""
-    ctx: Context = memo["ctx"]
-    status = body.get("status") or {}
-    if any(
-        c.get("type") == CONDITION_ACCEPTED and c.get("status") in ("True", "False")
-        for c in status.get("conditions") or []
-    ):
-        return  # decided before a restart; admission is not re-run (Unknown is retried)
-    try:
-        result = await reconcile.admit_snapshot(ctx, dict(body))
-    except reconcile.AdmissionDeferredError as err:
-        raise kopf.TemporaryError(str(err), delay=BUCKET_RETRY_SECONDS) from err
-    involved = involved_object(dict(body))
-    if result.accepted:
-        await ctx.events.record(involved, "Normal", result.reason, result.message)
-        key = (str(body.get("metadata", {}).get("namespace")), str(body["spec"]["deployment"]))
-        record = ctx.fleet().deployment(key)
-        if record is not None:  # its ledger moved: read it before the roll-up
-            await ctx.ledgers.refresh(record.hld)
-        ctx.rollups.request(key, 0)
-    else:
-        await ctx.events.record(involved, "Warning", result.reason, result.message)
-        # The module's logger: kopf's would post the same refusal as a second Event.
-        log.warning("snapshot refused: %s: %s", result.reason, result.message)
 
 
 async def _respec(ctx: Context, body: JSON) -> None:

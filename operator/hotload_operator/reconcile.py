@@ -20,6 +20,7 @@ from hotload.api.names import (
     CONDITION_READY,
     DEPLOYMENT_PLURAL,
     LABEL_DEPLOYMENT,
+    SNAPSHOT_KIND,
     SNAPSHOT_PLURAL,
     SnapshotReasons,
 )
@@ -30,6 +31,7 @@ from hotload.errors import (
     LedgerError,
 )
 from hotload.kube import resource_path
+from hotload.kube.events import involved_object
 from hotload.ledger import Ledger
 from hotload_operator import apply
 from hotload_operator.admission import Admission, admit
@@ -40,7 +42,6 @@ from hotload_operator.meta import (
     name_of,
     namespace_of,
     parse_deployment,
-    parse_snapshot,
 )
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 
@@ -53,9 +54,65 @@ class AdmissionDeferredError(Exception):
     `BucketUnreachable`) and the caller retries."""
 
 
-async def admit_snapshot(ctx: Context, body: JSON) -> Admission:
+#: Seconds between admission attempts while a Snapshot's bucket cannot be read.
+BUCKET_RETRY_SECONDS = 15.0
+#: Seconds before admission runs again after an unexpected error (e.g. its status write failed
+#: after the ledger append: admission is idempotent, the next attempt finds the entry).
+ADMISSION_BACKOFF_SECONDS = 5.0
+
+
+def is_decided(status: JSON) -> bool:
+    """Whether admission decided a Snapshot (`Accepted` True or False; Unknown is retried)."""
+    return any(
+        c.get("type") == CONDITION_ACCEPTED and c.get("status") in ("True", "False")
+        for c in status.get("conditions") or []
+    )
+
+
+async def admit_queued(ctx: Context, namespace: str, name: str) -> None:
+    """The admission queue's work: admit Snapshot `namespace/name` unless it is decided (in the
+    cache, or by this operator's own write the cache has not seen yet), record the outcome as
+    an Event, and roll its deployment up; retried later when the bucket cannot be read
+    (`BUCKET_RETRY_SECONDS`) or a write failed (`ADMISSION_BACKOFF_SECONDS`)."""
+    key = (namespace, name)
+    record = ctx.fleet().snapshot(key)
+    if record is None:
+        return
+    status = ctx.writer.previous(SNAPSHOT_PLURAL, key, record.status, record.resource_version)
+    if is_decided(status):
+        return
+    try:
+        result = await admit_snapshot(ctx, record.snapshot)
+    except AdmissionDeferredError as err:
+        if ctx._deferred.get(key) != str(err):  # said once per cause, not every retry
+            log.warning("admission of Snapshot %s/%s deferred: %s", namespace, name, err)
+        ctx._deferred[key] = str(err)
+        ctx.admissions.request(key, BUCKET_RETRY_SECONDS)
+        return
+    except (KubeError, BucketError, LedgerError) as err:
+        log.warning("admission of Snapshot %s/%s failed, retried: %s", namespace, name, err)
+        ctx.admissions.request(key, ADMISSION_BACKOFF_SECONDS)
+        return
+    ctx._deferred.pop(key, None)
+    involved = involved_object(
+        {"apiVersion": API_VERSION, "kind": SNAPSHOT_KIND, "metadata": record.snapshot.metadata}
+    )
+    deployment = (namespace, record.deployment)
+    if result.accepted:
+        await ctx.events.record(involved, "Normal", result.reason, result.message)
+        owner = ctx.fleet().deployment(deployment)
+        if owner is not None:  # its ledger moved: read it before the roll-up
+            await ctx.ledgers.refresh(owner.hld)
+        ctx.rollups.request(deployment, 0)
+    else:
+        await ctx.events.record(involved, "Warning", result.reason, result.message)
+        log.warning(
+            "snapshot %s/%s refused: %s: %s", namespace, name, result.reason, result.message
+        )
+
+
+async def admit_snapshot(ctx: Context, snap: Snapshot) -> Admission:
     """Admit one Snapshot and write its `Accepted` condition (and sizes) to its status."""
-    snap = parse_snapshot(body)
     ns = namespace_of(snap)
     try:
         hld = await _deployment(ctx, ns, snap.spec.deployment)

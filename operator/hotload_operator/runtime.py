@@ -1,13 +1,14 @@
 """The operator process: caches, leader election, work queues and kopf, wired together.
 
 Every replica lists and watches what it rolls up (`fleet.FleetCache`), so a standby is warm.
-With leader election, only the replica holding the Lease runs kopf's handlers (spec and
-admission), the roll-ups and the ledger polls, and only it writes; losing the Lease ends the
+With leader election, only the replica holding the Lease runs kopf's handlers (a deployment's
+spec), the admissions, the roll-ups and the ledger polls, and only it writes; losing the Lease ends the
 process (the kubelet restarts it as a standby), as Kubernetes' own controllers do. Without
 leader election (`standalone`), the one replica does all of it at once.
 
     flow: pod/Snapshot/HLD watch events -> cache -> roll-up queue (coalesced per deployment)
           -> roll-up (pure, from the cache) -> status write (only what changed, only the leader)
+          undecided Snapshot -> admission queue -> admission -> ledger append -> status write
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         lambda key: _rollup(ctx, key), window=settings.rollup_window, name="roll-up"
     )
     ctx.polls = WorkQueue(lambda key: reconcile.poll(ctx, *key), name="poll")
+    ctx.admissions = WorkQueue(
+        lambda key: reconcile.admit_queued(ctx, *key), window=0, name="admission"
+    )
 
     def on_deployment(key: Key, old: DeploymentRecord | None, new: DeploymentRecord | None) -> None:
         if new is None:
@@ -145,8 +149,12 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
 
     def on_snapshot(key: Key, old: SnapshotRecord | None, new: SnapshotRecord | None) -> None:
         if new is None:
+            ctx.admissions.cancel(key)
             ctx.writer.forget(SNAPSHOT_PLURAL, key)
+            ctx._deferred.pop(key, None)
             return
+        if not reconcile.is_decided(new.status):
+            ctx.admissions.request(key, 0)
         if old is None or ctx.writer.observed(
             SNAPSHOT_PLURAL, key, new.status, new.resource_version
         ):
@@ -220,6 +228,7 @@ async def run(
         writers = [
             asyncio.create_task(op.ctx.rollups.run(), name="roll-ups"),
             asyncio.create_task(op.ctx.polls.run(), name="polls"),
+            asyncio.create_task(op.ctx.admissions.run(), name="admissions"),
         ]
         for record in op.cache.all_deployments():  # level-triggered: look at everything once
             key = (str(record.hld.metadata.get("namespace")), str(record.hld.metadata.get("name")))
