@@ -14,6 +14,7 @@ other state dict is published as it is.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Mapping
@@ -50,11 +51,20 @@ def checkpoint_names(
     cls = getattr(transformers, str(architectures[0]), None)
     if cls is None or not hasattr(cls, "config_class"):
         return weights
-    # The model's skeleton on the meta device: what transformers reads to know the tied names and
-    # the conversions; it allocates nothing.
-    skeleton = _skeleton(cls, doc, torch)
-    state = remove_tied_weights_from_state_dict(dict(weights), skeleton)
-    state = revert_weight_conversion(skeleton, state)
+    try:
+        skeleton = _skeleton(cls, json.dumps(doc, sort_keys=True), torch)
+        state = remove_tied_weights_from_state_dict(dict(weights), skeleton)
+        state = _drop_tied_copies(state, getattr(skeleton, "all_tied_weights_keys", None), torch)
+        state = revert_weight_conversion(skeleton, state)
+    except Exception as exc:  # e.g. a quantised model, whose conversions do not reverse
+        log.warning(
+            "publishing the state dict's own names: transformers could not give %s's "
+            "checkpoint names (%s: %s)",
+            architectures[0],
+            type(exc).__name__,
+            exc,
+        )
+        return weights
     if set(state) != set(weights):
         log.info(
             "publishing %d tensors under %s's checkpoint names (the state dict had %d)",
@@ -65,11 +75,26 @@ def checkpoint_names(
     return state
 
 
-def _skeleton(cls: Any, doc: Mapping[str, Any], torch: Any) -> Any:
+def _drop_tied_copies(state: dict[str, Any], tied: Any, torch: Any) -> dict[str, Any]:
+    """Tied names whose tensors are separate but equal copies (a state dict gathered or moved
+    to the CPU no longer shares storage between them): kept once, under the name
+    `save_pretrained` keeps. Copies that differ stay, for the engines to refuse."""
+    for name, source in dict(tied or {}).items():
+        held, kept = state.get(name), state.get(source)
+        if held is not None and kept is not None and torch.equal(held, kept):
+            del state[name]
+    return state
+
+
+@functools.lru_cache(maxsize=4)
+def _skeleton(cls: Any, doc: str, torch: Any) -> Any:
+    """The model on the meta device (it allocates nothing): what transformers reads to know the
+    tied names and the conversions. Built once per configuration (a large model's modules take
+    a second or two)."""
     from transformers.initialization import no_init_weights
 
     with torch.device("meta"), no_init_weights():
-        return cls(cls.config_class.from_dict(dict(doc)))
+        return cls(cls.config_class.from_dict(json.loads(doc)))
 
 
 def _config(
