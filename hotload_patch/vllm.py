@@ -19,10 +19,11 @@ Every method answers a JSON object and never raises for a refused patch: `{"erro
 "message", "tensor"}}` says why, and the weights are unchanged.
 
 On the CPU, vLLM repacks linear weights for its GEMM kernels (oneDNN) and frees the originals,
-which leaves nothing a patch could write into. With this extension loaded, vLLM keeps them as
-they are and multiplies with `torch.nn.functional.linear` instead (set
-HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS=0 to keep vLLM's kernels; patches are then refused with
-`kernel_format` and the loader reloads in full). GPUs compute with the weights as loaded.
+which leaves nothing a patch could write into, and prepacks a mixture of experts' weights for
+its grouped GEMM. With this extension loaded, vLLM keeps both as they are and multiplies with
+`torch.nn.functional.linear` instead (set HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS=0 to keep vLLM's
+kernels; patches are then refused with `kernel_format` and the loader reloads in full). GPUs
+compute with the weights as loaded.
 """
 
 from __future__ import annotations
