@@ -60,7 +60,8 @@ class EnginePatches:
 
     def __init__(self, runner: ModelRunner, *, initializer: Callable[[], None] | None = None):
         self.runner = runner
-        self.patcher = Patcher(IdentityHost(lambda: runner.targets), initializer=initializer)
+        host = IdentityHost(lambda: runner.targets, lambda: runner.converted)
+        self.patcher = Patcher(host, initializer=initializer)
 
     def loaded(self, path: str | Path) -> None:
         """The snapshot at `path` was loaded in full: checksum it in the background."""
