@@ -191,6 +191,7 @@ NAMESPACED_PERMISSIONS = permissions(
             "verbs": ["create", "patch"],
         },
         {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["create", "patch"]},
+        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["list", "watch"]},
         {
             "apiGroups": ["policy"],
             "resources": ["poddisruptionbudgets"],

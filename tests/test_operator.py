@@ -213,8 +213,10 @@ async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
                 return obj if condition(obj, "Degraded").get("status") == "True" else None
 
             obj = await eventually("Degraded with the failure", degraded)
+            # Ready says why the fleet is behind: the cause, not just the count.
             assert condition(obj, "Ready")["status"] == "False"
-            assert condition(obj, "Ready")["reason"] == "ReplicasBehind"
+            assert condition(obj, "Ready")["reason"] == "LoadFailures"
+            assert f"pod {pods[1]}" in condition(obj, "Ready")["message"]
             assert "checksum mismatch" in condition(obj, "Degraded")["message"]
             assert obj["status"]["targetSnapshot"] == "step-001"
             assert obj["status"]["updatedReplicas"] == 1

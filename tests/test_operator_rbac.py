@@ -319,6 +319,19 @@ async def _an_unlisted_secret(kube: KubeClient, ns: str, bucket_dir: Path, relea
     assert not condition(obj, "Ready")
     assert (await Ledger(open_bucket(str(bucket_dir)), "other").read_async()).document.head is None
 
+    # The deployment says so too: its ledger was never read, and why (not "no snapshot yet").
+    async def forbidden() -> JSON | None:
+        hld = await _get(kube, hld_path(ns, "other"))
+        return (
+            hld if condition(hld or {}, "Ready").get("reason") == "BucketSecretForbidden" else None
+        )
+
+    hld = await eventually("the deployment naming the unreadable Secret", forbidden)
+    assert condition(hld, "Ready")["status"] == "Unknown"
+    problem = hld["status"]["problems"][0]
+    assert problem["reason"] == "BucketSecretForbidden"
+    assert f"rbac.bucketSecrets for namespace {ns}" in problem["fix"]
+
     role_path = resource_path(
         "rbac.authorization.k8s.io/v1", "roles", ns, f"{release}-hotload-bucket-secrets"
     )

@@ -22,7 +22,8 @@ from hotload_operator.admission import admit
 from hotload_operator.builders import build_children
 from hotload_operator.pods import engine_command
 from hotload_operator.policy import build_loader_admission_policy
-from hotload_operator.rollup import PodReport, read_pod, rollup_deployment, rollup_snapshot
+from hotload_operator.reports import PodReport, read_pod
+from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 from hotload_sidecar.kube_report import build_pod_metadata_patch
 from support.operator import serving
 from support.snapshots import CONFIG, delta, full, nudged, weights
@@ -692,11 +693,17 @@ def test_rollup_ready_fraction_failures_and_transition_times() -> None:
     assert cond(first, "Ready")["status"] == "True"
     assert cond(first, "Ready")["reason"] == "EnoughReplicasCurrent"
     assert cond(first, "Degraded")["reason"] == "LoadFailures"
-    assert "c: bad checksum" in cond(first, "Degraded")["message"]
-    assert cond(first, "Progressing")["status"] == "True"
+    assert "pod c: LoadFailed: bad checksum" in cond(first, "Degraded")["message"]
+    # The failed replica holds the roll-out back (its loader retries with backoff).
+    assert cond(first, "Progressing")["status"] == "False"
+    assert cond(first, "Progressing")["reason"] == "LoadFailures"
     assert first["currentSnapshot"] == "step-002"
     replica_c = next(r for r in first["replicaStatuses"] if r["pod"] == "c")
     assert replica_c["loaded"] is False and replica_c["message"] == "bad checksum"
+    assert replica_c["reason"] == "LoadFailed"
+    (problem,) = first["problems"]
+    assert problem["reason"] == "LoadFailures" and problem["pods"] == ["c"]
+    assert problem["fix"]
     later = NOW + timedelta(minutes=5)
     second = rollup_deployment(hld, pods, es[-1], es, now=later, previous=first)
     # Unchanged statuses keep their transition time.

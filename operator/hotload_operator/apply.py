@@ -72,7 +72,9 @@ async def apply_children(ctx: Context, hld: HotLoadDeployment) -> list[str]:
             raise _refused(ctx, key, apply_conflict(obj, err)) from err
         except KubeInvalidError as err:
             message = f"the API server refused {obj['kind']} {meta['name']}: {err}"
-            raise _refused(ctx, key, SpecProblem(DeploymentReasons.INVALID_SPEC, message)) from err
+            fix = "change the HotLoadDeployment's spec: the server's message names the field"
+            problem = SpecProblem(DeploymentReasons.INVALID_SPEC, message, fix)
+            raise _refused(ctx, key, problem) from err
         applied.append(f"{obj['kind']}/{meta['name']}")
     ctx._problems.pop(key, None)
     ctx.metrics.reconciles.labels("applied").inc()
@@ -101,6 +103,8 @@ def apply_conflict(obj: JSON, err: KubeFieldConflictError) -> SpecProblem:
         f"HotLoadDeployment sets: {fields}. The operator does not overwrite them: change the "
         "HotLoadDeployment instead, and undo the direct change (or delete the object for the "
         f"operator to create it again); it is applied again every {apply_retry_seconds():g} s",
+        f"undo the direct change of {obj['kind']} {obj['metadata']['name']} (or delete it), and "
+        "make changes through the HotLoadDeployment",
     )
 
 

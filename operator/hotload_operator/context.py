@@ -17,9 +17,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from hotload.api.models import HotLoadDeployment
 from hotload.bucket import Bucket, open_bucket
 from hotload.bucket.url import S3_SETTINGS
-from hotload.errors import BucketError, KubeError, KubeForbiddenError, KubeNotFoundError
+from hotload.errors import KubeError
 from hotload.kube import KubeClient, resource_path
 from hotload.kube.events import EventRecorder
+from hotload_operator.causes import (
+    CredentialsIncompleteError,
+    CredentialsUnreadableError,
+    missing_keys,
+)
 from hotload_operator.ledgers import LedgerCache
 from hotload_operator.meta import OperatorImages, namespace_of
 from hotload_operator.workqueue import WorkQueue
@@ -32,36 +37,15 @@ JSON = dict[str, Any]
 Key = tuple[str, str]
 
 
-class CredentialsUnreadableError(BucketError):
-    """A bucket cannot be opened: its `spec.bucket.credentialsSecret` cannot be read (a
-    `BucketError`, so every caller that retries an unreachable bucket retries this too)."""
-
-    reason = "credentials unreadable"
-
-    @classmethod
-    def of(
-        cls, namespace: str, secret: str, url: str, err: KubeError
-    ) -> CredentialsUnreadableError:
-        """The error for Secret `namespace/secret` failing with `err`, saying what to do."""
-        if isinstance(err, KubeForbiddenError):
-            why = (
-                "the operator may not read it: add it to the chart's rbac.bucketSecrets for "
-                f"namespace {namespace} and run helm upgrade ({err})"
-            )
-        elif isinstance(err, KubeNotFoundError):
-            why = f"it does not exist ({err})"
-        else:
-            why = str(err)
-        return cls(f"Secret {namespace}/{secret} (spec.bucket.credentialsSecret): {why}", url=url)
-
-
 @dataclass(frozen=True)
 class SpecProblem:
-    """Why the objects a deployment owns could not be applied: the reason and message of its
-    `Degraded=True` condition (and of the Warning Event that announces it)."""
+    """Why the objects a deployment owns could not be applied (or its pin written): the reason,
+    message and fix of its first problem (`Degraded=True`), and of the Warning Event that
+    announces it."""
 
     reason: str
     message: str
+    fix: str = ""
 
 
 @dataclass
@@ -157,20 +141,27 @@ class Context:
             credentials_dir = None
             if secret:
                 try:
-                    credentials_dir = await self._secret_dir(namespace_of(hld), secret)
+                    credentials_dir, keys = await self._secret_dir(namespace_of(hld), secret)
                 except KubeError as err:
                     raise CredentialsUnreadableError.of(
                         namespace_of(hld), secret, url, err
                     ) from err
+                missing = missing_keys(url, keys)
+                if missing:
+                    raise CredentialsIncompleteError(
+                        namespace_of(hld), secret, url, missing, sorted(keys)
+                    )
             self._buckets[key] = open_bucket(url, credentials_dir=credentials_dir)
         return self._buckets[key]
 
-    async def _secret_dir(self, namespace: str, name: str) -> Path:
+    async def _secret_dir(self, namespace: str, name: str) -> tuple[Path, list[str]]:
+        """The Secret's bucket settings as files in a private folder, and its keys."""
         secret = await self.kube.get(resource_path("v1", "secrets", namespace, name))
         folder = Path(tempfile.mkdtemp(prefix="hotload-secret-"))
         os.chmod(folder, 0o700)
         wanted = {n.upper() for n in S3_SETTINGS} | {"GOOGLE_SERVICE_ACCOUNT"}
-        for key, value in (secret.get("data") or {}).items():
+        data = secret.get("data") or {}
+        for key, value in data.items():
             if key.upper() in wanted:
                 (folder / key).write_bytes(base64.b64decode(value))
-        return folder
+        return folder, list(data)

@@ -22,9 +22,11 @@ from hotload.api.names import (
     SNAPSHOT_PLURAL,
 )
 from hotload.kube import KubeClient
+from hotload_operator.causes import WorkloadStatus, workload_status
 from hotload_operator.informer import Informer, InformerStats, Key
 from hotload_operator.meta import parse_deployment, parse_snapshot
-from hotload_operator.rollup import PodReport, read_pod, snapshot_settled
+from hotload_operator.reports import PodReport, read_pod
+from hotload_operator.rollup import snapshot_settled
 
 JSON = dict[str, Any]
 #: Index names: pods by deployment; Snapshots not settled by deployment; Snapshots by identity.
@@ -133,6 +135,17 @@ def pod_record(obj: JSON, _old: PodRecord | None) -> PodRecord | None:
     return PodRecord(str(meta.get("namespace") or ""), deployment, read_pod(obj))
 
 
+def workload_record(obj: JSON, _old: WorkloadStatus | None) -> WorkloadStatus | None:
+    """The cache's record of a replicas' Deployment: what its controllers say."""
+    if not isinstance(((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_DEPLOYMENT), str):
+        return None
+    return workload_status(obj)
+
+
+def _workload_key(w: WorkloadStatus) -> tuple[str, str]:
+    return w.namespace, w.deployment
+
+
 #: Called with the deployment's key, the old and the new record (None when absent).
 OnChange = Callable[[Key, Any, Any], None]
 
@@ -149,6 +162,7 @@ class FleetCache:
         on_deployment: OnChange | None = None,
         on_snapshot: OnChange | None = None,
         on_pod: OnChange | None = None,
+        on_workload: OnChange | None = None,
     ) -> None:
         scopes: list[str | None] = list(namespaces) if namespaces else [None]
         self.deployments: dict[str | None, Informer[DeploymentRecord]] = {
@@ -190,10 +204,29 @@ class FleetCache:
             )
             for ns in scopes
         }
+        #: The replicas' Deployments: their controllers' conditions (pods refused, stuck).
+        self.workloads: dict[str | None, Informer[WorkloadStatus]] = {
+            ns: Informer(
+                kube,
+                "apps/v1",
+                "deployments",
+                workload_record,
+                namespace=ns,
+                label_selector=POD_SELECTOR,
+                indexes={DEPLOYMENT: _workload_key},
+                on_change=on_workload,
+            )
+            for ns in scopes
+        }
         self._all_namespaces = namespaces is None or not namespaces
 
     def _informers(self) -> list[Informer[Any]]:
-        return [*self.deployments.values(), *self.snapshots.values(), *self.pods.values()]
+        return [
+            *self.deployments.values(),
+            *self.snapshots.values(),
+            *self.pods.values(),
+            *self.workloads.values(),
+        ]
 
     async def run(self) -> None:
         """Run every informer until cancelled."""
@@ -246,6 +279,14 @@ class FleetCache:
         for identity in identities:
             found.update(informer.indexed(IDENTITY, (*key, identity)))
         return list(found.values())
+
+    def workload(self, key: Key) -> WorkloadStatus | None:
+        """What the controllers say of deployment `key`'s replicas' Deployment, if it exists."""
+        informer = self.workloads.get(self._scope(key[0]))
+        if informer is None:
+            return None
+        found = informer.indexed(DEPLOYMENT, key)
+        return next(iter(found.values()), None)
 
     def snapshot(self, key: Key) -> SnapshotRecord | None:
         """The Snapshot `key`, if it exists."""

@@ -17,12 +17,12 @@ from hotload.api.names import (
     DEPLOYMENT_PLURAL,
     GROUP,
     VERSION,
+    DeploymentReasons,
 )
 from hotload.errors import BucketError, KubeError
 from hotload.kube import KubeConfig
-from hotload.kube.events import involved_object
 from hotload_operator import apply, meta
-from hotload_operator.context import Context
+from hotload_operator.context import Context, SpecProblem
 
 log = logging.getLogger("hotload_operator")
 JSON = dict[str, Any]
@@ -66,10 +66,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
     )
-    settings.posting.level = logging.WARNING
-    # kopf >= 1.45 posts log messages as Events only when asked; docs/operations.md promises
-    # them (a handler's failure shows in `kubectl describe`).
-    settings.posting.loggers = True
+    # No Events from kopf: a handler's failure becomes the deployment's status (a problem with
+    # its fix, announced by one Event when it appears), not an Event per retry.
+    settings.posting.enabled = False
     settings.watching.server_timeout = 300
     ctx: Context | None = memo.get("ctx")
     if ctx is None:
@@ -111,38 +110,56 @@ async def _reconcile_spec(ctx: Context, body: JSON, *, remove_router: bool = Tru
     off, then roll up.
 
     Owned objects that cannot be applied (the server refuses one, or another field manager
-    holds a field) are reported once, in the status (Degraded=True) and one Warning Event,
-    and are not retried by kopf (the timer tries a conflict again). The pin is written even
-    then, and before the router's removal: a fleet must follow a pin (a rollback) even while
-    its Deployment cannot be updated or removing the router fails (e.g. the operator's RBAC
-    lacks delete). Other API errors are retried by kopf. Returns whether everything applied."""
+    holds a field) are reported in the status (Degraded=True, announced by one Warning Event)
+    and are not retried by kopf (the periodic check tries a conflict again). The pin is written
+    even then, and before the router's removal: a fleet must follow a pin (a rollback) even
+    while its Deployment cannot be updated or removing the router fails (e.g. the operator's
+    RBAC lacks delete). Other failures (the API server, the bucket) are status problems too,
+    retried by kopf every 10 s. Returns whether everything applied."""
     hld = meta.parse_deployment(body)
+    key = _key(body)
     refused: apply.ApplyRefusedError | None = None
     try:
         applied = await apply.apply_children(ctx, hld)
     except apply.ApplyRefusedError as err:
         refused = err
-        # INFO: a kopf WARNING would become an Event per attempt; the one Event is below.
         log.info("owned objects not applied: %s", err.problem.message)
     except KubeError as err:
-        raise kopf.TemporaryError(f"applying owned objects failed: {err}", delay=10) from err
+        message = f"applying owned objects failed: {err}"
+        _failed(ctx, key, DeploymentReasons.APPLY_FAILED, message, _RETRY_FIX)
+        raise kopf.TemporaryError(message, delay=10) from err
     else:
         log.info("applied %s", ", ".join(applied))
     try:
         await apply.sync_pin(ctx, hld)
     except BucketError as err:
-        raise kopf.TemporaryError(f"writing the pin object failed: {err}", delay=10) from err
+        message = f"writing the pin object {meta.pin_object_key(hld)} failed: {err}"
+        fix = "check that the bucket's credentials allow writes; retried every 10 s"
+        _failed(ctx, key, DeploymentReasons.PIN_WRITE_FAILED, message, fix)
+        raise kopf.TemporaryError(message, delay=10) from err
     if refused is None and remove_router:
         try:
             await apply.remove_router(ctx, hld)
         except KubeError as err:
-            raise kopf.TemporaryError(f"removing the router failed: {err}", delay=10) from err
-    ctx.rollups.request(_key(body), 0)
-    if refused is not None and refused.new:
-        await ctx.events.record(
-            involved_object(body), "Warning", refused.problem.reason, refused.problem.message
-        )
+            message = f"removing the router failed: {err}"
+            _failed(ctx, key, DeploymentReasons.APPLY_FAILED, message, _RETRY_FIX)
+            raise kopf.TemporaryError(message, delay=10) from err
+    ctx.rollups.request(key, 0)
     return refused is None
+
+
+#: The fix of a failed apply (an unreachable API server, RBAC the chart does not grant).
+_RETRY_FIX = (
+    "retried every 10 s; a 403 names a permission the operator's RBAC lacks (reinstall or "
+    "upgrade the chart)"
+)
+
+
+def _failed(ctx: Context, key: tuple[str, str], reason: str, message: str, fix: str) -> None:
+    """Keep a failed apply or pin as the deployment's problem (its status says so) until the
+    next success, and roll it up."""
+    ctx._problems[key] = SpecProblem(reason, message, fix)
+    ctx.rollups.request(key, 0)
 
 
 async def _respec(ctx: Context, body: JSON) -> None:

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from hotload.api.models import HotLoadDeployment
 from hotload.bucket import Bucket
-from hotload.errors import BucketError, KubeError, LedgerError
+from hotload.errors import BucketError, KubeError, LedgerError, ObjectNotFoundError
 from hotload.ledger import Ledger, LedgerDocument
+from hotload_operator.causes import Cause, bucket_cause
 from hotload_operator.meta import ledger_url, name_of, namespace_of
 
 log = logging.getLogger("hotload_operator")
@@ -34,8 +35,10 @@ class LedgerView:
     etag: str | None = None
     #: When (monotonic) the bucket was last asked, successfully or not.
     asked_at: float = float("-inf")
-    #: Why the last read failed ("" when it succeeded).
-    error: str = ""
+    #: Why the last read failed, as a status cause (None when it succeeded).
+    problem: Cause | None = None
+    #: The last read found no ledger object (nothing admitted yet), in a bucket that exists.
+    absent: bool = False
     #: The identities of the document's entries.
     identities: frozenset[str] = frozenset()
 
@@ -68,14 +71,19 @@ class LedgerCache:
         try:
             bucket = await self.open_bucket(hld)
             state = await Ledger(bucket, hld.spec.ledger or name_of(hld)).poll_async(view.etag)
+            # No ledger object: nothing admitted yet, or no bucket at all (both read as 404).
+            if state is not None and not state.exists and not await bucket.root_exists_async():
+                raise ObjectNotFoundError("the bucket does not exist", url=bucket.url)
         except (BucketError, LedgerError, KubeError) as err:
-            if str(err) != view.error:
-                log.warning("cannot read ledger %s: %s", ledger_url(hld), err)
-            view.error = str(err)
+            problem = bucket_cause(err, hld, ledger_url(hld))
+            if problem != view.problem:
+                log.warning("cannot read ledger %s: %s", ledger_url(hld), problem.line())
+            view.problem = problem
             return False
-        view.error = ""
+        view.problem = None
         if state is None:
             return False
+        view.absent = not state.exists
         changed = view.document is None or state.etag != view.etag
         view.document, view.etag = state.document, state.etag
         view.identities = frozenset(e.identity for e in state.document.entries)

@@ -16,7 +16,6 @@ from hotload.api.models import HotLoadDeployment, Snapshot
 from hotload.api.names import (
     API_VERSION,
     CONDITION_ACCEPTED,
-    CONDITION_DEGRADED,
     CONDITION_READY,
     DEPLOYMENT_PLURAL,
     LABEL_DEPLOYMENT,
@@ -35,15 +34,17 @@ from hotload.kube.events import involved_object
 from hotload.ledger import Ledger
 from hotload_operator import apply
 from hotload_operator.admission import Admission, admit
+from hotload_operator.causes import Cause, workload_causes
 from hotload_operator.conditions import format_time, set_condition
 from hotload_operator.context import Context
 from hotload_operator.meta import (
     generation_of,
+    ledger_url,
     name_of,
     namespace_of,
     parse_deployment,
 )
-from hotload_operator.rollup import rollup_deployment, rollup_snapshot
+from hotload_operator.rollup import LedgerRead, rollup_deployment, rollup_snapshot
 
 log = logging.getLogger("hotload_operator")
 JSON = dict[str, Any]
@@ -231,6 +232,7 @@ async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
         reports = [r for r in cache.pods_of(key) if not r.deleting]
         named = {i for r in reports for i in (r.identity, r.target) if i}
         document = await ctx.ledgers.document(hld, max_age=ctx.poll_interval, wanted=named)
+        view = ctx.ledgers.view(hld)
         head = document.head if document else None
         entries = list(document.entries) if document else []
         kept = document.adapters(hld.spec.adapters.max_loaded) if document else []
@@ -238,22 +240,30 @@ async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
         previous = ctx.writer.previous(
             DEPLOYMENT_PLURAL, key, record.status, record.resource_version
         )
-        status = rollup_deployment(hld, reports, head, entries, now=ctx.now(), previous=previous)
+        causes = workload_causes(cache.workload(key))
         problem = ctx._problems.get(key)
         if problem is not None:
-            # The pods say nothing about a spec that could not be applied: that outranks them.
-            status["conditions"] = set_condition(
-                status["conditions"],
-                CONDITION_DEGRADED,
-                True,
-                problem.reason,
-                problem.message,
-                generation=status.get("observedGeneration"),
-                now=ctx.now(),
-            )
+            causes.insert(0, Cause(problem.reason, problem.message, problem.fix))
+        ledger = LedgerRead(
+            url=ledger_url(hld),
+            known=document is not None,
+            absent=view.absent,
+            problem=view.problem,
+        )
+        status = rollup_deployment(
+            hld,
+            reports,
+            head,
+            entries,
+            now=ctx.now(),
+            previous=previous,
+            ledger=ledger,
+            causes=causes,
+        )
         await ctx.writer.write(
             DEPLOYMENT_PLURAL, key, status, record.status, record.resource_version
         )
+        await _announce(ctx, record.body, previous, status)
         named |= {r_a.identity for r in reports for r_a in r.adapters}
         named |= {i for i in (head.identity if head else None, hld.spec.pin) if i}
         for snap in cache.snapshots_of(key, named):
@@ -270,6 +280,20 @@ async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
                 snap.resource_version,
             )
     return status
+
+
+async def _announce(ctx: Context, body: JSON, previous: JSON, status: JSON) -> None:
+    """One Warning Event for each problem that was not there at the last roll-up (a problem
+    that stays, however often it is rolled up, says nothing more; one that comes back raises
+    its Event's count)."""
+    before = {p.get("reason") for p in previous.get("problems") or []}
+    for problem in status.get("problems") or []:
+        if problem["reason"] in before:
+            continue
+        fix = f"; fix: {problem['fix']}" if problem.get("fix") else ""
+        await ctx.events.record(
+            involved_object(body), "Warning", problem["reason"], problem["message"] + fix
+        )
 
 
 #: Every deployment is rolled up at least this often even when nothing changed (level-triggered

@@ -2,8 +2,8 @@
 
 Every replica lists and watches what it rolls up (`fleet.FleetCache`), so a standby is warm.
 With leader election, only the replica holding the Lease runs kopf's handlers (a deployment's
-spec), the admissions, the roll-ups and the ledger polls, and only it writes; losing the Lease ends the
-process (the kubelet restarts it as a standby), as Kubernetes' own controllers do. Without
+spec), the admissions, the roll-ups and the ledger polls, and only it writes; losing the Lease
+ends the process (the kubelet restarts it as a standby), as Kubernetes' own controllers do. Without
 leader election (`standalone`), the one replica does all of it at once.
 
     flow: pod/Snapshot/HLD watch events -> cache -> roll-up queue (coalesced per deployment)
@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 from hotload.api.names import DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
 from hotload.kube import KubeClient, KubeConfig
 from hotload_operator import reconcile
+from hotload_operator.causes import WorkloadStatus
 from hotload_operator.context import Context, Key
 from hotload_operator.fleet import DeploymentRecord, FleetCache, PodRecord, SnapshotRecord
 from hotload_operator.leader import LeaderElector, LeadershipLostError, LeaseSettings
@@ -165,12 +166,18 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         if record is not None and (old is None or new is None or old.report != new.report):
             ctx.rollups.request((record.namespace, record.deployment))
 
+    def on_workload(_: Key, old: WorkloadStatus | None, new: WorkloadStatus | None) -> None:
+        record = new or old
+        if record is not None and (old is None or new is None or old != new):
+            ctx.rollups.request((record.namespace, record.deployment))
+
     cache = FleetCache(
         kube,
         list(settings.namespaces) or None,
         on_deployment=on_deployment,
         on_snapshot=on_snapshot,
         on_pod=on_pod,
+        on_workload=on_workload,
     )
     ctx.cache = cache
     return Operator(ctx=ctx, cache=cache, elector=elector)

@@ -31,6 +31,8 @@ class StatusBoard:
         if target is not None:
             changes["target_identity"] = target.identity
             changes["target_sequence"] = target.sequence
+        if changes.get("last_error") == "":
+            changes.setdefault("failure_reason", "")  # the failure's reason goes with it
         status = self.status.evolve(**changes)
         moved = "state" not in changes and status.target_identity != self.status.target_identity
         if status.state == "failed" and (status.loaded or moved):
@@ -38,6 +40,11 @@ class StatusBoard:
             # must not read as failing the new target (roll-ups attribute failures by target).
             status = status.evolve(state="idle")
         await self.publish(status)
+
+    async def failed(self, message: str, reason: str) -> None:
+        """Publish a failed update: its message, kept as the last error, and why
+        (`LoadFailureReasons`)."""
+        await self.set(state="failed", message=message, last_error=message, failure_reason=reason)
 
     async def record_build(self, built: BuildResult) -> None:
         """Count and log a finished build; one resumed from the volume is also reported."""

@@ -483,11 +483,11 @@ class Loader:
     async def _failed(self, stage: str, err: BaseException, target: LedgerEntry) -> None:
         message = f"{stage} of {target.identity} failed: {err}"
         log.error("%s", message)
-        self.metrics.observe_failure(stage, err)
+        why = self.metrics.observe_failure(stage, err)
         self.backoff.failed(target.identity)
         reason = "RebuildFailed" if stage == "rebuild" else "EngineRejectedLoad"
         await self.reporter.event("Warning", reason, message)
-        await self.board.set(state="failed", message=message, last_error=message)
+        await self.board.failed(message, why)
 
     # --- status ----------------------------------------------------------------------------------
 

@@ -95,8 +95,9 @@ class LoaderMetrics(MetricSet):
             self.rebuild_seconds.observe(t.rebuild_seconds)
             self.verify_seconds.observe(t.verify_seconds)
 
-    def observe_failure(self, stage: str, err: BaseException) -> None:
-        """Count a failed update at `stage`, with the corruption it detected and its fallback."""
+    def observe_failure(self, stage: str, err: BaseException) -> str:
+        """Count a failed update at `stage`, with the corruption it detected and its fallback;
+        return why it failed (`failure_reason`)."""
         self.failures.labels(stage).inc()
         if isinstance(err, MaterializeError):
             # Both attempts of a fallback may have met bad bytes: count each detection.
@@ -105,3 +106,39 @@ class LoaderMetrics(MetricSet):
             self.checksum_failures.inc()
         if isinstance(err, MaterializeError) and err.fallback:
             self.fallbacks.inc()
+        return failure_reason(stage, err)
+
+
+def failure_reason(stage: str, err: BaseException) -> str:
+    """Why a load failed, one of `LoadFailureReasons` (the operator reports it per replica):
+    from the error and what caused it."""
+    import errno
+
+    from hotload.api.names import LoadFailureReasons as F
+    from hotload.errors import (
+        BucketError,
+        ChecksumMismatchError,
+        CorruptDeltaError,
+        EngineError,
+        WrongParentError,
+    )
+
+    chain: list[BaseException] = []
+    seen: BaseException | None = err
+    while seen is not None and len(chain) < 16:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for e in chain:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return F.VOLUME_FULL
+        if isinstance(e, ChecksumMismatchError) or getattr(e, "corruptions", None):
+            return F.CHECKSUM_MISMATCH
+        if isinstance(e, CorruptDeltaError):
+            return F.CORRUPT_DELTA
+        if isinstance(e, WrongParentError):
+            return F.CHAIN_BROKEN
+        if isinstance(e, EngineError):
+            return F.ENGINE_REFUSED
+        if isinstance(e, BucketError):
+            return F.BUCKET_UNREACHABLE
+    return F.ENGINE_REFUSED if stage == "engine" else F.LOAD_FAILED

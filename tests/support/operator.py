@@ -34,7 +34,8 @@ async def running_operator(kube_api: KubeAPI, **settings: Any) -> AsyncIterator[
     started: asyncio.Future[Operator] = asyncio.get_running_loop().create_future()
     # Credentials from $KUBECONFIG, as kopf's login finds them (tests point it at an admin's
     # or at a service account's kubeconfig).
-    config = Settings(namespaces=(kube_api.namespace,), **settings)
+    settings.setdefault("namespaces", (kube_api.namespace,))
+    config = Settings(**settings)
     task = asyncio.create_task(run(config, stop=stop, started=started))
     try:
         op = await asyncio.wait_for(asyncio.shield(started), 30)
