@@ -6,13 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
-
 from hotload.api import names
-from hotload.engine.metrics import EngineMetrics
-from hotload.router.proxy import RouterMetrics
-from hotload_operator.context import OperatorMetrics
-from hotload_sidecar.metrics import LoaderMetrics
+from support.metric_names import all_metrics, router_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = (REPO / "docs" / "operations.md").read_text()
@@ -25,14 +20,6 @@ def reasons() -> set[str]:
     return found
 
 
-def exported(registry: CollectorRegistry) -> set[str]:
-    """Metric names as Prometheus scrapes them (counters with _total)."""
-    out = set()
-    for family in registry.collect():
-        out.add(f"{family.name}_total" if family.type == "counter" else family.name)
-    return out
-
-
 def test_every_reason_is_explained() -> None:
     all_reasons = reasons()
     assert len(all_reasons) >= 25
@@ -42,19 +29,9 @@ def test_every_reason_is_explained() -> None:
         assert f"`{condition}`" in GUIDE
 
 
-def all_metrics() -> set[str]:
-    """Every series name the operator, a loader, the reference engine and a router export."""
-    return (
-        exported(OperatorMetrics().registry)
-        | exported(LoaderMetrics().registry)
-        | exported(EngineMetrics().registry)
-        | exported(RouterMetrics().registry)
-    )
-
-
 def test_every_metric_is_listed() -> None:
     metrics = all_metrics()
-    router = exported(RouterMetrics().registry)
+    router = router_metrics()
     assert len(router) >= 7 and router <= metrics
     assert len(metrics) >= 32
     missing = sorted(m for m in metrics if f"`{m}`" not in GUIDE)
