@@ -29,7 +29,7 @@ FULLNAME = "hl-hotload"
 # kubernetes-validate knows.
 K8S_VERSIONS = ("1.30", "1.37")
 # prometheus-operator kinds: no schema in kubernetes-validate; their fields are asserted below.
-MONITORING_KINDS = {"ServiceMonitor", "PodMonitor"}
+MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 JSON = dict[str, Any]
 
@@ -62,6 +62,8 @@ NON_DEFAULT: JSON = {
         "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
         "loaderPodMonitor": {"enabled": True},
     },
+    "alerts": {"enabled": True, "labels": {"release": "prom"}},
+    "dashboard": {"enabled": True, "annotations": {"grafana_folder": "ML"}},
     "tmp": {"medium": "Memory", "sizeLimit": "256Mi"},
     "podAnnotations": {"example.com/team": "ml"},
     "nodeSelector": {"kubernetes.io/os": "linux"},
@@ -265,8 +267,23 @@ def test_helm_lint_strict(helm_cli: Helm, tmp_path: Path, values: JSON) -> None:
         ({"loader": {"image": {"repository": "x", "digest": "latest"}}}, "/loader/image/digest"),
         ({"metrics": {"enabled": True, "port": 70000}}, "/metrics/port"),
         ({"replicaCount": 2}, "replicaCount"),
+        ({"alerts": {"enabled": True, "staleAfter": "5m"}}, "staleAfter"),
+        ({"alerts": {"enabled": True, "degradedFor": "ten minutes"}}, "/alerts/degradedFor"),
+        ({"alerts": {"enabled": True, "alertLabels": {"severity": "page"}}}, "severity"),
+        ({"dashboard": {"enabled": True, "sidecarLabel": "a b"}}, "/dashboard/sidecarLabel"),
     ],
-    ids=["namespace", "pull-policy", "no-secret-names", "digest", "port", "unknown-value"],
+    ids=[
+        "namespace",
+        "pull-policy",
+        "no-secret-names",
+        "digest",
+        "port",
+        "unknown-value",
+        "unknown-alert-value",
+        "duration",
+        "alert-label",
+        "sidecar-label",
+    ],
 )
 def test_schema_refuses_bad_values(
     helm_cli: Helm, tmp_path: Path, values: JSON, message: str
@@ -749,8 +766,15 @@ def test_metrics_service_and_monitors(scenarios: dict[str, list[JSON]]) -> None:
         monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     )
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    # honorLabels: the deployment conditions keep their own namespace (tests/test_alerts.py).
     assert monitor["spec"]["endpoints"] == [
-        {"port": "metrics", "path": "/metrics", "interval": "30s", "scrapeTimeout": "10s"}
+        {
+            "port": "metrics",
+            "path": "/metrics",
+            "interval": "30s",
+            "scrapeTimeout": "10s",
+            "honorLabels": True,
+        }
     ]
     pods = find(objs, "PodMonitor")
     assert pods["spec"]["selector"]["matchLabels"] == {
@@ -760,7 +784,17 @@ def test_metrics_service_and_monitors(scenarios: dict[str, list[JSON]]) -> None:
     assert pods["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
     # The loader's port name in the pods the operator builds.
     assert pods["spec"]["podMetricsEndpoints"] == [
-        {"port": "loader", "path": "/metrics", "interval": "30s"}
+        {
+            "port": "loader",
+            "path": "/metrics",
+            "interval": "30s",
+            "relabelings": [
+                {
+                    "sourceLabels": ["__meta_kubernetes_pod_label_hotload_dev_deployment"],
+                    "targetLabel": "deployment",
+                }
+            ],
+        }
     ]
     assert LOADER_PORT == 8091
 

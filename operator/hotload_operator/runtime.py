@@ -33,6 +33,7 @@ from hotload_operator.context import Context, Key
 from hotload_operator.fleet import DeploymentRecord, FleetCache, PodRecord, SnapshotRecord
 from hotload_operator.leader import LeaderElector, LeadershipLostError, LeaseSettings
 from hotload_operator.meta import OperatorImages
+from hotload_operator.status_metrics import DeploymentConditions
 from hotload_operator.workqueue import WorkQueue
 
 log = logging.getLogger("hotload_operator")
@@ -180,6 +181,7 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         on_workload=on_workload,
     )
     ctx.cache = cache
+    ctx.metrics.registry.register(DeploymentConditions(cache))
     return Operator(ctx=ctx, cache=cache, elector=elector)
 
 

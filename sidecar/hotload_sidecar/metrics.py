@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from hotload.errors import ChecksumMismatchError, CorruptDeltaError
+from hotload.ledger.fields import utc_now
 from hotload.metrics import MetricSet
 from hotload_sidecar.materialize import BuildResult, MaterializeError
 
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+# Publish to serving includes waiting for the poll and any backoff: up to an hour is news.
+_PUBLISH_SECONDS = (*_SECONDS, 1800, 3600)
+
+# Label values created at zero when a loader starts: `increase()` in an alert misses the
+# first increment of a series that appears with it (a fresh series has no earlier sample).
+FAILURE_STAGES = ("rebuild", "engine", "ledger", "pin")
+LOAD_METHODS = ("full", "sparse")
+# The reasons the loader itself gives (engines' refusals add their own, such as
+# engine_unsupported or parent_mismatch, when they first happen).
+SPARSE_FALLBACK_REASONS = (
+    "too_dense",
+    "parent_not_on_volume",
+    "delta_not_verified",
+    "fetch_failed",
+    "engine_failed",
+)
 
 
 class LoaderMetrics(MetricSet):
@@ -45,6 +64,12 @@ class LoaderMetrics(MetricSet):
             "Seconds from seeing a new ledger head to the engine serving it",
             _SECONDS,
         )
+        self.publish_to_serving_seconds = self.histogram(
+            "hotload_loader_publish_to_serving_seconds",
+            "Seconds from a snapshot's publishedTime in the ledger to the engine serving it "
+            "(the publisher's clock against the loader's)",
+            _PUBLISH_SECONDS,
+        )
         self.checksum_failures = self.counter(
             "hotload_loader_checksum_failures",
             "Checksum mismatches, corrupted payloads and parents that do not match their delta, "
@@ -82,6 +107,23 @@ class LoaderMetrics(MetricSet):
         self.ledger_reachable = self.gauge(
             "hotload_loader_ledger_reachable", "1 if the last ledger poll succeeded"
         )
+        self.behind_seconds = self.gauge(
+            "hotload_loader_behind_seconds",
+            "Seconds since the loader first saw a target (the ledger head, or the pin) that the "
+            "engine has not served since; 0 while it serves its target, or nothing yet",
+        )
+        for stage in FAILURE_STAGES:
+            self.failures.labels(stage)
+        for method in LOAD_METHODS:
+            self.loads.labels(method)
+        for reason in SPARSE_FALLBACK_REASONS:
+            self.sparse_fallbacks.labels(reason)
+
+    def observe_serving(self, published: datetime) -> None:
+        """Count a new target served now, `published` (its ledger publishedTime) ago; a
+        publisher's clock ahead of this one counts as 0."""
+        seconds = (utc_now() - published).total_seconds()
+        self.publish_to_serving_seconds.observe(max(0.0, seconds))
 
     def observe_build(self, built: BuildResult) -> None:
         """Count a successful build: its timings (when it rebuilt anything), its fallback, and the
