@@ -380,10 +380,12 @@ async def admission(kube: KubeClient, namespace: str, name: str) -> Admission:
         labels = deployment["spec"]["selector"]["matchLabels"]
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
         sets = await kube.list(resource_path("apps/v1", "replicasets", namespace), selector)
-        for obj in [deployment, *sets["items"]]:
+        # Items of a list carry no kind of their own.
+        owners = [("Deployment", deployment)] + [("ReplicaSet", rs) for rs in sets["items"]]
+        for kind, obj in owners:
             failure = condition(obj, "ReplicaFailure")
             if failure.get("status") == "True":
-                where = f"{obj['kind']} {obj['metadata']['name']}"
+                where = f"{kind} {obj['metadata']['name']}"
                 return Admission([], f"{where}: {failure.get('reason')}: {failure.get('message')}")
         pods = await kube.list(resource_path("v1", "pods", namespace), selector)
         alive = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
