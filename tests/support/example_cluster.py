@@ -141,14 +141,17 @@ def _snapshot_example(examples: Mapping[str, Example], deployment: str, identity
 
 
 def combined(examples: list[Example], withhold: Iterable[str] = ()) -> JSON:
-    """The needs of `examples` together (the first one's where they differ), less `withhold`;
-    the Pod Security level is the least strict any of them names (one namespace holds all)."""
+    """The needs of `examples` together (lists joined, mappings merged), less `withhold`; the
+    Pod Security level is the least strict any of them names (one namespace holds them all)."""
     out: JSON = {}
     for example in examples:
         for key, value in example.needs.items():
             if key in withhold:
                 continue
-            if isinstance(value, dict):
+            if key == "operator":
+                secrets = {*out.get(key, {}).get("bucketSecrets", []), *value["bucketSecrets"]}
+                out[key] = {"bucketSecrets": sorted(secrets)}
+            elif isinstance(value, dict):
                 out.setdefault(key, {}).update(value)
             elif isinstance(value, list):
                 out[key] = sorted({*out.get(key, []), *value})

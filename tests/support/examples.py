@@ -124,6 +124,9 @@ def parse_needs(text: str, where: str) -> JSON:
             raise NeedsError(f"{where}: unknown need {key!r} (known: {', '.join(KEYS)})")
         if not isinstance(value, KEYS[key]):
             raise NeedsError(f"{where}: {key} must be a {KEYS[key].__name__}, not {value!r}")
+    operator = needs.get("operator")
+    if operator is not None and not isinstance(operator.get("bucketSecrets"), list):
+        raise NeedsError(f"{where}: operator must be {{bucketSecrets: [namespace/name, ...]}}")
     level = needs.get("podSecurity")
     if level is not None and level not in LEVELS:
         raise NeedsError(f"{where}: podSecurity must be one of {', '.join(LEVELS)}")
