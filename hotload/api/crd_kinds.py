@@ -107,7 +107,6 @@ _KINDS: dict[str, _Kind] = {
                 "jsonPath": ".status.adapterReplicas",
                 "description": "Replicas that have the newest adapter loaded.",
             },
-
             {
                 "name": "Message",
                 "type": "string",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hotload.api.models import HotLoadDeployment
+from hotload.api.names import SnapshotReasons
 from hotload.bucket import Bucket, open_bucket
 from hotload.bucket.url import S3_SETTINGS
 from hotload.errors import KubeError
@@ -62,6 +63,14 @@ class OperatorMetrics:
         self.admissions = Counter(
             "hotload_operator_admissions", "Snapshot admissions by reason", ["reason"], registry=r
         )
+        # Every admission outcome from 0, so an alert's increase() sees the first refusal too.
+        s = SnapshotReasons
+        for reason in (
+            s.ADMITTED, s.DEPLOYMENT_NOT_FOUND, s.NOT_IN_BUCKET, s.INVALID, s.WRONG_PARENT,
+            s.CONFIG_MISMATCH, s.LEDGER_REJECTED, s.ADAPTERS_NOT_ENABLED, s.BASE_MODEL_MISMATCH,
+            s.BUCKET_UNREACHABLE,
+        ):  # fmt: skip
+            self.admissions.labels(reason)
         self.rollup_seconds = Histogram(
             "hotload_operator_rollup_seconds", "Seconds per deployment roll-up", registry=r
         )
