@@ -7,6 +7,7 @@ every decision to the pure modules (`admission`, `rollup`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -260,25 +261,28 @@ async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
             ledger=ledger,
             causes=causes,
         )
-        await ctx.writer.write(
-            DEPLOYMENT_PLURAL, key, status, record.status, record.resource_version
-        )
-        await _announce(ctx, record.body, previous, status)
         named |= {r_a.identity for r in reports for r_a in r.adapters}
         named |= {i for i in (head.identity if head else None, hld.spec.pin) if i}
+        writes = [
+            ctx.writer.write(DEPLOYMENT_PLURAL, key, status, record.status, record.resource_version)
+        ]
         for snap in cache.snapshots_of(key, named):
             update = rollup_snapshot(
                 snap.snapshot, hld, reports, head, now=ctx.now(), adapters=kept_adapters
             )
-            if update is None:
-                continue
-            await ctx.writer.write(
-                SNAPSHOT_PLURAL,
-                (snap.namespace, snap.name),
-                update,
-                snap.status,
-                snap.resource_version,
-            )
+            if update is not None:
+                writes.append(
+                    ctx.writer.write(
+                        SNAPSHOT_PLURAL,
+                        (snap.namespace, snap.name),
+                        update,
+                        snap.status,
+                        snap.resource_version,
+                    )
+                )
+        # Together: a burst's roll-ups wait on the API server, not on each other's writes.
+        await asyncio.gather(*writes)
+        await _announce(ctx, record.body, previous, status)
     return status
 
 
