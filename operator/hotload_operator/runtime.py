@@ -271,7 +271,9 @@ async def run(
                 await asyncio.wait_for(kopf_task, 30)
         await _cancel([hold] if hold else [])
         if op.elector is not None:
-            await op.elector.release()
+            # Bounded: with the API server gone, the standby takes over when the Lease expires.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(op.elector.release(), 5)
         op.ctx.metrics.leader.set(0)
         await _cancel([op.cache_task, stopping])
         for runner in runners:
