@@ -96,17 +96,18 @@ async def admit_queued(ctx: Context, namespace: str, name: str) -> None:
         ctx.admissions.request(key, ADMISSION_BACKOFF_SECONDS)
         return
     ctx._deferred.pop(key, None)
-    involved = involved_object(
-        {"apiVersion": API_VERSION, "kind": SNAPSHOT_KIND, "metadata": record.snapshot.metadata}
-    )
     deployment = (namespace, record.deployment)
     if result.accepted:
-        await ctx.events.record(involved, "Normal", result.reason, result.message)
+        # No Event for a routine admission (one per trainer step per deployment): the
+        # Snapshot's Accepted condition says it.
         owner = ctx.fleet().deployment(deployment)
         if owner is not None:  # its ledger moved: read it before the roll-up
             await ctx.ledgers.refresh(owner.hld)
         ctx.rollups.request(deployment, 0)
     else:
+        involved = involved_object(
+            {"apiVersion": API_VERSION, "kind": SNAPSHOT_KIND, "metadata": record.snapshot.metadata}
+        )
         await ctx.events.record(involved, "Warning", result.reason, result.message)
         log.warning(
             "snapshot %s/%s refused: %s: %s", namespace, name, result.reason, result.message
