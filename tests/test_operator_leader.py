@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from pathlib import Path
 
 import pytest
 
-from hotload.kube import resource_path
+from hotload.kube import KubeClient, KubeConfig, resource_path
 from hotload_operator.leader import LEASE_API, LeaderElector, LeadershipLostError, LeaseSettings
 from support.kubeapi import KubeAPI
 
@@ -99,3 +100,34 @@ async def test_a_released_lease_is_taken_at_once(kube_api: KubeAPI) -> None:
         await asyncio.wait_for(standby, DURATION)
         assert time.monotonic() - released < 2 * RETRY + 1.0
         assert b.leading()
+
+
+@pytest.mark.asyncio
+async def test_a_leader_whose_api_server_stops_answering_steps_down_in_time(
+    kube_api: KubeAPI, tmp_path: Path
+) -> None:
+    """An API server that accepts connections and never answers (overloaded, or a partition):
+    the renewals hang, yet the leader stops counting itself leader at its renew deadline and
+    gives up within it, instead of waiting on a request while a standby may take over."""
+    import yaml
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # hold the connection open, answer nothing
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    doc = yaml.safe_load(kube_api.kubeconfig.read_text())
+    for cluster in doc["clusters"]:
+        cluster["cluster"]["server"] = f"https://127.0.0.1:{port}"
+    blackhole = tmp_path / "kubeconfig"
+    blackhole.write_text(yaml.safe_dump(doc))
+    async with kube_api.client() as ka, KubeClient(KubeConfig.from_kubeconfig(blackhole)) as dead:
+        a = LeaderElector(ka, settings(kube_api, "replica-a"))
+        await asyncio.wait_for(a.acquire(), 30)
+        a.kube = dead  # from now on every renewal hangs
+        started = time.monotonic()
+        with pytest.raises(LeadershipLostError):
+            await asyncio.wait_for(a.hold(), DEADLINE + 5)
+        assert not a.leading()
+        assert time.monotonic() - started <= DEADLINE + 2 * RETRY
+    server.close()

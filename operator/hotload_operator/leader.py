@@ -118,7 +118,7 @@ class LeaderElector:
         try:
             announced = ""
             while True:
-                if self._may_take() and await self._try():
+                if self._may_take() and await self._attempt():
                     return
                 holder = self.holder()
                 if holder and holder != announced:
@@ -137,10 +137,13 @@ class LeaderElector:
         renewed within the renew deadline, or another replica took it."""
         while True:
             await asyncio.sleep(self.settings.retry)
+            # A renewal that takes past the deadline is a lost one: a slow API server must not
+            # keep this replica waiting on a request instead of stepping down.
+            left = max(0.1, (self._renewed_at or 0.0) + self.settings.renew_deadline - self.clock())
             try:
-                renewed = await self._try()
-            except KubeError as err:
-                log.warning("cannot renew lease %s: %s", self.settings.name, err)
+                renewed = await asyncio.wait_for(self._try(), left)
+            except (KubeError, TimeoutError) as err:
+                log.warning("cannot renew lease %s: %s", self.settings.name, err or "timed out")
                 renewed = False
             taken = self.holder() not in ("", self.settings.identity)
             if not renewed and (taken or not self.leading()):
@@ -166,6 +169,14 @@ class LeaderElector:
         self._lost()
 
     # --- internals -----------------------------------------------------------------------------
+
+    async def _attempt(self) -> bool:
+        """One try at taking the Lease, bounded by two retry periods (False on failure)."""
+        try:
+            return await asyncio.wait_for(self._try(), 2 * self.settings.retry)
+        except (KubeError, TimeoutError) as err:
+            log.warning("cannot take lease %s: %s", self.settings.name, err or "timed out")
+            return False
 
     def _lost(self) -> None:
         was = self._renewed_at is not None or self._lease is not None

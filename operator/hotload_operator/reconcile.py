@@ -46,6 +46,7 @@ from hotload_operator.meta import (
     parse_deployment,
 )
 from hotload_operator.rollup import LedgerRead, rollup_deployment, rollup_snapshot
+from hotload_operator.writes import NotLeadingError
 
 log = logging.getLogger("hotload_operator")
 JSON = dict[str, Any]
@@ -330,9 +331,13 @@ def deployment_of_pod(body: JSON) -> str | None:
 
 
 async def guarded(what: str, call: Callable[[], Awaitable[Any]]) -> Any:
-    """Run `call`, logging (not raising) API errors of background work."""
+    """Run `call`, logging (not raising) API errors of background work; a replica that just
+    lost the Lease skips its writes quietly (it is on its way out)."""
     try:
         return await call()
+    except NotLeadingError as err:
+        log.debug("%s skipped: %s", what, err)
+        return None
     except (KubeError, BucketError, LedgerError) as err:
         log.warning("%s failed: %s", what, err)
         return None

@@ -119,7 +119,12 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         identity=identity,
         poll_interval=settings.rollup_interval,
     )
-    elector = LeaderElector(kube, settings.lease) if settings.lease is not None else None
+    # The Lease has a client of its own: renewals must not queue behind a burst of writes.
+    elector = (
+        LeaderElector(KubeClient(kube.config, user_agent=kube.user_agent), settings.lease)
+        if settings.lease is not None
+        else None
+    )
     if elector is not None:
         ctx.writer.may_write = elector.leading
         elector.on_change = lambda leading: ctx.metrics.leader.set(1 if leading else 0)
@@ -278,6 +283,8 @@ async def run(
         await _cancel([op.cache_task, stopping])
         for runner in runners:
             await runner.cleanup()
+        if op.elector is not None:
+            await op.elector.kube.aclose()
         await kube.aclose()
 
 
