@@ -1082,7 +1082,9 @@ def main() -> int:
         help="Snapshots admitted one at a time, timed (the other deployments' are created "
         "together, untimed; default 100)",
     )
-    parser.add_argument("--rollup-interval", type=float, default=5.0)
+    parser.add_argument(
+        "--rollup-interval", type=float, default=30.0, help="the operator's (default 30)"
+    )
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of each idle phase")
     parser.add_argument(
         "--kcm-qps",

@@ -111,7 +111,7 @@ class Context:
     respec: Callable[[JSON], Awaitable[None]] | None = None
     #: Seconds between ledger polls of each deployment, and the oldest ledger copy a roll-up
     #: uses (a new head moves no Kubernetes object; pod reports bring a roll-up sooner).
-    poll_interval: float = 5.0
+    poll_interval: float = 30.0
     #: This replica's name (the Lease holder's identity; `reportingInstance` of its Events).
     identity: str = "hotload-operator"
     writer: StatusWriter = field(init=False)
