@@ -93,8 +93,8 @@ def test_label_values_start_at_zero_and_publish_to_serving_clamps_skew() -> None
         assert samples[("hotload_loader_sparse_fallbacks_total", (("reason", reason),))] == 0
     for method in ("full", "sparse"):
         assert samples[("hotload_loader_loads_total", (("method", method),))] == 0
-    metrics.observe_serving(utc_now() - timedelta(seconds=42))
-    metrics.observe_serving(utc_now() + timedelta(seconds=30))  # a publisher's clock ahead
+    metrics.observe_serving(1.0, utc_now() - timedelta(seconds=42))
+    metrics.observe_serving(1.0, utc_now() + timedelta(seconds=30))  # a publisher's clock ahead
     samples = scraped(metrics)
     count = ("hotload_loader_publish_to_serving_seconds_count", ())
     assert samples[count] == 2

@@ -375,8 +375,7 @@ class Loader:
         timings = replace(built.timings, sparse_fallback=fallback)
         ok = await self._load(target, built.path, policy, timings)
         if ok:
-            self.metrics.update_seconds.observe(time.perf_counter() - started)
-            self.metrics.observe_serving(target.published_time)
+            self.metrics.observe_serving(time.perf_counter() - started, target.published_time)
             self._collect(target)
 
     async def _sparse_load(self, target: LedgerEntry, policy: CachePolicy, started: float) -> str:
@@ -397,8 +396,7 @@ class Loader:
             return outcome.reason
         self.metrics.engine_load_seconds.observe(done.timings.load_seconds)
         self.metrics.engine_pause_seconds.observe(done.timings.pause_seconds)
-        self.metrics.update_seconds.observe(done.timings.total_seconds)
-        self.metrics.observe_serving(target.published_time)
+        self.metrics.observe_serving(done.timings.total_seconds, target.published_time)
         self.metrics.loads.labels("sparse").inc()
         await self._served(done.result.served, done.timings)
         await self.reporter.event("Normal", "SnapshotLoaded", done.summary())

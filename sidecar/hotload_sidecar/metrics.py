@@ -119,11 +119,11 @@ class LoaderMetrics(MetricSet):
         for reason in SPARSE_FALLBACK_REASONS:
             self.sparse_fallbacks.labels(reason)
 
-    def observe_serving(self, published: datetime) -> None:
-        """Count a new target served now, `published` (its ledger publishedTime) ago; a
-        publisher's clock ahead of this one counts as 0."""
-        seconds = (utc_now() - published).total_seconds()
-        self.publish_to_serving_seconds.observe(max(0.0, seconds))
+    def observe_serving(self, seconds: float, published: datetime) -> None:
+        """Count an update that took `seconds` and serves a new target now, `published` (its
+        ledger publishedTime) ago; a publisher's clock ahead of this one counts as 0."""
+        self.update_seconds.observe(seconds)
+        self.publish_to_serving_seconds.observe(max(0.0, (utc_now() - published).total_seconds()))
 
     def observe_build(self, built: BuildResult) -> None:
         """Count a successful build: its timings (when it rebuilt anything), its fallback, and the
