@@ -5,7 +5,8 @@ parameters (`placement`), converts the new values to the parameters' dtype and d
 the values they replace. It also computes, per region of each tensor the engine holds, how the
 patch moves the tensor's adler32 (`sums.delta_partial`), from the old values as the engine holds
 them. `verify` then checks, wherever every rank's results meet, that the served weights are the
-patch's parent (their checksums, `served_sums`, equal the delta's parent checksums) and that the
+patch's parent (their checksums, `served.served_sums` or derived from the patches since,
+equal the delta's parent checksums) and that the
 served weights with the patch's changes give the delta's result checksums. `apply` only writes.
 
 Dtypes: an engine may hold a tensor in a wider floating dtype than its checkpoint (float32 for
@@ -21,7 +22,6 @@ import functools
 import hashlib
 import os
 import time
-import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,26 +33,18 @@ import numpy as np
 import torch
 
 from hotload_patch.checkpoint import Specs
-from hotload_patch.dtypes import ELEMENT_SIZE, from_torch, torch_dtype, uint_view_dtype
+from hotload_patch.dtypes import torch_dtype, uint_view_dtype
 from hotload_patch.errors import PatchError
 from hotload_patch.format import PatchFile, PatchTensor
 from hotload_patch.placement import Host, Slot
-from hotload_patch.sums import (
-    MOD,
-    Region,
-    RegionSum,
-    delta_partial,
-    rows_partial,
-    span_partial,
-)
+from hotload_patch.served import Counters, held_dtype, region_view
+from hotload_patch.sums import Region, RegionSum, delta_partial
 from hotload_patch.verify import TensorCheck
 
-#: (checkpoint dtype, held dtype) pairs whose conversion is exact and reversible.
-EXACT_WIDENING = {("BF16", "F32"), ("F16", "F32"), ("BF16", "F64"), ("F16", "F64"), ("F32", "F64")}
+__all__ = ["Staged", "Write", "apply", "held_dtype", "region_view", "stage", "undo"]
+
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_WIDTH: dict[int, Any] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-#: Elements read at once when checksumming the served weights (bounds the extra memory).
-CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -80,6 +72,19 @@ class Staged:
     seconds: float
     written: list[Write] = field(default_factory=list)
 
+    @property
+    def written_bytes(self) -> int:
+        """Bytes the writes cover, as held."""
+        return sum(w.index.numel() * w.new.element_size() for w in self.writes)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the staged writes hold (positions, new and old values)."""
+        return sum(
+            w.index.numel() * w.index.element_size() + 2 * w.new.numel() * w.new.element_size()
+            for w in self.writes
+        )
+
     def summary(self) -> dict[str, Any]:
         """What the stage found, as JSON (counts and timings, no arrays)."""
         return {
@@ -88,33 +93,9 @@ class Staged:
             "changed": self.changed,
             "parameters": len(self.writes),
             "patch_bytes": self.nbytes,
+            "staged_bytes": self.held_bytes,
             "stage_seconds": round(self.seconds, 6),
         }
-
-
-def held_dtype(slot: Slot, param: torch.Tensor, ckpt: str) -> None:
-    """Refuse a parameter whose dtype cannot give back the checkpoint's bits."""
-    held = from_torch(param.dtype) or str(param.dtype)
-    if held != ckpt and (ckpt, held) not in EXACT_WIDENING:
-        raise PatchError(
-            f"is held as {param.dtype} in {slot.param}, which cannot give back the checkpoint's "
-            f"{ckpt} bits: its parent cannot be verified",
-            reason="weights_mismatch",
-            tensor=slot.tensor,
-        )
-    if not param.is_contiguous():
-        raise PatchError(
-            f"{slot.param} is not contiguous in the engine",
-            reason="weights_mismatch",
-            tensor=slot.tensor,
-        )
-
-
-def region_view(param: torch.Tensor, region: Region) -> torch.Tensor:
-    """The elements `region` of a parameter, as a view."""
-    return param.detach().as_strided(
-        region.sizes, region.strides, param.storage_offset() + region.offset
-    )
 
 
 def as_bits(values: torch.Tensor, ckpt: str) -> np.ndarray:
@@ -133,65 +114,22 @@ def from_bits(bits: np.ndarray, ckpt: str, like: torch.Tensor) -> torch.Tensor:
     return raw.view(torch_dtype(ckpt)).to(device=like.device, dtype=like.dtype)
 
 
-# --- the served weights' checksums ---------------------------------------------------------------
-
-
-def served_sums(host: Host, specs: Specs) -> list[RegionSum]:
-    """Partial adler32 sums of every checkpoint tensor the engine holds, per region, as held
-    now (a full read of the weights: run it while they serve, not in a pause)."""
-    params = host.parameters()
-    out: list[RegionSum] = []
-    with torch.no_grad():
-        for name, (shape, dtype) in specs.items():
-            for slot in host.place(name, shape, dtype):
-                param = params[slot.param]
-                held_dtype(slot, param, dtype)
-                nbytes = int(np.prod(shape, dtype=np.int64)) * ELEMENT_SIZE[dtype]
-                a, b = _region_partial(region_view(param, slot.dst), slot.src, dtype, nbytes)
-                out.append(RegionSum(name, slot.src, a, b))
-    return out
-
-
-def _region_partial(view: torch.Tensor, src: Region, ckpt: str, total: int) -> tuple[int, int]:
-    width = ELEMENT_SIZE[ckpt]
-    flat = view.reshape(-1) if view.is_contiguous() else None
-    span = src.span()
-    if span is not None:
-        adler = 1
-        for first in range(0, src.numel, CHUNK_ELEMENTS):
-            count = min(CHUNK_ELEMENTS, src.numel - first)
-            chunk = _chunk(view, flat, first, count)
-            adler = zlib.adler32(as_bits(chunk, ckpt).view(np.uint8).data, adler)
-        return span_partial(adler, span[0] * width, span[1] * width, total)
-    # A strided region (a column shard): each run of contiguous checkpoint bytes is a row.
-    run = src.sizes[-1] if src.sizes and src.strides[-1] == 1 else 1
-    rows_per_chunk = max(1, CHUNK_ELEMENTS // run)
-    parts = []
-    for first_row in range(0, src.numel // run, rows_per_chunk):
-        rows = min(rows_per_chunk, src.numel // run - first_row)
-        chunk = _chunk(view, flat, first_row * run, rows * run)
-        data = as_bits(chunk, ckpt).view(np.uint8).reshape(rows, run * width)
-        starts = src.element_offsets(first_row * run, rows * run)[::run] * width
-        parts.append(rows_partial(data, starts, total))
-    return sum(p[0] for p in parts) % MOD, sum(p[1] for p in parts) % MOD
-
-
-def _chunk(view: torch.Tensor, flat: torch.Tensor | None, first: int, count: int) -> torch.Tensor:
-    """Elements `first .. first + count` of a region in row-major order."""
-    if flat is not None:
-        return flat[first : first + count]
-    return view.reshape(-1)[first : first + count]
-
-
 # --- staging and writing -------------------------------------------------------------------------
 
 
 def stage(
-    host: Host, path: str | Path, *, identity: str, parent: str, specs: Specs | None = None
+    host: Host,
+    path: str | Path,
+    *,
+    identity: str,
+    parent: str,
+    specs: Specs | None = None,
+    counters: Counters | None = None,
 ) -> Staged:
     """Place, convert and check the patch at `path` for this engine (see the module docstring);
     `specs`, the served checkpoint's tensors, must be the patch's, with the same shapes and
-    dtypes. Raises `PatchError` and changes nothing."""
+    dtypes; `counters` counts the bytes brought back from a device. Raises `PatchError` and
+    changes nothing."""
     started = time.perf_counter()
     where = str(path)
     problems = host.problems()
@@ -236,6 +174,8 @@ def stage(
                             path=where,
                         )
                     old = param.detach().view(-1).index_select(0, index)
+                    if counters is not None and old.device.type != "cpu":
+                        counters.add(host_bytes=old.numel() * old.element_size())
                     da, db = delta_partial(at, as_bits(old, t.dtype), new_bits, t.nbytes)
                     deltas.append(RegionSum(t.name, slot.src, da, db))
                     parts.setdefault(slot.param, []).append((slot, dst, new, old))

@@ -35,12 +35,12 @@ from torch import nn
 from hotload.arc import encode
 from hotload.arc.patch import prepare_patch
 from hotload.snapshot import write_snapshot
-from hotload_patch import PROTOCOL, PatchError, staging
+from hotload_patch import PROTOCOL, PatchError, served, staging
 from hotload_patch import vllm as vllm_extension
 from hotload_patch.checkpoint import checkpoint_specs
 from hotload_patch.format import PatchFile
 from hotload_patch.placement import IdentityHost, LoaderHost, Slot
-from hotload_patch.session import Patcher
+from hotload_patch.session import Patcher, derive
 from hotload_patch.staging import Staged, region_view
 from hotload_patch.sums import (
     MOD,
@@ -638,8 +638,8 @@ def stage_ranks(models: list[ToyTPModel], chain: Chain, patch: Path | None = Non
     staged = [
         staging.stage(h, patch or chain.patch, identity="step-1", parent="step-0") for h in hosts
     ]
-    served = [s for h in hosts for s in staging.served_sums(h, specs)]
-    return Ranks(models, hosts, staged, served)
+    sums = [s for h in hosts for s in served.served_sums(h, specs)]
+    return Ranks(models, hosts, staged, sums)
 
 
 def assert_models_equal(got: list[ToyTPModel], want: list[ToyTPModel]) -> None:
@@ -698,6 +698,7 @@ def test_a_patch_on_every_rank_gives_what_a_full_load_of_the_child_gives(
     held = combine_regions(ranks.served, sizes)
     assert held == {n: c.base for n, c in checks.items() if n != "lm_head.weight"}
     verify(checks, ranks.served, ranks.deltas)
+    before = [served.served_sums(h, checkpoint_specs(chain.parent)) for h in ranks.hosts]
 
     ranks.apply()
     want = load_ranks(chain.child, cfg, world, dtype, transpose_down=transpose_down)
@@ -705,8 +706,12 @@ def test_a_patch_on_every_rank_gives_what_a_full_load_of_the_child_gives(
     for r, model in enumerate(models):
         assert any(not torch.equal(parent[r][n], bits(p)) for n, p in model.named_parameters())
     # The served weights now checksum as the delta's result.
-    after = [s for h in ranks.hosts for s in staging.served_sums(h, checkpoint_specs(chain.child))]
+    after = [s for h in ranks.hosts for s in served.served_sums(h, checkpoint_specs(chain.child))]
     assert combine_regions(after, sizes) == {n: c.target for n, c in checks.items() if n in held}
+    # ... and the sums each rank derives from the patch, region by region, are what a re-read
+    # gives.
+    derived = [s for b, st in zip(before, ranks.staged, strict=True) for s in derive(b, st.deltas)]
+    assert derived == after
 
     # Undo puts the parent back, bit for bit.
     ranks.undo()
@@ -759,9 +764,9 @@ def test_served_sums_do_not_depend_on_how_much_is_read_at_once(
     chain = build_chain(tmp_path, "BF16")
     models = load_ranks(chain.parent, CFG, 2, torch.float32, transpose_down=True)
     specs = checkpoint_specs(chain.parent)
-    whole = [staging.served_sums(LoaderHost(m), specs) for m in models]
-    monkeypatch.setattr(staging, "CHUNK_ELEMENTS", 5)
-    assert [staging.served_sums(LoaderHost(m), specs) for m in models] == whole
+    whole = [served.served_sums(LoaderHost(m), specs) for m in models]
+    monkeypatch.setattr(served, "CHUNK_ELEMENTS", 5)
+    assert [served.served_sums(LoaderHost(m), specs) for m in models] == whole
 
 
 def test_a_float32_checkpoint_held_as_bfloat16_is_refused(tmp_path: Path) -> None:
@@ -772,7 +777,7 @@ def test_a_float32_checkpoint_held_as_bfloat16_is_refused(tmp_path: Path) -> Non
         staging.stage(host, chain.patch, identity="step-1", parent="step-0")
     assert exc.value.reason == "weights_mismatch"
     with pytest.raises(PatchError) as exc:
-        staging.served_sums(host, checkpoint_specs(chain.parent))
+        served.served_sums(host, checkpoint_specs(chain.parent))
     assert exc.value.reason == "weights_mismatch"
 
 

@@ -39,10 +39,7 @@ from hotload.ledger import (
     LedgerDocument,
     LedgerEntry,
     LedgerState,
-    PinState,
     Target,
-    pin_target,
-    poll_pin_async,
 )
 from hotload.ledger.fields import format_time, utc_now
 from hotload_sidecar.adapters import AdapterSync
@@ -53,7 +50,9 @@ from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadRequest, Ser
 from hotload_sidecar.materialize import MaterializeError, Materializer
 from hotload_sidecar.metrics import LoaderMetrics
 from hotload_sidecar.pacing import Backoff, jittered, sleep_or_stop
+from hotload_sidecar.pinning import Pins
 from hotload_sidecar.prefetch import Prefetcher
+from hotload_sidecar.scrubs import ScrubWatch
 from hotload_sidecar.sparse import SparseLoads
 from hotload_sidecar.status import (
     REASON_ENGINE_DOWN,
@@ -94,6 +93,7 @@ class Loader:
                 ttl=settings.hint_ttl_seconds,
                 progress=self.metrics.bytes_fetched.inc,
                 corruption=self.metrics.checksum_failures.inc,
+                written=self.metrics.volume_bytes_written.inc,
             )
             if settings.hint_ttl_seconds > 0
             else None
@@ -105,6 +105,7 @@ class Loader:
             threads=settings.threads,
             progress=self.metrics.bytes_fetched.inc,
             prebuilt=self.prefetcher.prebuilt if self.prefetcher is not None else None,
+            written=self.metrics.volume_bytes_written.inc,
         )
         #: LoRA adapters beside the base weights (None when `--max-adapters 0`).
         self.adapters = (
@@ -130,21 +131,31 @@ class Loader:
                 max_changed=settings.sparse_max_changed,
                 threads=settings.threads,
                 progress=self.metrics.bytes_fetched.inc,
+                written=self.metrics.volume_bytes_written.inc,
             )
             if settings.sparse_max_changed > 0 and adapter.sparse_loads
             else None
         )
         self.board = StatusBoard(reporter, self.metrics)
+        self.scrubs = ScrubWatch(adapter, self.board, self.metrics, reporter)
         #: Set once `current` points at a verified snapshot (the /startup endpoint).
         self.started = asyncio.Event()
         self.document: LedgerDocument | None = None
         self._etag: str | None = None
         self.backoff = Backoff(settings.retry_seconds)
-        #: The pinned identity (None: follow the head), from --pin or the polled pin object.
-        self.pin: str | None = settings.pin
-        self._pin_state: PinState | None = None
-        #: Why the pin cannot be served ("" when it can), reported once per change.
-        self._pin_problem = ""
+        self.pins = Pins(
+            settings.pin,
+            settings.pin_object,
+            bucket=ledger.bucket,
+            board=self.board,
+            metrics=self.metrics,
+            reporter=reporter,
+        )
+
+    @property
+    def pin(self) -> str | None:
+        """The pinned identity (None: it follows the ledger head)."""
+        return self.pins.pin
 
     @property
     def status(self) -> ReplicaStatus:
@@ -175,10 +186,11 @@ class Loader:
             await self.prefetcher.poll(self.document)
         await self._check_engine()
         target = self.target()
-        await self._note_pin_problem(target)
+        await self.pins.note_problem(target)
         entry = target.entry
         if not self.board.engine_live:
             return
+        await self.scrubs.check(self._reload_served)
         moving = entry is not None and entry.identity != self.status.identity
         if entry is not None and moving and self.backoff.may_try(entry.identity):
             await self._update(entry)
@@ -193,13 +205,13 @@ class Loader:
 
     def target(self) -> Target:
         """What this replica should serve now: the ledger head, or the pinned entry."""
-        return pin_target(self.document, self.pin)
+        return self.pins.target(self.document)
 
     async def _startup(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self._poll()
             target = self.target()
-            await self._note_pin_problem(target)
+            await self.pins.note_problem(target)
             head = target.entry
             if head is None:
                 if self.weights.current() is not None and not self.status.ledger_reachable:
@@ -238,7 +250,7 @@ class Loader:
         last = self.document.sequence if self.document is not None else None
         try:
             state: LedgerState | None = await self.ledger.poll_async(self._etag, last_sequence=last)
-            pin_state = await self._poll_pin()
+            pin_state = await self.pins.poll()
         except (BucketError, LedgerError) as err:
             self.metrics.ledger_reachable.set(0)
             self.metrics.failures.labels("ledger").inc()
@@ -256,45 +268,13 @@ class Loader:
             if head is not None:
                 self.metrics.head_sequence.set(head.sequence)
         if pin_state is not None:
-            self._pin_state = pin_state
-            pin = pin_state.pin.identity if pin_state.pin is not None else None
-            if pin != self.pin:
-                log.info("pin %s", f"set to {pin}" if pin else "cleared: following the ledger head")
-                await self.reporter.event(
-                    "Normal",
-                    "Pinned" if pin else "Unpinned",
-                    f"serving {pin} until unpinned" if pin else "following the ledger head",
-                )
-            self.pin = pin
+            await self.pins.changed(pin_state)
         changes: dict[str, Any] = {"ledger_reachable": True, "last_poll_time": now, "pin": self.pin}
         target = self.target()
         if target.identity is not None:
             changes["target_identity"] = target.identity
             changes["target_sequence"] = target.entry.sequence if target.entry else None
         await self.board.set(**changes)
-
-    async def _poll_pin(self) -> PinState | None:
-        """The pin object if it changed since the last poll (None: unchanged or not used)."""
-        key = self.settings.pin_object
-        if key is None:
-            return None
-        return await poll_pin_async(self.ledger.bucket, key, self._pin_state)
-
-    async def _note_pin_problem(self, target: Target) -> None:
-        """Report a pin the ledger cannot build (once per change); clear it once it is gone.
-
-        The engine keeps serving whatever it serves: a replica never drops verified weights
-        because a pin became unservable."""
-        if target.problem == self._pin_problem:
-            return
-        previous, self._pin_problem = self._pin_problem, target.problem
-        if target.problem:
-            log.error("%s", target.problem)
-            self.metrics.failures.labels("pin").inc()
-            await self.reporter.event("Warning", "PinNotInLedger", target.problem)
-            await self.board.set(state="failed", message=target.problem, last_error=target.problem)
-        elif previous and self.status.message == previous:
-            await self.board.set(state="idle", message="")
 
     async def _check_engine(self) -> None:
         health = await self.adapter.health()
@@ -363,12 +343,23 @@ class Loader:
             fallback = await self._sparse_load(target, policy, started)
             if not fallback:
                 return
+        await self._build_and_load(document, target, policy, fallback, started)
+
+    async def _build_and_load(
+        self,
+        document: LedgerDocument,
+        target: LedgerEntry,
+        policy: CachePolicy,
+        fallback: str,
+        started: float,
+    ) -> bool:
+        """Make `target` a verified folder on the volume and load it in full."""
         try:
             built = await self.materializer.build(document, target.identity)
         # OSError: a full or failing disk is a failed update to retry, not a dead loop.
         except (MaterializeError, BucketError, LedgerError, OSError) as err:
             await self._failed("rebuild", err, target)
-            return
+            return False
         await self.board.record_build(built)
         if built.fallback:
             await self.reporter.event("Warning", "FellBackToFull", built.fallback_reason)
@@ -377,6 +368,16 @@ class Loader:
         if ok:
             self.metrics.update_seconds.observe(time.perf_counter() - started)
             self._collect(target)
+        return ok
+
+    async def _reload_served(self, reason: str) -> bool:
+        """Load the served snapshot in full again (a scrub found its weights changed)."""
+        document, identity = self.document, self.status.identity
+        entry = document.find(identity) if document is not None and identity else None
+        if document is None or entry is None or not self.backoff.may_try(entry.identity):
+            return False
+        log.warning("reloading %s in full: %s", entry.identity, reason)
+        return await self._build_and_load(document, entry, "all", "", time.perf_counter())
 
     async def _sparse_load(self, target: LedgerEntry, policy: CachePolicy, started: float) -> str:
         """Serve `target`, a delta of the served snapshot, as a sparse patch, then rebuild its

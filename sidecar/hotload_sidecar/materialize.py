@@ -42,7 +42,7 @@ from hotload.errors import (
 from hotload.ledger import LedgerDocument, LedgerEntry
 from hotload.snapshot import describe_snapshot
 from hotload_sidecar.status import LoadTimings
-from hotload_sidecar.weights import WeightsFolder, remove_tree
+from hotload_sidecar.weights import WeightsFolder, remove_tree, written_bytes
 
 log = logging.getLogger("hotload_sidecar.materialize")
 
@@ -130,6 +130,7 @@ class _Clock:
     verify: float = 0.0
     bytes: int = 0
     corruptions: int = 0
+    written: int = 0
 
 
 class Materializer:
@@ -148,8 +149,11 @@ class Materializer:
         threads: int | None = None,
         progress: Callable[[int], None] | None = None,
         prebuilt: Callable[[LedgerEntry], Awaitable[Path | None]] | None = None,
+        written: Callable[[int], None] | None = None,
     ) -> None:
         self.bucket = bucket
+        #: Told the bytes each step wrote to the volume (downloads, rebuilt shards).
+        self.written = written
         #: Asked for each snapshot to build: a verified folder rebuilt ahead of time, or None.
         self.prebuilt = prebuilt
         self.weights = weights
@@ -216,6 +220,7 @@ class Materializer:
             total_seconds=time.perf_counter() - started,
             bytes_fetched=clock.bytes,
             steps=len(applied),
+            volume_bytes_written=clock.written,
         )
         return BuildResult(
             goal.identity,
@@ -305,6 +310,7 @@ class Materializer:
                 waited = time.perf_counter()
                 fetched = await task
                 clock.fetch += time.perf_counter() - waited
+                self._wrote(clock, written_bytes(fetched))
                 check_digest(entry, fetched)
                 if entry.kind == "incremental":
                     if parent is None:
@@ -323,6 +329,7 @@ class Materializer:
                         durable=False,
                     )
                     remove_tree(fetched)
+                    self._wrote(clock, written_bytes(staged))
                     clock.rebuild += time.perf_counter() - built
                 else:
                     staged = fetched
@@ -342,6 +349,11 @@ class Materializer:
                 task.cancel()
             await asyncio.gather(*downloads.values(), return_exceptions=True)
         return applied
+
+    def _wrote(self, clock: _Clock, nbytes: int) -> None:
+        clock.written += nbytes
+        if self.written is not None:
+            self.written(nbytes)
 
     def _discard_intermediate(self, parent: LedgerEntry | None, applied: list[str]) -> None:
         # An intermediate delta is only a parent: drop it so a long catch-up holds at most the

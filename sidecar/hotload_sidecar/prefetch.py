@@ -36,7 +36,7 @@ from hotload.ledger.hints import (
 )
 from hotload.snapshot import describe_snapshot, validate_identity
 from hotload_sidecar.materialize import is_corruption
-from hotload_sidecar.weights import WeightsFolder, remove_tree
+from hotload_sidecar.weights import WeightsFolder, remove_tree, written_bytes
 
 log = logging.getLogger("hotload_sidecar.prefetch")
 
@@ -75,10 +75,13 @@ class Prefetcher:
         ttl: float = 600.0,
         progress: Callable[[int], None] | None = None,
         corruption: Callable[[], None] | None = None,
+        written: Callable[[int], None] | None = None,
     ) -> None:
         """`progress` receives bytes as they download; `corruption` is called once for each
         early rebuild that meets bytes failing their checksums (a rotten hinted file or a
-        rotten local parent), which the ledger path would otherwise never see."""
+        rotten local parent), which the ledger path would otherwise never see; `written` the
+        bytes each early fetch wrote to the volume (downloads, rebuilt shards)."""
+        self.written = written
         self.bucket = bucket
         self.ledger = ledger
         self.weights = weights
@@ -252,6 +255,7 @@ class Prefetcher:
                     f"{job.hint.manifest_digest}"
                 )
             staged = folder
+            self._wrote(written_bytes(folder))
             if job.hint.kind == "incremental":
                 assert job.hint.previous is not None
                 staged = self._folder("staging", identity)
@@ -266,6 +270,7 @@ class Prefetcher:
                     durable=False,
                 )
                 remove_tree(folder)
+                self._wrote(written_bytes(staged))
             # The same check the materializer makes before a commit, done ahead of time.
             await asyncio.to_thread(verify, staged, threads=self.threads)
         except BaseException as err:
@@ -281,6 +286,10 @@ class Prefetcher:
             job.fetched_bytes,
         )
         return staged
+
+    def _wrote(self, nbytes: int) -> None:
+        if self.written is not None:
+            self.written(nbytes)
 
 
 def _log_failure(task: asyncio.Task[Path]) -> None:

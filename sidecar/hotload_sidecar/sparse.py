@@ -38,7 +38,7 @@ from hotload_sidecar.engines import (
 )
 from hotload_sidecar.materialize import check_digest, is_corruption
 from hotload_sidecar.status import LoadTimings
-from hotload_sidecar.weights import WeightsFolder, remove_tree
+from hotload_sidecar.weights import WeightsFolder, remove_tree, written_bytes
 
 log = logging.getLogger("hotload_sidecar.sparse")
 
@@ -93,8 +93,11 @@ class SparseLoads:
         max_changed: float,
         threads: int | None = None,
         progress: Callable[[int], None] | None = None,
+        written: Callable[[int], None] | None = None,
     ) -> None:
         self.bucket = bucket
+        #: Told the bytes written to the volume (the delta, the patch file, rebuilt shards).
+        self.written = written
         self.weights = weights
         self.adapter = adapter
         self.max_changed = max_changed
@@ -126,6 +129,7 @@ class SparseLoads:
                 "was collected): loading the full snapshot",
             )
         t0 = time.perf_counter()
+        engine_before = await self._engine_patched()
         delta = self.weights.download(entry.identity)
         patch = self.weights.staging_root / f"{entry.identity}.patch"
         try:
@@ -139,6 +143,7 @@ class SparseLoads:
             except HotloadError as err:
                 return self._refused(entry, "delta_not_verified", err, delta)
             fetch_seconds = time.perf_counter() - t0
+            wrote = self._wrote(written_bytes(delta))
             t1 = time.perf_counter()
             try:
                 stats = await asyncio.to_thread(
@@ -156,6 +161,7 @@ class SparseLoads:
             except (HotloadError, OSError) as err:
                 return self._refused(entry, "delta_not_verified", err, delta)
             prepare_seconds = time.perf_counter() - t1
+            wrote += self._wrote(stats.bytes)
             t2 = time.perf_counter()
             req = LoadRequest(str(patch), entry.identity, entry.sequence, mode, policy)
             try:
@@ -172,6 +178,7 @@ class SparseLoads:
         finally:
             remove_tree(patch)
         load_seconds = time.perf_counter() - t2
+        engine_after = await self._engine_patched()
         timings = LoadTimings(
             fetch_seconds=fetch_seconds,
             rebuild_seconds=prepare_seconds,
@@ -181,9 +188,25 @@ class SparseLoads:
             bytes_fetched=fetched.bytes,
             steps=1,
             method="sparse",
+            volume_bytes_written=wrote,
+            engine_patched_elements=max(0, engine_after - engine_before),
         )
         done = Patched(entry, parent, result, timings, delta, stats.changed, stats.elements)
         return Outcome(patched=done)
+
+    def _wrote(self, nbytes: int) -> int:
+        if self.written is not None:
+            self.written(nbytes)
+        return nbytes
+
+    async def _engine_patched(self) -> int:
+        """The elements the engine counted as written by patches so far (0 when it does not
+        say): the loader reports the difference an update made, from the engine's side."""
+        try:
+            report = await self.adapter.weights_report()
+        except EngineError:
+            return 0
+        return int(report.counters.get("patched_elements", 0)) if report is not None else 0
 
     def _refused(
         self, entry: LedgerEntry, reason: str, err: BaseException, delta: Path | None
@@ -212,6 +235,7 @@ class SparseLoads:
                 durable=False,
             )
             await asyncio.to_thread(verify, staged, threads=self.threads)
+            self._wrote(written_bytes(staged))
             self.weights.commit(staged, identity)
         except BaseException:
             remove_tree(staged)

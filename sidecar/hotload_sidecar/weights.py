@@ -194,6 +194,20 @@ class WeightsFolder:
         return doomed
 
 
+def written_bytes(path: Path) -> int:
+    """Bytes of the files under `path` that were written for it: files hard-linked from
+    elsewhere (the unchanged shards of a rebuild) share their bytes and are not counted."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            st = os.lstat(os.path.join(root, name))
+            if st.st_nlink == 1:
+                total += st.st_size
+    return total
+
+
 def remove_tree(path: Path) -> None:
     """Remove a file, link or folder if it exists."""
     if path.is_symlink() or path.is_file():
