@@ -1,13 +1,15 @@
 """Stage a patch while the old weights serve, verify it, write it in a pause, undo it.
 
-`stage` maps the patch file (`format`), places every changed checkpoint element in the engine's
-parameters (`placement`), converts the new values to the parameters' dtype and device and keeps
-the values they replace. It also computes, per region of each tensor the engine holds, how the
-patch moves the tensor's adler32 (`sums.delta_partial`), from the old values as the engine holds
-them. `verify` then checks, wherever every rank's results meet, that the served weights are the
-patch's parent (their checksums, `served.served_sums` or derived from the patches since,
-equal the delta's parent checksums) and that the
-served weights with the patch's changes give the delta's result checksums. `apply` only writes.
+`stage` reads the patch file (`format`), places every changed checkpoint element in the engine's
+parameters (`placement`), reads the values held there, computes the new ones (a difference is
+added to the held value, a set value replaces it), converts them to the parameters' dtype and
+device and keeps the values they replace. It also computes, per region of each tensor the
+engine holds, how the patch moves the tensor's adler32 (`sums.delta_partial`), from the old
+values as the engine holds them. `verify` then checks, wherever every rank's results meet,
+that the served weights are the patch's parent (their checksums, read by
+`served.served_sums` or derived from the patches since, equal the delta's parent checksums)
+and that the served weights with the patch's changes give the delta's result checksums.
+`apply` only writes.
 
 Dtypes: an engine may hold a tensor in a wider floating dtype than its checkpoint (float32 for
 bfloat16 weights). The new values are converted as a full load converts them (`Tensor.to`), and
@@ -157,14 +159,21 @@ def stage(
                 if not slots:
                     continue  # the engine does not load this tensor (a full load skips it too)
                 checks[t.name] = TensorCheck(t.numel, t.nbytes, t.base_checksum, t.checksum)
-                positions, bits = t.changes()
+                positions, is_set, values = t.changes()
                 for slot in slots:
                     param = params[slot.param]
                     held_dtype(slot, param, t.dtype)
                     inside, local = slot.src.locate(positions)
-                    at, new_bits = positions[inside], bits[inside]
+                    at = positions[inside]
                     dst = slot.dst.offsets_of(local)
                     index = torch.from_numpy(dst).to(param.device)
+                    # The values a difference applies to are the engine's own (checked to be
+                    # the parent's by the served checksums), read back as checkpoint bits.
+                    old = param.detach().view(-1).index_select(0, index)
+                    if counters is not None and old.device.type != "cpu":
+                        counters.add(host_bytes=old.numel() * old.element_size())
+                    old_bits = as_bits(old, t.dtype)
+                    new_bits = t.new_bits(is_set[inside], values[inside], old_bits)
                     new = from_bits(new_bits, t.dtype, param)
                     if new.is_floating_point() and not bool(torch.isfinite(new).all()):
                         raise PatchError(
@@ -173,10 +182,7 @@ def stage(
                             tensor=t.name,
                             path=where,
                         )
-                    old = param.detach().view(-1).index_select(0, index)
-                    if counters is not None and old.device.type != "cpu":
-                        counters.add(host_bytes=old.numel() * old.element_size())
-                    da, db = delta_partial(at, as_bits(old, t.dtype), new_bits, t.nbytes)
+                    da, db = delta_partial(at, old_bits, new_bits, t.nbytes)
                     deltas.append(RegionSum(t.name, slot.src, da, db))
                     parts.setdefault(slot.param, []).append((slot, dst, new, old))
                     changed += int(at.size)

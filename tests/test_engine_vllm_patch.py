@@ -29,6 +29,7 @@ from hotload_sidecar.engines import (
     Timeouts,
     VLLMAdapter,
 )
+from support.patches import flip_first_difference, rewrite_patch
 from support.tiny_llm import sparse_steps
 from support.vllm_server import INSTALL_HINT, VLLMServer, vllm_python, write_tiny_llama
 
@@ -145,15 +146,12 @@ async def test_a_patch_that_does_not_verify_changes_nothing(world: World, tmp_pa
 
         # One changed value in the patch: the predicted result is not the delta's.
         with PatchFile(world.patches[0]) as pf:
-            entry = next(e for e in pf.header["tensors"] if e.get("count"))
-        data = bytearray(world.patches[0].read_bytes())
-        data[int(entry["values"])] ^= 0x01
-        bad = tmp_path / "bad.patch"
-        bad.write_bytes(bytes(data))
+            name = next(t.name for t in pf.tensors if t.add is not None)
+        bad = rewrite_patch(world.patches[0], tmp_path / "bad.patch", name, flip_first_difference)
         with pytest.raises(PatchRefusedError) as refused:
             await adapter.patch(LoadRequest(str(bad), "step-1", 12), "step-0")
         assert refused.value.reason == "checksum_mismatch", refused.value
-        assert entry["name"] in str(refused.value)
+        assert name in str(refused.value)
 
         # A truncated file.
         bad.write_bytes(world.patches[0].read_bytes()[:-100])

@@ -1,12 +1,13 @@
 """Sparse hot loads: when the engine serves a delta's parent, send it only what changed.
 
-`SparseLoads.load(entry, served, ...)` fetches the delta, turns it into a verified patch file
-against the parent's full snapshot on the volume (`hotload.arc.patch.prepare_patch`: every
-chunk's CRC-32, the parent's and the result's checksums), and asks the engine to write it into
-the weights it serves (`EngineAdapter.patch`; the engine checks the patch against its own
-weights again). All of that happens while the old weights serve; the engine pauses only for the
-writes. Any refusal (too dense, the delta does not verify, the engine holds other weights or
-cannot patch) is an `Outcome` with a reason, and the caller loads the full snapshot instead.
+`SparseLoads.load(entry, served, ...)` fetches the delta, turns it into a patch file
+(`hotload.arc.patch.prepare_patch`: every chunk's CRC-32 and structure checked, the delta's own
+differences kept, nothing of the parent read), and asks the engine to write it into the weights
+it serves (`EngineAdapter.patch`; the engine checks the patch against its own weights: the
+parent's checksums, and the result's). All of that happens while the old weights serve; the
+engine pauses only for the writes. Any refusal (too dense, the delta does not verify, the
+engine holds other weights or cannot patch) is an `Outcome` with a reason, and the caller loads
+the full snapshot instead.
 
 After the engine serves the patched weights, `rebuild` makes the full snapshot on the volume
 from the same delta and verifies it (what restarts and new replicas boot from, and the parent
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hotload.arc import decode, verify
-from hotload.arc.patch import PatchTooDenseError, prepare_patch
+from hotload.arc.patch import PatchNeedsParentError, PatchTooDenseError, prepare_patch
 from hotload.bucket import Bucket, download_snapshot_async
 from hotload.errors import BucketError, EngineError, EngineLoadError, HotloadError
 from hotload.ledger import LedgerEntry
@@ -158,6 +159,8 @@ class SparseLoads:
                 )
             except PatchTooDenseError as err:
                 return self._refused(entry, "too_dense", err, delta)
+            except PatchNeedsParentError as err:
+                return self._refused(entry, "needs_parent", err, delta)
             except (HotloadError, OSError) as err:
                 return self._refused(entry, "delta_not_verified", err, delta)
             prepare_seconds = time.perf_counter() - t1
