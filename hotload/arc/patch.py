@@ -91,6 +91,31 @@ def delta_changes(delta: str | Path) -> tuple[int, int]:
     return changed, total
 
 
+def check_delta_files(delta: str | Path, expected_parent: str | None = None) -> int:
+    """Check an incremental snapshot's files without its parent: every shard header (the
+    parent it names, when `expected_parent` is given), every chunk inside its payload and its
+    stored bytes against their CRC-32. Returns the chunks checked; raises `CorruptDeltaError`,
+    `WrongParentError` or `SnapshotError`."""
+    folder = Path(delta)
+    snap = validate_snapshot(folder)
+    if snap.kind != "incremental":
+        raise SnapshotError(f"expected an incremental snapshot, not {snap.kind}", path=str(folder))
+    chunks = 0
+    for shard in snap.shard_files:
+        header = read_header(folder / shard)
+        plan, _ = plan_chunks(check_delta(header, shard, expected_parent), shard)
+        with (folder / shard).open("rb") as f:
+            delta_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                for item in plan:
+                    stored_chunk(delta_map, header.payload_offset, item, shard).release()
+                    chunks += 1
+            finally:
+                with contextlib.suppress(BufferError):
+                    delta_map.close()
+    return chunks
+
+
 def _count(run: object) -> int:
     count = run.get("count") if isinstance(run, dict) else None
     return count if isinstance(count, int) and not isinstance(count, bool) else 0

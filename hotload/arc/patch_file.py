@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from hotload.arc.streams import split_planes, zigzag
+from hotload.faults import crash_point
 from hotload.fileio import pwrite_all
 from hotload_patch.format import (
     ALIGN,
@@ -81,7 +82,9 @@ class PatchWriter:
             packed = zlib.compress(stored, LEVEL)
             if len(packed) < 0.9 * plane.size:
                 stored, codec = memoryview(packed), "zlib"
-        return [self.add(stored), stored.nbytes, codec, format_checksum(zlib.crc32(stored))]
+        entry = [self.add(stored), stored.nbytes, codec, format_checksum(zlib.crc32(stored))]
+        crash_point("patch-write")  # a patch file half written, under its temporary name
+        return entry
 
     def run(self, run: Run, numel: int, *, add: bool) -> dict[str, Any]:
         """Store a run of changes (`add`: values are differences, zigzagged here); its entry."""

@@ -31,7 +31,6 @@ from hotload.errors import (
     BucketError,
     EngineError,
     EngineLoadError,
-    HotloadError,
     LedgerError,
 )
 from hotload.ledger import (
@@ -45,6 +44,7 @@ from hotload.ledger.fields import format_time, utc_now
 from hotload_sidecar.adapters import AdapterSync
 from hotload_sidecar.board import StatusBoard
 from hotload_sidecar.cache_policy import move_cache_policy
+from hotload_sidecar.chained import ChainedUpdates
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadRequest, ServedSnapshot
 from hotload_sidecar.materialize import MaterializeError, Materializer
@@ -57,15 +57,15 @@ from hotload_sidecar.sparse import SparseLoads
 from hotload_sidecar.status import (
     REASON_ENGINE_DOWN,
     LoadTimings,
-    ReplicaStatus,
     Reporter,
 )
+from hotload_sidecar.volume import Volume
 from hotload_sidecar.weights import WeightsFolder
 
 log = logging.getLogger("hotload_sidecar.loader")
 
 
-class Loader:
+class Loader(ChainedUpdates):
     """Follows one ledger for one engine; `run` until `stop` is set."""
 
     def __init__(
@@ -94,6 +94,7 @@ class Loader:
                 progress=self.metrics.bytes_fetched.inc,
                 corruption=self.metrics.checksum_failures.inc,
                 written=self.metrics.volume_bytes_written.inc,
+                sparse_takes=self._sparse_takes,
             )
             if settings.hint_ttl_seconds > 0
             else None
@@ -106,6 +107,10 @@ class Loader:
             progress=self.metrics.bytes_fetched.inc,
             prebuilt=self.prefetcher.prebuilt if self.prefetcher is not None else None,
             written=self.metrics.volume_bytes_written.inc,
+        )
+        #: What the volume holds as a snapshot plus deltas, and its compaction.
+        self.volume = Volume(
+            self.weights, self.materializer, compact_fraction=settings.compact_fraction
         )
         #: LoRA adapters beside the base weights (None when `--max-adapters 0`).
         self.adapters = (
@@ -156,11 +161,6 @@ class Loader:
     def pin(self) -> str | None:
         """The pinned identity (None: it follows the ledger head)."""
         return self.pins.pin
-
-    @property
-    def status(self) -> ReplicaStatus:
-        """The replica's status as last published."""
-        return self.board.status
 
     # --- the two phases ----------------------------------------------------------------------
 
@@ -221,6 +221,8 @@ class Loader:
                     break
                 await sleep_or_stop(stop, self._interval())
                 continue
+            if await self._resume_chain(head):
+                break
             try:
                 await self.board.set(state="fetching", target=head)
                 built = await self.materializer.build(
@@ -278,10 +280,13 @@ class Loader:
 
     async def _check_engine(self) -> None:
         health = await self.adapter.health()
-        if health.live == self.board.engine_live:
+        # Down when it stops answering; back only once it is ready (a restarted engine loads
+        # its weights first: asked what it serves before that, it could not say).
+        up = health.live if self.board.engine_live else health.ready
+        if up == self.board.engine_live:
             return
-        self.board.engine_live = health.live
-        if not health.live:
+        self.board.engine_live = up
+        if not up:
             if self.adapters is not None:
                 self.adapters.engine_restarted()
             log.warning("engine %s is down: %s", self.adapter.url, health.detail)
@@ -323,7 +328,11 @@ class Loader:
             # made): now the volume holds it verified, so `current` catches up, never back.
             self.weights.switch(got.identity)
             want = got.identity
-        if served is not None and served.identity == want:
+        if served is not None and (
+            served.identity == want or self.volume.holds(self.document, served.identity)
+        ):
+            # The volume holds it (as a snapshot, or one plus the deltas after it): nothing
+            # to load; the next update patches it forward if it is behind.
             await self._served(served, None)
             return
         if want is None or entry is None:
@@ -339,10 +348,12 @@ class Loader:
         await self.board.set(state="fetching", target=target)
         policy = move_cache_policy(document, self.status.identity, target)
         fallback = ""
-        if self.sparse is not None and self.sparse.applies(target, self.status.identity):
-            fallback = await self._sparse_load(target, policy, started)
+        steps = self.sparse.plan(document, target, self.status.identity) if self.sparse else None
+        if steps:
+            fallback = await self._sparse_load(steps, policy, started)
             if not fallback:
                 return
+        await self.volume.settle()  # never build beside a compaction
         await self._build_and_load(document, target, policy, fallback, started)
 
     async def _build_and_load(
@@ -369,54 +380,6 @@ class Loader:
             self.metrics.update_seconds.observe(time.perf_counter() - started)
             self._collect(target)
         return ok
-
-    async def _reload_served(self, reason: str) -> bool:
-        """Load the served snapshot in full again (a scrub found its weights changed)."""
-        document, identity = self.document, self.status.identity
-        entry = document.find(identity) if document is not None and identity else None
-        if document is None or entry is None or not self.backoff.may_try(entry.identity):
-            return False
-        log.warning("reloading %s in full: %s", entry.identity, reason)
-        return await self._build_and_load(document, entry, "all", "", time.perf_counter())
-
-    async def _sparse_load(self, target: LedgerEntry, policy: CachePolicy, started: float) -> str:
-        """Serve `target`, a delta of the served snapshot, as a sparse patch, then rebuild its
-        full snapshot on the volume; "" when the engine serves it, else why not (the caller
-        loads the full snapshot)."""
-        assert self.sparse is not None
-        await self.board.set(state="loading", target=self.status_target(target))
-        mode, policy = self.settings.mode, self.settings.cache_policy or policy
-        outcome = await self.sparse.load(target, mode, policy, started=started)
-        done = outcome.patched
-        if done is None:
-            self.metrics.sparse_fallbacks.labels(outcome.reason).inc()
-            self.metrics.checksum_failures.inc(outcome.corruption)
-            await self.reporter.event("Normal", "SparseLoadFellBack", outcome.message)
-            if outcome.serving_unknown:
-                await self._refresh_served()
-            return outcome.reason
-        self.metrics.engine_load_seconds.observe(done.timings.load_seconds)
-        self.metrics.engine_pause_seconds.observe(done.timings.pause_seconds)
-        self.metrics.update_seconds.observe(done.timings.total_seconds)
-        self.metrics.loads.labels("sparse").inc()
-        await self._served(done.result.served, done.timings)
-        await self.reporter.event("Normal", "SnapshotLoaded", done.summary())
-        await self.board.set(state="rebuilding")
-        try:  # the volume's copy: what restarts boot, and the next patch's parent
-            seconds = await self.sparse.rebuild(done)
-        except (HotloadError, OSError) as err:
-            await self._failed("rebuild", err, target)
-            return ""
-        self.metrics.rebuild_seconds.observe(seconds)
-        self.weights.switch(target.identity)
-        await self.board.set(state="idle")
-        self._collect(target)
-        return ""
-
-    def _collect(self, served: LedgerEntry) -> None:
-        if self.document is not None:
-            order = [e.identity for e in self.document.entries]
-            self.weights.collect(self.settings.keep, order, protect=[served.identity])
 
     async def _load(
         self, entry: LedgerEntry, path: object, policy: CachePolicy, timings: LoadTimings

@@ -56,7 +56,7 @@ class LoaderMetrics(MetricSet):
         )
         self.failures = self.counter(
             "hotload_loader_failures",
-            "Failed updates by stage (rebuild, engine, ledger)",
+            "Failed updates by stage (rebuild, engine, ledger, compact, pin)",
             ["stage"],
         )
         self.loads = self.counter(

@@ -76,12 +76,16 @@ class Prefetcher:
         progress: Callable[[int], None] | None = None,
         corruption: Callable[[], None] | None = None,
         written: Callable[[int], None] | None = None,
+        sparse_takes: Callable[[Hint, Path], bool] | None = None,
     ) -> None:
         """`progress` receives bytes as they download; `corruption` is called once for each
         early rebuild that meets bytes failing their checksums (a rotten hinted file or a
         rotten local parent), which the ledger path would otherwise never see; `written` the
-        bytes each early fetch wrote to the volume (downloads, rebuilt shards)."""
+        bytes each early fetch wrote to the volume (downloads, rebuilt shards);
+        `sparse_takes(hint, folder)` says whether the downloaded delta will be loaded as a sparse
+        patch (then it is not rebuilt: that would write the whole model for nothing)."""
         self.written = written
+        self.sparse_takes = sparse_takes
         self.bucket = bucket
         self.ledger = ledger
         self.weights = weights
@@ -256,6 +260,14 @@ class Prefetcher:
                 )
             staged = folder
             self._wrote(written_bytes(folder))
+            if (
+                job.hint.kind == "incremental"
+                and self.sparse_takes is not None
+                and self.sparse_takes(job.hint, folder)
+            ):
+                raise LeftToSparseLoadError(
+                    f"{identity} will be loaded as a sparse patch: not rebuilt early"
+                )
             if job.hint.kind == "incremental":
                 assert job.hint.previous is not None
                 staged = self._folder("staging", identity)
@@ -292,7 +304,12 @@ class Prefetcher:
             self.written(nbytes)
 
 
+class LeftToSparseLoadError(HotloadError):
+    """An early fetch that stops after the download: the sparse path will take the delta."""
+
+
 def _log_failure(task: asyncio.Task[Path]) -> None:
     # Retrieve the exception here so a failed early fetch is logged once, not at shutdown.
     if not task.cancelled() and (err := task.exception()) is not None:
-        log.warning("%s failed: %s", task.get_name(), err)
+        level = logging.INFO if isinstance(err, LeftToSparseLoadError) else logging.WARNING
+        log.log(level, "%s ended: %s", task.get_name(), err)

@@ -334,6 +334,13 @@ class Replica:
             self.loader.kill()
             self.loader.wait(timeout=30)
 
+    def kill_engine(self) -> None:
+        """SIGKILL the engine (an engine container crash); `start_engine` boots it again from
+        `weights/current`."""
+        if self.engine is not None and self.engine.poll() is None:
+            self.engine.kill()
+            self.engine.wait(timeout=30)
+
     def stop(self) -> None:
         """Stop both processes (SIGTERM, then SIGKILL)."""
         for proc in (self.loader, self.engine):
