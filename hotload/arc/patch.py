@@ -341,15 +341,18 @@ def _from_parent(
 
 def _compose(a: Changes, b: Changes) -> Changes:
     """Changes `a`, then `b`: positions joined, differences added (wrapping), a set value
-    replacing what came before it; a difference that sums to nothing is dropped."""
-    at = np.union1d(a[0], b[0])
-    is_set = np.zeros(at.size, dtype=bool)
-    values = np.zeros(at.size, dtype=a[2].dtype)
-    ia, ib = np.searchsorted(at, a[0]), np.searchsorted(at, b[0])
-    is_set[ia], values[ia] = a[1], a[2]
-    sets = b[1]
-    values[ib[sets]] = b[2][sets]
-    is_set[ib[sets]] = True
-    values[ib[~sets]] += b[2][~sets]
+    replacing what came before it; a difference that sums to nothing is dropped. A stable sort
+    merges the two ascending runs in linear time; a position in both is then `a`'s entry
+    followed by `b`'s, folded into the latter."""
+    at = np.concatenate([a[0], b[0]])
+    order = np.argsort(at, kind="stable")
+    at = at[order]
+    is_set = np.concatenate([a[1], b[1]])[order]
+    values = np.concatenate([a[2], b[2]])[order]
+    first = np.flatnonzero(at[1:] == at[:-1])  # a's entry; b's follows it
+    adds = first[~is_set[first + 1]]
+    values[adds + 1] += values[adds]
+    is_set[adds + 1] = is_set[adds]
     keep = is_set | (values != 0)
+    keep[first] = False
     return at[keep], is_set[keep], values[keep]

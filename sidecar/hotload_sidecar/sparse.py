@@ -159,17 +159,22 @@ class SparseLoads:
         folders: list[Path] = []
         fetched = wrote = 0
         try:
-            for entry in steps:
-                try:
-                    folder, got, new = await self._delta(entry)
-                except BucketError as err:
-                    return self._refused(target, "fetch_failed", err)
-                except PatchTooDenseError as err:
-                    return self._refused(target, "too_dense", err)
-                except HotloadError as err:
-                    return self._refused(target, "delta_not_verified", err)
+            # Fetched side by side (a burst of deltas is one round trip, not one per delta).
+            got_all = await asyncio.gather(
+                *(self._delta(entry) for entry in steps), return_exceptions=True
+            )
+            for got in got_all:
+                if isinstance(got, BucketError):
+                    return self._refused(target, "fetch_failed", got)
+                if isinstance(got, PatchTooDenseError):
+                    return self._refused(target, "too_dense", got)
+                if isinstance(got, HotloadError):
+                    return self._refused(target, "delta_not_verified", got)
+                if isinstance(got, BaseException):
+                    raise got
+                folder, nbytes, new = got
                 folders.append(folder)
-                fetched += got
+                fetched += nbytes
                 wrote += self._wrote(new)
             fetch_seconds = time.perf_counter() - t0
             t1 = time.perf_counter()
