@@ -97,8 +97,10 @@ class Engine:
 
     kind = "reference"
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, *, scrub: bool = True) -> None:
         self.work = work
+        #: Whether the engine scrubs its weights (at its default rate) while measured.
+        self.scrub = scrub
 
     def replica(self, name: str, ledger_url: str, env: dict[str, str], args: list[str]) -> Replica:
         """A replica for one phase (not started)."""
@@ -106,7 +108,8 @@ class Engine:
 
     def wiring(self, args: list[str]) -> dict[str, Any]:
         """How the replica's loader reaches its engine: the reference engine beside it."""
-        return {"loader_args": args, "admin_port": free_port()}
+        engine_args = [] if self.scrub else ["--scrub-bytes-per-second", "0"]
+        return {"loader_args": args, "admin_port": free_port(), "engine_args": engine_args}
 
     def start(self, replica: Replica) -> None:
         """Start the loader and the engine."""
@@ -131,8 +134,8 @@ class VLLMEngine(Engine):
 
     kind = "vllm"
 
-    def __init__(self, work: Path) -> None:
-        super().__init__(work)
+    def __init__(self, work: Path, *, scrub: bool = True) -> None:
+        super().__init__(work, scrub=scrub)
         self.server: VLLMServer | None = None
         self.port = free_port()
         #: Greedy decode tokens/s of one request, by how vLLM holds its linear weights.
@@ -172,7 +175,10 @@ class VLLMEngine(Engine):
                 self.work / "vllm.log",
                 port=self.port,
                 extra_args=("--worker-extension-cls", VLLM_WORKER_EXTENSION),
-                extra_env={"PYTHONPATH": str(replica.weights / ENGINE_PYTHONPATH_DIR)},
+                extra_env={
+                    "PYTHONPATH": str(replica.weights / ENGINE_PYTHONPATH_DIR),
+                    **({} if self.scrub else {"HOTLOAD_SCRUB_BYTES_PER_SECOND": "0"}),
+                },
             )
             print(f"vLLM started in {self.server.start_seconds:.0f}s", flush=True)
             self.decode["plain weights (hotload's extension)"] = decode_rate(self.server)

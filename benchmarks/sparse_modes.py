@@ -143,7 +143,7 @@ def one_update(
     pids: list[int],
 ) -> dict[str, Any]:
     """Publish one delta and measure its update (see the module docstring)."""
-    rate = idle_rate(pids)
+    rate = idle_rate(pids, 10.0)
     before, c0 = engine_counters(engine, replica), cpu_seconds(pids)
     uploaded = upload(ledger, folder, identity)
     t0 = time.perf_counter()
@@ -191,7 +191,8 @@ def scaling_size(
     cold, then each delta measured."""
     env = {**os.environ, **server.env, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     ledger = Ledger(open_bucket(server.url(bucket)), name)
-    replica = engine.replica(name, f"{server.url(bucket)}/{name}", env, ["--threads", "2"])
+    args = ["--threads", "2", "--poll-seconds", "0.1"]
+    replica = engine.replica(name, f"{server.url(bucket)}/{name}", env, args)
     try:
         upload(ledger, fulls[0], "step-0")
         append(ledger, fulls[0], "step-0")

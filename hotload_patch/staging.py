@@ -243,9 +243,16 @@ def _merge(param: str, items: list[tuple[Slot, np.ndarray, torch.Tensor, torch.T
         )
     if len(kept) == 1:  # the usual case: no copies
         _, dst, new, old = kept[0]
-        return Write(param, torch.from_numpy(dst).to(new.device), new, old)
-    index = torch.cat([torch.from_numpy(k[1]).to(k[2].device) for k in kept])
+        return Write(param, _index(dst, new.device), new, old)
+    index = torch.cat([_index(k[1], k[2].device) for k in kept])
     return Write(param, index, torch.cat([k[2] for k in kept]), torch.cat([k[3] for k in kept]))
+
+
+def _index(offsets: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Flat offsets as the staged index: 32-bit where they fit (half the memory staging holds;
+    the writes widen them, per parameter, where a kernel needs 64)."""
+    narrow = offsets.astype(np.int32) if offsets.size and offsets.max() < 2**31 else offsets
+    return torch.from_numpy(narrow).to(device)
 
 
 def _disjoint(regions: list[Region]) -> bool:
@@ -325,7 +332,7 @@ def _scatter_all(writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) 
         for param, index, values in writes:
             flat = param.data.view(-1)
             if flat.device.type != "cpu":
-                flat.index_copy_(0, index, values)
+                flat.index_copy_(0, index.long(), values)
                 continue
             if not index.numel():
                 continue

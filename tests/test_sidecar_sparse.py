@@ -217,36 +217,60 @@ def _size(p: Path) -> int:
     return p.stat().st_size
 
 
-def test_a_burst_of_deltas_is_served_as_one_patch(
-    steps: list[Path], tmp_path: Path, env: dict[str, str], replicas: list[Replica]
+@pytest.fixture(scope="module")
+def burst(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Eight steps of a tiny Llama, each moving 1% of the elements."""
+    root = tmp_path_factory.mktemp("burst")
+    base = build_tiny_llm(root / "m", 0).snapshots[0]
+    return sparse_steps(base, root / "s", 8, fraction=0.01, seed=6)[0]
+
+
+def test_a_burst_of_deltas_is_served_as_patches(
+    burst: list[Path], tmp_path: Path, env: dict[str, str], replicas: list[Replica]
 ) -> None:
-    """Deltas published faster than the replica takes them: it skips ahead to the newest with
-    one patch of all of them (never a full reload because it was busy)."""
+    """Deltas published faster than the replica takes them: it skips ahead with one patch of
+    several; when they change too much together for one patch, with a few patches in a row,
+    never a full reload because it was busy."""
     bucket = tmp_path / "bucket"
-    trainer = Trainer(Ledger(open_bucket(str(bucket)), "policy"), steps, tmp_path / "t", 100)
+    trainer = Trainer(Ledger(open_bucket(str(bucket)), "policy"), burst, tmp_path / "t", 100)
     trainer.publish(0)
     r = Replica("r0", tmp_path / "r0", f"{bucket}/policy", env, admin_port=free_port())
     replicas.append(r)
     r.start()
     r.wait_serving("step-000", timeout=180)
-    r.pause_loader()  # busy: four deltas land before it looks again
-    try:
-        for k in range(1, DENSE):
-            trainer.publish(k)
-    finally:
-        r.resume_loader()
-    status = r.wait_serving(f"step-00{DENSE - 1}")
+
+    def publish_while_busy(steps: range) -> None:
+        r.pause_loader()  # busy: the deltas land before it looks again
+        try:
+            for k in steps:
+                trainer.publish(k)
+        finally:
+            r.resume_loader()
+
+    # Four deltas (4% together): one patch of all four.
+    publish_while_busy(range(1, 5))
+    status = r.wait_serving("step-004")
     last = status["last_load"]
-    assert (last["method"], last["skipped"], last["steps"]) == ("sparse", DENSE - 2, DENSE - 1)
-    assert _tokens(r) == (
-        f"tiny@step-00{DENSE - 1}",
-        greedy_token_ids(steps[DENSE - 1], PROMPT_IDS, 8),
-    )
-    metrics = r.metrics()
-    assert _metric(metrics, 'hotload_loader_loads_total{method="sparse"}') == 1
-    assert 'hotload_loader_loads_total{method="full"}' not in metrics
+    assert (last["method"], last["skipped"], last["steps"]) == ("sparse", 3, 4)
+    assert _tokens(r) == ("tiny@step-004", greedy_token_ids(burst[4], PROMPT_IDS, 8))
+    assert _metric(r.metrics(), 'hotload_loader_loads_total{method="sparse"}') == 1
     assert _engine_status(r)["counters"]["patches"] == 1
     assert any("over 4 deltas" in e["message"] for e in status["events"])
+
+    # At most 2.5% per patch: four more deltas go in two patches of two.
+    r.kill_loader()
+    r.loader_args = ["--sparse-max-changed", "0.025"]
+    r.start_loader()
+    r.wait_serving("step-004")
+    publish_while_busy(range(5, 9))
+    status = r.wait_serving("step-008")
+    assert (status["last_load"]["method"], status["last_load"]["steps"]) == ("sparse", 2)
+    metrics = r.metrics()
+    assert _metric(metrics, 'hotload_loader_loads_total{method="sparse"}') == 2
+    assert 'hotload_loader_loads_total{method="full"}' not in metrics
+    assert "hotload_loader_sparse_fallbacks_total{" not in metrics
+    assert _engine_status(r)["counters"]["patches"] == 3
+    assert _tokens(r) == ("tiny@step-008", greedy_token_ids(burst[8], PROMPT_IDS, 8))
 
 
 @pytest.mark.asyncio

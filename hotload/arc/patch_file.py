@@ -41,9 +41,13 @@ __all__ = ["PatchTensor", "PatchWriter", "Run", "tensor_entry"]
 #: zlib level of compressed planes: speed matters more than the last bytes (planes of gaps and
 #: small differences are mostly runs of a few symbols, which level 1 already finds).
 LEVEL = 1
-#: A plane whose bytes carry more entropy than this (bits per byte, from their histogram) is
-#: stored raw without trying: zlib would not shrink it (the low byte of random gaps).
+#: A plane whose bytes carry more entropy than this (bits per byte, from the histogram of its
+#: first `SAMPLE` bytes) is stored raw without trying: zlib would not shrink it (the low byte
+#: of random gaps).
 RAW_ENTROPY = 7.6
+#: Bytes of a plane whose histogram decides whether zlib is tried (a plane's bytes are alike
+#: throughout: the same kind of value at every position).
+SAMPLE = 1 << 16
 _UINT = {4: "<u4", 8: "<u8"}
 
 
@@ -78,7 +82,7 @@ class PatchWriter:
             return [0, 0, "zero", format_checksum(zlib.crc32(b""))]
         stored = _buffer(plane)
         codec = "raw"
-        if _entropy(plane) < RAW_ENTROPY:
+        if _entropy(plane[:SAMPLE]) < RAW_ENTROPY:
             packed = zlib.compress(stored, LEVEL)
             if len(packed) < 0.9 * plane.size:
                 stored, codec = memoryview(packed), "zlib"

@@ -178,6 +178,18 @@ class SparseLoads:
                 wrote += self._wrote(new)
             fetch_seconds = time.perf_counter() - t0
             t1 = time.perf_counter()
+            # Deltas that together change too much for one patch: the longest run of them that
+            # does not, now; the rest from the volume next time (never a full load because the
+            # loader fell behind).
+            keep = await asyncio.to_thread(self._within_density, folders)
+            if keep < len(steps):
+                log.info(
+                    "%d deltas queued: patching the first %d now, the rest after",
+                    len(steps),
+                    keep,
+                )
+                steps, folders = steps[:keep], folders[:keep]
+                target = steps[-1]
             crash_point("patch")
             full_parent = self.weights.path(parent) if self.weights.has(parent) else None
             try:
@@ -241,6 +253,20 @@ class SparseLoads:
             [e.identity for e in steps],
         )
         return Outcome(patched=done)
+
+    def _within_density(self, folders: list[Path]) -> int:
+        """How many of `folders` (deltas in order) to compose at once: as many as change, all
+        together, at most `max_changed` of the elements (counted from their chunk headers,
+        an upper bound of what their composition changes), and at least one."""
+        budget, count = None, 0
+        for folder in folders:
+            changed, total = delta_changes(folder)
+            budget = self.max_changed * total if budget is None else budget
+            if count and changed > budget:
+                break
+            budget -= changed
+            count += 1
+        return count
 
     async def _delta(self, entry: LedgerEntry) -> tuple[Path, int, int]:
         """The delta `entry` on the volume: (its folder, bytes fetched, bytes written). One

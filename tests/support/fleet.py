@@ -160,6 +160,8 @@ class Replica:
     #: With a port, as in the operator's pods: the engine serves its full API on it (loopback)
     #: and only the inference API on `engine_port`; the loader uses the full one.
     admin_port: int | None = None
+    #: More `hotload serve` options (e.g. `--scrub-bytes-per-second 0`).
+    engine_args: list[str] = field(default_factory=list)
     loader: subprocess.Popen[bytes] | None = None
     engine: subprocess.Popen[bytes] | None = None
 
@@ -235,6 +237,7 @@ class Replica:
                 "--max-batch",
                 "4",
                 *([] if self.admin_port is None else ["--admin-port", str(self.admin_port)]),
+                *self.engine_args,
             ],
             cwd=REPO,
             env=self.env,
