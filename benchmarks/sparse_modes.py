@@ -74,10 +74,10 @@ def idle_rate(pids: list[int], seconds: float = 3.0) -> float:
 
 def rolling_steps(
     base: Path, root: Path, steps: int, *, fraction: float, seed: int
-) -> tuple[Path, list[Path]]:
+) -> tuple[Path, list[Path], list[float]]:
     """`steps` training steps after full snapshot `base` (each moving `fraction` of every
     tensor's elements by one ulp) as arc_v2 deltas `root/delta/step-K`; only the last full
-    snapshot stays on disk. Returns (the first full, the deltas)."""
+    snapshot stays on disk. Returns (the first full, the deltas, each one's encode seconds)."""
     rng = np.random.default_rng(seed)
     tensors: dict[str, RawTensor] = {}
     for shard in sorted(base.glob("*.safetensors")):
@@ -86,6 +86,7 @@ def rolling_steps(
     first = write_snapshot(root / "full" / "step-0", dict(tensors), side_files_from=base).path
     previous = first
     deltas: list[Path] = []
+    encodes: list[float] = []
     for step in range(1, steps + 1):
         for raw in tensors.values():
             bits = raw.data.view("<u2")
@@ -95,13 +96,15 @@ def rolling_steps(
             root / "full" / f"step-{step}", dict(tensors), side_files_from=base
         ).path
         delta = root / "delta" / f"step-{step}"
+        t0 = time.perf_counter()
         encode(previous, full, delta, parent_identity=previous.name, threads=2)
+        encodes.append(time.perf_counter() - t0)
         deltas.append(delta)
         if previous != first:
             shutil.rmtree(previous)
         previous = full
     shutil.rmtree(previous)
-    return first, deltas
+    return first, deltas, encodes
 
 
 def upload(ledger: Ledger, folder: Path, identity: str) -> float:
@@ -175,6 +178,10 @@ def one_update(
         "checksum_bytes_read": after.get("checksum_bytes", 0) - before.get("checksum_bytes", 0),
         "scrub_bytes_read": after.get("scrub_bytes", 0) - before.get("scrub_bytes", 0),
         "patched_elements": after.get("patched_elements", 0) - before.get("patched_elements", 0),
+        "fetch_s": round(last["fetch_seconds"], 3),
+        "prepare_s": round(last["rebuild_seconds"], 3),
+        "engine_s": round(last["load_seconds"], 3),
+        "pause_s": round(last["pause_seconds"], 4),
     }
 
 
@@ -220,12 +227,22 @@ def scaling_size(
 
 
 def cadence(
-    server: SeaweedFS, engine: Any, first: Path, deltas: list[Path], *, name: str
+    server: SeaweedFS,
+    engine: Any,
+    first: Path,
+    deltas: list[Path],
+    *,
+    name: str,
+    encodes: list[float] | None,
 ) -> dict[str, Any]:
-    """Publish every delta back to back while one replica follows (module docstring)."""
+    """Publish every delta one after the other while one replica follows (module docstring):
+    with `encodes`, each delta waits as long as it took to encode before its upload (the
+    trainer's own loop: encode, upload, append, next); without, as fast as the bucket takes
+    them (a burst)."""
     env = {**os.environ, **server.env, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    ledger = Ledger(open_bucket(server.url("cadence")), name)
-    replica = engine.replica(name, f"{server.url('cadence')}/{name}", env, ["--threads", "2"])
+    ledger = Ledger(open_bucket(server.url(f"cadence-{name}")), name)
+    url = f"{server.url(f'cadence-{name}')}/{name}"
+    replica = engine.replica(name, url, env, ["--threads", "2"])
     seen: dict[str, float] = {}
     stop = threading.Event()
 
@@ -251,6 +268,8 @@ def cadence(
         published: dict[str, float] = {}
         uploads: list[float] = []
         for k, folder in enumerate(deltas, start=1):
+            if encodes is not None:
+                time.sleep(encodes[k - 1])  # the trainer encoding it
             uploads.append(upload(ledger, folder, f"step-{k}"))
             published[f"step-{k}"] = append(ledger, folder, f"step-{k}")
         last = f"step-{len(deltas)}"
@@ -272,9 +291,11 @@ def cadence(
         if live is not None:
             lags[identity] = round(live - published[identity], 3)
     return {
+        "paced": encodes is not None,
         "deltas": len(deltas),
         "publish_seconds": round(max(published.values()) - min(published.values()), 3),
         "upload_s_mean": round(sum(uploads) / len(uploads), 3),
+        "encode_s_mean": round(sum(encodes) / len(encodes), 3) if encodes else 0.0,
         "served": served,
         "lags": lags,
         "sparse_loads": _grew(before, metrics, 'hotload_loader_loads_total{method="sparse"}'),
