@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 WHEELHOUSE := $(VENV)/wheelhouse
 LOCKVENV := .venv-lock
 
-.PHONY: demo test lint typecheck pytest bench clean venv vllm kubetools envoy lock
+.PHONY: demo test lint typecheck pytest bench clean venv vllm kubetools prometheus envoy lock
 
 venv: $(STAMP) $(WHEELHOUSE)/core.txt
 
@@ -51,6 +51,11 @@ envoy:
 kubetools: $(STAMP)
 	PYTHON=$(BIN)/python bash scripts/install_kube_tools.sh
 
+# Real Prometheus and promtool 2.42 for the alert and dashboard tests (.tools/bin/, ~100 MB,
+# once): Debian's prometheus package at a pinned version and sha256, unpacked without root.
+prometheus:
+	bash scripts/install_prometheus.sh
+
 # The lock tool (uv), itself locked, in a venv of its own.
 $(LOCKVENV)/.installed: requirements/lock-tool.txt scripts/install_locked.py
 	$(PY) scripts/install_locked.py $(LOCKVENV) requirements/lock-tool.txt
@@ -62,7 +67,7 @@ lock: $(LOCKVENV)/.installed
 	UV=$(LOCKVENV)/bin/uv bash scripts/lock.sh
 
 # The report file proves pytest reached its end (a test that killed the runner leaves none).
-pytest: venv vllm envoy kubetools
+pytest: venv vllm envoy kubetools prometheus
 	rm -f .pytest-report.xml
 	HF_HUB_OFFLINE=1 $(BIN)/pytest --junitxml=.pytest-report.xml
 	@test -s .pytest-report.xml || { echo "pytest ended without its report: the runner was killed"; exit 1; }

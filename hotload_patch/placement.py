@@ -54,18 +54,35 @@ class Host(Protocol):
 
 class IdentityHost:
     """An engine whose parameters are the checkpoint's tensors under the same names, whole
-    (tied names share one tensor; the first name of each stands for it)."""
+    (tied names share one tensor; the first name of each stands for it), except the tensors
+    `converted` places as regions of a parameter (a transformers mixture of experts stacks its
+    per-expert checkpoint tensors into one parameter)."""
 
-    def __init__(self, targets: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        targets: Callable[[], Mapping[str, torch.Tensor]],
+        converted: Callable[[], Mapping[str, list[Slot]]] | None = None,
+    ) -> None:
         self._targets = targets
+        self._converted = converted or (lambda: {})
 
     def parameters(self) -> Mapping[str, torch.Tensor]:
         """The targets by name."""
         return self._targets()
 
     def place(self, name: str, shape: tuple[int, ...], dtype: str) -> list[Slot]:
-        """The whole tensor, when the engine holds one of that name and shape."""
+        """The whole tensor, when the engine holds one of that name and shape; its regions, when
+        the engine holds it converted."""
         targets = self._targets()
+        slots = self._converted().get(name)
+        if slots is not None:
+            if any(s.src != Region.whole(shape) for s in slots):
+                raise PatchError(
+                    f"shape {list(shape)} does not match the served checkpoint's",
+                    reason="weights_mismatch",
+                    tensor=name,
+                )
+            return list(slots)
         held = targets.get(name)
         if held is None:
             raise PatchError(

@@ -25,10 +25,11 @@ Every method answers a JSON object and never raises for a refused patch: `{"erro
 "message", "tensor"}}` says why, and the weights are unchanged.
 
 On the CPU, vLLM repacks linear weights for its GEMM kernels (oneDNN) and frees the originals,
-which leaves nothing a patch could write into. With this extension loaded, vLLM keeps them as
-they are and multiplies with `torch.nn.functional.linear` instead (set
-HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS=0 to keep vLLM's kernels; patches are then refused with
-`kernel_format` and the loader reloads in full). GPUs compute with the weights as loaded.
+which leaves nothing a patch could write into, and prepacks a mixture of experts' weights for
+its grouped GEMM. With this extension loaded, vLLM keeps both as they are and multiplies with
+`torch.nn.functional.linear` instead (set HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS=0 to keep vLLM's
+kernels; patches are then refused with `kernel_format` and the loader reloads in full). GPUs
+compute with the weights as loaded.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 from torch.nn import functional
 
 from hotload_patch import PROTOCOL
-from hotload_patch.checkpoint import checkpoint_specs
+from hotload_patch.checkpoint import Specs, checkpoint_specs
 from hotload_patch.errors import PatchError
 from hotload_patch.placement import LoaderHost
 from hotload_patch.scrub import DEFAULT_SCRUB_RATE
@@ -76,10 +77,62 @@ def _keep_weights(layer: torch.nn.Module, remove_weight: bool) -> None:
     layer.__dict__["cpu_linear"] = _plain_linear
 
 
+def _keep_expert_weights(experts: Any, layer: torch.nn.Module) -> None:
+    """Stands in for vLLM's CPU mixture-of-experts weight processing (which pads the
+    intermediate size and prepacks every expert for its grouped GEMM): keep them as loaded."""
+
+
+def _plain_experts(  # noqa: PLR0917 (vLLM's signature)
+    experts: Any,
+    output: torch.Tensor,
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: Any,
+    global_num_experts: int,
+    expert_map: torch.Tensor | None,
+    a1q_scale: torch.Tensor | None,
+    a2_scale: torch.Tensor | None,
+    workspace13: torch.Tensor,
+    workspace2: torch.Tensor,
+    expert_tokens_meta: Any,
+    apply_router_weight_on_input: bool,
+) -> None:
+    """vLLM's CPU experts' `apply` on the weights as loaded: each routed expert's tokens
+    through `w1` (gate and up), vLLM's own activation, `w2`, weighted by the router and summed
+    into `output` (what `cpu_fused_moe` computes from its prepacked copy)."""
+    from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
+
+    tokens, k = topk_ids.shape
+    ids = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        ids = expert_map[ids].long()  # global -> local expert, -1 for another rank's
+    rows = torch.arange(tokens, device=ids.device).repeat_interleave(k)
+    weights = topk_weights.reshape(-1, 1).to(hidden_states.dtype)
+    b1, b2 = experts.w1_bias, experts.w2_bias
+    output.zero_()
+    for e in torch.unique(ids).tolist():
+        if e < 0:
+            continue
+        picked = (ids == e).nonzero().squeeze(1)
+        at = rows[picked]
+        gate_up = functional.linear(hidden_states[at], w1[e], None if b1 is None else b1[e])
+        width = gate_up.shape[-1] // 2 if activation.is_gated else gate_up.shape[-1]
+        act = gate_up.new_empty(gate_up.shape[0], width)
+        apply_moe_activation(activation, act, gate_up)
+        out = functional.linear(act, w2[e], None if b2 is None else b2[e])
+        if not apply_router_weight_on_input:  # else already applied to the inputs
+            out = out * weights[picked]
+        output.index_add_(0, at, out.to(output.dtype))
+
+
 def keep_plain_cpu_weights() -> bool:
     """On vLLM's CPU platform (unless HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS=0), make layers loaded
-    from now on keep their weights unpacked; True when it did. Runs when vLLM imports this
-    module, which it does while building its workers, before it loads the model."""
+    from now on keep their weights unpacked, linear layers and experts of a mixture of experts;
+    True when it did. Runs when vLLM imports this module, which it does while building its
+    workers, before it loads the model."""
     if os.environ.get(PLAIN_ENV, "1") == "0":
         return False
     try:
@@ -91,15 +144,38 @@ def keep_plain_cpu_weights() -> bool:
     except ImportError:
         return False
     layer_utils.dispatch_cpu_unquantized_gemm = _keep_weights
+    try:
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    except ImportError:
+        return True
+    # Also a fix: vLLM 0.32 prepacks the experts at the first load only; `reload_weights`
+    # (every full hot load) leaves them as loaded while its kernel still reads them as packed,
+    # and the model answers wrong tokens from then on.
+    cpu_moe.CPUUnquantizedExperts.process_weights_after_loading = _keep_expert_weights
+    cpu_moe.CPUUnquantizedExperts.apply = _plain_experts
     return True
 
 
 PLAIN_CPU_WEIGHTS = keep_plain_cpu_weights()
 
 
+def _repacked_experts(method: Any) -> bool:
+    """Whether a mixture-of-experts layer's method prepacks its experts (vLLM's CPU kernels,
+    when this extension does not keep them as loaded)."""
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    if experts is None:
+        return False
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return False
+    process = type(experts).process_weights_after_loading
+    return isinstance(experts, CPUUnquantizedExperts) and process is not _keep_expert_weights
+
+
 def kernel_problems(model: torch.nn.Module) -> list[str]:
-    """Why vLLM holds some weights in a format a patch cannot follow: quantised layers, or
-    linear layers repacked for the CPU kernels. One line per kind, with an example layer."""
+    """Why vLLM holds some weights in a format a patch cannot follow: quantised layers, linear
+    layers or experts repacked for the CPU kernels. One line per kind, with an example layer."""
     try:
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -119,6 +195,11 @@ def kernel_problems(model: torch.nn.Module) -> list[str]:
             if linear is not None and linear is not _plain_linear:
                 kind = "weights repacked for vLLM's CPU kernels (HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS=0)"
                 found.setdefault(kind, []).append(name)
+        elif method is not None and _repacked_experts(method):
+            kind = (
+                "expert weights prepacked for vLLM's CPU kernels (HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS=0)"
+            )
+            found.setdefault(kind, []).append(name)
         elif method is not None and type(method).__name__.startswith(("Unquantized", "BaseKV")):
             continue
         elif method is not None and hasattr(module, "weight"):
@@ -126,6 +207,28 @@ def kernel_problems(model: torch.nn.Module) -> list[str]:
                 name
             )
     return [f"{kind}: {len(names)} layer(s), e.g. {names[0]}" for kind, names in found.items()]
+
+
+def naming_tensors(lines: list[str], host: LoaderHost, specs: Specs) -> list[str]:
+    """`kernel_problems` lines with the checkpoint tensor their example layer holds (from the
+    placement of `specs`, the checkpoint vLLM serves), so a refusal names the family's tensor."""
+    out = []
+    for line in lines:
+        _, sep, layer = line.rpartition(", e.g. ")
+        tensor = _held_in(layer, host, specs) if sep else None
+        out.append(f"{line} (checkpoint tensor {tensor})" if tensor else line)
+    return out
+
+
+def _held_in(layer: str, host: LoaderHost, specs: Specs) -> str | None:
+    for name, (shape, dtype) in specs.items():
+        try:
+            slots = host.place(name, shape, dtype)
+        except PatchError:
+            continue
+        if any(slot.param.startswith(layer + ".") for slot in slots):
+            return name
+    return None
 
 
 class HotloadWorkerExtension:
@@ -136,7 +239,14 @@ class HotloadWorkerExtension:
         patcher = self.__dict__.get("_hotload_patcher")
         if patcher is None:
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
-            host = LoaderHost(model, lambda: kernel_problems(model))
+
+            def problems() -> list[str]:
+                lines = kernel_problems(model)
+                if not lines:
+                    return []
+                return naming_tensors(lines, host, checkpoint_specs(self._hotload_folder()))
+
+            host = LoaderHost(model, problems)
             patcher = Patcher(host, scrub_rate=scrub_rate())
             self.__dict__["_hotload_patcher"] = patcher
         return patcher

@@ -480,11 +480,12 @@ def test_printer_columns(generated: dict[str, Json]) -> None:
         ("Up-To-Date", "integer", ".status.updatedReplicas", 0),
         ("Current", "string", ".status.currentSnapshot", 0),
         ("Target", "string", ".status.targetSnapshot", 0),
+        # Why it is (not) Ready, in the default view: the first problem, or all current.
+        ("Reason", "string", f"{ready}.reason", 0),
         age,
         ("Mode", "string", ".status.mode", 1),
         ("Adapter", "string", ".status.latestAdapter", 1),
         ("Adapter-Loaded", "integer", ".status.adapterReplicas", 1),
-        ("Reason", "string", f"{ready}.reason", 1),
         ("Message", "string", f"{ready}.message", 1),
     ]
     assert _columns(generated[names.SNAPSHOT_KIND]) == [

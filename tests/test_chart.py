@@ -29,7 +29,7 @@ FULLNAME = "hl-hotload"
 # kubernetes-validate knows.
 K8S_VERSIONS = ("1.30", "1.37")
 # prometheus-operator kinds: no schema in kubernetes-validate; their fields are asserted below.
-MONITORING_KINDS = {"ServiceMonitor", "PodMonitor"}
+MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 JSON = dict[str, Any]
 
@@ -62,6 +62,8 @@ NON_DEFAULT: JSON = {
         "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
         "loaderPodMonitor": {"enabled": True},
     },
+    "alerts": {"enabled": True, "labels": {"release": "prom"}},
+    "dashboard": {"enabled": True, "annotations": {"grafana_folder": "ML"}},
     "tmp": {"medium": "Memory", "sizeLimit": "256Mi"},
     "podAnnotations": {"example.com/team": "ml"},
     "nodeSelector": {"kubernetes.io/os": "linux"},
@@ -158,7 +160,8 @@ def operator_container(objs: list[JSON]) -> JSON:
 
 
 def env_of(container: JSON) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env") or []}
+    """The container's variables with a value (those from a `valueFrom` are left out)."""
+    return {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
 
 
 # What the operator does inside a namespace (the ClusterRole, or each namespace's Role).
@@ -172,7 +175,7 @@ NAMESPACED_PERMISSIONS = permissions(
         {
             "apiGroups": ["hotload.dev"],
             "resources": ["snapshots"],
-            "verbs": ["list", "watch", "patch"],
+            "verbs": ["list", "watch"],
         },
         {
             "apiGroups": ["hotload.dev"],
@@ -190,6 +193,7 @@ NAMESPACED_PERMISSIONS = permissions(
             "verbs": ["create", "patch"],
         },
         {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["create", "patch"]},
+        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["list", "watch"]},
         {
             "apiGroups": ["policy"],
             "resources": ["poddisruptionbudgets"],
@@ -200,9 +204,9 @@ NAMESPACED_PERMISSIONS = permissions(
             "resources": ["roles", "rolebindings"],
             "verbs": ["create", "patch"],
         },
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
-        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
         # Removing the router when spec.router.enabled is switched off.
         {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["delete"]},
         {"apiGroups": [""], "resources": ["services", "serviceaccounts"], "verbs": ["delete"]},
@@ -221,6 +225,16 @@ ROUTER_KINDS = {
     ("rbac.authorization.k8s.io", "roles"),
     ("rbac.authorization.k8s.io", "rolebindings"),
 }
+# Leader election: read, watch and renew the one Lease by name; create it the first time.
+LEASE_RULES = [
+    {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "resourceNames": [FULLNAME],
+        "verbs": ["get", "watch", "update"],
+    },
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+]
 CRD_DISCOVERY = {
     ("apiextensions.k8s.io", "customresourcedefinitions", v, ()) for v in ("list", "watch")
 }
@@ -253,8 +267,23 @@ def test_helm_lint_strict(helm_cli: Helm, tmp_path: Path, values: JSON) -> None:
         ({"loader": {"image": {"repository": "x", "digest": "latest"}}}, "/loader/image/digest"),
         ({"metrics": {"enabled": True, "port": 70000}}, "/metrics/port"),
         ({"replicaCount": 2}, "replicaCount"),
+        ({"alerts": {"enabled": True, "staleAfter": "5m"}}, "staleAfter"),
+        ({"alerts": {"enabled": True, "degradedFor": "ten minutes"}}, "/alerts/degradedFor"),
+        ({"alerts": {"enabled": True, "alertLabels": {"severity": "page"}}}, "severity"),
+        ({"dashboard": {"enabled": True, "sidecarLabel": "a b"}}, "/dashboard/sidecarLabel"),
     ],
-    ids=["namespace", "pull-policy", "no-secret-names", "digest", "port", "unknown-value"],
+    ids=[
+        "namespace",
+        "pull-policy",
+        "no-secret-names",
+        "digest",
+        "port",
+        "unknown-value",
+        "unknown-alert-value",
+        "duration",
+        "alert-label",
+        "sidecar-label",
+    ],
 )
 def test_schema_refuses_bad_values(
     helm_cli: Helm, tmp_path: Path, values: JSON, message: str
@@ -365,13 +394,16 @@ def test_default_render_has_the_expected_objects(scenarios: dict[str, list[JSON]
             "CustomResourceDefinition",
             "CustomResourceDefinition",
             "Deployment",
+            "PodDisruptionBudget",  # the operator's two replicas, one at a time
+            "Role",  # leader election
+            "RoleBinding",
             "ServiceAccount",
             "ValidatingAdmissionPolicy",
             "ValidatingAdmissionPolicyBinding",
         ]
     )
     for obj in scenarios["default"]:
-        if obj["kind"] in ("ServiceAccount", "Deployment"):
+        if obj["kind"] in ("ServiceAccount", "Deployment", "PodDisruptionBudget", "Role"):
             assert obj["metadata"]["namespace"] == NAMESPACE
 
 
@@ -470,7 +502,10 @@ def test_rbac_never_grants_wildcards_escalation_deletion_or_secret_listing(
             assert rule["verbs"] == ["delete"], where
             assert {(g, r) for g in rule["apiGroups"] for r in rule["resources"]} <= ROUTER_KINDS
         if "update" in rule["verbs"]:
-            assert rule["resources"] == ["hotloaddeployments/finalizers"], where
+            # The finalizers (owner references), and the leader-election Lease by name.
+            assert rule["resources"] in (["hotloaddeployments/finalizers"], ["leases"]), where
+            if rule["resources"] == ["leases"]:
+                assert rule.get("resourceNames") == [FULLNAME], where
         if "secrets" in rule["resources"]:
             assert rule["verbs"] == ["get"] and rule.get("resourceNames"), where
 
@@ -481,7 +516,11 @@ def test_cluster_wide_rbac_is_exactly_what_the_operator_does(
     objs = scenarios["default"]
     assert permissions(find(objs, "ClusterRole", FULLNAME)["rules"]) == NAMESPACED_PERMISSIONS
     assert permissions(find(objs, "ClusterRole", f"{FULLNAME}-discovery")["rules"]) == CRD_DISCOVERY
-    assert not [o for o in objs if o["kind"] in ("Role", "RoleBinding")]
+    # The one Role: leader election, in the release namespace, on the one Lease by name.
+    assert [o["metadata"]["name"] for o in objs if o["kind"] in ("Role", "RoleBinding")] == [
+        f"{FULLNAME}-leader-election"
+    ] * 2
+    assert find(objs, "Role", f"{FULLNAME}-leader-election", NAMESPACE)["rules"] == LEASE_RULES
     # No Secret is readable until values name it.
     assert not [r for _, r in _all_rules(objs) if "secrets" in r["resources"]]
     for binding_name in (FULLNAME, f"{FULLNAME}-discovery"):
@@ -577,14 +616,33 @@ def test_bucket_secrets_are_readable_by_name_only(scenarios: dict[str, list[JSON
 
 
 @pytest.mark.parametrize("name", ["default", "non-default", "all-namespace-secrets"])
-def test_operator_runs_once_with_secure_defaults(
+def test_operator_runs_two_replicas_with_leader_election_and_secure_defaults(
     scenarios: dict[str, list[JSON]], name: str
 ) -> None:
     deployment = find(scenarios[name], "Deployment", FULLNAME)
     spec = deployment["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    # Two replicas, one leading on the Lease; replaced one at a time, never both down.
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    budget = find(scenarios[name], "PodDisruptionBudget", FULLNAME)
+    assert budget["spec"]["minAvailable"] == 1
+    assert budget["spec"]["selector"] == spec["selector"]
     pod = spec["template"]["spec"]
+    spread = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert spread[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert spread[0]["podAffinityTerm"]["labelSelector"] == spec["selector"]
+    env = {e["name"]: e for e in operator_container(scenarios[name])["env"]}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["HOTLOAD_LEASE_NAME"]["value"] == FULLNAME
+    assert [env[f"HOTLOAD_LEASE_{k}"]["value"] for k in ("SECONDS", "RENEW_DEADLINE", "RETRY")] == [
+        "15",
+        "10",
+        "2",
+    ]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -599,9 +657,9 @@ def test_operator_runs_once_with_secure_defaults(
     assert container["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
     (volume,) = pod["volumes"]
     assert volume["name"] == "tmp" and volume["emptyDir"]["sizeLimit"]
-    # kopf without peering, probes on its liveness endpoint.
+    # Leader election (not --standalone), probes on its liveness endpoint.
     args = container["args"]
-    assert "--standalone" in args
+    assert "--standalone" not in args
     liveness_url = args[args.index("--liveness") + 1]
     port = int(re.fullmatch(r"http://0\.0\.0\.0:(\d+)/healthz", liveness_url).group(1))  # type: ignore[union-attr]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -613,10 +671,44 @@ def test_operator_runs_once_with_secure_defaults(
     )
 
 
+def test_one_replica_runs_standalone_and_more_need_leader_election(
+    helm_cli: Helm, tmp_path: Path
+) -> None:
+    alone = {"operator": {"replicas": 1, "leaderElection": {"enabled": False}}}
+    objs = render(helm_cli, tmp_path, alone)
+    deployment = find(objs, "Deployment", FULLNAME)
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--standalone" in operator_container(objs)["args"]
+    assert not [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+    assert not [o for o in objs if o["kind"] == "Role"]
+    assert "affinity" not in deployment["spec"]["template"]["spec"]
+    for values, message in [
+        (
+            {"operator": {"leaderElection": {"enabled": False}}},
+            "operator.replicas > 1 needs operator.leaderElection.enabled",
+        ),
+        (
+            {"operator": {"leaderElection": {"renewDeadlineSeconds": 15}}},
+            "renewDeadlineSeconds must be less than leaseDurationSeconds",
+        ),
+    ]:
+        proc = helm_cli.run(
+            "template",
+            RELEASE,
+            str(CHART),
+            "--values",
+            str(_values_file(tmp_path, values)),
+            check=False,
+        )
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
 def test_operator_reads_every_variable_the_chart_sets(scenarios: dict[str, list[JSON]]) -> None:
     source = "\n".join(p.read_text() for p in (REPO / "operator" / "hotload_operator").glob("*.py"))
     for name in ("default", "non-default"):
-        for variable in env_of(operator_container(scenarios[name])):
+        for entry in operator_container(scenarios[name])["env"]:
+            variable = entry["name"]
             assert f'"{variable}"' in source, f"the operator never reads {variable}"
 
 
@@ -674,8 +766,15 @@ def test_metrics_service_and_monitors(scenarios: dict[str, list[JSON]]) -> None:
         monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     )
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    # honorLabels: the deployment conditions keep their own namespace (tests/test_alerts.py).
     assert monitor["spec"]["endpoints"] == [
-        {"port": "metrics", "path": "/metrics", "interval": "30s", "scrapeTimeout": "10s"}
+        {
+            "port": "metrics",
+            "path": "/metrics",
+            "interval": "30s",
+            "scrapeTimeout": "10s",
+            "honorLabels": True,
+        }
     ]
     pods = find(objs, "PodMonitor")
     assert pods["spec"]["selector"]["matchLabels"] == {
@@ -685,7 +784,17 @@ def test_metrics_service_and_monitors(scenarios: dict[str, list[JSON]]) -> None:
     assert pods["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
     # The loader's port name in the pods the operator builds.
     assert pods["spec"]["podMetricsEndpoints"] == [
-        {"port": "loader", "path": "/metrics", "interval": "30s"}
+        {
+            "port": "loader",
+            "path": "/metrics",
+            "interval": "30s",
+            "relabelings": [
+                {
+                    "sourceLabels": ["__meta_kubernetes_pod_label_hotload_dev_deployment"],
+                    "targetLabel": "deployment",
+                }
+            ],
+        }
     ]
     assert LOADER_PORT == 8091
 
@@ -858,10 +967,10 @@ def test_fireworks_api_from_the_chart(helm_cli: Helm, tmp_path: Path) -> None:
             for verb in rule["verbs"]
         }
 
-    assert snapshot_verbs(objs) == {"list", "watch", "patch", "create", "get"}
+    assert snapshot_verbs(objs) == {"list", "watch", "create", "get"}
     # Off by default: no variable, port, volume, Service or Snapshot creation.
     default = render(helm_cli, tmp_path, {})
-    assert snapshot_verbs(default) == {"list", "watch", "patch"}
+    assert snapshot_verbs(default) == {"list", "watch"}
     assert not [v for v in env_of(operator_container(default)) if "FIREWORKS" in v]
     assert not [o for o in default if o["kind"] == "Service"]
 

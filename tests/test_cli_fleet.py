@@ -143,11 +143,9 @@ def test_status_without_a_cluster(tmp_path: Path) -> None:
     """`hotload status --ledger --replicas` against a real loader + reference engine: the head
     and what the replica serves; --check exits 1 once the replica cannot load the head (a
     corrupted delta) or a loader does not answer."""
-    from hotload.arc import encode
     from hotload.bucket import open_bucket
     from hotload.ledger import Ledger
-    from hotload.sdk import publish_folder
-    from support.fleet import Replica, Trainer, free_port
+    from support.fleet import Replica, Trainer, free_port, publish_corrupted_delta
     from support.tiny_llm import build_tiny_llm
 
     tiny = build_tiny_llm(tmp_path / "model", 1, noise=0.01)
@@ -177,12 +175,9 @@ def test_status_without_a_cluster(tmp_path: Path) -> None:
 
         # A delta corrupted before it was published: the loader refuses it, keeps serving.
         delta = tmp_path / "delta" / "step-001"
-        encode(tiny.snapshots[0], tiny.snapshots[1], delta, parent_identity="step-000")
-        shard = max(delta.glob("model-*.safetensors"), key=lambda p: p.stat().st_size)
-        data = bytearray(shard.read_bytes())
-        data[-5] ^= 0xFF
-        shard.write_bytes(bytes(data))
-        publish_folder(ledger, delta, identity="step-001")
+        publish_corrupted_delta(
+            ledger, *tiny.snapshots[:2], delta, identity="step-001", parent_identity="step-000"
+        )
 
         def failed() -> dict[str, object] | None:
             doc = replica.status()

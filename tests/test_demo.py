@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,6 +111,33 @@ def test_demo_runs_a_fleet_and_reports_a_clean_summary(tmp_path: Path) -> None:
     assert [r["loads"] for r in s["rows"][1:]] == ["sparse", "full", "sparse", "full", "sparse"]
     # The policy learns: the fleet's greedy answer to the demo prompt changes.
     assert s["first_completion"] != s["last_completion"]
+    assert wait_until_gone(str(tmp_path)) == []
+
+
+def test_the_fleet_follows_another_model_family(tmp_path: Path) -> None:
+    """`--model-family qwen2.5`: the policy is a Qwen2 (q/k/v biases, the output head tied to
+    the embeddings, saved once), and the fleet serves every step of it, deltas as patches."""
+    summary_path = tmp_path / "summary.json"
+    proc = demo(
+        tmp_path, "--model-family", "qwen2.5", "--steps", "2", "--replicas", "1",
+        "--pace", "0", "--summary-json", str(summary_path), "--keep",
+    )  # fmt: skip
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "M-parameter Qwen2.5 (tiny)" in out, out
+    s = json.loads(summary_path.read_text())
+    assert (s["ok"], s["last_identity"], s["replicas_serving_last"]) == (True, "step-0002", 1)
+    assert [r["loads"] for r in s["rows"][1:]] == ["sparse", "sparse"]
+    kept = Path(out.split("kept the work folder (logs, weights, bucket): ")[1].split()[0])
+    try:
+        served = json.loads((kept / "side-files" / "config.json").read_text())
+        assert (served["model_type"], served["tie_word_embeddings"]) == ("qwen2", True)
+        published = json.loads(next(kept.rglob("step-0000/model.weight.spec.json")).read_text())
+        names = set(published["tensor_map"])
+        assert "model.layers.0.self_attn.q_proj.bias" in names
+        assert "lm_head.weight" not in names  # tied: saved once, as save_pretrained saves it
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
     assert wait_until_gone(str(tmp_path)) == []
 
 

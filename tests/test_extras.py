@@ -30,6 +30,7 @@ NEEDS_AN_EXTRA = {
     "hotload.engine.exact",
     "hotload.engine.sampling",
     "hotload.engine.staging",
+    "hotload.engine.layout",
     "hotload.engine.lora",
     "hotload.engine.model",
     "hotload.engine.patching",

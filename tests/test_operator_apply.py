@@ -165,7 +165,7 @@ async def test_a_conflict_with_another_field_manager_is_surfaced_not_overwritten
     monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
     monkeypatch.setenv("HOTLOAD_APPLY_RETRY_SECONDS", "1")
     monkeypatch.setenv("HOTLOAD_ROLLUP_INTERVAL", "0.5")
-    caplog.set_level(logging.INFO, logger="kopf.objects")
+    caplog.set_level(logging.INFO, logger="hotload_operator")
     ns = api.namespace
     path = resource_path("apps/v1", "deployments", ns, "fleet")
     async with api.client() as kube:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hotload.errors import KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
@@ -187,6 +188,30 @@ async def _check(
     text = await eventually("two reconciles in the metrics", counted, timeout=30)
     for series in ("hotload_operator_rollup_seconds_count", "hotload_operator_admissions_total"):
         assert series in text or series.removesuffix("_total") in text, series
+
+    # Each deployment's conditions, as its status says them (what HotloadDeploymentDegraded
+    # reads), with the deployment's own namespace.
+    async def conditions_match() -> set[tuple[str, ...]] | None:
+        alive()
+        written = set()
+        for ns in (listed, also_listed):
+            status = (await kube.get(hld_path(ns, "fleet"))).get("status") or {}
+            written |= {
+                (ns, "fleet", c["type"], c["status"], c.get("reason", ""))
+                for c in status.get("conditions") or []
+            }
+        _, text = await asyncio.to_thread(http_get, f"http://127.0.0.1:{metrics}/metrics")
+        exported = {
+            tuple(s.labels[k] for k in ("namespace", "deployment", "condition", "status", "reason"))
+            for family in text_string_to_metric_families(text)
+            if family.name == "hotload_operator_deployment_condition"
+            for s in family.samples
+            if s.value == 1
+        }
+        has_degraded = {c[2] for c in written} >= {"Ready", "Degraded"}
+        return exported if has_degraded and exported == written else None
+
+    await eventually("the conditions in the metrics", conditions_match, timeout=30)
 
     # kopf's bookkeeping on a served object (written once the handler finished): only under
     # hotload.dev/.

@@ -22,19 +22,20 @@ from typing import Any
 
 import pytest
 
-from hotload.bucket import open_bucket, upload_snapshot_async
+from hotload.bucket import open_bucket
 from hotload.errors import KubeForbiddenError, KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
 from hotload.ledger import Ledger
-from hotload.snapshot import describe_snapshot
-from hotload_operator import handlers
+from hotload_operator import reconcile
+from hotload_operator.leader import LeaseSettings
 from support.cluster import install_crds
 from support.kubeapi import KubeAPI
 from support.kubetools import helm, render_chart
 from support.operator import eventually, hld_path, running_operator, snapshot_path
-from support.snapshots import full, weights
+from support.snapshots import full, upload, weights
 
 JSON = dict[str, Any]
+REPO = Path(__file__).resolve().parents[1]
 RBAC_KINDS = {
     "ServiceAccount": ("v1", "serviceaccounts"),
     "ClusterRole": ("rbac.authorization.k8s.io/v1", "clusterroles"),
@@ -87,6 +88,7 @@ GROUP_VERSIONS = {
     "hotload.dev": "hotload.dev/v1alpha1",
     "rbac.authorization.k8s.io": "rbac.authorization.k8s.io/v1",
     "apiextensions.k8s.io": "apiextensions.k8s.io/v1",
+    "coordination.k8s.io": "coordination.k8s.io/v1",
 }
 
 
@@ -147,18 +149,6 @@ async def _get(kube: KubeClient, path: str) -> JSON | None:
         return None
 
 
-async def upload(bucket_dir: Path, folder: Path) -> None:
-    """The trainer's part: every file in the bucket before the Snapshot object exists."""
-    desc = describe_snapshot(folder)
-    await upload_snapshot_async(
-        folder,
-        open_bucket(str(bucket_dir)),
-        folder.name,
-        files=desc.files,
-        manifest_files=desc.manifest_files,
-    )
-
-
 def fleet(name: str, bucket_dir: Path, secret: str) -> JSON:
     """A HotLoadDeployment whose bucket credentials come from `secret`."""
     return {
@@ -212,7 +202,7 @@ async def test_the_operator_needs_nothing_beyond_the_charts_rbac(
     bucket_dir.mkdir()
     await upload(bucket_dir, full(tmp_path / "snaps" / "step-000", weights(0)))
     # Retries of an unreachable bucket come quickly here (15 s in production).
-    monkeypatch.setattr(handlers, "BUCKET_RETRY_SECONDS", 1.0)
+    monkeypatch.setattr(reconcile, "BUCKET_RETRY_SECONDS", 1.0)
     caplog.set_level(logging.INFO)
 
     async with kube_api.client() as kube:
@@ -225,7 +215,13 @@ async def test_the_operator_needs_nothing_beyond_the_charts_rbac(
             )
             await until_granted(kube_api, account, rbac)
             monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-            async with running_operator(kube_api):
+            # As the chart runs it: leader election on the Lease its Role names.
+            lease = LeaseSettings(namespace=ns, name=f"{release}-hotload", identity="replica-0")
+            async with running_operator(kube_api, lease=lease):
+                holder = await kube.get(
+                    resource_path("coordination.k8s.io/v1", "leases", ns, f"{release}-hotload")
+                )
+                assert holder["spec"]["holderIdentity"] == "replica-0"
                 await _a_fleets_life(kube, ns, bucket_dir)
                 await _an_unlisted_secret(kube, ns, bucket_dir, release)
 
@@ -322,6 +318,19 @@ async def _an_unlisted_secret(kube: KubeClient, ns: str, bucket_dir: Path, relea
         assert text in accepted["message"], accepted["message"]
     assert not condition(obj, "Ready")
     assert (await Ledger(open_bucket(str(bucket_dir)), "other").read_async()).document.head is None
+
+    # The deployment says so too: its ledger was never read, and why (not "no snapshot yet").
+    async def forbidden() -> JSON | None:
+        hld = await _get(kube, hld_path(ns, "other"))
+        return (
+            hld if condition(hld or {}, "Ready").get("reason") == "BucketSecretForbidden" else None
+        )
+
+    hld = await eventually("the deployment naming the unreadable Secret", forbidden)
+    assert condition(hld, "Ready")["status"] == "Unknown"
+    problem = hld["status"]["problems"][0]
+    assert problem["reason"] == "BucketSecretForbidden"
+    assert f"rbac.bucketSecrets for namespace {ns}" in problem["fix"]
 
     role_path = resource_path(
         "rbac.authorization.k8s.io/v1", "roles", ns, f"{release}-hotload-bucket-secrets"
@@ -476,3 +485,78 @@ def _read_when_there(path: Path) -> Callable[[], Awaitable[str | None]]:
         return path.read_text() if path.exists() else None
 
     return check
+
+
+@pytest.mark.asyncio
+async def test_the_chart_installs_two_replicas_with_a_lease_in_its_namespace_only(
+    real_kube_api: KubeAPI, tmp_path: Path
+) -> None:
+    """`helm install` of the chart's defaults on the real API server: every object is accepted,
+    the controllers create both operator pods, the PodDisruptionBudget keeps one, and the
+    operator may touch exactly one Lease, by name, in the release namespace (asked of the
+    server's own authorizer with SubjectAccessReviews)."""
+    ns = real_kube_api.namespace
+    release = f"t{ns[-8:]}"
+    fullname = f"{release}-hotload"
+    h = helm(tmp_path / "helm")
+    # The cluster-scoped admission policy and the CRDs are the session's: install the rest.
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        json.dumps({"operator": {"watchNamespaces": [ns]}, "admissionPolicy": {"enabled": False}})
+    )
+    install = [
+        "install", release, str(REPO / "charts" / "hotload"), "--namespace", ns, "--skip-crds",
+        "--values", str(values), "--kubeconfig", str(real_kube_api.kubeconfig), "--wait=false",
+    ]  # fmt: skip
+    try:
+        h.run(*install)
+        async with real_kube_api.client() as kube:
+            deployment = await kube.get(resource_path("apps/v1", "deployments", ns, fullname))
+            assert deployment["spec"]["replicas"] == 2
+
+            async def two_pods() -> list[JSON]:
+                listed = await kube.list(
+                    resource_path("v1", "pods", ns),
+                    label_selector=f"app.kubernetes.io/instance={release}",
+                )
+                return listed["items"] if len(listed["items"]) == 2 else []
+
+            pods = await eventually("both operator pods created", two_pods, timeout=60)
+            assert {p["spec"]["serviceAccountName"] for p in pods} == {fullname}
+            budget = await kube.get(
+                resource_path("policy/v1", "poddisruptionbudgets", ns, fullname)
+            )
+            assert budget["spec"]["minAvailable"] == 1
+            user = f"system:serviceaccount:{ns}:{fullname}"
+
+            async def allowed(verb: str, namespace: str, name: str | None) -> bool:
+                attributes: JSON = {
+                    "namespace": namespace, "verb": verb, "group": "coordination.k8s.io",
+                    "resource": "leases",
+                }  # fmt: skip
+                if name:
+                    attributes["name"] = name
+                review = await kube.create(
+                    "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+                    {
+                        "apiVersion": "authorization.k8s.io/v1",
+                        "kind": "SubjectAccessReview",
+                        "spec": {"user": user, "resourceAttributes": attributes},
+                    },
+                )
+                return bool(review["status"].get("allowed"))
+
+            async def granted() -> bool:  # the authorizer's cache follows the Role in seconds
+                return await allowed("update", ns, fullname)
+
+            await eventually("the leader-election Role in force", granted)
+            for verb in ("get", "watch", "update", "create"):
+                assert await allowed(verb, ns, fullname if verb != "create" else None), verb
+            assert not await allowed("update", ns, "someone-elses-lease")
+            assert not await allowed("delete", ns, fullname)
+            assert not await allowed("list", ns, None)
+            assert not await allowed("update", "kube-system", fullname)
+            assert not await allowed("create", "default", None)
+    finally:
+        kubeconfig = str(real_kube_api.kubeconfig)
+        h.run("uninstall", release, "--namespace", ns, "--kubeconfig", kubeconfig, check=False)

@@ -22,6 +22,7 @@ from hotload_operator.admission import admit
 from hotload_operator.builders import build_children
 from hotload_operator.pods import engine_command
 from hotload_operator.policy import build_loader_admission_policy
+from hotload_operator.reports import PodReport, read_pod
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 from hotload_sidecar.kube_report import build_pod_metadata_patch
 from support.operator import serving
@@ -320,7 +321,6 @@ def test_loader_role_grants_exactly_what_the_loader_needs() -> None:
     grants = {(r["resources"][0], verb) for r in role["rules"] for verb in r["verbs"]}
     assert grants == {
         ("pods", "get"),
-        ("pods", "patch"),
         ("pods/status", "patch"),
         ("events", "create"),
     }
@@ -624,15 +624,18 @@ def test_every_name_and_label_fits_for_the_longest_name_the_crd_accepts() -> Non
 # --- roll-up ------------------------------------------------------------------------------------
 
 
-def pod(name: str, report: Any | None, *, ready: bool = True) -> JSON:
-    """A pod as the API returns it, with a loader report."""
+def pod(name: str, report: Any | None, *, ready: bool = True) -> PodReport:
+    """A pod with a loader report, as the roll-up reads it (`read_pod` of the pod the API
+    returns)."""
     meta: JSON = {"name": name, "labels": {"hotload.dev/deployment": "fleet"}}
     if report is not None:
         meta.update(build_pod_metadata_patch(report)["metadata"])
-    return {
-        "metadata": meta,
-        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
-    }
+    return read_pod(
+        {
+            "metadata": meta,
+            "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+        }
+    )
 
 
 def entries(n: int) -> list[Any]:
@@ -690,11 +693,17 @@ def test_rollup_ready_fraction_failures_and_transition_times() -> None:
     assert cond(first, "Ready")["status"] == "True"
     assert cond(first, "Ready")["reason"] == "EnoughReplicasCurrent"
     assert cond(first, "Degraded")["reason"] == "LoadFailures"
-    assert "c: bad checksum" in cond(first, "Degraded")["message"]
-    assert cond(first, "Progressing")["status"] == "True"
+    assert "pod c: LoadFailed: bad checksum" in cond(first, "Degraded")["message"]
+    # The failed replica holds the roll-out back (its loader retries with backoff).
+    assert cond(first, "Progressing")["status"] == "False"
+    assert cond(first, "Progressing")["reason"] == "LoadFailures"
     assert first["currentSnapshot"] == "step-002"
     replica_c = next(r for r in first["replicaStatuses"] if r["pod"] == "c")
     assert replica_c["loaded"] is False and replica_c["message"] == "bad checksum"
+    assert replica_c["reason"] == "LoadFailed"
+    (problem,) = first["problems"]
+    assert problem["reason"] == "LoadFailures" and problem["pods"] == ["c"]
+    assert problem["fix"]
     later = NOW + timedelta(minutes=5)
     second = rollup_deployment(hld, pods, es[-1], es, now=later, previous=first)
     # Unchanged statuses keep their transition time.
@@ -712,7 +721,7 @@ def test_rollup_tolerates_garbled_annotations() -> None:
         "metadata": {"name": "x", "annotations": {"hotload.dev/snapshot": "{not json"}},
         "status": {},
     }
-    status = rollup_deployment(deployment(replicas=1), [bad], es[0], es, now=NOW)
+    status = rollup_deployment(deployment(replicas=1), [read_pod(bad)], es[0], es, now=NOW)
     assert status["replicaStatuses"][0]["snapshot"] is None
     assert cond(status, "Ready")["reason"] == "ReplicasBehind"
 

@@ -34,6 +34,7 @@ from hotload.ledger import (
 from hotload.sdk import publish_folder_async
 from hotload_operator.meta import pin_object_key
 from hotload_operator.pods import loader_env
+from hotload_operator.reports import PodReport, read_pod
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 from hotload_sidecar.config import ConfigError, load_settings
 from hotload_sidecar.loader import move_cache_policy
@@ -170,13 +171,15 @@ def _deployment(pin: str | None = None, replicas: int = 2) -> HotLoadDeployment:
     )
 
 
-def _pod(name: str, identity: str | None, state: str = "idle", error: str = "") -> JSON:
+def _pod(name: str, identity: str | None, state: str = "idle", error: str = "") -> PodReport:
     report = serving(identity, 1, state=state, error=error) if identity else None
     note = report.to_annotation() if report else {}
-    return {
-        "metadata": {"name": name, "annotations": {"hotload.dev/snapshot": json.dumps(note)}},
-        "status": {"conditions": [{"type": "Ready", "status": "True"}]},
-    }
+    return read_pod(
+        {
+            "metadata": {"name": name, "annotations": {"hotload.dev/snapshot": json.dumps(note)}},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        }
+    )
 
 
 def _ready(status: JSON) -> JSON:
@@ -223,7 +226,7 @@ def test_the_roll_up_of_a_pinned_fleet() -> None:
     assert _ready(done)["status"] == "True" and "(pinned)" in _ready(done)["message"]
     assert done["currentSnapshot"] == "step-001"
     progressing = next(c for c in done["conditions"] if c["type"] == "Progressing")
-    assert progressing["message"] == "every replica serves the pinned snapshot step-001"
+    assert progressing["message"] == "every replica (2/2) serves step-001 (pinned)"
 
     # A pin the ledger's history no longer holds: not Ready, saying why and what to do.
     compacted = list(doc.compacted(2).entries)

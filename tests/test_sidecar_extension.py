@@ -10,10 +10,10 @@ path; and the loader process makes the copy (for vLLM only) before its endpoints
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import errno
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -81,9 +81,11 @@ def test_a_fresh_copy_holds_the_package_and_nothing_else(tmp_path: Path) -> None
     assert {stat.S_IMODE((target / f).stat().st_mode) for f in expected} == {0o644}
     assert [p.name for p in target.parent.iterdir()] == ["hotload_patch"]
     # The class vLLM is told to load (--worker-extension-cls) is in the copy.
+    # (A line match, not ast.parse: CPython 3.11.7's parser can fail with "AST constructor
+    # recursion depth mismatch" late in a long session, after some other test's deep recursion.)
     module, _, cls = VLLM_WORKER_EXTENSION.rpartition(".")
-    tree = ast.parse((target.parent / (module.replace(".", "/") + ".py")).read_text())
-    assert cls in {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    source = (target.parent / (module.replace(".", "/") + ".py")).read_text()
+    assert re.search(rf"^class {cls}\b", source, re.MULTILINE)
 
 
 def test_an_identical_copy_is_left_alone(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from hotload.api.names import ANNOTATION_SNAPSHOT
 from hotload.bucket import open_bucket
 from hotload.ledger import Ledger
-from hotload_operator.rollup import read_pod
+from hotload_operator.reports import read_pod
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import make_adapter
 from hotload_sidecar.loader import Loader

@@ -267,8 +267,9 @@ def test_a_burst_of_deltas_is_served_as_patches(
     assert (status["last_load"]["method"], status["last_load"]["steps"]) == ("sparse", 2)
     metrics = r.metrics()
     assert _metric(metrics, 'hotload_loader_loads_total{method="sparse"}') == 2
-    assert 'hotload_loader_loads_total{method="full"}' not in metrics
-    assert "hotload_loader_sparse_fallbacks_total{" not in metrics
+    assert _metric(metrics, 'hotload_loader_loads_total{method="full"}') == 0
+    fallbacks = [line for line in metrics.splitlines() if "sparse_fallbacks_total{" in line]
+    assert fallbacks and all(line.endswith(" 0.0") for line in fallbacks), fallbacks
     assert _engine_status(r)["counters"]["patches"] == 3
     assert _tokens(r) == ("tiny@step-008", greedy_token_ids(burst[8], PROMPT_IDS, 8))
 

@@ -78,6 +78,13 @@ _KINDS: dict[str, _Kind] = {
                 "jsonPath": ".status.targetSnapshot",
                 "description": "What the fleet should serve: the ledger head, or the pin.",
             },
+            {
+                "name": "Reason",
+                "type": "string",
+                "jsonPath": _condition(names.CONDITION_READY, "reason"),
+                "description": "Why the deployment is (not) Ready: the first problem holding "
+                "it back (status.problems), or that every replica serves the target.",
+            },
             _AGE,
             {
                 "name": "Mode",
@@ -99,13 +106,6 @@ _KINDS: dict[str, _Kind] = {
                 "priority": 1,
                 "jsonPath": ".status.adapterReplicas",
                 "description": "Replicas that have the newest adapter loaded.",
-            },
-            {
-                "name": "Reason",
-                "type": "string",
-                "priority": 1,
-                "jsonPath": _condition(names.CONDITION_READY, "reason"),
-                "description": "Why the deployment is (not) Ready.",
             },
             {
                 "name": "Message",

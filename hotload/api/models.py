@@ -315,8 +315,29 @@ class ReplicaStatus(ApiModel):
         default=None, ge=0, description="End-to-end seconds of its last update."
     )
     message: str = Field(default="", max_length=4096, description="Last failure, if any.")
+    reason: str | None = Field(
+        default=None,
+        max_length=64,
+        description="Why this replica does not serve the target, when something is wrong: one of "
+        "the Degraded reasons (Unschedulable, ImagePullFailed, CrashLooping, OOMKilled, "
+        "LoadFailed, ChecksumMismatch, ...); its message says where and the fix.",
+    )
     adapters: list[AdapterStatus] = Field(
         default_factory=list, max_length=64, description="LoRA adapters on this replica."
+    )
+
+
+class Problem(ApiModel):
+    """One thing that keeps the deployment from being fine, and how to fix it."""
+
+    reason: str = Field(max_length=64, description="A documented reason (docs/operations.md).")
+    message: str = Field(
+        max_length=4096,
+        description="What is wrong and where: the object and field, the server's words.",
+    )
+    fix: str = Field(default="", max_length=1024, description="What to do about it.")
+    pods: list[str] = Field(
+        default_factory=list, max_length=64, description="The replicas it concerns, if not all."
     )
 
 
@@ -362,6 +383,13 @@ class HotLoadDeploymentStatus(ApiModel):
     )
     selector: str | None = Field(
         default=None, max_length=1024, description="Label selector of the replicas' pods."
+    )
+    problems: list[Problem] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Everything that keeps the deployment from being fine, the most fundamental "
+        "first (the Degraded condition names the first), each with its fix; empty when fine. "
+        "`hotload status --why` prints them.",
     )
 
 

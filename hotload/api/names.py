@@ -34,6 +34,9 @@ LEDGER_NAME_PATTERN: Final = IDENTITY_PATTERN
 CONDITION_SNAPSHOT_LOADED: Final = "hotload.dev/SnapshotLoaded"
 #: Pod annotation with the loader's report as JSON (see `hotload_sidecar.status`).
 ANNOTATION_SNAPSHOT: Final = "hotload.dev/snapshot"
+#: On a HotLoadDeployment: the digest of what the operator last applied for it (its owned
+#: objects, pin and router), so an operator that takes over skips what is already in place.
+ANNOTATION_APPLIED: Final = "hotload.dev/applied"
 #: Pod labels with the served identity and sequence, for selectors (routers, dashboards).
 LABEL_IDENTITY: Final = "hotload.dev/snapshot-identity"
 LABEL_SEQUENCE: Final = "hotload.dev/snapshot-sequence"
@@ -70,24 +73,63 @@ CONDITION_ACCEPTED: Final = "Accepted"
 
 
 class DeploymentReasons:
-    """Reasons of HotLoadDeployment conditions, grouped by condition."""
+    """Reasons of HotLoadDeployment conditions, grouped by condition. Every cause of
+    Degraded=True (also the reason of Ready=False, Progressing=False or Unknown when it is what
+    holds the fleet back) is listed, with its fix, in `status.problems`; docs/operations.md has
+    the troubleshooting table."""
 
     # Ready
     ALL_CURRENT: Final = "AllReplicasCurrent"  # True: every replica serves the target
     ENOUGH_CURRENT: Final = "EnoughReplicasCurrent"  # True: the ready fraction serves it
-    NO_SNAPSHOT: Final = "NoSnapshot"  # False: the ledger has nothing to serve yet
+    NO_SNAPSHOT: Final = "NoSnapshot"  # False: the ledger was read and has nothing to serve yet
+    NO_REPLICAS: Final = "NoReplicas"  # False: no replica pod exists yet
+    LEDGER_NOT_READ: Final = "LedgerNotRead"  # Unknown: the ledger was not read yet
     REPLICAS_BEHIND: Final = "ReplicasBehind"  # False: fewer than the fraction serve the target
     PIN_NOT_IN_LEDGER: Final = "PinNotInLedger"  # False: the ledger cannot rebuild spec.pin
     # Progressing
     ROLLING_OUT: Final = "RollingOut"  # True: replicas are loading the target
-    UP_TO_DATE: Final = "UpToDate"  # False: nothing to do
-    # Degraded
-    LOAD_FAILURES: Final = "LoadFailures"  # True: some replica failed to load the target
-    ADAPTER_FAILURES: Final = "AdapterLoadFailures"  # True: a LoRA adapter failed to load
-    REPLICAS_UNAVAILABLE: Final = "ReplicasUnavailable"  # True: pods not ready
+    UP_TO_DATE: Final = "UpToDate"  # False: every desired replica serves the target
+    # Degraded (each also names what holds Ready or Progressing back)
     HEALTHY: Final = "Healthy"  # False
-    INVALID_SPEC: Final = "InvalidSpec"  # True: the API server refuses an object built from it
-    APPLY_CONFLICT: Final = "ApplyConflict"  # True: another field manager owns a field we set
+    # ... the spec
+    INVALID_SPEC: Final = "InvalidSpec"  # the API server refuses an object built from it
+    APPLY_CONFLICT: Final = "ApplyConflict"  # another field manager owns a field we set
+    APPLY_FAILED: Final = "ApplyFailed"  # the owned objects could not be applied (API, RBAC)
+    PIN_WRITE_FAILED: Final = "PinWriteFailed"  # the pin object could not be written
+    # ... the bucket and the ledger (Ready and Progressing are Unknown while never read)
+    BUCKET_SECRET_MISSING: Final = "BucketSecretMissing"  # spec.bucket.credentialsSecret absent
+    BUCKET_SECRET_FORBIDDEN: Final = "BucketSecretForbidden"  # the operator may not read it
+    BUCKET_SECRET_INCOMPLETE: Final = "BucketSecretIncomplete"  # it lacks the keys for the URL
+    BUCKET_UNREACHABLE: Final = "BucketUnreachable"  # no answer from the bucket's endpoint
+    BUCKET_ACCESS_DENIED: Final = "BucketAccessDenied"  # the bucket answers 403
+    BUCKET_NOT_FOUND: Final = "BucketNotFound"  # the bucket (or its folder) does not exist
+    BUCKET_URL_INVALID: Final = "BucketURLInvalid"  # spec.bucket.url cannot be used
+    LEDGER_UNREADABLE: Final = "LedgerUnreadable"  # corrupt, another ledger's, or rewound
+    # ... the pods: refused by the cluster (the Deployment's ReplicaFailure), or not running
+    PODS_REFUSED: Final = "PodsRefused"  # FailedCreate: quota, policy, PriorityClass, ...
+    ROLLOUT_STUCK: Final = "RolloutStuck"  # the Deployment's ProgressDeadlineExceeded
+    UNSCHEDULABLE: Final = "Unschedulable"  # PodScheduled=False: no node fits
+    IMAGE_PULL_FAILED: Final = "ImagePullFailed"  # ErrImagePull, ImagePullBackOff, ...
+    CRASH_LOOPING: Final = "CrashLooping"  # a container restarts over and over
+    OOM_KILLED: Final = "OOMKilled"  # a container was killed for memory
+    CONTAINER_CONFIG_ERROR: Final = "ContainerConfigError"  # a missing Secret/ConfigMap, ...
+    # ... the loaders (the replica's own reason is in replicaStatuses[].reason)
+    LOAD_FAILURES: Final = "LoadFailures"  # some replica failed to load the target
+    ADAPTER_FAILURES: Final = "AdapterLoadFailures"  # a LoRA adapter failed to load
+    REPLICAS_UNAVAILABLE: Final = "ReplicasUnavailable"  # pods not ready, no cause known yet
+
+
+class LoadFailureReasons:
+    """Why a loader failed to load its target (`failureReason` in its report, the replica's
+    `reason` in `replicaStatuses`)."""
+
+    CHECKSUM_MISMATCH: Final = "ChecksumMismatch"  # a tensor did not verify (bad bytes)
+    CORRUPT_DELTA: Final = "CorruptDelta"  # an arc_v2 delta could not be decoded
+    CHAIN_BROKEN: Final = "ChainBroken"  # no delta chain reaches the served snapshot
+    VOLUME_FULL: Final = "VolumeFull"  # the weights volume is out of space
+    ENGINE_REFUSED: Final = "EngineRefused"  # the engine refused the load
+    BUCKET_UNREACHABLE: Final = "BucketUnreachable"  # the loader cannot read the bucket
+    LOAD_FAILED: Final = "LoadFailed"  # anything else (the message says what)
 
 
 class SnapshotReasons:

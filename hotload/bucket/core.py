@@ -114,6 +114,24 @@ class Bucket:
             return False
         return True
 
+    async def root_exists_async(self) -> bool:
+        """Whether the bucket itself (a local folder: the folder) exists, as opposed to a key in
+        it: a missing key and a missing bucket both read as not found."""
+        if self._remote is None:
+            return await asyncio.to_thread(self._root().is_dir)
+        remote = self._remote
+        try:
+            # One page of a prefix that holds at most the ledgers: a missing bucket is a 404.
+            await self._call(
+                ".hotload",
+                "LIST",
+                lambda: obstore.list(remote.store, ".hotload", chunk_size=1).collect_async(),
+                prefix=True,
+            )
+        except ObjectNotFoundError:
+            return False
+        return True
+
     async def list_async(self, prefix: str = "") -> list[ObjectInfo]:
         """List every object under `prefix` (a folder-like prefix: `a/b` lists `a/b/...`)."""
         if prefix:

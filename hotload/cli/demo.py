@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hotload.demo.policy import FAMILIES
+
 DESCRIPTION = """\
-On one machine, with nothing to configure: a trainer runs real AdamW steps on a tiny Llama and
-publishes a full bf16 snapshot every --full-every steps and arc_v2 deltas between to a bucket
-(a temp folder, --bucket DIR, or a real S3 server with --seaweedfs); --replicas replicas, each
-a loader sidecar and a reference engine (processes), rebuild, verify and hot-load every step
+On one machine, with nothing to configure: a trainer runs real AdamW steps on a tiny Llama (or
+another family's shape: --model-family) and publishes a full bf16 snapshot every --full-every
+steps and arc_v2 deltas between to a bucket (a temp folder, --bucket DIR, or a real S3 server
+with --seaweedfs); --replicas replicas, each a loader sidecar and a reference engine
+(processes), rebuild, verify and hot-load every step
 while a client keeps sending them requests. A live table shows each step, what was shipped,
 how long until every replica served it and what each replica serves, and the fleet's answer
 to a fixed prompt as the policy learns; a summary ends it. Ctrl-C stops every process.
@@ -37,6 +40,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=["tiny", "small"],
         default="tiny",
         help="tiny: ~4M parameters; small: ~18M (default: tiny)",
+    )
+    p.add_argument(
+        "--model-family",
+        choices=list(FAMILIES),
+        default="llama",
+        help="the policy's model family: "
+        + "; ".join(f"{name}: {f.about}" for name, f in FAMILIES.items())
+        + " (default: llama)",
     )
     p.add_argument(
         "--lr",
@@ -104,6 +115,7 @@ def _run(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         full_every=args.full_every,
         model_size=args.model_size,
+        model_family=args.model_family,
         lr=args.lr,
         pace=max(0.0, args.pace),
         bucket=args.bucket,

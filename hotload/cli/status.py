@@ -18,11 +18,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "status",
         help="show which snapshot the fleet serves (cluster or local replicas)",
         description="With a cluster: every HotLoadDeployment in the namespace (ready/desired, "
-        "up-to-date replicas, current and target snapshot, reason), or one in detail with its "
-        "replicas and recent snapshots. Without one: --ledger and --replicas show the ledger "
-        "head and what each local loader serves.",
-        epilog="Exit codes: 0 shown (and, with --check, every deployment Ready), 1 an error or "
-        "--check found one not Ready, 2 bad usage.",
+        "up-to-date replicas, current and target snapshot, reason) and, under it, one line per "
+        "problem with its fix; or one in detail with its replicas and recent snapshots. "
+        "--why prints only the problems. Without a cluster: --ledger and --replicas show the "
+        "ledger head and what each local loader serves.",
+        epilog="Exit codes: 0 shown (and, with --check, every deployment Ready; with --why, "
+        "nothing wrong), 1 an error, --check found one not Ready or --why found a problem, "
+        "2 bad usage.",
     )
     p.add_argument("name", nargs="?", help="one HotLoadDeployment, in detail")
     p.add_argument("--namespace", "-n", default="default", help="namespace (default: default)")
@@ -37,6 +39,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--check", action="store_true", help="exit 1 unless everything shown is Ready/current"
+    )
+    p.add_argument(
+        "--why",
+        action="store_true",
+        help="only what is wrong: one line per problem (the deployment's status.problems, the "
+        "most fundamental first) with its fix; exit 1 when there is any",
     )
     p.add_argument("-o", "--output", choices=["text", "json"], default="text", help="output format")
     p.set_defaults(func=_status)
@@ -55,11 +63,40 @@ def _status(args: argparse.Namespace) -> int:
     else:
         doc = run_sync(_cluster(args))
         ok = all(_ready(d) for d in doc["deployments"])
+        if args.why:
+            lines = why_lines(doc["deployments"])
+            if args.output == "json":
+                print_json({"namespace": doc["namespace"], "problems": _problems(doc)})
+            else:
+                print("\n".join(lines) if lines else f"nothing wrong in {doc['namespace']}")
+            return 1 if lines else 0
         if args.output == "json":
             print_json(doc)
         else:
             _print_cluster(doc, detail=args.name is not None)
     return 0 if ok or not args.check else 1
+
+
+def why_lines(deployments: list[JSON]) -> list[str]:
+    """One line per problem of each deployment (its `status.problems`, the most fundamental
+    first): `NAME: REASON [pods]: message; fix: ...`."""
+    out = []
+    for d in deployments:
+        name = d["metadata"]["name"]
+        for p in (d.get("status") or {}).get("problems") or []:
+            pods = p.get("pods") or []
+            where = f" [{', '.join(pods[:3])}{', ...' if len(pods) > 3 else ''}]" if pods else ""
+            fix = f"; fix: {p['fix']}" if p.get("fix") else ""
+            out.append(f"{name}: {p.get('reason')}{where}: {p.get('message')}{fix}")
+    return out
+
+
+def _problems(doc: JSON) -> list[JSON]:
+    return [
+        {"deployment": d["metadata"]["name"], **p}
+        for d in doc["deployments"]
+        for p in (d.get("status") or {}).get("problems") or []
+    ]
 
 
 async def _cluster(args: argparse.Namespace) -> JSON:
@@ -150,6 +187,9 @@ def _print_cluster(doc: JSON, *, detail: bool) -> None:
             _reason(d),
         )
     console.print(table)
+    # The cause first: what is wrong, and the fix, before the detail.
+    for line in why_lines(doc["deployments"]):
+        console.print(line, markup=False)
     if not detail or not doc["deployments"]:
         return
     st = doc["deployments"][0].get("status") or {}

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from hotload.demo.display import Display, StepRow, Summary, print_summary
-from hotload.demo.policy import PROMPT, ModelSize
+from hotload.demo.policy import PROMPT, ModelFamily, ModelSize
 from hotload.demo.processes import DemoError, ProcessSet, Replica, wait_for
 from hotload.demo.traffic import TrafficClient
 
@@ -44,6 +44,7 @@ class DemoOptions:
     replicas: int = 2
     full_every: int = 4
     model_size: ModelSize = "tiny"
+    model_family: ModelFamily = "llama"
     #: AdamW learning rate (None: the model size's default).
     lr: float | None = None
     #: Minimum seconds per training step, so that a person can follow the table.
@@ -135,7 +136,7 @@ def _run(options: DemoOptions, console: Console, workdir: Path, procs: ProcessSe
         bucket_url = str(workdir / "bucket")
     child_env = _child_env(env)
 
-    policy = DemoPolicy(workdir, options.model_size, lr=options.lr)
+    policy = DemoPolicy(workdir, options.model_size, lr=options.lr, family=options.model_family)
     replicas = [
         Replica(i, workdir / "replicas" / f"r{i}", f"{bucket_url}/{LEDGER}", child_env)
         for i in range(options.replicas)
@@ -152,9 +153,10 @@ def _run(options: DemoOptions, console: Console, workdir: Path, procs: ProcessSe
         replicas=[r.loader_url for r in replicas],
     )
     console.print(
-        f"[bold]hotload demo[/bold]: a {policy.parameters / 1e6:.1f}M-parameter Llama "
-        f"({options.model_size}) trained with AdamW for {options.steps} steps, a full snapshot "
-        f"every {options.full_every} steps and arc_v2 deltas between, served by "
+        f"[bold]hotload demo[/bold]: a {policy.parameters / 1e6:.1f}M-parameter "
+        f"{policy.family.title} ({options.model_size}) trained with AdamW for {options.steps} "
+        f"steps, a full snapshot every {options.full_every} steps and arc_v2 deltas between, "
+        "served by "
         f"{options.replicas} replicas (loader sidecar + reference engine each)\n"
         f"bucket: {bucket_url}",
         highlight=False,

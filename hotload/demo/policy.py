@@ -40,6 +40,54 @@ CORPUS: tuple[tuple[str, str], ...] = (
 )
 
 ModelSize = Literal["tiny", "small"]
+ModelFamily = Literal["llama", "llama3.2", "qwen2.5", "qwen3"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family as the demo builds it: its transformers classes and what the family's
+    published checkpoints set (the sizes come from `SIZES`)."""
+
+    title: str
+    #: One line for `--help`.
+    about: str
+    config_class: str
+    model_class: str
+    settings: dict[str, Any]
+
+
+#: `--model-family`: the shapes users train. The output head is tied to the embeddings where the
+#: family's small checkpoints tie it (saved once, as `save_pretrained` saves them).
+FAMILIES: dict[str, Family] = {
+    "llama": Family(
+        "Llama",
+        "Llama 3 8B's shape, an output head of its own",
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"tie_word_embeddings": False},
+    ),
+    "llama3.2": Family(
+        "Llama 3.2",
+        "Llama 3.2 1B/3B's, the output head tied to the embeddings",
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"tie_word_embeddings": True},
+    ),
+    "qwen2.5": Family(
+        "Qwen2.5",
+        "Qwen2.5 0.5B's, q/k/v biases and a tied output head",
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"tie_word_embeddings": True, "rope_theta": 1000000.0},
+    ),
+    "qwen3": Family(
+        "Qwen3",
+        "Qwen3 0.6B's, q/k norms and a tied output head",
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {"tie_word_embeddings": True, "rope_theta": 1000000.0},
+    ),
+}
 
 #: Llama shapes per `--model-size`; the 30522-token embedding and output head dominate.
 SIZES: dict[str, dict[str, Any]] = {
@@ -73,13 +121,21 @@ class StepReport:
 
 
 class DemoPolicy:
-    """A randomly initialised `LlamaForCausalLM` over MiniLM's vocabulary, trained with AdamW."""
+    """A randomly initialised causal LM of one family (`FAMILIES`, a Llama by default) over
+    MiniLM's vocabulary, trained with AdamW."""
 
     def __init__(
-        self, workdir: Path, size: ModelSize = "tiny", *, lr: float | None = None, seed: int = 0
+        self,
+        workdir: Path,
+        size: ModelSize = "tiny",
+        *,
+        lr: float | None = None,
+        seed: int = 0,
+        family: ModelFamily = "llama",
     ) -> None:
         import torch
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+        import transformers
+        from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
@@ -87,15 +143,20 @@ class DemoPolicy:
         self.torch = torch
         self.side_files = workdir / "side-files"
         self.side_files.mkdir(parents=True, exist_ok=True)
-        config = LlamaConfig(
+        self.family = FAMILIES[family]
+        shape = SIZES[size]
+        config = getattr(transformers, self.family.config_class)(
             vocab_size=VOCAB_SIZE,
             max_position_embeddings=128,
             bos_token_id=101,  # [CLS]
             eos_token_id=102,  # [SEP]
             pad_token_id=0,  # [PAD]
-            tie_word_embeddings=False,
-            **SIZES[size],
+            head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+            **{**shape, **self.family.settings},
         )
+        # As a model's `save_pretrained` writes it: the architecture named, so the publisher
+        # knows the family's checkpoint names (a tied head is saved once).
+        config.architectures = [self.family.model_class]
         config.save_pretrained(self.side_files)
         for name in TOKENIZER_FILES:
             src = minilm_path() / name
@@ -103,13 +164,14 @@ class DemoPolicy:
                 shutil.copyfile(src, self.side_files / name)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.side_files)
         torch.manual_seed(seed)
-        self.model: Any = LlamaForCausalLM(config)
+        self.model: Any = getattr(transformers, self.family.model_class)(config)
         self.model.train()
         # Learning visibly within a dozen steps takes a learning rate far above an RL step's
         # (~1e-6), and Adam then moves nearly every value of every trained tensor each step;
         # real steps change ~1% of bf16 values. Two choices keep the deltas nearer to that:
         # the output head (half the parameters) stays frozen, and embeddings get no weight
         # decay (the usual split), so rows of tokens the corpus never uses stay bit-identical.
+        # A tied head is the embedding: frozen too, the layers learn alone.
         self.model.lm_head.weight.requires_grad_(False)
         trained = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         decay = [p for n, p in trained if p.ndim >= 2 and "embed" not in n]

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,9 +44,16 @@ from hotload.engine.exact import (
     register_exact_attention,
     set_row_pads,
 )
+from hotload.engine.layout import (
+    SAFETENSORS_TO_TORCH,
+    WeightsMismatchError,
+    check_tensors,
+    fill_converted,
+)
 from hotload.engine.lora import AdapterTable, set_rows
 from hotload.errors import SnapshotError, SnapshotValidationError, ValidationProblem
 from hotload.snapshot import layout
+from hotload_patch.placement import Slot
 
 log = logging.getLogger(__name__)
 
@@ -58,23 +65,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-class WeightsMismatchError(SnapshotValidationError):
-    """The snapshot's tensors do not fit the served model: names, shapes or dtypes differ."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -112,6 +102,8 @@ class StagedWeights:
     dtypes: dict[str, str]
     nbytes: int
     seconds: float
+    #: Checkpoint tensors held as regions of a parameter (`hotload.engine.layout`).
+    converted: dict[str, list[Slot]] = field(default_factory=dict)
 
 
 @dataclass
@@ -166,6 +158,8 @@ class ModelRunner:
         for name, tensor in state.items():
             groups.setdefault(id(tensor), []).append(name)
         self.targets: dict[str, torch.Tensor] = dict(state)
+        #: Checkpoint tensors of the served snapshot held as regions of a parameter.
+        self.converted: dict[str, list[Slot]] = {}
         #: LoRA adapters installed on top of the weights (chosen per request).
         self.lora = AdapterTable(model)
         self.groups: list[list[str]] = list(groups.values())
@@ -258,7 +252,8 @@ class ModelRunner:
         problems = check_config(snap.config, self.base_config, path=str(root / layout.CONFIG_FILE))
         if problems:
             raise SnapshotValidationError(problems)
-        load_as, primary = self._check_tensors(snap)
+        placed = check_tensors(snap, self.model, self.targets, self.groups, self.base_dtypes)
+        load_as, primary, converted = placed.load_as, placed.primary, placed.layout.converted
         tensors: dict[str, torch.Tensor] = {}
         aliases: list[tuple[str, str, torch.Tensor]] = []
         nbytes = 0
@@ -270,7 +265,8 @@ class ModelRunner:
                         # One copy out of the memory map; `.to` is a no-op when dtypes match.
                         raw = torch.from_numpy(f.raw(name).copy())
                         t = raw.view(SAFETENSORS_TO_TORCH[info.dtype]).reshape(info.shape)
-                        t = t.to(device=self.device, dtype=self.targets[name].dtype)
+                        dtype = self.targets[load_as[name]].dtype
+                        t = t.to(device=self.device, dtype=dtype)
                         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                             raise SnapshotError(
                                 "tensor holds NaN or infinite values",
@@ -278,7 +274,10 @@ class ModelRunner:
                                 field=name,
                             )
                         nbytes += info.nbytes
-                        if name in primary:
+                        if name in converted:
+                            # A piece of a parameter (an expert of a stacked mixture of experts).
+                            fill_converted(tensors, self.targets, converted[name], t)
+                        elif name in primary:
                             tensors[load_as[name]] = t
                         else:
                             aliases.append((name, shard, t))
@@ -296,61 +295,8 @@ class ModelRunner:
                         ]
                     )
         dtypes = {n: s.dtype for n, s in snap.tensor_map.items()}
-        return StagedWeights(root, tensors, dtypes, nbytes, time.perf_counter() - started)
-
-    def _check_tensors(self, snap: Any) -> tuple[dict[str, str], set[str]]:
-        """Compare the snapshot's tensor map with the model.
-
-        Returns, for every snapshot tensor, the model name it loads into (tied weights share
-        one), and the names that are loaded (one per tied group; the others are compared).
-        """
-        spec_path = str(Path(snap.path) / layout.SPEC_FILE)
-        problems: list[ValidationProblem] = []
-        names = set(snap.tensor_map)
-        for name in sorted(names - set(self.targets)):
-            problems.append(
-                ValidationProblem(spec_path, name, "the served model has no such weight")
-            )
-        load_as: dict[str, str] = {}
-        primary: set[str] = set()
-        for group in self.groups:
-            present = [n for n in group if n in names]
-            if not present:
-                problems.append(
-                    ValidationProblem(spec_path, group[0], "missing (the served model needs it)")
-                )
-                continue
-            primary.add(present[0])
-            for n in present:
-                load_as[n] = group[0]
-        for name in sorted(names & set(self.targets)):
-            spec = snap.tensor_map[name]
-            target = self.targets[name]
-            if tuple(spec.shape) != tuple(target.shape):
-                problems.append(
-                    ValidationProblem(
-                        spec_path,
-                        name,
-                        f"shape {list(spec.shape)} does not match the served model's "
-                        f"{list(target.shape)}",
-                    )
-                )
-            if spec.dtype not in SAFETENSORS_TO_TORCH:
-                problems.append(
-                    ValidationProblem(spec_path, name, f"unsupported dtype {spec.dtype}")
-                )
-            elif self.base_dtypes is not None and spec.dtype != self.base_dtypes.get(name):
-                problems.append(
-                    ValidationProblem(
-                        spec_path,
-                        name,
-                        f"dtype {spec.dtype} differs from the {self.base_dtypes.get(name)} "
-                        "the engine started with",
-                    )
-                )
-        if problems:
-            raise WeightsMismatchError(problems)
-        return load_as, primary
+        seconds = time.perf_counter() - started
+        return StagedWeights(root, tensors, dtypes, nbytes, seconds, converted)
 
     def apply(self, staged: StagedWeights) -> None:
         """Point every parameter at its staged tensor (buffers are copied); O(tensors), no I/O."""
@@ -375,6 +321,7 @@ class ModelRunner:
             raise
         if self.base_dtypes is None:
             self.base_dtypes = dict(staged.dtypes)
+        self.converted = staged.converted
         staged.tensors = {}  # the model owns them now
 
     # --- forward passes ----------------------------------------------------------------------
@@ -473,6 +420,10 @@ def _build_empty(config: Any, dtype: torch.dtype, device: torch.device, auto: An
     else:
         with _NO_INIT_LOCK, no_init_weights():
             model = auto.from_config(config, dtype=dtype)
+    # transformers 5 ties the output head to the embeddings as part of the initialisation that
+    # `no_init_weights` skips: tie them here, or a tied checkpoint (which saves one of the two)
+    # would miss a weight.
+    model.tie_weights()
     model.to(device)
     model.eval()
     model.requires_grad_(False)

@@ -70,9 +70,8 @@ class EnginePatches:
         scrub_rate: float = DEFAULT_SCRUB_RATE,
     ):
         self.runner = runner
-        self.patcher = Patcher(
-            IdentityHost(lambda: runner.targets), initializer=initializer, scrub_rate=scrub_rate
-        )
+        host = IdentityHost(lambda: runner.targets, lambda: runner.converted)
+        self.patcher = Patcher(host, initializer=initializer, scrub_rate=scrub_rate)
 
     def loaded(self, path: str | Path) -> None:
         """The snapshot at `path` was loaded in full: checksum it in the background."""

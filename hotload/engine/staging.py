@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from hotload.engine.model import WeightsMismatchError
+from hotload.engine.layout import WeightsMismatchError
 from hotload.engine.protocol import ApiError
 from hotload.errors import ChecksumMismatchError, HotloadError, SnapshotValidationError
 from hotload_patch import PatchError

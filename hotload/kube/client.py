@@ -165,9 +165,18 @@ class KubeClient:
         path: str,
         label_selector: str | None = None,
         field_selector: str | None = None,
+        *,
+        limit: int | None = None,
+        continue_token: str | None = None,
     ) -> JSON:
-        """List a collection: the List object (`items`, `metadata.resourceVersion`)."""
-        return await self._call("GET", path, params=_selectors(label_selector, field_selector))
+        """List a collection: the List object (`items`, `metadata.resourceVersion`). With
+        `limit`, one page: `metadata.continue` names the next (pass it as `continue_token`)."""
+        params = _selectors(label_selector, field_selector)
+        if limit is not None:
+            params["limit"] = str(limit)
+        if continue_token:
+            params["continue"] = continue_token
+        return await self._call("GET", path, params=params)
 
     async def create(self, path: str, body: JSON) -> JSON:
         """POST `body` to a collection path and return the created object."""

@@ -43,6 +43,7 @@ from hotload.bucket import TransferResult, run_sync
 from hotload.errors import HotloadError
 from hotload.ledger import LedgerDocument, LedgerEntry, PromptCachePolicy
 from hotload.ledger.hints import prune_hints_async
+from hotload.sdk.checkpoint import checkpoint_names
 from hotload.sdk.cluster import deployment_bucket
 from hotload.sdk.core import PublisherCore
 from hotload.sdk.loaders import loaders_ready
@@ -268,6 +269,10 @@ class Publisher(PublisherCore):
         return found
 
     def _full_copy(self, weights: Weights, identity: str) -> Path:
+        # The family's checkpoint names, as the fleet that booted from its checkpoint holds them.
+        weights = checkpoint_names(
+            weights, config=self.config, side_files_from=self.side_files_from
+        )
         return full_copy(
             self.workdir,
             weights,

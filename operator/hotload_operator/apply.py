@@ -5,6 +5,8 @@ router; refusals kept as the deployment's `SpecProblem` for the roll-up."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import time
@@ -17,7 +19,13 @@ from hotload.kube import resource_path
 from hotload.ledger import Pin, write_pin_async
 from hotload_operator.builders import build_children
 from hotload_operator.context import Context, SpecProblem
-from hotload_operator.meta import name_of, namespace_of, pin_object_key, router_name
+from hotload_operator.meta import (
+    OperatorImages,
+    name_of,
+    namespace_of,
+    pin_object_key,
+    router_name,
+)
 
 log = logging.getLogger("hotload_operator")
 JSON = dict[str, Any]
@@ -64,11 +72,25 @@ async def apply_children(ctx: Context, hld: HotLoadDeployment) -> list[str]:
             raise _refused(ctx, key, apply_conflict(obj, err)) from err
         except KubeInvalidError as err:
             message = f"the API server refused {obj['kind']} {meta['name']}: {err}"
-            raise _refused(ctx, key, SpecProblem(DeploymentReasons.INVALID_SPEC, message)) from err
+            fix = "change the HotLoadDeployment's spec: the server's message names the field"
+            problem = SpecProblem(DeploymentReasons.INVALID_SPEC, message, fix)
+            raise _refused(ctx, key, problem) from err
         applied.append(f"{obj['kind']}/{meta['name']}")
     ctx._problems.pop(key, None)
     ctx.metrics.reconciles.labels("applied").inc()
     return applied
+
+
+def applied_digest(hld: HotLoadDeployment, images: OperatorImages) -> str:
+    """A digest of everything `apply_children`, `sync_pin` and `remove_router` put in place for
+    `hld` (this operator's build of its owned objects, its pin, its router switch)."""
+    state = {
+        "children": build_children(hld, images),
+        "pin": hld.spec.pin,
+        "router": hld.spec.router.enabled,
+    }
+    text = json.dumps(state, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def apply_conflict(obj: JSON, err: KubeFieldConflictError) -> SpecProblem:
@@ -81,6 +103,8 @@ def apply_conflict(obj: JSON, err: KubeFieldConflictError) -> SpecProblem:
         f"HotLoadDeployment sets: {fields}. The operator does not overwrite them: change the "
         "HotLoadDeployment instead, and undo the direct change (or delete the object for the "
         f"operator to create it again); it is applied again every {apply_retry_seconds():g} s",
+        f"undo the direct change of {obj['kind']} {obj['metadata']['name']} (or delete it), and "
+        "make changes through the HotLoadDeployment",
     )
 
 

@@ -78,15 +78,16 @@ def build_service(hld: HotLoadDeployment) -> JSON:
 
 
 def build_loader_rbac(hld: HotLoadDeployment) -> list[JSON]:
-    """ServiceAccount, Role and RoleBinding of the loader: get pods, patch pods and
-    pods/status, create events, in its namespace; nothing more."""
+    """ServiceAccount, Role and RoleBinding of the loader: get pods, patch pods/status (its
+    report, metadata included, is one status patch), create events, in its namespace; nothing
+    more."""
     name = loader_service_account(hld)
     account_meta = object_meta(hld, name, "loader")
     if hld.spec.service_account.annotations:
         # Cloud identities (IRSA, GKE Workload Identity) for the loader's bucket access.
         account_meta["annotations"] = dict(hld.spec.service_account.annotations)
     role_rules = [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     ]

@@ -3,58 +3,50 @@ and the operator's memory of each deployment; and the parsing of the objects kop
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from hotload.api.models import HotLoadDeployment, Snapshot
+from hotload.api.models import HotLoadDeployment
+from hotload.api.names import SnapshotReasons
 from hotload.bucket import Bucket, open_bucket
 from hotload.bucket.url import S3_SETTINGS
-from hotload.errors import BucketError, KubeError, KubeForbiddenError, KubeNotFoundError
+from hotload.errors import KubeError
 from hotload.kube import KubeClient, resource_path
+from hotload.kube.events import EventRecorder
+from hotload_operator.causes import (
+    CredentialsIncompleteError,
+    CredentialsUnreadableError,
+    missing_keys,
+)
+from hotload_operator.ledgers import LedgerCache
 from hotload_operator.meta import OperatorImages, namespace_of
+from hotload_operator.workqueue import WorkQueue
+from hotload_operator.writes import StatusWriter
+
+if TYPE_CHECKING:
+    from hotload_operator.fleet import FleetCache
 
 JSON = dict[str, Any]
-
-
-class CredentialsUnreadableError(BucketError):
-    """A bucket cannot be opened: its `spec.bucket.credentialsSecret` cannot be read (a
-    `BucketError`, so every caller that retries an unreachable bucket retries this too)."""
-
-    reason = "credentials unreadable"
-
-    @classmethod
-    def of(
-        cls, namespace: str, secret: str, url: str, err: KubeError
-    ) -> CredentialsUnreadableError:
-        """The error for Secret `namespace/secret` failing with `err`, saying what to do."""
-        if isinstance(err, KubeForbiddenError):
-            why = (
-                "the operator may not read it: add it to the chart's rbac.bucketSecrets for "
-                f"namespace {namespace} and run helm upgrade ({err})"
-            )
-        elif isinstance(err, KubeNotFoundError):
-            why = f"it does not exist ({err})"
-        else:
-            why = str(err)
-        return cls(f"Secret {namespace}/{secret} (spec.bucket.credentialsSecret): {why}", url=url)
+Key = tuple[str, str]
 
 
 @dataclass(frozen=True)
 class SpecProblem:
-    """Why the objects a deployment owns could not be applied: the reason and message of its
-    `Degraded=True` condition (and of the Warning Event that announces it)."""
+    """Why the objects a deployment owns could not be applied (or its pin written): the reason,
+    message and fix of its first problem (`Degraded=True`), and of the Warning Event that
+    announces it."""
 
     reason: str
     message: str
+    fix: str = ""
 
 
 @dataclass
@@ -71,29 +63,81 @@ class OperatorMetrics:
         self.admissions = Counter(
             "hotload_operator_admissions", "Snapshot admissions by reason", ["reason"], registry=r
         )
+        # Every admission outcome from 0, so an alert's increase() sees the first refusal too.
+        s = SnapshotReasons
+        for reason in (
+            s.ADMITTED, s.DEPLOYMENT_NOT_FOUND, s.NOT_IN_BUCKET, s.INVALID, s.WRONG_PARENT,
+            s.CONFIG_MISMATCH, s.LEDGER_REJECTED, s.ADAPTERS_NOT_ENABLED, s.BASE_MODEL_MISMATCH,
+            s.BUCKET_UNREACHABLE,
+        ):  # fmt: skip
+            self.admissions.labels(reason)
         self.rollup_seconds = Histogram(
             "hotload_operator_rollup_seconds", "Seconds per deployment roll-up", registry=r
         )
+        self.status_writes = Counter(
+            "hotload_operator_status_writes",
+            "Status writes by kind (writes that would change nothing are not sent)",
+            ["resource"],
+            registry=r,
+        )
+        self.leader = Gauge(
+            "hotload_operator_leader",
+            "1 while this operator replica holds the lease and writes, else 0",
+            registry=r,
+        )
+
+
+async def _unset(_: Key) -> None:
+    raise RuntimeError("the operator's work queues run only in `hotload_operator.runtime`")
 
 
 @dataclass
 class Context:
-    """What every handler shares: the API client, images, bucket cache and metrics."""
+    """What every handler shares: the API client, images, bucket cache and metrics, the
+    watch-fed caches, the work queues and the status writer (`runtime.run` wires them)."""
 
     kube: KubeClient
     images: OperatorImages = field(default_factory=OperatorImages)
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     now: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+    #: HotLoadDeployments, Snapshots and pods, kept by informers (`fleet()` reads it).
+    cache: FleetCache | None = None
+    #: Roll-ups by deployment key, coalesced; and each deployment's periodic ledger poll.
+    rollups: WorkQueue[Key] = field(default_factory=lambda: WorkQueue(_unset, name="roll-up"))
+    polls: WorkQueue[Key] = field(default_factory=lambda: WorkQueue(_unset, name="poll"))
+    #: Snapshot admissions by Snapshot key (undecided Snapshots, retried with delays).
+    admissions: WorkQueue[Key] = field(default_factory=lambda: WorkQueue(_unset, name="admission"))
+    #: Applies a deployment's spec again (set by the handlers, for the poll's apply retry).
+    respec: Callable[[JSON], Awaitable[None]] | None = None
+    #: Seconds between ledger polls of each deployment, and the oldest ledger copy a roll-up
+    #: uses (a new head moves no Kubernetes object; pod reports bring a roll-up sooner).
+    poll_interval: float = 30.0
+    #: This replica's name (the Lease holder's identity; `reportingInstance` of its Events).
+    identity: str = "hotload-operator"
+    writer: StatusWriter = field(init=False)
+    ledgers: LedgerCache = field(init=False)
+    events: EventRecorder = field(init=False)
     _buckets: dict[tuple[str, str, str | None], Bucket] = field(default_factory=dict)
-    _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
-    _pending: set[tuple[str, str]] = field(default_factory=set)
-    #: Per deployment: the ledger's ETag and when it was last rolled up (for the cheap timer).
-    _ticks: dict[tuple[str, str], tuple[str | None, float]] = field(default_factory=dict)
+    #: Per deployment: when (monotonic) it was last rolled up.
+    _rolled_at: dict[Key, float] = field(default_factory=dict)
+    #: Per Snapshot whose admission waits for its bucket: why (logged once per cause).
+    _deferred: dict[Key, str] = field(default_factory=dict)
     #: Per deployment: why its owned objects could not be applied, until an apply succeeds;
     #: the roll-up shows it as Degraded=True with the problem's reason.
     _problems: dict[tuple[str, str], SpecProblem] = field(default_factory=dict)
     #: Per deployment: when (monotonic) its owned objects were last applied or tried.
     _applied_at: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.writer = StatusWriter(self.kube, writes=self.metrics.status_writes)
+        self.ledgers = LedgerCache(self.bucket)
+        self.events = EventRecorder(self.kube, "hotload-operator", self.identity)
+
+    def fleet(self) -> FleetCache:
+        """The watch-fed cache (set by `runtime.run` before any handler runs)."""
+        if self.cache is None:
+            raise RuntimeError("the operator's cache is not running (start it with runtime.run)")
+        return self.cache
 
     async def bucket(self, hld: HotLoadDeployment) -> Bucket:
         """The deployment's bucket, with credentials from its Secret (cached per secret).
@@ -106,42 +150,27 @@ class Context:
             credentials_dir = None
             if secret:
                 try:
-                    credentials_dir = await self._secret_dir(namespace_of(hld), secret)
+                    credentials_dir, keys = await self._secret_dir(namespace_of(hld), secret)
                 except KubeError as err:
                     raise CredentialsUnreadableError.of(
                         namespace_of(hld), secret, url, err
                     ) from err
+                missing = missing_keys(url, keys)
+                if missing:
+                    raise CredentialsIncompleteError(
+                        namespace_of(hld), secret, url, missing, sorted(keys)
+                    )
             self._buckets[key] = open_bucket(url, credentials_dir=credentials_dir)
         return self._buckets[key]
 
-    async def _secret_dir(self, namespace: str, name: str) -> Path:
+    async def _secret_dir(self, namespace: str, name: str) -> tuple[Path, list[str]]:
+        """The Secret's bucket settings as files in a private folder, and its keys."""
         secret = await self.kube.get(resource_path("v1", "secrets", namespace, name))
         folder = Path(tempfile.mkdtemp(prefix="hotload-secret-"))
         os.chmod(folder, 0o700)
         wanted = {n.upper() for n in S3_SETTINGS} | {"GOOGLE_SERVICE_ACCOUNT"}
-        for key, value in (secret.get("data") or {}).items():
+        data = secret.get("data") or {}
+        for key, value in data.items():
             if key.upper() in wanted:
                 (folder / key).write_bytes(base64.b64decode(value))
-        return folder
-
-    def lock(self, namespace: str, name: str) -> asyncio.Lock:
-        """One roll-up at a time per deployment."""
-        return self._locks.setdefault((namespace, name), asyncio.Lock())
-
-
-def parse_deployment(body: JSON) -> HotLoadDeployment:
-    """The deployment body as a model (the API server already validated it)."""
-    return HotLoadDeployment.model_validate(
-        {"metadata": dict(body.get("metadata") or {}), "spec": dict(body.get("spec") or {})}
-    )
-
-
-def parse_snapshot(body: JSON) -> Snapshot:
-    """The snapshot body as a model."""
-    return Snapshot.model_validate(
-        {
-            "metadata": dict(body.get("metadata") or {}),
-            "spec": dict(body.get("spec") or {}),
-            "status": dict(body.get("status") or {}) or None,
-        }
-    )
+        return folder, list(data)

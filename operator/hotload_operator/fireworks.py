@@ -43,8 +43,7 @@ from hotload.ledger.hints import Hint, HintFile, HintKind, write_hint_async
 from hotload.snapshot import validate_identity
 from hotload.snapshot.layout import INDEX_FILE, MANIFEST_FILES
 from hotload.snapshot.reader import digest_of_manifests
-from hotload_operator.context import parse_deployment
-from hotload_operator.meta import selector_string
+from hotload_operator.meta import parse_deployment, selector_string
 
 PATH = "/hot_load/v1/models/hot_load"
 KUBE: web.AppKey[KubeClient] = web.AppKey("kube", KubeClient)

@@ -1,39 +1,31 @@
-"""kopf handlers: the only module with kopf decorators. Each one is a few lines that call
-`reconcile` (API side), which calls the pure builders, admission and roll-up."""
+"""kopf handlers: the only module with kopf decorators. kopf runs a deployment's spec (create,
+update, resume: the owned objects, the pin, the router); everything else (admission, roll-ups,
+the periodic checks) runs from the operator's own caches and queues (`runtime`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
 from hotload.api.names import (
-    CONDITION_ACCEPTED,
+    ANNOTATION_APPLIED,
     DEPLOYMENT_PLURAL,
     GROUP,
-    LABEL_DEPLOYMENT,
-    SNAPSHOT_PLURAL,
     VERSION,
+    DeploymentReasons,
 )
 from hotload.errors import BucketError, KubeError
-from hotload.kube import KubeClient, KubeConfig
-from hotload_operator import apply, context, reconcile
-from hotload_operator.context import Context
-from hotload_operator.meta import OperatorImages
+from hotload.kube import KubeConfig
+from hotload_operator import apply, meta
+from hotload_operator.context import Context, SpecProblem
 
 log = logging.getLogger("hotload_operator")
-
-#: How often each deployment's roll-up runs even without pod events (the ledger head moves
-#: without touching any Kubernetes object).
-ROLLUP_INTERVAL = float(os.environ.get("HOTLOAD_ROLLUP_INTERVAL", "5"))
-#: Seconds between admission attempts while a Snapshot's bucket cannot be read.
-BUCKET_RETRY_SECONDS = 15.0
-#: Seconds before admission runs again after an unexpected error (e.g. its status write
-#: failed after the ledger append; kopf's default, 60 s, would hold a trainer's
-#: `wait_ready` that long). Kept across operator restarts in kopf's progress annotations.
-ADMISSION_BACKOFF_SECONDS = 5.0
+JSON = dict[str, Any]
 
 
 @kopf.on.login()
@@ -68,168 +60,127 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    """Build the shared context; keep kopf's own bookkeeping under `hotload.dev` annotations."""
+    """Keep kopf's own bookkeeping under `hotload.dev` annotations; check that the runtime
+    (`hotload_operator.runtime`, which owns the caches and queues) started kopf."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
     )
-    settings.posting.level = logging.WARNING
-    # kopf >= 1.45 posts log messages as Events only when asked; docs/operations.md promises
-    # them (a handler's failure shows in `kubectl describe`).
-    settings.posting.loggers = True
+    # No Events from kopf: a handler's failure becomes the deployment's status (a problem with
+    # its fix, announced by one Event when it appears), not an Event per retry.
+    settings.posting.enabled = False
     settings.watching.server_timeout = 300
-    images = OperatorImages(
-        loader=os.environ.get("HOTLOAD_LOADER_IMAGE", OperatorImages.loader),
-        router=os.environ.get("HOTLOAD_ROUTER_IMAGE", OperatorImages.router),
-        loader_pull_policy=os.environ.get("HOTLOAD_LOADER_IMAGE_PULL_POLICY", ""),
-        log_format=os.environ.get("HOTLOAD_LOG_FORMAT") or "text",
-    )
-    kube = KubeClient(KubeConfig.auto(os.environ.get("KUBECONFIG") or None))
-    memo["ctx"] = Context(kube=kube, images=images)
-    fireworks_port = os.environ.get("HOTLOAD_FIREWORKS_PORT")
-    if fireworks_port:
-        memo["fireworks"] = await _start_fireworks(memo["ctx"], int(fireworks_port))
-    port = os.environ.get("HOTLOAD_METRICS_PORT")
-    if port:
-        from prometheus_client import start_http_server
-
-        start_http_server(int(port), registry=memo["ctx"].metrics.registry)
-
-
-async def _start_fireworks(ctx: Context, port: int) -> Any:
-    """Serve the Fireworks-compatible hot-load API (token from HOTLOAD_FIREWORKS_TOKEN_FILE)."""
-    from pathlib import Path
-
-    from aiohttp import web
-
-    from hotload_operator.fireworks import create_app
-
-    token_file = os.environ.get("HOTLOAD_FIREWORKS_TOKEN_FILE", "")
-    token = Path(token_file).read_text().strip() if token_file else ""
-    if not token:
-        raise kopf.PermanentError(
-            "HOTLOAD_FIREWORKS_PORT is set but HOTLOAD_FIREWORKS_TOKEN_FILE names no token: "
-            "mount the token Secret and point the variable at its file"
-        )
-    namespace = os.environ.get("HOTLOAD_FIREWORKS_NAMESPACE", "default")
-    # Hints are written with the operator's own bucket access (the deployment's Secret).
-    app = create_app(ctx.kube, namespace=namespace, token=token, buckets=ctx.bucket)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "0.0.0.0", port).start()
-    return runner
-
-
-@kopf.on.cleanup()
-async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    """Close the API client (and the Fireworks-compatible API)."""
-    runner = memo.get("fireworks")
-    if runner is not None:
-        await runner.cleanup()
     ctx: Context | None = memo.get("ctx")
-    if ctx is not None:
-        await ctx.kube.aclose()
+    if ctx is None:
+        raise kopf.PermanentError(
+            "run the operator with `python -m hotload_operator` (hotload_operator.runtime "
+            "starts its caches, work queues and leader election, then kopf)"
+        )
+    ctx.respec = lambda body: _respec(ctx, body)
 
 
 @kopf.on.resume(GROUP, VERSION, DEPLOYMENT_PLURAL)
 @kopf.on.create(GROUP, VERSION, DEPLOYMENT_PLURAL)
 @kopf.on.update(GROUP, VERSION, DEPLOYMENT_PLURAL, field="spec")
 async def deployment_changed(
-    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+    body: kopf.Body, memo: kopf.Memo, patch: kopf.Patch, reason: str, old: Any, **_: Any
 ) -> None:
-    """Reconcile the spec (`_reconcile_spec`). A spec the API server refuses is reported and
+    """Reconcile the spec (`_reconcile_spec`), and note its digest on the object (in kopf's own
+    patch). On resume (an operator start or takeover), a deployment whose digest matches is left
+    as it is: another replica applied exactly this, and a takeover of a thousand deployments
+    must not apply six thousand objects again. A spec the API server refuses is reported and
     not retried: kopf runs this handler again when the spec changes."""
-    await _reconcile_spec(memo["ctx"], body, logger)
+    ctx: Context = memo["ctx"]
+    digest = apply.applied_digest(meta.parse_deployment(dict(body)), ctx.images)
+    applied = (body.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_APPLIED)
+    if reason == kopf.Reason.RESUME and applied == digest:
+        ctx.rollups.request(_key(body), 0)
+        return
+    # A router to remove can exist only after a spec that had one (kopf's `old` on an update),
+    # or from before this operator started; a new deployment has none (five DELETEs saved).
+    had_router = reason != kopf.Reason.CREATE and (
+        reason != kopf.Reason.UPDATE or bool(((old or {}).get("router") or {}).get("enabled"))
+    )
+    if await _reconcile_spec(ctx, dict(body), remove_router=had_router):
+        patch.metadata.annotations[ANNOTATION_APPLIED] = digest
 
 
-async def _reconcile_spec(ctx: Context, body: kopf.Body, logger: kopf.Logger) -> None:
+async def _reconcile_spec(ctx: Context, body: JSON, *, remove_router: bool = True) -> bool:
     """Apply the owned objects for the current spec, write the pin, remove a router switched
     off, then roll up.
 
     Owned objects that cannot be applied (the server refuses one, or another field manager
-    holds a field) are reported once, in the status (Degraded=True) and one Warning Event,
-    and are not retried by kopf (the timer tries a conflict again). The pin is written even
-    then, and before the router's removal: a fleet must follow a pin (a rollback) even while
-    its Deployment cannot be updated or removing the router fails (e.g. the operator's RBAC
-    lacks delete). Other API errors are retried by kopf."""
-    hld = context.parse_deployment(dict(body))
+    holds a field) are reported in the status (Degraded=True, announced by one Warning Event)
+    and are not retried by kopf (the periodic check tries a conflict again). The pin is written
+    even then, and before the router's removal: a fleet must follow a pin (a rollback) even
+    while its Deployment cannot be updated or removing the router fails (e.g. the operator's
+    RBAC lacks delete). Other failures (the API server, the bucket) are status problems too,
+    retried by kopf every 10 s. Returns whether everything applied."""
+    hld = meta.parse_deployment(body)
+    key = _key(body)
     refused: apply.ApplyRefusedError | None = None
     try:
         applied = await apply.apply_children(ctx, hld)
     except apply.ApplyRefusedError as err:
         refused = err
-        # INFO: a kopf WARNING would become an Event per attempt; the one Event is below.
-        logger.info("owned objects not applied: %s", err.problem.message)
+        log.info("owned objects not applied: %s", err.problem.message)
     except KubeError as err:
-        raise kopf.TemporaryError(f"applying owned objects failed: {err}", delay=10) from err
+        message = f"applying owned objects failed: {err}"
+        _failed(ctx, key, DeploymentReasons.APPLY_FAILED, message, _RETRY_FIX)
+        raise kopf.TemporaryError(message, delay=10) from err
     else:
-        logger.info("applied %s", ", ".join(applied))
+        log.info("applied %s", ", ".join(applied))
     try:
         await apply.sync_pin(ctx, hld)
     except BucketError as err:
-        raise kopf.TemporaryError(f"writing the pin object failed: {err}", delay=10) from err
-    if refused is None:
+        message = f"writing the pin object {meta.pin_object_key(hld)} failed: {err}"
+        fix = "check that the bucket's credentials allow writes; retried every 10 s"
+        _failed(ctx, key, DeploymentReasons.PIN_WRITE_FAILED, message, fix)
+        raise kopf.TemporaryError(message, delay=10) from err
+    if refused is None and remove_router:
         try:
             await apply.remove_router(ctx, hld)
         except KubeError as err:
-            raise kopf.TemporaryError(f"removing the router failed: {err}", delay=10) from err
-    await reconcile.guarded("roll-up", lambda: reconcile.rollup(ctx, *_key(body)))
-    if refused is not None and refused.new:
-        kopf.warn(body, reason=refused.problem.reason, message=refused.problem.message)
+            message = f"removing the router failed: {err}"
+            _failed(ctx, key, DeploymentReasons.APPLY_FAILED, message, _RETRY_FIX)
+            raise kopf.TemporaryError(message, delay=10) from err
+    ctx.rollups.request(key, 0)
+    return refused is None
 
 
-@kopf.timer(GROUP, VERSION, DEPLOYMENT_PLURAL, interval=ROLLUP_INTERVAL, initial_delay=1)
-async def deployment_tick(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """Periodic check: notices a new ledger head before any pod reports it (cheap when the
-    ledger did not change: one conditional GET), and applies the spec again while another
-    field manager holds one of its fields (every `apply.apply_retry_seconds()`)."""
-    ctx: Context = memo["ctx"]
-    hld = context.parse_deployment(dict(body))
-    if apply.apply_retry_due(ctx, *_key(body)):
-        await _reconcile_spec(ctx, body, logger)
-        return
-    await reconcile.guarded("roll-up", lambda: reconcile.tick(ctx, *_key(body), hld))
+#: The fix of a failed apply (an unreachable API server, RBAC the chart does not grant).
+_RETRY_FIX = (
+    "retried every 10 s; a 403 names a permission the operator's RBAC lacks (reinstall or "
+    "upgrade the chart)"
+)
 
 
-@kopf.on.event("", "v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
-async def pod_event(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """A replica's pod changed (report, readiness, deletion): roll its deployment up."""
-    ctx: Context | None = memo.get("ctx")
-    name = reconcile.deployment_of_pod(dict(body))
-    if ctx is None or name is None:
-        return
-    namespace = str(body.get("metadata", {}).get("namespace") or "default")
-    await reconcile.guarded("roll-up", lambda: reconcile.rollup(ctx, namespace, name))
+def _failed(ctx: Context, key: tuple[str, str], reason: str, message: str, fix: str) -> None:
+    """Keep a failed apply or pin as the deployment's problem (its status says so) until the
+    next success, and roll it up."""
+    ctx._problems[key] = SpecProblem(reason, message, fix)
+    ctx.rollups.request(key, 0)
 
 
-@kopf.on.resume(GROUP, VERSION, SNAPSHOT_PLURAL, backoff=ADMISSION_BACKOFF_SECONDS)
-@kopf.on.create(GROUP, VERSION, SNAPSHOT_PLURAL, backoff=ADMISSION_BACKOFF_SECONDS)
-async def snapshot_created(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """Admit a new Snapshot into its deployment's ledger (once; the spec is immutable)."""
-    ctx: Context = memo["ctx"]
-    status = body.get("status") or {}
-    if any(
-        c.get("type") == CONDITION_ACCEPTED and c.get("status") in ("True", "False")
-        for c in status.get("conditions") or []
-    ):
-        return  # decided before a restart; admission is not re-run (Unknown is retried)
-    try:
-        result = await reconcile.admit_snapshot(ctx, dict(body))
-    except reconcile.AdmissionDeferredError as err:
-        raise kopf.TemporaryError(str(err), delay=BUCKET_RETRY_SECONDS) from err
-    if result.accepted:
-        kopf.info(body, reason=result.reason, message=result.message)
-        await reconcile.guarded(
-            "roll-up",
-            lambda: reconcile.rollup(
-                ctx, str(body.get("metadata", {}).get("namespace")), body["spec"]["deployment"]
-            ),
-        )
-    else:
-        kopf.warn(body, reason=result.reason, message=result.message)
-        logger.warning("snapshot refused: %s: %s", result.reason, result.message)
+async def _respec(ctx: Context, body: JSON) -> None:
+    await _reconcile_spec(ctx, body)
 
 
-def _key(body: kopf.Body) -> tuple[str, str]:
+def _key(body: Mapping[str, Any]) -> tuple[str, str]:
     meta = body.get("metadata", {})
     return str(meta.get("namespace") or "default"), str(meta.get("name"))
+
+
+async def run_kopf(
+    namespaces: list[str], ctx: Context, stop: asyncio.Future[None], ready: asyncio.Event
+) -> None:
+    """kopf with these handlers, sharing `ctx` (started by `runtime.run`); kopf's own peering
+    is off: the Lease decides which replica runs it."""
+    await kopf.operator(
+        standalone=True,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        memo=kopf.Memo(ctx=ctx),
+        stop_flag=stop,
+        ready_flag=ready,
+    )

@@ -137,3 +137,21 @@ def router_endpoint(hld: HotLoadDeployment) -> str | None:
     if not hld.spec.router.enabled:
         return None
     return f"http://{router_name(hld)}.{namespace_of(hld)}.svc:{ROUTER_PORT}"
+
+
+def parse_deployment(body: JSON) -> HotLoadDeployment:
+    """The deployment body as a model (the API server already validated it)."""
+    return HotLoadDeployment.model_validate(
+        {"metadata": dict(body.get("metadata") or {}), "spec": dict(body.get("spec") or {})}
+    )
+
+
+def parse_snapshot(body: JSON) -> Snapshot:
+    """The snapshot body as a model."""
+    return Snapshot.model_validate(
+        {
+            "metadata": dict(body.get("metadata") or {}),
+            "spec": dict(body.get("spec") or {}),
+            "status": dict(body.get("status") or {}) or None,
+        }
+    )

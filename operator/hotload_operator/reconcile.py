@@ -7,6 +7,7 @@ every decision to the pure modules (`admission`, `rollup`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -16,10 +17,10 @@ from hotload.api.models import HotLoadDeployment, Snapshot
 from hotload.api.names import (
     API_VERSION,
     CONDITION_ACCEPTED,
-    CONDITION_DEGRADED,
     CONDITION_READY,
     DEPLOYMENT_PLURAL,
     LABEL_DEPLOYMENT,
+    SNAPSHOT_KIND,
     SNAPSHOT_PLURAL,
     SnapshotReasons,
 )
@@ -30,18 +31,22 @@ from hotload.errors import (
     LedgerError,
 )
 from hotload.kube import resource_path
-from hotload.ledger import Ledger, LedgerDocument
+from hotload.kube.events import involved_object
+from hotload.ledger import Ledger
+from hotload_operator import apply
 from hotload_operator.admission import Admission, admit
-from hotload_operator.conditions import format_time, set_condition, stored_form
-from hotload_operator.context import Context, parse_deployment, parse_snapshot
+from hotload_operator.causes import Cause, workload_causes
+from hotload_operator.conditions import format_time, set_condition
+from hotload_operator.context import Context
 from hotload_operator.meta import (
     generation_of,
     ledger_url,
     name_of,
     namespace_of,
-    selector_string,
+    parse_deployment,
 )
-from hotload_operator.rollup import rollup_deployment, rollup_snapshot
+from hotload_operator.rollup import LedgerRead, rollup_deployment, rollup_snapshot
+from hotload_operator.writes import NotLeadingError
 
 log = logging.getLogger("hotload_operator")
 JSON = dict[str, Any]
@@ -52,13 +57,69 @@ class AdmissionDeferredError(Exception):
     `BucketUnreachable`) and the caller retries."""
 
 
-async def admit_snapshot(ctx: Context, body: JSON) -> Admission:
-    """Admit one Snapshot and write its `Accepted` condition (and sizes) to its status."""
-    snap = parse_snapshot(body)
-    ns = namespace_of(snap)
-    hld_path = resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, snap.spec.deployment)
+#: Seconds between admission attempts while a Snapshot's bucket cannot be read.
+BUCKET_RETRY_SECONDS = 15.0
+#: Seconds before admission runs again after an unexpected error (e.g. its status write failed
+#: after the ledger append: admission is idempotent, the next attempt finds the entry).
+ADMISSION_BACKOFF_SECONDS = 5.0
+
+
+def is_decided(status: JSON) -> bool:
+    """Whether admission decided a Snapshot (`Accepted` True or False; Unknown is retried)."""
+    return any(
+        c.get("type") == CONDITION_ACCEPTED and c.get("status") in ("True", "False")
+        for c in status.get("conditions") or []
+    )
+
+
+async def admit_queued(ctx: Context, namespace: str, name: str) -> None:
+    """The admission queue's work: admit Snapshot `namespace/name` unless it is decided (in the
+    cache, or by this operator's own write the cache has not seen yet), record the outcome as
+    an Event, and roll its deployment up; retried later when the bucket cannot be read
+    (`BUCKET_RETRY_SECONDS`) or a write failed (`ADMISSION_BACKOFF_SECONDS`)."""
+    key = (namespace, name)
+    record = ctx.fleet().snapshot(key)
+    if record is None:
+        return
+    status = ctx.writer.previous(SNAPSHOT_PLURAL, key, record.status, record.resource_version)
+    if is_decided(status):
+        return
     try:
-        hld = parse_deployment(await ctx.kube.get(hld_path))
+        result = await admit_snapshot(ctx, record.snapshot)
+    except AdmissionDeferredError as err:
+        if ctx._deferred.get(key) != str(err):  # said once per cause, not every retry
+            log.warning("admission of Snapshot %s/%s deferred: %s", namespace, name, err)
+        ctx._deferred[key] = str(err)
+        ctx.admissions.request(key, BUCKET_RETRY_SECONDS)
+        return
+    except (KubeError, BucketError, LedgerError) as err:
+        log.warning("admission of Snapshot %s/%s failed, retried: %s", namespace, name, err)
+        ctx.admissions.request(key, ADMISSION_BACKOFF_SECONDS)
+        return
+    ctx._deferred.pop(key, None)
+    deployment = (namespace, record.deployment)
+    if result.accepted:
+        # No Event for a routine admission (one per trainer step per deployment): the
+        # Snapshot's Accepted condition says it.
+        owner = ctx.fleet().deployment(deployment)
+        if owner is not None:  # its ledger moved: read it before the roll-up
+            await ctx.ledgers.refresh(owner.hld)
+        ctx.rollups.request(deployment, 0)
+    else:
+        involved = involved_object(
+            {"apiVersion": API_VERSION, "kind": SNAPSHOT_KIND, "metadata": record.snapshot.metadata}
+        )
+        await ctx.events.record(involved, "Warning", result.reason, result.message)
+        log.warning(
+            "snapshot %s/%s refused: %s: %s", namespace, name, result.reason, result.message
+        )
+
+
+async def admit_snapshot(ctx: Context, snap: Snapshot) -> Admission:
+    """Admit one Snapshot and write its `Accepted` condition (and sizes) to its status."""
+    ns = namespace_of(snap)
+    try:
+        hld = await _deployment(ctx, ns, snap.spec.deployment)
     except KubeNotFoundError:
         result = Admission(
             False,
@@ -140,115 +201,127 @@ async def write_admission(ctx: Context, snap: Snapshot, result: Admission) -> No
 
 async def _patch_status(ctx: Context, snap: Snapshot, status: JSON) -> None:
     """Merge-patch `status` (and the generation it observed) into the snapshot's status."""
-    path = resource_path(
-        API_VERSION, SNAPSHOT_PLURAL, namespace_of(snap), str(snap.metadata["name"]), "status"
-    )
+    key = (namespace_of(snap), str(snap.metadata["name"]))
     body = {"observedGeneration": generation_of(snap), **status}
-    await ctx.kube.patch(path, {"status": body}, "merge")
+    cached = snap.status.to_json() if snap.status else {}
+    version = str(snap.metadata.get("resourceVersion") or "")
+    await ctx.writer.write(SNAPSHOT_PLURAL, key, body, cached, version)
+
+
+async def _deployment(ctx: Context, namespace: str, name: str) -> HotLoadDeployment:
+    """HotLoadDeployment `namespace/name` from the cache, else from the API server (one just
+    created may reach the cache a moment later); raises `KubeNotFoundError`."""
+    record = ctx.fleet().deployment((namespace, name))
+    if record is not None:
+        return record.hld
+    path = resource_path(API_VERSION, DEPLOYMENT_PLURAL, namespace, name)
+    return parse_deployment(await ctx.kube.get(path))
 
 
 async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
-    """Recompute and write the statuses of deployment `namespace/name` and its snapshots.
+    """Recompute deployment `namespace/name`'s status and its Snapshots' from the operator's
+    caches (pods, Snapshots, the ledger's copy) and write what changed; return the status.
 
-    Requests arriving while one runs collapse into one more run after it.
-    """
+    Reads nothing from the API server: a report costs one watch event and its share of one
+    roll-up (`ctx.rollups` coalesces the reports that arrive together)."""
     key = (namespace, name)
-    if key in ctx._pending:
+    cache = ctx.fleet()
+    record = cache.deployment(key)
+    if record is None:
         return None
-    ctx._pending.add(key)
-    async with ctx.lock(namespace, name):
-        ctx._pending.discard(key)
-        with ctx.metrics.rollup_seconds.time():
-            return await _rollup(ctx, namespace, name)
-
-
-#: The periodic roll-up runs in full at least this often even when the ledger did not move
-#: (pod events trigger roll-ups as they happen; this only catches anything missed).
-FULL_ROLLUP_SECONDS = 60.0
-
-
-async def tick(ctx: Context, namespace: str, name: str, hld: HotLoadDeployment) -> JSON | None:
-    """The periodic check: one conditional GET of the ledger; roll up only when its head may
-    have moved, or when the last roll-up is older than `FULL_ROLLUP_SECONDS`."""
-    key = (namespace, name)
-    etag, last = ctx._ticks.get(key, (None, 0.0))
-    now = time.monotonic()
-    try:
-        bucket = await ctx.bucket(hld)
-        state = await Ledger(bucket, hld.spec.ledger or name_of(hld)).poll_async(etag)
-    except (BucketError, LedgerError) as err:
-        log.warning("cannot poll ledger %s: %s", ledger_url(hld), err)
-        state = None
-    changed = state is not None and state.etag != etag
-    if not changed and now - last < FULL_ROLLUP_SECONDS:
-        return None
-    ctx._ticks[key] = (state.etag if state is not None else etag, now)
-    return await rollup(ctx, namespace, name)
-
-
-async def _rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
-    path = resource_path(API_VERSION, DEPLOYMENT_PLURAL, namespace, name)
-    try:
-        body = await ctx.kube.get(path)
-    except KubeNotFoundError:
-        return None
-    hld = parse_deployment(body)
-    pods = (
-        await ctx.kube.list(
-            resource_path("v1", "pods", namespace), label_selector=selector_string(hld)
+    hld = record.hld
+    ctx._rolled_at[key] = time.monotonic()
+    with ctx.metrics.rollup_seconds.time():
+        reports = [r for r in cache.pods_of(key) if not r.deleting]
+        named = {i for r in reports for i in (r.identity, r.target) if i}
+        document = await ctx.ledgers.document(hld, max_age=ctx.poll_interval, wanted=named)
+        view = ctx.ledgers.view(hld)
+        head = document.head if document else None
+        entries = list(document.entries) if document else []
+        kept = document.adapters(hld.spec.adapters.max_loaded) if document else []
+        kept_adapters = [e.identity for e in kept]
+        previous = ctx.writer.previous(
+            DEPLOYMENT_PLURAL, key, record.status, record.resource_version
         )
-    ).get("items") or []
-    document = await _ledger_document(ctx, hld)
-    head = document.head if document else None
-    entries = list(document.entries) if document else []
-    kept = document.adapters(hld.spec.adapters.max_loaded) if document else []
-    kept_adapters = [e.identity for e in kept]
-    previous = body.get("status") or {}
-    status = rollup_deployment(hld, pods, head, entries, now=ctx.now(), previous=previous)
-    problem = ctx._problems.get((namespace, name))
-    if problem is not None:
-        # The pods say nothing about a spec that could not be applied: that outranks them.
-        status["conditions"] = set_condition(
-            status["conditions"],
-            CONDITION_DEGRADED,
-            True,
-            problem.reason,
-            problem.message,
-            generation=status.get("observedGeneration"),
+        causes = workload_causes(cache.workload(key))
+        problem = ctx._problems.get(key)
+        if problem is not None:
+            causes.insert(0, Cause(problem.reason, problem.message, problem.fix))
+        ledger = LedgerRead(
+            url=ledger_url(hld),
+            known=document is not None,
+            absent=view.absent,
+            problem=view.problem,
+        )
+        status = rollup_deployment(
+            hld,
+            reports,
+            head,
+            entries,
             now=ctx.now(),
+            previous=previous,
+            ledger=ledger,
+            causes=causes,
         )
-    # Top-level nulls in the merge patch remove stale fields; nested ones the server prunes.
-    if stored_form(status) != stored_form({k: previous.get(k) for k in status}):
-        await ctx.kube.patch(path + "/status", {"status": status}, "merge")
-    snaps = await ctx.kube.list(resource_path(API_VERSION, SNAPSHOT_PLURAL, namespace))
-    for item in snaps.get("items") or []:
-        if (item.get("spec") or {}).get("deployment") != name:
-            continue
-        snap = parse_snapshot(item)
-        update = rollup_snapshot(snap, hld, pods, head, now=ctx.now(), adapters=kept_adapters)
-        current = item.get("status") or {}
-        if update is None or stored_form(update) == stored_form(
-            {k: current.get(k) for k in update}
-        ):
-            continue
-        spath = resource_path(
-            API_VERSION, SNAPSHOT_PLURAL, namespace, str(snap.metadata["name"]), "status"
-        )
-        try:
-            await ctx.kube.patch(spath, {"status": update}, "merge")
-        except KubeNotFoundError:
-            continue
+        named |= {r_a.identity for r in reports for r_a in r.adapters}
+        named |= {i for i in (head.identity if head else None, hld.spec.pin) if i}
+        writes = [
+            ctx.writer.write(DEPLOYMENT_PLURAL, key, status, record.status, record.resource_version)
+        ]
+        for snap in cache.snapshots_of(key, named):
+            update = rollup_snapshot(
+                snap.snapshot, hld, reports, head, now=ctx.now(), adapters=kept_adapters
+            )
+            if update is not None:
+                writes.append(
+                    ctx.writer.write(
+                        SNAPSHOT_PLURAL,
+                        (snap.namespace, snap.name),
+                        update,
+                        snap.status,
+                        snap.resource_version,
+                    )
+                )
+        # Together: a burst's roll-ups wait on the API server, not on each other's writes.
+        await asyncio.gather(*writes)
+        await _announce(ctx, record.body, previous, status)
     return status
 
 
-async def _ledger_document(ctx: Context, hld: HotLoadDeployment) -> LedgerDocument | None:
-    try:
-        bucket = await ctx.bucket(hld)
-        state = await Ledger(bucket, hld.spec.ledger or name_of(hld)).read_async()
-    except (BucketError, LedgerError, KubeError) as err:
-        log.warning("cannot read ledger %s: %s", ledger_url(hld), err)
-        return None
-    return state.document
+async def _announce(ctx: Context, body: JSON, previous: JSON, status: JSON) -> None:
+    """One Warning Event for each problem that was not there at the last roll-up (a problem
+    that stays, however often it is rolled up, says nothing more; one that comes back raises
+    its Event's count)."""
+    before = {p.get("reason") for p in previous.get("problems") or []}
+    for problem in status.get("problems") or []:
+        if problem["reason"] in before:
+            continue
+        fix = f"; fix: {problem['fix']}" if problem.get("fix") else ""
+        await ctx.events.record(
+            involved_object(body), "Warning", problem["reason"], problem["message"] + fix
+        )
+
+
+#: Every deployment is rolled up at least this often even when nothing changed (level-triggered
+#: safety; it writes only what differs).
+RESYNC_SECONDS = 300.0
+
+
+async def poll(ctx: Context, namespace: str, name: str) -> None:
+    """The periodic check of one deployment: one conditional GET of its ledger (a roll-up when
+    the head moved), the apply retried while another field manager holds a field, and a roll-up
+    every `RESYNC_SECONDS`; then the next check is scheduled."""
+    key = (namespace, name)
+    record = ctx.fleet().deployment(key)
+    if record is None:
+        return
+    ctx.polls.request(key, ctx.poll_interval)
+    if apply.apply_retry_due(ctx, namespace, name) and ctx.respec is not None:
+        await ctx.respec(record.body)
+        return
+    moved = await ctx.ledgers.refresh(record.hld)
+    if moved or time.monotonic() - ctx._rolled_at.get(key, 0.0) >= RESYNC_SECONDS:
+        ctx.rollups.request(key, 0)
 
 
 def deployment_of_pod(body: JSON) -> str | None:
@@ -258,9 +331,13 @@ def deployment_of_pod(body: JSON) -> str | None:
 
 
 async def guarded(what: str, call: Callable[[], Awaitable[Any]]) -> Any:
-    """Run `call`, logging (not raising) API errors of background work."""
+    """Run `call`, logging (not raising) API errors of background work; a replica that just
+    lost the Lease skips its writes quietly (it is on its way out)."""
     try:
         return await call()
+    except NotLeadingError as err:
+        log.debug("%s skipped: %s", what, err)
+        return None
     except (KubeError, BucketError, LedgerError) as err:
         log.warning("%s failed: %s", what, err)
         return None

@@ -1,13 +1,12 @@
 """Roll per-replica reports up into `HotLoadDeployment.status` and `Snapshot.status` (pure).
 
-Each loader writes what its engine serves on its own pod (`hotload.dev/snapshot` annotation,
-`hotload.dev/SnapshotLoaded` condition). These functions read those pods, the ledger head and
-the previous status, and return the new status documents; they never call the API.
+Each loader writes what its engine serves on its own pod; `reports.read_pod` turns a pod into
+its `PodReport`. These functions take those reports, the ledger and what else the operator
+observed, and return the new status documents; they never call the API.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +15,6 @@ from typing import Any
 
 from hotload.api.models import HotLoadDeployment, Snapshot
 from hotload.api.names import (
-    ANNOTATION_SNAPSHOT,
     CONDITION_DEGRADED,
     CONDITION_PROGRESSING,
     CONDITION_READY,
@@ -24,89 +22,12 @@ from hotload.api.names import (
     SnapshotReasons,
 )
 from hotload.ledger import LedgerDocument, LedgerEntry, Target, pin_target
+from hotload_operator.causes import Cause, ordered
 from hotload_operator.conditions import format_time, get_condition, is_true, set_condition
 from hotload_operator.meta import generation_of
+from hotload_operator.reports import PodReport, replica_causes
 
 JSON = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class AdapterReport:
-    """One LoRA adapter on one replica, as its loader reports it."""
-
-    identity: str
-    status: str
-    load_seconds: float | None
-    message: str
-
-
-@dataclass(frozen=True)
-class PodReport:
-    """One replica as its pod shows it."""
-
-    pod: str
-    ready: bool
-    identity: str | None
-    sequence: int | None
-    state: str | None
-    target: str | None
-    message: str
-    total_seconds: float | None
-    load_seconds: float | None
-    deleting: bool = False
-    adapters: tuple[AdapterReport, ...] = ()
-
-    def adapter(self, identity: str) -> AdapterReport | None:
-        """This replica's report of adapter `identity`, if it has one."""
-        return next((a for a in self.adapters if a.identity == identity), None)
-
-
-def read_pod(pod: JSON) -> PodReport:
-    """Parse the loader's report from a pod (tolerating a missing or garbled annotation)."""
-    meta = pod.get("metadata") or {}
-    raw = (meta.get("annotations") or {}).get(ANNOTATION_SNAPSHOT)
-    try:
-        note = json.loads(raw) if raw else {}
-    except ValueError:
-        note = {}
-    if not isinstance(note, dict):
-        note = {}
-    last = note.get("lastLoad") if isinstance(note.get("lastLoad"), dict) else None
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    sequence = note.get("sequence")
-    return PodReport(
-        pod=str(meta.get("name", "")),
-        ready=is_true(conditions, "Ready"),
-        identity=note.get("identity") if isinstance(note.get("identity"), str) else None,
-        sequence=sequence if isinstance(sequence, int) else None,
-        state=note.get("state") if isinstance(note.get("state"), str) else None,
-        target=note.get("targetIdentity") if isinstance(note.get("targetIdentity"), str) else None,
-        message=str(note.get("lastError") or note.get("message") or ""),
-        total_seconds=_float(last.get("totalSeconds")) if last else None,
-        load_seconds=_float(last.get("loadSeconds")) if last else None,
-        deleting=bool(meta.get("deletionTimestamp")),
-        adapters=_adapters(note.get("adapters")),
-    )
-
-
-def _adapters(raw: Any) -> tuple[AdapterReport, ...]:
-    """The loader's adapter list, skipping entries that are not well formed."""
-    if not isinstance(raw, list):
-        return ()
-    out = []
-    for item in raw:
-        if not isinstance(item, dict) or not isinstance(item.get("identity"), str):
-            continue
-        status = item.get("status")
-        out.append(
-            AdapterReport(
-                identity=item["identity"],
-                status=status if status in ("loaded", "loading", "failed") else "loading",
-                load_seconds=_float(item.get("loadSeconds")),
-                message=str(item.get("message") or "")[:1024],
-            )
-        )
-    return tuple(out)
 
 
 def required_replicas(hld: HotLoadDeployment) -> int:
@@ -114,32 +35,85 @@ def required_replicas(hld: HotLoadDeployment) -> int:
     return max(1, math.ceil(hld.spec.replicas * hld.spec.ready_percent / 100))
 
 
+@dataclass(frozen=True)
+class LedgerRead:
+    """What the operator knows of a deployment's ledger, beyond its entries."""
+
+    #: Where it is (for messages).
+    url: str = ""
+    #: A copy was read at least once (else nothing can be said of the head).
+    known: bool = True
+    #: The last read found no ledger object: nothing was admitted yet.
+    absent: bool = False
+    #: Why the last read failed (None when it did not).
+    problem: Cause | None = None
+
+
+#: Causes that do not hold the base roll-out back (they still make the deployment Degraded).
+_NOT_BLOCKING = frozenset(
+    {DeploymentReasons.ADAPTER_FAILURES, DeploymentReasons.REPLICAS_UNAVAILABLE}
+)
+
+
 def rollup_deployment(
     hld: HotLoadDeployment,
-    pods: list[JSON],
+    pods: Sequence[PodReport],
     head: LedgerEntry | None,
     entries: list[LedgerEntry],
     *,
     now: datetime,
     previous: JSON | None = None,
+    ledger: LedgerRead | None = None,
+    causes: Sequence[Cause] = (),
 ) -> JSON:
-    """The new `HotLoadDeployment.status` from its pods and the ledger: the fleet's target is
-    the ledger head, or `spec.pin` when pinned."""
+    """The new `HotLoadDeployment.status` from its pods' reports, the ledger and what else the
+    operator observed (`causes`: the spec's problems, the owned Deployment's). The fleet's
+    target is the ledger head, or `spec.pin` when pinned; nothing is said of the head while the
+    ledger was never read, and every condition that is not fine names its cause, the most
+    fundamental first, as `status.problems` lists them all with their fixes."""
     from hotload_operator.meta import router_endpoint, selector_string
 
+    ledger = ledger or LedgerRead()
     goal = deployment_target(hld, head, entries)
     pinned = goal.mode == "Pinned"
-
-    reports = sorted((read_pod(p) for p in pods), key=lambda r: r.pod)
-    reports = [r for r in reports if not r.deleting]
+    reports = sorted((r for r in pods if not r.deleting), key=lambda r: r.pod)
     generation = generation_of(hld)
-    target = goal.identity
+    target = goal.identity if ledger.known else None
     updated = [r for r in reports if target is not None and r.identity == target]
     need = required_replicas(hld)
     sequences = {e.identity: e.sequence for e in entries}
     current = _current(reports, need, sequences)
     conditions: list[JSON] = list((previous or {}).get("conditions") or [])
     d = DeploymentReasons
+    if ledger.problem is not None:
+        # A bucket that cannot be read cannot take the pin either: one problem, not two.
+        causes = [c for c in causes if c.reason != d.PIN_WRITE_FAILED]
+    problems = ordered(
+        [*causes, *([ledger.problem] if ledger.problem else []), *replica_causes(reports, hld)]
+    )
+    unready = [r for r in reports if not r.ready]
+    available = len(reports) - len(unready)
+    if not problems and available < hld.spec.replicas - hld.spec.max_unavailable:
+        problems = [
+            Cause(
+                d.REPLICAS_UNAVAILABLE,
+                f"{available}/{hld.spec.replicas} replicas ready"
+                + (f" ({len(reports)} pods exist)" if len(reports) < hld.spec.replicas else ""),
+                "kubectl describe pod shows why the others are not ready",
+                tuple(r.pod for r in unready),
+            )
+        ]
+    # What holds the roll-out back: the first cause about the replicas themselves (a ledger read
+    # that failed after a copy was read leaves the fleet following that copy).
+    stale_ok = ledger.known
+    blocking = next(
+        (
+            c
+            for c in problems
+            if c.reason not in _NOT_BLOCKING and not (stale_ok and c is ledger.problem)
+        ),
+        None,
+    )
 
     def put(type_: str, status: bool | None, reason: str, message: str) -> None:
         nonlocal conditions
@@ -150,73 +124,78 @@ def rollup_deployment(
     newest = [e for e in entries if e.kind == "lora"]
     latest_adapter = newest[-1].identity if newest and hld.spec.adapters.enabled else None
     behind = [r for r in reports if target is not None and r.identity != target]
-    failed = [r for r in reports if r.state == "failed"]
-    unready = [r for r in reports if not r.ready]
-    if target is None:
-        put(CONDITION_READY, False, d.NO_SNAPSHOT, "the ledger has no snapshot yet")
-    elif goal.problem and len(updated) < need:
-        put(CONDITION_READY, False, d.PIN_NOT_IN_LEDGER, goal.problem)
-    elif len(updated) >= need:
-        all_there = len(updated) >= hld.spec.replicas
-        put(
-            CONDITION_READY,
-            True,
-            d.ALL_CURRENT if all_there else d.ENOUGH_CURRENT,
-            f"{len(updated)}/{hld.spec.replicas} replicas serve {target}"
-            + (" (pinned)" if pinned else ""),
-        )
-    else:
-        detail = "; ".join(f"{r.pod} serves {r.identity or 'nothing'}" for r in behind[:5])
+    missing = max(0, hld.spec.replicas - len(reports))
+    if not ledger.known:
+        why = ledger.problem
+        reason = why.reason if why else d.LEDGER_NOT_READ
+        detail = why.line() if why else f"ledger {ledger.url} was not read yet"
+        put(CONDITION_READY, None, reason, f"the target is not known: {detail}")
+        put(CONDITION_PROGRESSING, None, reason, f"the target is not known: {detail}")
+    elif target is None:
+        where = f"ledger {ledger.url}" if ledger.url else "the ledger"
         put(
             CONDITION_READY,
             False,
-            d.REPLICAS_BEHIND,
-            f"{len(updated)}/{hld.spec.replicas} replicas serve {target} (need {need})"
-            + (f": {detail}" if detail else ""),
+            d.NO_SNAPSHOT,
+            f"{where} has no snapshot yet"
+            + (" (it does not exist: nothing was admitted)" if ledger.absent else "")
+            + ": create a Snapshot for the operator to admit",
         )
-    if target is not None and (behind or len(reports) < hld.spec.replicas):
-        put(
-            CONDITION_PROGRESSING,
-            True,
-            d.ROLLING_OUT,
-            f"{len(behind)} replica(s) loading {target}, "
-            f"{max(0, hld.spec.replicas - len(reports))} not started",
-        )
+        put(CONDITION_PROGRESSING, False, d.NO_SNAPSHOT, "nothing to roll out: no snapshot yet")
     else:
-        put(
-            CONDITION_PROGRESSING,
-            False,
-            d.UP_TO_DATE,
-            f"every replica serves the pinned snapshot {target}"
-            if pinned
-            else "every replica serves the ledger head",
-        )
-    adapter_failures = [(r, a) for r in reports for a in r.adapters if a.status == "failed"]
-    if failed:
-        put(
-            CONDITION_DEGRADED,
-            True,
-            d.LOAD_FAILURES,
-            "; ".join(f"{r.pod}: {r.message}" for r in failed[:5])[:4000],
-        )
-    elif adapter_failures:
-        put(
-            CONDITION_DEGRADED,
-            True,
-            d.ADAPTER_FAILURES,
-            "; ".join(f"{r.pod}: {a.identity}: {a.message}" for r, a in adapter_failures[:5])[
-                :4000
-            ],
-        )
-    elif len(reports) - len(unready) < hld.spec.replicas - hld.spec.max_unavailable:
-        put(
-            CONDITION_DEGRADED,
-            True,
-            d.REPLICAS_UNAVAILABLE,
-            f"{len(reports) - len(unready)}/{hld.spec.replicas} replicas ready",
-        )
+        suffix = " (pinned)" if pinned else ""
+        if goal.problem and len(updated) < need:
+            put(CONDITION_READY, False, d.PIN_NOT_IN_LEDGER, goal.problem)
+        elif len(updated) >= need:
+            put(
+                CONDITION_READY,
+                True,
+                d.ALL_CURRENT if len(updated) >= hld.spec.replicas else d.ENOUGH_CURRENT,
+                f"{len(updated)}/{hld.spec.replicas} replicas serve {target}{suffix}",
+            )
+        else:
+            detail = "; ".join(f"{r.pod} serves {r.identity or 'nothing'}" for r in behind[:5])
+            if blocking is not None:
+                reason, cause = blocking.reason, f": {blocking.line()}"
+            elif not reports:
+                reason, cause = d.NO_REPLICAS, ": no replica pod exists yet"
+            else:
+                reason, cause = d.REPLICAS_BEHIND, f": {detail}" if detail else ""
+            put(
+                CONDITION_READY,
+                False,
+                reason,
+                f"{len(updated)}/{hld.spec.replicas} replicas serve {target}{suffix} "
+                f"(need {need}){cause}",
+            )
+        if not behind and not missing:
+            put(
+                CONDITION_PROGRESSING,
+                False,
+                d.UP_TO_DATE,
+                f"every replica ({len(reports)}/{hld.spec.replicas}) serves {target}{suffix}",
+            )
+        elif blocking is not None:
+            put(
+                CONDITION_PROGRESSING,
+                False,
+                blocking.reason,
+                f"the roll-out of {target} is held back: {blocking.line()}",
+            )
+        else:
+            put(
+                CONDITION_PROGRESSING,
+                True,
+                d.ROLLING_OUT,
+                f"{len(behind)} replica(s) loading {target}, {missing} not started",
+            )
+    if problems:
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more: see status.problems)" if len(problems) > 1 else ""
+        put(CONDITION_DEGRADED, True, first.reason, first.line()[:3900] + more)
     else:
         put(CONDITION_DEGRADED, False, d.HEALTHY, "")
+    failures = {r.pod: r for r in reports if r.state == "failed"}
     status: JSON = {
         "observedGeneration": generation,
         "conditions": conditions,
@@ -227,7 +206,7 @@ def rollup_deployment(
         "currentSequence": sequences.get(current) if current else None,
         "mode": goal.mode,
         "targetSnapshot": target,
-        "targetSequence": goal.entry.sequence if goal.entry else None,
+        "targetSequence": goal.entry.sequence if goal.entry and target else None,
         "replicaStatuses": [
             {
                 "pod": r.pod,
@@ -237,7 +216,12 @@ def rollup_deployment(
                 "ready": r.ready,
                 "state": r.state,
                 "lastLoadSeconds": r.total_seconds,
-                "message": r.message[:4096] if r.state == "failed" else "",
+                "reason": r.problem.reason
+                if r.problem
+                else (r.failure_reason if r.pod in failures else None),
+                "message": (
+                    r.problem.message if r.problem else r.message if r.pod in failures else ""
+                )[:4096],
                 "adapters": [
                     {
                         "identity": a.identity,
@@ -258,6 +242,7 @@ def rollup_deployment(
         ),
         "selector": selector_string(hld),
         "routerEndpoint": router_endpoint(hld),
+        "problems": [c.to_json() for c in problems[:16]],
     }
     return status
 
@@ -287,7 +272,7 @@ def _current(reports: list[PodReport], need: int, sequences: dict[str, int]) -> 
 def rollup_snapshot(
     snap: Snapshot,
     hld: HotLoadDeployment,
-    pods: list[JSON],
+    pods: Sequence[PodReport],
     head: LedgerEntry | None,
     *,
     now: datetime,
@@ -302,7 +287,7 @@ def rollup_snapshot(
         return None
     identity = snap.spec.identity
     sequence = int(status["sequence"])
-    reports = [r for r in map(read_pod, pods) if not r.deleting]
+    reports = [r for r in pods if not r.deleting]
     lora = status.get("kind") == "lora" or snap.spec.kind == "lora"
     superseded_by: str | None = None
     if lora:
@@ -390,7 +375,17 @@ def _failure(r: PodReport, adapter: str | None) -> str:
     return a.message if a is not None else r.message
 
 
-def _float(value: Any) -> float | None:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    return None
+def snapshot_settled(status: JSON) -> bool:
+    """Whether a Snapshot's status is final unless a replica names it again: refused, or
+    superseded with no replica serving it and no failure listed (not yet decided counts as
+    settled too: admission, not the roll-up, moves it)."""
+    conditions = status.get("conditions")
+    if not is_true(conditions, "Accepted"):
+        return True
+    ready = get_condition(conditions, "Ready")
+    return (
+        ready is not None
+        and ready.get("reason") == SnapshotReasons.SUPERSEDED
+        and not status.get("replicasLoaded")
+        and not status.get("failures")
+    )

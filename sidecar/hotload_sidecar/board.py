@@ -4,6 +4,8 @@ in the `SnapshotLoaded` condition, updates the gauges and hands the status to th
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from hotload.errors import HotloadError
@@ -16,6 +18,46 @@ from hotload_sidecar.status import ReplicaStatus, Reporter, condition
 log = logging.getLogger("hotload_sidecar.loader")
 
 
+class BehindClock:
+    """How long a replica has been behind (`hotload_loader_behind_seconds`): since it first saw
+    a target (the ledger head, or the pin) that the engine has not served since.
+
+    Every target seen while behind is kept with when it was first seen; serving one drops it
+    and those seen before it. A replica that keeps loading but never catches up with a fast
+    ledger is measured from the oldest target it has not reached (never reset by a load that
+    is already superseded), and one that serves its target reads 0. So does one whose engine
+    serves nothing yet: a starting replica is unavailable (not Ready), not serving old weights,
+    and its first load may rightly take longer than any update. A monotonic clock: the wall
+    clock moving does not move it."""
+
+    #: Targets remembered at most (a replica stuck for days behind a fast ledger): past it the
+    #: second oldest is forgotten. The reading stays right while the oldest waits; once it is
+    #: served, the next may read a few seconds short (the forgotten target was seen earlier).
+    KEEP = 256
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        #: (identity, first seen) of the targets not served since, oldest first.
+        self._pending: list[tuple[str, float]] = []
+
+    def observe(self, served: str | None, target: str | None) -> None:
+        """Note what the engine serves and what the loader moves towards now."""
+        if served is None or target is None or target == served:
+            self._pending.clear()
+            return
+        seen = [identity for identity, _ in self._pending]
+        if served in seen:
+            del self._pending[: seen.index(served) + 1]
+        if all(identity != target for identity, _ in self._pending):
+            self._pending.append((target, self._clock()))
+            if len(self._pending) > self.KEEP:
+                del self._pending[1]
+
+    def seconds(self) -> float:
+        """Seconds since the oldest target not served was first seen (0 when not behind)."""
+        return self._clock() - self._pending[0][1] if self._pending else 0.0
+
+
 class StatusBoard:
     """One replica's status, published on every change; reporting never stops loading."""
 
@@ -25,12 +67,17 @@ class StatusBoard:
         self.status = ReplicaStatus()
         #: Whether the engine answered its last health check (the condition's first input).
         self.engine_live = True
+        self.behind = BehindClock()
+        # Read at each scrape: a loader stuck in a long fetch publishes nothing meanwhile.
+        metrics.behind_seconds.set_function(self.behind.seconds)
 
     async def set(self, *, target: LedgerEntry | None = None, **changes: Any) -> None:
         """Apply `changes` (and `target`'s identity and sequence) and publish."""
         if target is not None:
             changes["target_identity"] = target.identity
             changes["target_sequence"] = target.sequence
+        if changes.get("last_error") == "":
+            changes.setdefault("failure_reason", "")  # the failure's reason goes with it
         status = self.status.evolve(**changes)
         moved = "state" not in changes and status.target_identity != self.status.target_identity
         if status.state == "failed" and (status.loaded or moved):
@@ -38,6 +85,11 @@ class StatusBoard:
             # must not read as failing the new target (roll-ups attribute failures by target).
             status = status.evolve(state="idle")
         await self.publish(status)
+
+    async def failed(self, message: str, reason: str) -> None:
+        """Publish a failed update: its message, kept as the last error, and why
+        (`LoadFailureReasons`)."""
+        await self.set(state="failed", message=message, last_error=message, failure_reason=reason)
 
     async def record_build(self, built: BuildResult) -> None:
         """Count and log a finished build; one resumed from the volume is also reported."""
@@ -54,6 +106,7 @@ class StatusBoard:
         ready, reason = condition(status, engine_live=self.engine_live)
         status = status.evolve(ready=ready, reason=reason, updated_time=format_time(utc_now()))
         self.status = status
+        self.behind.observe(status.identity, status.target_identity)
         self.metrics.staleness.set(status.staleness)
         if status.sequence is not None:
             self.metrics.served_sequence.set(status.sequence)

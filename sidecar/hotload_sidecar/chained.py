@@ -114,7 +114,7 @@ class ChainedUpdates:
             return outcome.reason
         self.metrics.engine_load_seconds.observe(done.timings.load_seconds)
         self.metrics.engine_pause_seconds.observe(done.timings.pause_seconds)
-        self.metrics.update_seconds.observe(done.timings.total_seconds)
+        self.metrics.observe_serving(done.timings.total_seconds, target.published_time)
         self.metrics.loads.labels("sparse").inc()
         await self._served(done.result.served, done.timings)
         await self.reporter.event("Normal", "SnapshotLoaded", done.summary())

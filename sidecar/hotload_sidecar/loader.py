@@ -377,7 +377,7 @@ class Loader(ChainedUpdates):
         timings = replace(built.timings, sparse_fallback=fallback)
         ok = await self._load(target, built.path, policy, timings)
         if ok:
-            self.metrics.update_seconds.observe(time.perf_counter() - started)
+            self.metrics.observe_serving(time.perf_counter() - started, target.published_time)
             self._collect(target)
         return ok
 
@@ -447,11 +447,11 @@ class Loader(ChainedUpdates):
     async def _failed(self, stage: str, err: BaseException, target: LedgerEntry) -> None:
         message = f"{stage} of {target.identity} failed: {err}"
         log.error("%s", message)
-        self.metrics.observe_failure(stage, err)
+        why = self.metrics.observe_failure(stage, err)
         self.backoff.failed(target.identity)
         reason = "RebuildFailed" if stage == "rebuild" else "EngineRejectedLoad"
         await self.reporter.event("Warning", reason, message)
-        await self.board.set(state="failed", message=message, last_error=message)
+        await self.board.failed(message, why)
 
     # --- status ----------------------------------------------------------------------------------
 

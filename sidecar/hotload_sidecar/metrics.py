@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from hotload.errors import ChecksumMismatchError, CorruptDeltaError
+from hotload.ledger.fields import utc_now
 from hotload.metrics import MetricSet
 from hotload_sidecar.materialize import BuildResult, MaterializeError
 
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+# Publish to serving includes waiting for the poll and any backoff: up to an hour is news.
+_PUBLISH_SECONDS = (*_SECONDS, 1800, 3600)
+
+# Label values created at zero when a loader starts: `increase()` in an alert misses the
+# first increment of a series that appears with it (a fresh series has no earlier sample).
+FAILURE_STAGES = ("rebuild", "engine", "ledger", "pin", "compact")
+LOAD_METHODS = ("full", "sparse")
+# The reasons the loader itself gives (engines' refusals add their own, such as
+# engine_unsupported or parent_mismatch, when they first happen).
+SPARSE_FALLBACK_REASONS = (
+    "too_dense",
+    "needs_parent",
+    "delta_not_verified",
+    "fetch_failed",
+    "engine_failed",
+)
 
 
 class LoaderMetrics(MetricSet):
@@ -44,6 +63,12 @@ class LoaderMetrics(MetricSet):
             "hotload_loader_update_seconds",
             "Seconds from seeing a new ledger head to the engine serving it",
             _SECONDS,
+        )
+        self.publish_to_serving_seconds = self.histogram(
+            "hotload_loader_publish_to_serving_seconds",
+            "Seconds from a snapshot's publishedTime in the ledger to the engine serving it "
+            "(the publisher's clock against the loader's)",
+            _PUBLISH_SECONDS,
         )
         self.checksum_failures = self.counter(
             "hotload_loader_checksum_failures",
@@ -110,6 +135,23 @@ class LoaderMetrics(MetricSet):
         self.ledger_reachable = self.gauge(
             "hotload_loader_ledger_reachable", "1 if the last ledger poll succeeded"
         )
+        self.behind_seconds = self.gauge(
+            "hotload_loader_behind_seconds",
+            "Seconds since the loader first saw a target (the ledger head, or the pin) that the "
+            "engine has not served since; 0 while it serves its target, or nothing yet",
+        )
+        for stage in FAILURE_STAGES:
+            self.failures.labels(stage)
+        for method in LOAD_METHODS:
+            self.loads.labels(method)
+        for reason in SPARSE_FALLBACK_REASONS:
+            self.sparse_fallbacks.labels(reason)
+
+    def observe_serving(self, seconds: float, published: datetime) -> None:
+        """Count an update that took `seconds` and serves a new target now, `published` (its
+        ledger publishedTime) ago; a publisher's clock ahead of this one counts as 0."""
+        self.update_seconds.observe(seconds)
+        self.publish_to_serving_seconds.observe(max(0.0, (utc_now() - published).total_seconds()))
 
     def observe_engine(self, counters: dict[str, int], last_scrub: float | None) -> None:
         """Mirror the engine's counters and its last scrub pass."""
@@ -135,8 +177,9 @@ class LoaderMetrics(MetricSet):
             self.rebuild_seconds.observe(t.rebuild_seconds)
             self.verify_seconds.observe(t.verify_seconds)
 
-    def observe_failure(self, stage: str, err: BaseException) -> None:
-        """Count a failed update at `stage`, with the corruption it detected and its fallback."""
+    def observe_failure(self, stage: str, err: BaseException) -> str:
+        """Count a failed update at `stage`, with the corruption it detected and its fallback;
+        return why it failed (`failure_reason`)."""
         self.failures.labels(stage).inc()
         if isinstance(err, MaterializeError):
             # Both attempts of a fallback may have met bad bytes: count each detection.
@@ -145,3 +188,39 @@ class LoaderMetrics(MetricSet):
             self.checksum_failures.inc()
         if isinstance(err, MaterializeError) and err.fallback:
             self.fallbacks.inc()
+        return failure_reason(stage, err)
+
+
+def failure_reason(stage: str, err: BaseException) -> str:
+    """Why a load failed, one of `LoadFailureReasons` (the operator reports it per replica):
+    from the error and what caused it."""
+    import errno
+
+    from hotload.api.names import LoadFailureReasons as F
+    from hotload.errors import (
+        BucketError,
+        ChecksumMismatchError,
+        CorruptDeltaError,
+        EngineError,
+        WrongParentError,
+    )
+
+    chain: list[BaseException] = []
+    seen: BaseException | None = err
+    while seen is not None and len(chain) < 16:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for e in chain:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return F.VOLUME_FULL
+        if isinstance(e, ChecksumMismatchError) or getattr(e, "corruptions", None):
+            return F.CHECKSUM_MISMATCH
+        if isinstance(e, CorruptDeltaError):
+            return F.CORRUPT_DELTA
+        if isinstance(e, WrongParentError):
+            return F.CHAIN_BROKEN
+        if isinstance(e, EngineError):
+            return F.ENGINE_REFUSED
+        if isinstance(e, BucketError):
+            return F.BUCKET_UNREACHABLE
+    return F.ENGINE_REFUSED if stage == "engine" else F.LOAD_FAILED

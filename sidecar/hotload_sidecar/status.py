@@ -120,8 +120,9 @@ class ReplicaStatus:
     message: str = ""
     #: The last completed update.
     last_load: LoadTimings | None = None
-    #: The last failure, kept until a later update succeeds.
+    #: The last failure, kept until a later update succeeds, and why (`LoadFailureReasons`).
     last_error: str = ""
+    failure_reason: str = ""
     #: Whether the ledger answered the latest poll, and when it last did (RFC 3339).
     ledger_reachable: bool = True
     last_poll_time: str | None = None
@@ -190,6 +191,7 @@ class ReplicaStatus:
             "reason": self.reason,
             "message": self.message,
             "lastError": self.last_error,
+            "failureReason": self.failure_reason or None,
             "ledgerReachable": self.ledger_reachable,
             "lastPollTime": self.last_poll_time,
             "updatedTime": self.updated_time,

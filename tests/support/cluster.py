@@ -59,6 +59,8 @@ class Lane:
     collector_ready: threading.Event = field(default_factory=threading.Event)
     #: Set when the session ends (background work on the cluster stops).
     closing: threading.Event = field(default_factory=threading.Event)
+    #: The API server's audit log (`AUDIT_POLICY`), on the control plane the session started.
+    audit_log: Path | None = None
 
     @property
     def real(self) -> bool:
@@ -114,7 +116,8 @@ def session_lane(state_dir: Path) -> Iterator[Lane]:
             "see tests/README.md)",
         )
         return
-    kubeconfig = start_cluster(script, state_dir)
+    audit_log = state_dir / "audit.log"
+    kubeconfig = start_cluster(script, state_dir, audit_log=audit_log)
     lane: Lane | None = None
     try:
         version = server_version(kubeconfig)
@@ -122,6 +125,7 @@ def session_lane(state_dir: Path) -> Iterator[Lane]:
             kubeconfig,
             f"Kubernetes API: real kube-apiserver {version} from {script.parent} "
             "(started for this session)",
+            audit_log=audit_log,
         )
         _probe_collector(lane)
         yield lane
@@ -131,14 +135,75 @@ def session_lane(state_dir: Path) -> Iterator[Lane]:
         stop_cluster(script, state_dir)
 
 
-def start_cluster(script: Path, state_dir: Path) -> Path:
-    """`cluster.sh up` into `state_dir` (binaries from the shared cache); the kubeconfig."""
+#: What the session's API server writes to its audit log: who wrote hotload status, who took
+#: the operator's Lease, who applied a Deployment, and who listed what hotload rolls up (tests
+#: read it to prove that two operator replicas never write at once, that a takeover applies
+#: nothing already in place and that roll-ups list nothing). Metadata only.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {
+            "level": "Metadata",
+            "verbs": ["patch", "update", "create"],
+            "resources": [
+                {
+                    "group": "hotload.dev",
+                    "resources": ["hotloaddeployments/status", "snapshots/status"],
+                },
+                {"group": "coordination.k8s.io", "resources": ["leases"]},
+            ],
+        },
+        {
+            "level": "Metadata",
+            "verbs": ["patch"],
+            "resources": [{"group": "apps", "resources": ["deployments"]}],
+        },
+        {
+            "level": "Metadata",
+            "verbs": ["list"],
+            "resources": [
+                {"group": "hotload.dev", "resources": ["hotloaddeployments", "snapshots"]},
+                {"group": "", "resources": ["pods"]},
+            ],
+        },
+        {"level": "None"},
+    ],
+}
+
+
+def start_cluster(
+    script: Path,
+    state_dir: Path,
+    *,
+    audit_log: Path | None = None,
+    audit_policy: dict[str, object] | None = None,
+    kcm_args: str = "",
+) -> Path:
+    """`cluster.sh up` into `state_dir` (binaries from the shared cache); the kubeconfig. With
+    `audit_log`, the API server writes what `audit_policy` (default `AUDIT_POLICY`) names there
+    (JSON lines); `kcm_args` go to the controller-manager."""
     state_dir.mkdir(parents=True, exist_ok=True)
     BIN_CACHE.mkdir(parents=True, exist_ok=True)
     link = state_dir / "bin"
     if not link.exists():
         link.symlink_to(BIN_CACHE)
     env = dict(os.environ, PYTHON=sys.executable)  # it unpacks with `zstandard` from the venv
+    if audit_log is not None:
+        policy = state_dir / "audit-policy.yaml"
+        policy.write_text(yaml.safe_dump(audit_policy or AUDIT_POLICY))
+        env["HOTLOAD_K8S_APISERVER_ARGS"] = " ".join(
+            [
+                env.get("HOTLOAD_K8S_APISERVER_ARGS", ""),
+                f"--audit-policy-file={policy}",
+                f"--audit-log-path={audit_log}",
+                "--audit-log-format=json",
+                "--audit-log-maxsize=500",
+            ]
+        ).strip()
+    if kcm_args:
+        env["HOTLOAD_K8S_KCM_ARGS"] = f"{env.get('HOTLOAD_K8S_KCM_ARGS', '')} {kcm_args}".strip()
     # Two sessions unpacking into the shared cache at once would race on the same temp files.
     with open(BIN_CACHE.parent / "unpack.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -105,6 +105,19 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: floa
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last: {last!r})")
 
 
+def publish_corrupted_delta(
+    ledger: Ledger, parent: Path, child: Path, folder: Path, *, identity: str, parent_identity: str
+) -> None:
+    """Publish the delta `parent` -> `child` (encoded into `folder`) as `identity`, with one
+    byte of its largest shard flipped (corrupted before it was published): a loader refuses it."""
+    encode(parent, child, folder, parent_identity=parent_identity)
+    shard = max(folder.glob("model-*.safetensors"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    publish_folder(ledger, folder, identity=identity)
+
+
 @dataclass
 class Trainer:
     """Publishes step `i` of a list of full snapshot folders as identity `step-<i>`: the folder

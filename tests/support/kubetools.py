@@ -25,11 +25,12 @@ INSTALL_HINT = (
 )
 
 
-def tool_path(name: str) -> Path:
-    """`.tools/bin/<name>`, or fail the test with what to install."""
+def tool_path(name: str, hint: str = INSTALL_HINT) -> Path:
+    """`.tools/bin/<name>`, or fail the test with what to install (`hint`, formatted with the
+    tool and the path)."""
     path = TOOLS_BIN / name
     if not (path.is_file() and os.access(path, os.X_OK)):
-        pytest.fail(INSTALL_HINT.format(tool=name, path=path), pytrace=False)
+        pytest.fail(hint.format(tool=name, path=path), pytrace=False)
     return path
 
 

@@ -8,39 +8,45 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
 from hotload.errors import KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
-from hotload_sidecar.kube_report import build_condition, build_pod_metadata_patch
+from hotload_sidecar.kube_report import build_report_patch
 from hotload_sidecar.status import LoadTimings, ReplicaStatus
 from support.kubeapi import KubeAPI, emulated
+
+if TYPE_CHECKING:
+    from hotload_operator.runtime import Operator
 
 JSON = dict[str, Any]
 
 
 @contextlib.asynccontextmanager
-async def running_operator(kube_api: KubeAPI) -> AsyncIterator[None]:
-    """The operator (all its handlers) watching the test namespace until the block ends."""
-    import kopf
-
-    import hotload_operator.handlers  # noqa: F401  (registers the handlers)
+async def running_operator(kube_api: KubeAPI, **settings: Any) -> AsyncIterator[Operator]:
+    """The operator (caches, roll-ups and kopf's handlers, as `python -m hotload_operator
+    --standalone` runs them) watching the test namespace until the block ends; `settings`
+    override `runtime.Settings` fields."""
+    from hotload_operator.runtime import Settings, run
 
     stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    ready = asyncio.Event()
-    task = asyncio.create_task(
-        kopf.operator(
-            standalone=True,
-            clusterwide=False,
-            namespaces=[kube_api.namespace],
-            stop_flag=stop,
-            ready_flag=ready,
-        )
-    )
+    started: asyncio.Future[Operator] = asyncio.get_running_loop().create_future()
+    # Credentials from $KUBECONFIG, as kopf's login finds them (tests point it at an admin's
+    # or at a service account's kubeconfig).
+    settings.setdefault("namespaces", (kube_api.namespace,))
+    config = Settings(**settings)
+    task = asyncio.create_task(run(config, stop=stop, started=started))
     try:
-        await asyncio.wait_for(ready.wait(), 30)
-        yield
+        op = await asyncio.wait_for(asyncio.shield(started), 30)
+        ready = asyncio.create_task(op.ready.wait())
+        done, _ = await asyncio.wait({ready, task}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()
+        if ready not in done:
+            ready.cancel()
+            raise AssertionError("the operator did not become ready within 30 s")
+        yield op
     finally:
         if not stop.done():
             stop.set_result(None)
@@ -61,6 +67,31 @@ async def eventually(
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
         await asyncio.sleep(interval)
+
+
+def hld_body(name: str, bucket_dir: Any, replicas: int = 1) -> JSON:
+    """A HotLoadDeployment `name` of `replicas` on a `file://` bucket, as a platform team
+    applies it."""
+    return {
+        "apiVersion": "hotload.dev/v1alpha1",
+        "kind": "HotLoadDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "bucket": {"url": f"file://{bucket_dir}"},
+            "engine": {"image": "registry.example/engine:1"},
+        },
+    }
+
+
+def snapshot_body(name: str, deployment: str, identity: str | None = None) -> JSON:
+    """A Snapshot object as a trainer creates it (its identity defaults to its name)."""
+    return {
+        "apiVersion": "hotload.dev/v1alpha1",
+        "kind": "Snapshot",
+        "metadata": {"name": name},
+        "spec": {"deployment": deployment, "identity": identity or name},
+    }
 
 
 def hld_path(ns: str, name: str | None = None, sub: str | None = None) -> str:
@@ -128,24 +159,18 @@ async def play_loader(
     *,
     ready: bool | None = None,
 ) -> None:
-    """Write what a loader (and the kubelet's Ready) would write on `pod`."""
-    await kube.patch(
-        resource_path("v1", "pods", ns, pod), build_pod_metadata_patch(status), "strategic"
-    )
-    conditions: list[JSON] = [build_condition(status, _now(), None)]
+    """Write what a loader (and the kubelet's Ready) would write on `pod`: the loader's one
+    report (`build_report_patch`), with the kubelet's Ready condition in the same request."""
+    patch = build_report_patch(status, _now(), None)
     if ready is not None:
-        conditions.append(
+        patch["status"]["conditions"].append(
             {
                 "type": "Ready",
                 "status": "True" if ready else "False",
                 "lastTransitionTime": _now_text(),
             }
         )
-    await kube.patch(
-        resource_path("v1", "pods", ns, pod, "status"),
-        {"status": {"conditions": conditions}},
-        "strategic",
-    )
+    await kube.patch(resource_path("v1", "pods", ns, pod, "status"), patch, "strategic")
 
 
 def serving(

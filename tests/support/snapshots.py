@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from hotload.arc import encode
-from hotload.snapshot import write_snapshot
+from hotload.bucket import open_bucket, upload_snapshot_async
+from hotload.snapshot import describe_snapshot, write_snapshot
 
 CONFIG = {"model_type": "toy", "hidden_size": 64}
 
@@ -83,3 +84,16 @@ def chain(root: Path, steps: int) -> list[Path]:
         folders.append(delta(previous_full, cur_full, root / f"s{i}"))
         previous_full = cur_full
     return folders
+
+
+async def upload(bucket_dir: Path, folder: Path) -> None:
+    """The trainer's part: every file of snapshot `folder` in the bucket (under the folder's
+    name) before the Snapshot object exists."""
+    desc = describe_snapshot(folder)
+    await upload_snapshot_async(
+        folder,
+        open_bucket(str(bucket_dir)),
+        folder.name,
+        files=desc.files,
+        manifest_files=desc.manifest_files,
+    )

@@ -163,8 +163,11 @@ class VLLMServer:
         if python is None:
             raise RuntimeError(INSTALL_HINT)
         port = port or free_port()
+        # The main venv's variables must not leak into vLLM's interpreter (`extra_env` may set
+        # PYTHONPATH: the extension's shipped copy).
+        base = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
         env = {
-            **os.environ,
+            **base,
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
             # Everything is local: never reach for a hub, never send usage stats.
@@ -175,9 +178,6 @@ class VLLMServer:
             "PYTHONUNBUFFERED": "1",
             **(extra_env or {}),
         }
-        # The main venv's variables must not leak into vLLM's interpreter.
-        env.pop("VIRTUAL_ENV", None)
-        env.pop("PYTHONPATH", None)
         cmd = [
             str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--dtype", "float32",
@@ -189,8 +189,15 @@ class VLLMServer:
         log = open(log_path, "wb")  # noqa: SIM115  (closed in stop())
         t0 = time.monotonic()
         # A new session makes vLLM and its engine-core child one process group to kill.
+        # Started outside the repository: `python -m` puts its working directory first on the
+        # path, which would import this checkout's hotload_patch instead of the shipped copy.
         process = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=log_path.parent,
+            start_new_session=True,
         )
         server = cls(process, f"http://127.0.0.1:{port}", str(model_dir), log_path, _log=log)
         try:

@@ -58,3 +58,11 @@ the chart's appVersion. Call with (dict "image" .Values.image "chart" .Chart). *
   name: {{ include "hotload.serviceAccountName" . }}
   namespace: {{ .Release.Namespace }}
 {{- end }}
+
+{{/* An alert's labels: its severity, then alerts.alertLabels. Call with (list $ "warning"). */}}
+{{- define "hotload.alertLabels" -}}
+severity: {{ index . 1 }}
+{{- with (index . 0).Values.alerts.alertLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}

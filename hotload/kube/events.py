@@ -1,0 +1,153 @@
+"""Kubernetes Events, recorded the way the kubelet records them: one Event per distinct
+(object, type, reason, message), whose `count` and `lastTimestamp` grow when it happens again,
+instead of a new Event per occurrence.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from hotload.errors import KubeError, KubeForbiddenError, KubeNotFoundError
+from hotload.kube.client import KubeClient, resource_path
+
+log = logging.getLogger("hotload.kube.events")
+
+JSON = dict[str, Any]
+EventType = Literal["Normal", "Warning"]
+#: The API server refuses Event messages longer than this.
+EVENT_MESSAGE_LIMIT = 1024
+
+
+def format_kube_time(value: datetime) -> str:
+    """A Kubernetes timestamp: RFC 3339 in UTC, to the second, with a `Z` suffix."""
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def involved_object(obj: JSON) -> JSON:
+    """The `involvedObject` reference of an API object (apiVersion, kind, name, namespace,
+    uid where known)."""
+    meta = obj.get("metadata") or {}
+    ref: JSON = {
+        "apiVersion": obj.get("apiVersion", "v1"),
+        "kind": obj.get("kind", ""),
+        "name": meta.get("name", ""),
+        "namespace": meta.get("namespace", ""),
+    }
+    if meta.get("uid"):
+        ref["uid"] = meta["uid"]
+    return ref
+
+
+def build_event(  # noqa: PLR0917 - the positional order mirrors the Event's fields
+    involved: JSON,
+    type_: EventType,
+    reason: str,
+    message: str,
+    now: datetime,
+    component: str,
+    instance: str,
+) -> JSON:
+    """A core v1 Event about `involved` (an `involved_object` reference), with count 1."""
+    stamp = format_kube_time(now)
+    name = str(involved.get("name") or "object")
+    # Named like the kubelet's Events: the object's name and a unique nanosecond suffix.
+    suffix = f"{int(now.timestamp() * 1e9):x}"
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {
+            "name": f"{name[: 252 - len(suffix)]}.{suffix}",
+            "namespace": involved.get("namespace") or "default",
+        },
+        "involvedObject": dict(involved),
+        "type": type_,
+        "reason": reason,
+        "message": message[:EVENT_MESSAGE_LIMIT],
+        "source": {"component": component},
+        "reportingComponent": component,
+        "reportingInstance": instance,
+        "count": 1,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+    }
+
+
+class EventRecorder:
+    """Creates Events, and bumps the count of the same Event written before (kept for the last
+    `keep` distinct ones). Never raises on API failures: an Event is a courtesy, it logs."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        component: str,
+        instance: str,
+        *,
+        clock: Callable[[], datetime] | None = None,
+        keep: int = 256,
+    ) -> None:
+        self._client = client
+        self.component = component
+        self.instance = instance
+        self._clock = clock or (lambda: datetime.now(UTC))
+        self._keep = keep
+        self._written: OrderedDict[tuple[str, ...], JSON] = OrderedDict()
+        self._can_patch = True
+
+    async def record(self, involved: JSON, type_: EventType, reason: str, message: str) -> None:
+        """Record that `reason: message` happened to `involved` (an `involved_object`)."""
+        now = self._clock()
+        key = (
+            str(involved.get("uid") or ""),
+            str(involved.get("namespace") or ""),
+            str(involved.get("name") or ""),
+            type_,
+            reason,
+            message[:EVENT_MESSAGE_LIMIT],
+        )
+        previous = self._written.get(key)
+        try:
+            if previous is not None and self._can_patch:
+                try:
+                    written = await self._bump(previous, now)
+                except KubeNotFoundError:  # expired (Events live about an hour): start anew
+                    written = await self._create(involved, type_, reason, message, now)
+                except KubeForbiddenError:
+                    # A Role that grants only `create` on events: one Event per occurrence.
+                    self._can_patch = False
+                    written = await self._create(involved, type_, reason, message, now)
+            else:
+                written = await self._create(involved, type_, reason, message, now)
+        except KubeError as exc:
+            log.warning(
+                "cannot record event %s on %s %s/%s: %s",
+                reason,
+                involved.get("kind"),
+                involved.get("namespace"),
+                involved.get("name"),
+                exc,
+            )
+            return
+        self._written[key] = written
+        self._written.move_to_end(key)
+        while len(self._written) > self._keep:
+            self._written.popitem(last=False)
+
+    async def _create(
+        self, involved: JSON, type_: EventType, reason: str, message: str, now: datetime
+    ) -> JSON:
+        body = build_event(involved, type_, reason, message, now, self.component, self.instance)
+        path = resource_path("v1", "events", body["metadata"]["namespace"])
+        return await self._client.create(path, body)
+
+    async def _bump(self, previous: JSON, now: datetime) -> JSON:
+        meta = previous["metadata"]
+        patch = {
+            "count": int(previous.get("count") or 1) + 1,
+            "lastTimestamp": format_kube_time(now),
+        }
+        path = resource_path("v1", "events", meta["namespace"], meta["name"])
+        return await self._client.patch(path, patch, "merge")

@@ -1,0 +1,158 @@
+"""What a replica's pod says (pure): the loader's report (the `hotload.dev/snapshot` annotation,
+the `hotload.dev/SnapshotLoaded` condition, the kubelet's Ready), what the scheduler and the
+kubelet write when it does not run, and the problems those make for its deployment."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hotload.api.models import HotLoadDeployment
+from hotload.api.names import ANNOTATION_SNAPSHOT, DeploymentReasons
+from hotload_operator.causes import LOAD_FIXES, Cause, load_failure_reason, pod_problem
+from hotload_operator.conditions import is_true
+
+JSON = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AdapterReport:
+    """One LoRA adapter on one replica, as its loader reports it."""
+
+    identity: str
+    status: str
+    load_seconds: float | None
+    message: str
+
+
+@dataclass(frozen=True)
+class PodReport:
+    """One replica as its pod shows it."""
+
+    pod: str
+    ready: bool
+    identity: str | None
+    sequence: int | None
+    state: str | None
+    target: str | None
+    message: str
+    total_seconds: float | None
+    load_seconds: float | None
+    deleting: bool = False
+    adapters: tuple[AdapterReport, ...] = ()
+    #: What the scheduler or the kubelet says keeps the pod from running (None: nothing known).
+    problem: Cause | None = None
+    #: Why the loader's last load failed (`LoadFailureReasons`), when `state` is failed.
+    failure_reason: str = ""
+
+    def adapter(self, identity: str) -> AdapterReport | None:
+        """This replica's report of adapter `identity`, if it has one."""
+        return next((a for a in self.adapters if a.identity == identity), None)
+
+
+def read_pod(pod: JSON) -> PodReport:
+    """Parse the loader's report from a pod (tolerating a missing or garbled annotation)."""
+    meta = pod.get("metadata") or {}
+    raw = (meta.get("annotations") or {}).get(ANNOTATION_SNAPSHOT)
+    try:
+        note = json.loads(raw) if raw else {}
+    except ValueError:
+        note = {}
+    if not isinstance(note, dict):
+        note = {}
+    last = note.get("lastLoad") if isinstance(note.get("lastLoad"), dict) else None
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    sequence = note.get("sequence")
+    return PodReport(
+        pod=str(meta.get("name", "")),
+        ready=is_true(conditions, "Ready"),
+        identity=note.get("identity") if isinstance(note.get("identity"), str) else None,
+        sequence=sequence if isinstance(sequence, int) else None,
+        state=note.get("state") if isinstance(note.get("state"), str) else None,
+        target=note.get("targetIdentity") if isinstance(note.get("targetIdentity"), str) else None,
+        message=str(note.get("lastError") or note.get("message") or ""),
+        total_seconds=_float(last.get("totalSeconds")) if last else None,
+        load_seconds=_float(last.get("loadSeconds")) if last else None,
+        deleting=bool(meta.get("deletionTimestamp")),
+        adapters=_adapters(note.get("adapters")),
+        problem=pod_problem(pod),
+        failure_reason=load_failure_reason(note.get("failureReason"))
+        if note.get("state") == "failed"
+        else "",
+    )
+
+
+def _adapters(raw: Any) -> tuple[AdapterReport, ...]:
+    """The loader's adapter list, skipping entries that are not well formed."""
+    if not isinstance(raw, list):
+        return ()
+    out = []
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("identity"), str):
+            continue
+        status = item.get("status")
+        out.append(
+            AdapterReport(
+                identity=item["identity"],
+                status=status if status in ("loaded", "loading", "failed") else "loading",
+                load_seconds=_float(item.get("loadSeconds")),
+                message=str(item.get("message") or "")[:1024],
+            )
+        )
+    return tuple(out)
+
+
+def replica_causes(reports: Sequence[PodReport], hld: HotLoadDeployment) -> list[Cause]:
+    """The replicas' problems, one cause per reason (the pods it concerns listed): what the
+    scheduler and the kubelet report first, then the loaders' failed loads and adapters."""
+    d = DeploymentReasons
+    grouped: dict[str, list[Cause]] = {}
+    for r in reports:
+        if r.problem is not None:
+            grouped.setdefault(r.problem.reason, []).append(r.problem)
+    out = [
+        Cause(
+            reason,
+            _joined([c.message for c in found]),
+            found[0].fix,
+            tuple(p for c in found for p in c.pods),
+        )
+        for reason, found in grouped.items()
+    ]
+    failed = [r for r in reports if r.state == "failed"]
+    if failed:
+        out.append(
+            Cause(
+                d.LOAD_FAILURES,
+                _joined([f"pod {r.pod}: {r.failure_reason}: {r.message}" for r in failed]),
+                LOAD_FIXES.get(failed[0].failure_reason, LOAD_FIXES["LoadFailed"]),
+                tuple(r.pod for r in failed),
+            )
+        )
+    adapter_failures = [(r, a) for r in reports for a in r.adapters if a.status == "failed"]
+    if adapter_failures:
+        out.append(
+            Cause(
+                d.ADAPTER_FAILURES,
+                _joined(
+                    [f"pod {r.pod}: adapter {a.identity}: {a.message}" for r, a in adapter_failures]
+                ),
+                "the loader retries with backoff; the message says why (digest, checksum, shapes)",
+                tuple(r.pod for r, _ in adapter_failures),
+            )
+        )
+    return out
+
+
+def _joined(messages: list[str], limit: int = 5) -> str:
+    shown = "; ".join(messages[:limit])
+    more = len(messages) - limit
+    return (shown + (f"; and {more} more" if more > 0 else ""))[:3500]
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None

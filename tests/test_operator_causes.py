@@ -1,0 +1,503 @@
+"""Why a deployment is not fine (`hotload_operator.causes`, `rollup.rollup_deployment`), pure:
+
+- a property test over the roll-up: whatever the replicas, the ledger and the causes observed,
+  `Ready`, `Progressing` and `Degraded` agree with `replicaStatuses` and `status.problems`, and
+  nothing claims what was not observed (no "no snapshot yet" while the ledger was never read);
+- each classification: a ledger read that failed, what the controllers and the kubelet write,
+  a loader's failed load, and the fix each names.
+
+Each cause is also produced on the real API server: tests/test_operator_why.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hotload.api.models import HotLoadDeployment
+from hotload.api.names import DeploymentReasons as R
+from hotload.api.names import LoadFailureReasons as F
+from hotload.errors import (
+    AccessDeniedError,
+    BucketUnreachableError,
+    ChecksumMismatchError,
+    KubeForbiddenError,
+    KubeNotFoundError,
+    LedgerError,
+    ObjectNotFoundError,
+)
+from hotload.ledger import LedgerEntry
+from hotload_operator.causes import (
+    Cause,
+    CredentialsIncompleteError,
+    CredentialsUnreadableError,
+    bucket_cause,
+    missing_keys,
+    pod_problem,
+    refusal_fix,
+    workload_causes,
+    workload_status,
+)
+from hotload_operator.reports import PodReport
+from hotload_operator.rollup import LedgerRead, rollup_deployment
+from hotload_sidecar.metrics import failure_reason
+
+JSON = dict[str, Any]
+NOW = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
+
+
+def deployment(**spec: Any) -> HotLoadDeployment:
+    return HotLoadDeployment.model_validate(
+        {
+            "metadata": {"name": "fleet", "namespace": "rl", "uid": "u", "generation": 1},
+            "spec": {"bucket": {"url": "s3://bucket/rl"}, "engine": {"image": "e:1"}, **spec},
+        }
+    )
+
+
+def entries(n: int) -> list[LedgerEntry]:
+    return [
+        LedgerEntry(
+            sequence=i + 1,
+            identity=f"step-{i}",
+            kind="full" if i == 0 else "incremental",
+            previous=None if i == 0 else f"step-{i - 1}",
+            published_time=NOW,
+            prompt_cache="all",
+            manifest_digest="sha256:" + "0" * 64,
+            shipped_bytes=1,
+            full_bytes=1,
+        )
+        for i in range(n)
+    ]
+
+
+def cond(status: JSON, type_: str) -> JSON:
+    return next(c for c in status["conditions"] if c["type"] == type_)
+
+
+# --- the property ---------------------------------------------------------------------------
+
+POD_PROBLEMS = [
+    None,
+    Cause(R.UNSCHEDULABLE, "cannot be scheduled", "add nodes"),
+    Cause(R.IMAGE_PULL_FAILED, "cannot pull", "fix the image"),
+    Cause(R.CRASH_LOOPING, "keeps crashing", "read its logs"),
+    Cause(R.OOM_KILLED, "killed for memory", "raise the limit"),
+]
+OBSERVED = [
+    Cause(R.PODS_REFUSED, "pods forbidden: exceeded quota", "raise the quota"),
+    Cause(R.INVALID_SPEC, "the API server refused Deployment fleet", "change the spec"),
+    Cause(R.ROLLOUT_STUCK, "Deployment made no progress", "see the replicas"),
+]
+
+
+@st.composite
+def pods_of(draw: st.DrawFn, n_entries: int) -> list[PodReport]:
+    identities = [None, *(f"step-{i}" for i in range(n_entries)), "not-in-ledger"]
+    out = []
+    for i in range(draw(st.integers(0, 7))):
+        state = draw(st.sampled_from(["idle", "loading", "failed", "starting"]))
+        problem = draw(st.sampled_from(POD_PROBLEMS))
+        name = f"pod-{i}"
+        out.append(
+            PodReport(
+                pod=name,
+                ready=draw(st.booleans()),
+                identity=draw(st.sampled_from(identities)),
+                sequence=None,
+                state=state,
+                target=draw(st.sampled_from(identities)),
+                message="it failed" if state == "failed" else "",
+                total_seconds=None,
+                load_seconds=None,
+                deleting=draw(st.booleans()) and draw(st.booleans()),
+                problem=Cause(problem.reason, f"pod {name} {problem.message}", problem.fix, (name,))
+                if problem
+                else None,
+                failure_reason=draw(st.sampled_from([F.CHECKSUM_MISMATCH, F.LOAD_FAILED]))
+                if state == "failed"
+                else "",
+            )
+        )
+    return out
+
+
+@st.composite
+def situations(draw: st.DrawFn) -> tuple[HotLoadDeployment, list[PodReport], Any, Any]:
+    hld = deployment(
+        replicas=draw(st.integers(0, 6)),
+        readyPercent=draw(st.sampled_from([1, 50, 100])),
+        maxUnavailable=draw(st.integers(0, 2)),
+    )
+    known = draw(st.booleans())
+    problem = draw(
+        st.sampled_from(
+            [None, Cause(R.BUCKET_SECRET_MISSING, "Secret rl/creds does not exist", "create it")]
+        )
+    )
+    if not known and problem is None and draw(st.booleans()):
+        problem = Cause(R.BUCKET_UNREACHABLE, "no answer", "check the URL")
+    n = draw(st.integers(0, 3)) if known else 0
+    ledger = LedgerRead(
+        url="s3://bucket/rl/fleet", known=known, absent=known and n == 0, problem=problem
+    )
+    observed = draw(st.lists(st.sampled_from(OBSERVED), max_size=2, unique=True))
+    return hld, draw(pods_of(n)), (ledger, entries(n)), observed
+
+
+@settings(max_examples=400, deadline=None)
+@given(situations())
+def test_conditions_agree_with_the_replicas_and_claim_nothing_unobserved(
+    situation: tuple[HotLoadDeployment, list[PodReport], Any, Any],
+) -> None:
+    hld, pods, (ledger, es), observed = situation
+    head = es[-1] if es else None
+    status = rollup_deployment(hld, pods, head, es, now=NOW, ledger=ledger, causes=observed)
+    live = [p for p in pods if not p.deleting]
+    replicas = status["replicaStatuses"]
+    ready, progressing, degraded = (cond(status, t) for t in ("Ready", "Progressing", "Degraded"))
+    need = max(1, math.ceil(hld.spec.replicas * hld.spec.ready_percent / 100))
+    target = status["targetSnapshot"]
+    updated = [r for r in replicas if r["loaded"]]
+
+    # The counts are the replicas' own.
+    assert [r["pod"] for r in replicas] == sorted(p.pod for p in live)
+    assert status["readyReplicas"] == sum(1 for r in replicas if r["ready"])
+    assert status["updatedReplicas"] == len(updated)
+    assert all(r["snapshot"] == target for r in updated)
+
+    # Nothing said of a head that was never read.
+    if not ledger.known:
+        assert target is None
+        assert ready["status"] == progressing["status"] == "Unknown"
+        assert R.NO_SNAPSHOT not in (ready["reason"], progressing["reason"])
+        if ledger.problem:
+            assert ready["reason"] == ledger.problem.reason
+    elif target is None:
+        assert (ready["status"], ready["reason"]) == ("False", R.NO_SNAPSHOT)
+        assert (progressing["status"], progressing["reason"]) == ("False", R.NO_SNAPSHOT)
+
+    # Ready exactly when the ready fraction serves the target.
+    assert (ready["status"] == "True") == (target is not None and len(updated) >= need)
+    # Up to date only when every desired replica exists and serves the target.
+    if progressing["reason"] == R.UP_TO_DATE:
+        assert len(replicas) >= hld.spec.replicas and len(updated) == len(replicas)
+    if progressing["status"] == "True":
+        assert len(updated) < len(replicas) or len(replicas) < hld.spec.replicas
+
+    # Degraded names the first problem; every problem is listed with its fix.
+    problems = status["problems"]
+    assert (degraded["status"] == "True") == bool(problems)
+    if problems:
+        assert degraded["reason"] == problems[0]["reason"]
+        assert all(p["fix"] for p in problems)
+    reasons = {p["reason"] for p in problems}
+    for cause in observed:
+        assert cause.reason in reasons
+    # A replica's own reason is among the problems, which name it.
+    for r in replicas:
+        if r["reason"]:
+            assert any(r["pod"] in p["pods"] for p in problems), r
+    # When something holds the fleet back, Ready says what (not just a count).
+    if ready["status"] == "False" and ready["reason"] == R.REPLICAS_BEHIND:
+        blocking = reasons - {R.REPLICAS_UNAVAILABLE, R.ADAPTER_FAILURES}
+        if ledger.problem is not None:
+            blocking.discard(ledger.problem.reason)
+        assert not blocking, (ready, problems)
+
+
+# --- the ledger and the bucket --------------------------------------------------------------
+
+LEDGER = "s3://bucket/rl/.hotload/ledgers/fleet.json"
+
+
+def _unreadable(err: Exception) -> CredentialsUnreadableError:
+    wrapped = CredentialsUnreadableError.of("rl", "creds", "s3://bucket/rl", err)  # type: ignore[arg-type]
+    wrapped.__cause__ = err
+    return wrapped
+
+
+@pytest.mark.parametrize(
+    ("err", "reason", "in_message", "in_fix"),
+    [
+        (
+            _unreadable(KubeNotFoundError('secrets "creds" not found', method="GET", path="/x")),
+            R.BUCKET_SECRET_MISSING,
+            "Secret rl/creds (spec.bucket.credentialsSecret) does not exist",
+            "create Secret rl/creds with keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY",
+        ),
+        (
+            _unreadable(KubeForbiddenError("forbidden", method="GET", path="/x")),
+            R.BUCKET_SECRET_FORBIDDEN,
+            "the operator may not read Secret rl/creds",
+            "rbac.bucketSecrets for namespace rl",
+        ),
+        (
+            CredentialsIncompleteError(
+                "rl", "creds", "s3://bucket/rl", ["AWS_SECRET_ACCESS_KEY"], ["AWS_ACCESS_KEY_ID"]
+            ),
+            R.BUCKET_SECRET_INCOMPLETE,
+            "lacks AWS_SECRET_ACCESS_KEY for s3://bucket/rl; it has AWS_ACCESS_KEY_ID",
+            "add AWS_SECRET_ACCESS_KEY to Secret rl/creds",
+        ),
+        (
+            AccessDeniedError("AccessDenied", url="s3://bucket/rl"),
+            R.BUCKET_ACCESS_DENIED,
+            "(403)",
+            "read and write on s3://bucket/rl",
+        ),
+        (
+            ObjectNotFoundError("NoSuchBucket", url="s3://bucket/rl"),
+            R.BUCKET_NOT_FOUND,
+            "does not exist",
+            "create the bucket",
+        ),
+        (
+            BucketUnreachableError("connection refused", url="s3://bucket/rl"),
+            R.BUCKET_UNREACHABLE,
+            "cannot reach",
+            "AWS_ENDPOINT_URL",
+        ),
+        (
+            LedgerError("formatVersion: missing"),
+            R.LEDGER_UNREADABLE,
+            f"ledger {LEDGER} is unreadable",
+            f"hotload ledger reset {LEDGER}",
+        ),
+    ],
+    ids=[
+        "secret-missing",
+        "secret-forbidden",
+        "secret-keys",
+        "403",
+        "404",
+        "unreachable",
+        "corrupt",
+    ],
+)
+def test_a_failed_ledger_read_names_its_cause_and_fix(
+    err: Exception, reason: str, in_message: str, in_fix: str
+) -> None:
+    hld = deployment(bucket={"url": "s3://bucket/rl", "credentialsSecret": "creds"})
+    cause = bucket_cause(err, hld, LEDGER)
+    assert cause.reason == reason
+    assert in_message in cause.message, cause.message
+    assert in_fix in cause.fix, cause.fix
+
+
+def test_the_keys_a_bucket_url_needs() -> None:
+    # Half a key pair is a mistake; no S3 setting at all is an empty or wrong Secret.
+    assert missing_keys("s3://b/p", ["AWS_ACCESS_KEY_ID"]) == ["AWS_SECRET_ACCESS_KEY"]
+    assert missing_keys("s3://b/p", ["password"]) == ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+    assert missing_keys("s3://b/p", ["aws_access_key_id", "AWS_SECRET_ACCESS_KEY"]) == []
+    # Endpoint and region only: the credentials come from the pod's identity (IRSA).
+    assert missing_keys("s3://b/p", ["AWS_ENDPOINT_URL", "AWS_REGION"]) == []
+    assert missing_keys("gs://b/p", ["GOOGLE_APPLICATION_CREDENTIALS"]) == []
+    assert missing_keys("gs://b/p", []) == ["GOOGLE_SERVICE_ACCOUNT"]
+    assert missing_keys("file:///data", []) == []
+
+
+# --- the pods -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("message", "fix"),
+    [
+        (
+            'pods "fleet-abc" is forbidden: no PriorityClass with name inference-high was found',
+            "PriorityClass inference-high does not exist",
+        ),
+        (
+            'pods "fleet-abc" is forbidden: exceeded quota: gpu-quota, requested: pods=1',
+            "ResourceQuota gpu-quota is exhausted",
+        ),
+        (
+            'pods "x" is forbidden: maximum cpu usage per Container is 1, but limit is 4',
+            "LimitRange bounds cpu usage per Container",
+        ),
+        (
+            'pods "x" is forbidden: violates PodSecurity "restricted:latest": runAsNonRoot != true',
+            "enforces Pod Security restricted:latest",
+        ),
+        (
+            'pods "x" is forbidden: error looking up service account rl/fleet-hotload-loader: '
+            'serviceaccount "fleet-hotload-loader" not found',
+            "ServiceAccount fleet-hotload-loader does not exist",
+        ),
+        (
+            'admission webhook "pods.policy.example" denied the request: no GPUs on Sundays',
+            "admission webhook pods.policy.example",
+        ),
+        (
+            "pods \"x\" is forbidden: ValidatingAdmissionPolicy 'no-gpu' with binding 'no-gpu' "
+            "denied request: GPUs need approval",
+            "ValidatingAdmissionPolicy no-gpu",
+        ),
+    ],
+    ids=[
+        "priority-class",
+        "quota",
+        "limit-range",
+        "pod-security",
+        "service-account",
+        "webhook",
+        "policy",
+    ],
+)
+def test_pods_the_cluster_refuses_name_the_fix(message: str, fix: str) -> None:
+    work = workload_status(
+        {
+            "metadata": {
+                "name": "fleet",
+                "namespace": "rl",
+                "labels": {"hotload.dev/deployment": "fleet"},
+            },
+            "status": {
+                "conditions": [
+                    {
+                        "type": "ReplicaFailure",
+                        "status": "True",
+                        "reason": "FailedCreate",
+                        "message": message,
+                    }
+                ]
+            },
+        }
+    )
+    (cause,) = workload_causes(work)
+    assert cause.reason == R.PODS_REFUSED
+    assert "Deployment rl/fleet" in cause.message and message in cause.message
+    assert fix in cause.fix, cause.fix
+    assert refusal_fix("something nobody wrote a pattern for") == ""
+
+
+def pod(status: JSON) -> JSON:
+    return {"metadata": {"name": "fleet-1"}, "status": status}
+
+
+def container(name: str, **fields: Any) -> JSON:
+    return {"name": name, "image": f"registry.example/{name}:1", "restartCount": 3, **fields}
+
+
+@pytest.mark.parametrize(
+    ("status", "reason", "in_message", "in_fix"),
+    [
+        (
+            {
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+                    }
+                ]
+            },
+            R.UNSCHEDULABLE,
+            "Insufficient nvidia.com/gpu",
+            "no node has a free GPU",
+        ),
+        (
+            {
+                "containerStatuses": [
+                    container(
+                        "engine",
+                        state={"waiting": {"reason": "ImagePullBackOff", "message": "Back-off"}},
+                    )
+                ]
+            },
+            R.IMAGE_PULL_FAILED,
+            "cannot pull image registry.example/engine:1",
+            "spec.engine.image",
+        ),
+        (
+            {
+                "containerStatuses": [
+                    container(
+                        "engine",
+                        state={"waiting": {"reason": "CrashLoopBackOff"}},
+                        lastState={"terminated": {"reason": "Error", "exitCode": 1}},
+                    )
+                ]
+            },
+            R.CRASH_LOOPING,
+            "keeps crashing (3 restarts; last exit 1 (Error))",
+            "kubectl logs fleet-1 -c engine --previous",
+        ),
+        (
+            {
+                "containerStatuses": [
+                    container(
+                        "engine",
+                        state={"waiting": {"reason": "CrashLoopBackOff"}},
+                        lastState={"terminated": {"reason": "OOMKilled", "exitCode": 137}},
+                    )
+                ]
+            },
+            R.OOM_KILLED,
+            "killed for memory (OOMKilled, exit 137",
+            "raise the memory limit of container engine",
+        ),
+        (
+            {
+                "initContainerStatuses": [
+                    container(
+                        "loader",
+                        state={
+                            "waiting": {
+                                "reason": "CreateContainerConfigError",
+                                "message": 'secret "creds" not found',
+                            }
+                        },
+                    )
+                ]
+            },
+            R.CONTAINER_CONFIG_ERROR,
+            'container loader cannot start: CreateContainerConfigError: secret "creds" not found',
+            "Secret",
+        ),
+        (
+            {
+                "initContainerStatuses": [
+                    container(
+                        "loader",
+                        state={"waiting": {"reason": "ErrImagePull", "message": "not found"}},
+                    )
+                ]
+            },
+            R.IMAGE_PULL_FAILED,
+            "container loader cannot pull",
+            "spec.loader.image",
+        ),
+    ],
+    ids=["unschedulable", "image-pull", "crash-loop", "oom", "sidecar-config", "sidecar-image"],
+)
+def test_what_the_scheduler_and_kubelet_write_names_the_cause(
+    status: JSON, reason: str, in_message: str, in_fix: str
+) -> None:
+    cause = pod_problem(pod(status))
+    assert cause is not None and cause.reason == reason
+    assert in_message in cause.message, cause.message
+    assert in_fix in cause.fix, cause.fix
+    assert cause.pods == ("fleet-1",)
+    assert (
+        pod_problem(pod({"containerStatuses": [container("engine", state={"running": {}})]}))
+        is None
+    )
+
+
+def test_a_loaders_failure_is_classified_from_its_error() -> None:
+    full = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = RuntimeError("rebuild of step-2 failed")
+    wrapped.__cause__ = full
+    assert failure_reason("rebuild", wrapped) == F.VOLUME_FULL
+    assert failure_reason("rebuild", ChecksumMismatchError("tensor w")) == F.CHECKSUM_MISMATCH
+    assert failure_reason("engine", RuntimeError("422")) == F.ENGINE_REFUSED
+    assert failure_reason("rebuild", RuntimeError("?")) == F.LOAD_FAILED

@@ -1,0 +1,322 @@
+"""The operator at fleet scale, on the real API server (its audit log is the witness):
+
+- two replicas as processes (`python -m hotload_operator`), one leading on the Lease: the
+  leader is killed with SIGKILL in the middle of a fleet-wide burst of reports; the standby
+  takes the Lease over within its duration, applies nothing that is already in place, every
+  HotLoadDeployment and Snapshot reaches the right status, and no status write of the old leader
+  comes after the new leader's first; a leader stopped with SIGTERM hands over at once;
+- a burst of reports becomes one status write, an unchanged status is never written again, and
+  the operator lists nothing after its start (the roll-ups read its watch-fed caches).
+
+These need the API server's audit log, which only the control plane the session starts has
+(`support.cluster.AUDIT_POLICY`); on a cluster given by $HOTLOAD_E2E_KUBECONFIG they skip,
+saying so (tests/README.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hotload.kube import KubeClient, resource_path
+from support import audit
+from support.audit import AuditLog
+from support.cluster import install_crds
+from support.fleet import free_port
+from support.kubeapi import KubeAPI
+from support.operator import (
+    eventually,
+    hld_body,
+    hld_path,
+    play_deployment_controller,
+    play_loader,
+    running_operator,
+    serving,
+    snapshot_body,
+    snapshot_path,
+)
+from support.snapshots import full, upload, weights
+
+JSON = dict[str, Any]
+REPO = Path(__file__).resolve().parents[1]
+LEASE = "hotload-operator"
+#: Short timings keep the test quick; generous for a machine twice as busy.
+LEASE_SECONDS, RENEW_DEADLINE, RETRY = 8.0, 6.0, 1.0
+
+
+def audit_log(api: KubeAPI) -> AuditLog:
+    """The session's audit log, read from now on (skips where there is none)."""
+    path = api.lane.audit_log if api.lane is not None else None
+    if path is None:
+        pytest.skip(
+            "needs the API server's audit log: the shared control plane the session starts "
+            "writes one; a cluster from $HOTLOAD_E2E_KUBECONFIG does not"
+        )
+    log = AuditLog(path)
+    log.skip()
+    return log
+
+
+def mine(log: AuditLog, ns: str) -> list[JSON]:
+    """Everything the log recorded about namespace `ns` so far."""
+    log.read()
+    return [e for e in log.events if audit.namespace(e) == ns]
+
+
+def condition(obj: JSON | None, type_: str) -> JSON:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == type_:
+            return dict(c)
+    return {}
+
+
+async def get(kube: KubeClient, path: str) -> JSON | None:
+    from hotload.errors import KubeNotFoundError
+
+    try:
+        return dict(await kube.get(path))
+    except KubeNotFoundError:
+        return None
+
+
+async def holder(kube: KubeClient, ns: str) -> str:
+    lease = await get(kube, resource_path("coordination.k8s.io/v1", "leases", ns, LEASE))
+    return str(((lease or {}).get("spec") or {}).get("holderIdentity") or "")
+
+
+class Replica:
+    """One operator replica, a process of its own."""
+
+    def __init__(self, identity: str, api: KubeAPI, logs: Path) -> None:
+        self.identity = identity
+        self.log = logs / f"{identity}.log"
+        env = os.environ | {"KUBECONFIG": str(api.kubeconfig), "HOTLOAD_ROLLUP_INTERVAL": "1"}
+        command = [
+            sys.executable, "-m", "hotload_operator", "-n", api.namespace,
+            "--lease-namespace", api.namespace, "--lease-name", LEASE, "--identity", identity,
+            "--lease-seconds", str(LEASE_SECONDS), "--renew-deadline", str(RENEW_DEADLINE),
+            "--lease-retry", str(RETRY), "--liveness", f"http://127.0.0.1:{free_port()}/healthz",
+        ]  # fmt: skip
+        with self.log.open("wb") as out:
+            self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def stop(self) -> int | None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(30)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        return self.process.returncode
+
+
+@contextlib.contextmanager
+def replicas(api: KubeAPI, logs: Path) -> Iterator[dict[str, Replica]]:
+    """Operator replicas started in the block (by `started[identity] = Replica(...)`), stopped
+    at its end; their logs are printed when the test fails."""
+    started: dict[str, Replica] = {}
+    try:
+        yield started
+    finally:
+        for replica in started.values():
+            replica.stop()
+        for replica in started.values():
+            print(f"--- {replica.identity}\n{replica.log.read_text()[-4000:]}")
+
+
+@pytest.mark.asyncio
+async def test_the_standby_takes_over_when_the_leader_is_killed_mid_burst(
+    real_kube_api: KubeAPI, tmp_path: Path
+) -> None:
+    api, ns = real_kube_api, real_kube_api.namespace
+    log = audit_log(api)
+    bucket = tmp_path / "bucket"
+    names = [f"fleet-{i}" for i in range(4)]
+    for i in range(2):
+        await upload(bucket, full(tmp_path / "snaps" / f"step-{i}", weights(i)))
+    async with api.client() as kube:
+        await install_crds(kube)
+        with replicas(api, tmp_path) as started:
+            started["op-a"] = Replica("op-a", api, tmp_path)
+            await eventually("op-a leading", lambda: _holds(kube, ns, "op-a"), timeout=60)
+            started["op-b"] = Replica("op-b", api, tmp_path)
+
+            # Four deployments of three replicas, each at step-0 then step-1 (full snapshots
+            # shared by every ledger).
+            for name in names:
+                await kube.create(hld_path(ns), hld_body(name, bucket, 3))
+            pods = {n: await _pods(kube, ns, n) for n in names}
+            for step in ("step-0", "step-1"):
+                for name in names:
+                    await kube.create(
+                        snapshot_path(ns), snapshot_body(f"{name}-{step}", name, step)
+                    )
+                for name in names:
+                    await eventually(
+                        f"{name}-{step} accepted",
+                        lambda n=name, s=step: _true(
+                            kube, snapshot_path(ns, f"{n}-{s}"), "Accepted"
+                        ),
+                    )
+
+            # Every replica reports step-1 at once; the leader dies a quarter of the way in.
+            reports = [(n, p) for n in names for p in pods[n]]
+            killed_at = 0.0
+
+            async def report(i: int, name: str, pod: str) -> None:
+                nonlocal killed_at
+                if i == len(reports) // 4:
+                    killed_at = time.time()
+                    started["op-a"].process.send_signal(signal.SIGKILL)
+                await play_loader(kube, ns, pod, serving("step-1", 2), ready=True)
+
+            await asyncio.gather(*(report(i, n, p) for i, (n, p) in enumerate(reports)))
+            took = await eventually(
+                "op-b leading", lambda: _holds(kube, ns, "op-b"), timeout=3 * LEASE_SECONDS
+            )
+            assert took
+
+            # Every status comes right: each deployment Ready with its three replicas on
+            # step-1, each step-1 Snapshot Ready, step-0 superseded.
+            for name in names:
+                status = await eventually(
+                    f"{name} rolled up by the new leader",
+                    lambda n=name: _all_serve(kube, ns, n, "step-1", 3),
+                    timeout=60,
+                )
+                assert condition(status, "Ready")["status"] == "True"
+                await eventually(
+                    f"{name}-step-1 Ready",
+                    lambda n=name: _true(kube, snapshot_path(ns, f"{n}-step-1"), "Ready"),
+                )
+
+            # The witness: the API server's audit log.
+            events = mine(log, ns)
+            writes = sorted((e for e in events if audit.is_status_write(e)), key=audit.seconds)
+            by_a = [e for e in writes if audit.sender(e) == "op-a"]
+            by_b = [e for e in writes if audit.sender(e) == "op-b"]
+            assert by_a and by_b, {audit.sender(e) for e in writes}
+            # Never two writers: every write of op-a ended before op-b's first began.
+            first_b = audit.seconds(by_b[0])
+            assert max(audit.seconds(e, "stageTimestamp") for e in by_a) < first_b
+            assert not [e for e in by_a if audit.seconds(e) > killed_at]
+            # op-b took the Lease once it expired: not before, and within its duration (and a
+            # retry) of the death.
+            taken = [
+                e for e in events if audit.kind(e) == "update leases" and audit.sender(e) == "op-b"
+            ]
+            assert taken
+            takeover = audit.seconds(taken[0]) - killed_at
+            assert takeover <= LEASE_SECONDS + RETRY + 1.0, takeover
+            assert first_b > audit.seconds(taken[0])
+            # What op-a applied is in place: op-b applied no Deployment again.
+            assert not [
+                e
+                for e in events
+                if audit.kind(e) == "patch deployments" and audit.sender(e) != "op-a"
+            ]
+
+            # A clean stop hands the Lease over at once: op-c stands by, op-b gets SIGTERM.
+            started["op-c"] = Replica("op-c", api, tmp_path)
+            await asyncio.sleep(2)  # op-c's caches listed, it watches the Lease
+            stopped = time.monotonic()
+            assert await asyncio.to_thread(started["op-b"].stop) == 0
+            await eventually("op-c leading", lambda: _holds(kube, ns, "op-c"), timeout=10)
+            assert time.monotonic() - stopped < LEASE_SECONDS / 2
+
+
+async def _pods(kube: KubeClient, ns: str, name: str) -> list[str]:
+    """The pods of deployment `name`, once the operator applied its Deployment and the
+    controllers made them."""
+    deployment = resource_path("apps/v1", "deployments", ns, name)
+    await eventually(f"Deployment {name}", lambda: get(kube, deployment), timeout=60)
+    return await play_deployment_controller(kube, ns, name)
+
+
+async def _holds(kube: KubeClient, ns: str, identity: str) -> bool:
+    return await holder(kube, ns) == identity
+
+
+async def _true(kube: KubeClient, path: str, type_: str) -> JSON | None:
+    obj = await get(kube, path)
+    return obj if condition(obj, type_).get("status") == "True" else None
+
+
+async def _all_serve(kube: KubeClient, ns: str, name: str, identity: str, n: int) -> JSON | None:
+    obj = await get(kube, hld_path(ns, name))
+    replicas = ((obj or {}).get("status") or {}).get("replicaStatuses") or []
+    serving_it = [r for r in replicas if r.get("snapshot") == identity]
+    return obj if len(serving_it) == n else None
+
+
+@pytest.mark.asyncio
+async def test_a_burst_is_one_status_write_and_nothing_unchanged_is_written_again(
+    real_kube_api: KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api, ns = real_kube_api, real_kube_api.namespace
+    log = audit_log(api)
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+    bucket = tmp_path / "bucket"
+    await upload(bucket, full(tmp_path / "snaps" / "step-0", weights(0)))
+    async with api.client() as kube:
+        await install_crds(kube)
+        async with running_operator(api, rollup_interval=0.5, rollup_window=1.0) as op:
+            ready_at = time.time()
+            await kube.create(hld_path(ns), hld_body("fleet", bucket, 8))
+            pods = await _pods(kube, ns, "fleet")
+            await kube.create(snapshot_path(ns), snapshot_body("step-0", "fleet"))
+            await eventually(
+                "step-0 accepted", lambda: _true(kube, snapshot_path(ns, "step-0"), "Accepted")
+            )
+            await op.ctx.rollups.idle()
+            before = len([e for e in mine(log, ns) if audit.is_status_write(e)])
+
+            # Eight reports at once: one write of the deployment's status (two at most, where a
+            # busy machine spreads the reports over two windows), and of the Snapshot's.
+            await asyncio.gather(
+                *(play_loader(kube, ns, p, serving("step-0", 1), ready=True) for p in pods)
+            )
+            await eventually("all 8 shown", lambda: _all_serve(kube, ns, "fleet", "step-0", 8))
+            await op.ctx.rollups.idle()
+            burst = [e for e in mine(log, ns) if audit.is_status_write(e)][before:]
+            per_kind = {
+                k: sum(1 for e in burst if audit.kind(e) == k)
+                for k in {audit.kind(e) for e in burst}
+            }
+            assert 1 <= per_kind.get("patch hotloaddeployments/status", 0) <= 2, per_kind
+            assert 1 <= per_kind.get("patch snapshots/status", 0) <= 2, per_kind
+
+            # The same reports again, and several periodic checks: nothing is written.
+            after = len([e for e in mine(log, ns) if audit.is_status_write(e)])
+            polls = op.ctx.polls.runs
+            await asyncio.gather(
+                *(play_loader(kube, ns, p, serving("step-0", 1), ready=True) for p in pods)
+            )
+            await eventually("three more checks", lambda: _more(op.ctx.polls, polls + 3))
+            await op.ctx.rollups.idle()
+            assert len([e for e in mine(log, ns) if audit.is_status_write(e)]) == after
+
+            # The roll-ups read the caches: the operator listed nothing after it started.
+            lists = [
+                e
+                for e in mine(log, ns)
+                if e.get("verb") == "list"
+                and audit.sender(e) == "standalone"
+                and audit.seconds(e) > ready_at
+            ]
+            assert not lists, [audit.kind(e) for e in lists]
+
+
+async def _more(queue: Any, runs: int) -> bool:
+    return bool(queue.runs >= runs)

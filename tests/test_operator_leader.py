@@ -1,0 +1,133 @@
+"""Leader election on a coordination.k8s.io Lease (`hotload_operator.leader`), against the
+session's API server: one holder at a time, a standby that takes over only once the holder's
+Lease expired (and the holder stopped writing before that), and an immediate hand-over when the
+holder releases it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+
+import pytest
+
+from hotload.kube import KubeClient, KubeConfig, resource_path
+from hotload_operator.leader import LEASE_API, LeaderElector, LeadershipLostError, LeaseSettings
+from support.kubeapi import KubeAPI
+
+#: Short timings keep the test quick; generous enough for a machine twice as busy.
+DURATION, DEADLINE, RETRY = 6.0, 4.0, 0.5
+
+
+def settings(kube_api: KubeAPI, identity: str) -> LeaseSettings:
+    return LeaseSettings(
+        namespace=kube_api.namespace,
+        name="hotload-operator",
+        identity=identity,
+        duration=DURATION,
+        renew_deadline=DEADLINE,
+        retry=RETRY,
+    )
+
+
+def test_timings_must_nest() -> None:
+    with pytest.raises(ValueError, match="retry < renew deadline < lease duration"):
+        LeaseSettings(namespace="ns", identity="a", duration=10, renew_deadline=10, retry=2)
+
+
+@pytest.mark.asyncio
+async def test_one_holder_a_standby_takes_over_only_after_expiry(kube_api: KubeAPI) -> None:
+    async with kube_api.client() as ka, kube_api.client() as kb:
+        a = LeaderElector(ka, settings(kube_api, "replica-a"))
+        b = LeaderElector(kb, settings(kube_api, "replica-b"))
+        await asyncio.wait_for(a.acquire(), 30)
+        assert a.leading()
+        lease = await ka.get(
+            resource_path(LEASE_API, "leases", kube_api.namespace, "hotload-operator")
+        )
+        assert lease["spec"]["holderIdentity"] == "replica-a"
+        assert lease["spec"]["leaseDurationSeconds"] == round(DURATION)
+
+        # While A renews, B stands by (for longer than a lease duration).
+        holding = asyncio.create_task(a.hold())
+        standby = asyncio.create_task(b.acquire())
+        await asyncio.sleep(DURATION + 2 * RETRY)
+        assert not standby.done() and not b.leading() and b.holder() == "replica-a"
+
+        # A dies without a word (its renewals stop): it stops counting itself leader within the
+        # renew deadline, and B takes over only after the lease duration, never both at once.
+        holding.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await holding
+        stopped = time.monotonic()
+        a_stopped_leading_at: float | None = None
+        while not standby.done():
+            if a_stopped_leading_at is None and not a.leading():
+                a_stopped_leading_at = time.monotonic()
+            assert not (a.leading() and b.leading())
+            await asyncio.sleep(0.05)
+        await standby
+        took = time.monotonic() - stopped
+        assert a_stopped_leading_at is not None
+        assert b.leading() and not a.leading()
+        # Not before the Lease expired (less the time since A's last renewal, at most a retry),
+        # and no later than its duration plus a few retries.
+        assert DURATION - RETRY - 0.5 <= took <= DURATION + 6 * RETRY, took
+        lease = await kb.get(
+            resource_path(LEASE_API, "leases", kube_api.namespace, "hotload-operator")
+        )
+        assert lease["spec"]["holderIdentity"] == "replica-b"
+        assert lease["spec"]["leaseTransitions"] == 1
+
+        # A's renewal now fails: the Lease is B's, and A says so at once.
+        with pytest.raises(LeadershipLostError, match="replica-b"):
+            await asyncio.wait_for(a.hold(), 10)
+
+
+@pytest.mark.asyncio
+async def test_a_released_lease_is_taken_at_once(kube_api: KubeAPI) -> None:
+    async with kube_api.client() as ka, kube_api.client() as kb:
+        a = LeaderElector(ka, settings(kube_api, "replica-a"))
+        b = LeaderElector(kb, settings(kube_api, "replica-b"))
+        await asyncio.wait_for(a.acquire(), 30)
+        standby = asyncio.create_task(b.acquire())
+        await asyncio.sleep(2 * RETRY)
+        assert not standby.done()
+        released = time.monotonic()
+        await a.release()
+        assert not a.leading()
+        await asyncio.wait_for(standby, DURATION)
+        assert time.monotonic() - released < 2 * RETRY + 1.0
+        assert b.leading()
+
+
+@pytest.mark.asyncio
+async def test_a_leader_whose_api_server_stops_answering_steps_down_in_time(
+    kube_api: KubeAPI, tmp_path: Path
+) -> None:
+    """An API server that accepts connections and never answers (overloaded, or a partition):
+    the renewals hang, yet the leader stops counting itself leader at its renew deadline and
+    gives up within it, instead of waiting on a request while a standby may take over."""
+    import yaml
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # hold the connection open, answer nothing
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    doc = yaml.safe_load(kube_api.kubeconfig.read_text())
+    for cluster in doc["clusters"]:
+        cluster["cluster"]["server"] = f"https://127.0.0.1:{port}"
+    blackhole = tmp_path / "kubeconfig"
+    blackhole.write_text(yaml.safe_dump(doc))
+    async with kube_api.client() as ka, KubeClient(KubeConfig.from_kubeconfig(blackhole)) as dead:
+        a = LeaderElector(ka, settings(kube_api, "replica-a"))
+        await asyncio.wait_for(a.acquire(), 30)
+        a.kube = dead  # from now on every renewal hangs
+        started = time.monotonic()
+        with pytest.raises(LeadershipLostError):
+            await asyncio.wait_for(a.hold(), DEADLINE + 5)
+        assert not a.leading()
+        assert time.monotonic() - started <= DEADLINE + 2 * RETRY
+    server.close()
