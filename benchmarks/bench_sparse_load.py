@@ -17,6 +17,12 @@ vLLM server serves both of its phases (a second start would add minutes, not inf
     .venv/bin/python benchmarks/bench_sparse_load.py                      # ~1 GiB, both engines
     .venv/bin/python benchmarks/bench_sparse_load.py --scale 0.1          # quick smoke run
     .venv/bin/python benchmarks/bench_sparse_load.py --engines reference  # one engine
+    .venv/bin/python benchmarks/bench_sparse_load.py --mode issue26       # scaling + cadence
+
+`--mode scaling` and `--mode cadence` (both: `--mode issue26`) measure what issue 26 asks:
+per-update cost at two model sizes, and a trainer publishing deltas back to back
+(`sparse_modes.py`, `sparse_runs.py`); their sections of the results file are rewritten, the
+others kept.
 
 Results go to benchmarks/RESULTS-sparse-load.md.
 """
@@ -91,8 +97,10 @@ class Engine:
 
     kind = "reference"
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, *, scrub: bool = True) -> None:
         self.work = work
+        #: Whether the engine scrubs its weights (at its default rate) while measured.
+        self.scrub = scrub
 
     def replica(self, name: str, ledger_url: str, env: dict[str, str], args: list[str]) -> Replica:
         """A replica for one phase (not started)."""
@@ -100,7 +108,8 @@ class Engine:
 
     def wiring(self, args: list[str]) -> dict[str, Any]:
         """How the replica's loader reaches its engine: the reference engine beside it."""
-        return {"loader_args": args, "admin_port": free_port()}
+        engine_args = [] if self.scrub else ["--scrub-bytes-per-second", "0"]
+        return {"loader_args": args, "admin_port": free_port(), "engine_args": engine_args}
 
     def start(self, replica: Replica) -> None:
         """Start the loader and the engine."""
@@ -125,8 +134,8 @@ class VLLMEngine(Engine):
 
     kind = "vllm"
 
-    def __init__(self, work: Path) -> None:
-        super().__init__(work)
+    def __init__(self, work: Path, *, scrub: bool = True) -> None:
+        super().__init__(work, scrub=scrub)
         self.server: VLLMServer | None = None
         self.port = free_port()
         #: Greedy decode tokens/s of one request, by how vLLM holds its linear weights.
@@ -166,7 +175,10 @@ class VLLMEngine(Engine):
                 self.work / "vllm.log",
                 port=self.port,
                 extra_args=("--worker-extension-cls", VLLM_WORKER_EXTENSION),
-                extra_env={"PYTHONPATH": str(replica.weights / ENGINE_PYTHONPATH_DIR)},
+                extra_env={
+                    "PYTHONPATH": str(replica.weights / ENGINE_PYTHONPATH_DIR),
+                    **({} if self.scrub else {"HOTLOAD_SCRUB_BYTES_PER_SECOND": "0"}),
+                },
             )
             print(f"vLLM started in {self.server.start_seconds:.0f}s", flush=True)
             self.decode["plain weights (hotload's extension)"] = decode_rate(self.server)
@@ -227,7 +239,11 @@ def measure(engine: Engine, replica: Replica, appended: float, identity: str) ->
     )
     serving = time.perf_counter()
     status = replica.wait_serving(identity, timeout=900)
-    while os.readlink(replica.weights / "current") != f"snapshots/{identity}":
+    # On the volume: as a snapshot (a full load), or as a delta after one (a sparse load).
+    while (
+        os.readlink(replica.weights / "current") != f"snapshots/{identity}"
+        and not (replica.weights / "deltas" / identity).is_dir()
+    ):
         time.sleep(0.05)
     settled = time.perf_counter()
     last = status["last_load"]
@@ -281,8 +297,19 @@ def phase(
 def main() -> None:
     """Run the benchmark and write RESULTS-sparse-load.md."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--mode",
+        default="compare",
+        choices=["compare", "scaling", "cadence", "issue26"],
+        help="compare: sparse against full loads (issue 20); scaling: ~1 GiB against 3x; "
+        "cadence: 30 deltas back to back; issue26: scaling then cadence",
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="1.0 = ~1 GiB model")
+    parser.add_argument(
+        "--large-scale", type=float, default=3.5, help="scaling: the larger model (3.5: ~3x)"
+    )
     parser.add_argument("--fraction", type=float, default=0.015, help="elements moved per step")
+    parser.add_argument("--cadence-deltas", type=int, default=30)
     parser.add_argument("--engines", default="reference,vllm", help="comma-separated")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=HERE / "RESULTS-sparse-load.md")
@@ -295,6 +322,11 @@ def main() -> None:
         parser.error(INSTALL_HINT)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-sparse-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.mode != "compare":
+        from sparse_runs import run_issue26
+
+        run_issue26(args, kinds, work, {"reference": Engine, "vllm": VLLMEngine})
+        return
     print(f"building the model in {work} ...", flush=True)
     t0 = time.perf_counter()
     fulls, deltas, full_bytes = build_model(work / "model", args.scale, args.fraction)

@@ -19,6 +19,6 @@ from hotload_patch.errors import PatchError
 
 #: The protocol between the loader and this package inside an engine; the loader refuses an
 #: engine that speaks another one (a stale copy on the volume, a mismatched image).
-PROTOCOL = 1
+PROTOCOL = 2
 
 __all__ = ["PROTOCOL", "PatchError"]

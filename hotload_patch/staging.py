@@ -1,12 +1,15 @@
 """Stage a patch while the old weights serve, verify it, write it in a pause, undo it.
 
-`stage` maps the patch file (`format`), places every changed checkpoint element in the engine's
-parameters (`placement`), converts the new values to the parameters' dtype and device and keeps
-the values they replace. It also computes, per region of each tensor the engine holds, how the
-patch moves the tensor's adler32 (`sums.delta_partial`), from the old values as the engine holds
-them. `verify` then checks, wherever every rank's results meet, that the served weights are the
-patch's parent (their checksums, `served_sums`, equal the delta's parent checksums) and that the
-served weights with the patch's changes give the delta's result checksums. `apply` only writes.
+`stage` reads the patch file (`format`), places every changed checkpoint element in the engine's
+parameters (`placement`), reads the values held there, computes the new ones (a difference is
+added to the held value, a set value replaces it), converts them to the parameters' dtype and
+device and keeps the values they replace. It also computes, per region of each tensor the
+engine holds, how the patch moves the tensor's adler32 (`sums.delta_partial`), from the old
+values as the engine holds them. `verify` then checks, wherever every rank's results meet,
+that the served weights are the patch's parent (their checksums, read by
+`served.served_sums` or derived from the patches since, equal the delta's parent checksums)
+and that the served weights with the patch's changes give the delta's result checksums.
+`apply` only writes.
 
 Dtypes: an engine may hold a tensor in a wider floating dtype than its checkpoint (float32 for
 bfloat16 weights). The new values are converted as a full load converts them (`Tensor.to`), and
@@ -21,7 +24,6 @@ import functools
 import hashlib
 import os
 import time
-import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,26 +35,18 @@ import numpy as np
 import torch
 
 from hotload_patch.checkpoint import Specs
-from hotload_patch.dtypes import ELEMENT_SIZE, from_torch, torch_dtype, uint_view_dtype
+from hotload_patch.dtypes import torch_dtype, uint_view_dtype
 from hotload_patch.errors import PatchError
 from hotload_patch.format import PatchFile, PatchTensor
 from hotload_patch.placement import Host, Slot
-from hotload_patch.sums import (
-    MOD,
-    Region,
-    RegionSum,
-    delta_partial,
-    rows_partial,
-    span_partial,
-)
+from hotload_patch.served import Counters, held_dtype, region_view
+from hotload_patch.sums import Region, RegionSum, delta_partial
 from hotload_patch.verify import TensorCheck
 
-#: (checkpoint dtype, held dtype) pairs whose conversion is exact and reversible.
-EXACT_WIDENING = {("BF16", "F32"), ("F16", "F32"), ("BF16", "F64"), ("F16", "F64"), ("F32", "F64")}
+__all__ = ["Staged", "Write", "apply", "held_dtype", "region_view", "stage", "undo"]
+
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_WIDTH: dict[int, Any] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-#: Elements read at once when checksumming the served weights (bounds the extra memory).
-CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -80,6 +74,19 @@ class Staged:
     seconds: float
     written: list[Write] = field(default_factory=list)
 
+    @property
+    def written_bytes(self) -> int:
+        """Bytes the writes cover, as held."""
+        return sum(w.index.numel() * w.new.element_size() for w in self.writes)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the staged writes hold (positions, new and old values)."""
+        return sum(
+            w.index.numel() * w.index.element_size() + 2 * w.new.numel() * w.new.element_size()
+            for w in self.writes
+        )
+
     def summary(self) -> dict[str, Any]:
         """What the stage found, as JSON (counts and timings, no arrays)."""
         return {
@@ -88,33 +95,9 @@ class Staged:
             "changed": self.changed,
             "parameters": len(self.writes),
             "patch_bytes": self.nbytes,
+            "staged_bytes": self.held_bytes,
             "stage_seconds": round(self.seconds, 6),
         }
-
-
-def held_dtype(slot: Slot, param: torch.Tensor, ckpt: str) -> None:
-    """Refuse a parameter whose dtype cannot give back the checkpoint's bits."""
-    held = from_torch(param.dtype) or str(param.dtype)
-    if held != ckpt and (ckpt, held) not in EXACT_WIDENING:
-        raise PatchError(
-            f"is held as {param.dtype} in {slot.param}, which cannot give back the checkpoint's "
-            f"{ckpt} bits: its parent cannot be verified",
-            reason="weights_mismatch",
-            tensor=slot.tensor,
-        )
-    if not param.is_contiguous():
-        raise PatchError(
-            f"{slot.param} is not contiguous in the engine",
-            reason="weights_mismatch",
-            tensor=slot.tensor,
-        )
-
-
-def region_view(param: torch.Tensor, region: Region) -> torch.Tensor:
-    """The elements `region` of a parameter, as a view."""
-    return param.detach().as_strided(
-        region.sizes, region.strides, param.storage_offset() + region.offset
-    )
 
 
 def as_bits(values: torch.Tensor, ckpt: str) -> np.ndarray:
@@ -133,65 +116,22 @@ def from_bits(bits: np.ndarray, ckpt: str, like: torch.Tensor) -> torch.Tensor:
     return raw.view(torch_dtype(ckpt)).to(device=like.device, dtype=like.dtype)
 
 
-# --- the served weights' checksums ---------------------------------------------------------------
-
-
-def served_sums(host: Host, specs: Specs) -> list[RegionSum]:
-    """Partial adler32 sums of every checkpoint tensor the engine holds, per region, as held
-    now (a full read of the weights: run it while they serve, not in a pause)."""
-    params = host.parameters()
-    out: list[RegionSum] = []
-    with torch.no_grad():
-        for name, (shape, dtype) in specs.items():
-            for slot in host.place(name, shape, dtype):
-                param = params[slot.param]
-                held_dtype(slot, param, dtype)
-                nbytes = int(np.prod(shape, dtype=np.int64)) * ELEMENT_SIZE[dtype]
-                a, b = _region_partial(region_view(param, slot.dst), slot.src, dtype, nbytes)
-                out.append(RegionSum(name, slot.src, a, b))
-    return out
-
-
-def _region_partial(view: torch.Tensor, src: Region, ckpt: str, total: int) -> tuple[int, int]:
-    width = ELEMENT_SIZE[ckpt]
-    flat = view.reshape(-1) if view.is_contiguous() else None
-    span = src.span()
-    if span is not None:
-        adler = 1
-        for first in range(0, src.numel, CHUNK_ELEMENTS):
-            count = min(CHUNK_ELEMENTS, src.numel - first)
-            chunk = _chunk(view, flat, first, count)
-            adler = zlib.adler32(as_bits(chunk, ckpt).view(np.uint8).data, adler)
-        return span_partial(adler, span[0] * width, span[1] * width, total)
-    # A strided region (a column shard): each run of contiguous checkpoint bytes is a row.
-    run = src.sizes[-1] if src.sizes and src.strides[-1] == 1 else 1
-    rows_per_chunk = max(1, CHUNK_ELEMENTS // run)
-    parts = []
-    for first_row in range(0, src.numel // run, rows_per_chunk):
-        rows = min(rows_per_chunk, src.numel // run - first_row)
-        chunk = _chunk(view, flat, first_row * run, rows * run)
-        data = as_bits(chunk, ckpt).view(np.uint8).reshape(rows, run * width)
-        starts = src.element_offsets(first_row * run, rows * run)[::run] * width
-        parts.append(rows_partial(data, starts, total))
-    return sum(p[0] for p in parts) % MOD, sum(p[1] for p in parts) % MOD
-
-
-def _chunk(view: torch.Tensor, flat: torch.Tensor | None, first: int, count: int) -> torch.Tensor:
-    """Elements `first .. first + count` of a region in row-major order."""
-    if flat is not None:
-        return flat[first : first + count]
-    return view.reshape(-1)[first : first + count]
-
-
 # --- staging and writing -------------------------------------------------------------------------
 
 
 def stage(
-    host: Host, path: str | Path, *, identity: str, parent: str, specs: Specs | None = None
+    host: Host,
+    path: str | Path,
+    *,
+    identity: str,
+    parent: str,
+    specs: Specs | None = None,
+    counters: Counters | None = None,
 ) -> Staged:
     """Place, convert and check the patch at `path` for this engine (see the module docstring);
     `specs`, the served checkpoint's tensors, must be the patch's, with the same shapes and
-    dtypes. Raises `PatchError` and changes nothing."""
+    dtypes; `counters` counts the bytes brought back from a device. Raises `PatchError` and
+    changes nothing."""
     started = time.perf_counter()
     where = str(path)
     problems = host.problems()
@@ -219,14 +159,21 @@ def stage(
                 if not slots:
                     continue  # the engine does not load this tensor (a full load skips it too)
                 checks[t.name] = TensorCheck(t.numel, t.nbytes, t.base_checksum, t.checksum)
-                positions, bits = t.changes()
+                positions, is_set, values = t.changes()
                 for slot in slots:
                     param = params[slot.param]
                     held_dtype(slot, param, t.dtype)
                     inside, local = slot.src.locate(positions)
-                    at, new_bits = positions[inside], bits[inside]
+                    at = positions[inside]
                     dst = slot.dst.offsets_of(local)
                     index = torch.from_numpy(dst).to(param.device)
+                    # The values a difference applies to are the engine's own (checked to be
+                    # the parent's by the served checksums), read back as checkpoint bits.
+                    old = param.detach().view(-1).index_select(0, index)
+                    if counters is not None and old.device.type != "cpu":
+                        counters.add(host_bytes=old.numel() * old.element_size())
+                    old_bits = as_bits(old, t.dtype)
+                    new_bits = t.new_bits(is_set[inside], values[inside], old_bits)
                     new = from_bits(new_bits, t.dtype, param)
                     if new.is_floating_point() and not bool(torch.isfinite(new).all()):
                         raise PatchError(
@@ -235,8 +182,7 @@ def stage(
                             tensor=t.name,
                             path=where,
                         )
-                    old = param.detach().view(-1).index_select(0, index)
-                    da, db = delta_partial(at, as_bits(old, t.dtype), new_bits, t.nbytes)
+                    da, db = delta_partial(at, old_bits, new_bits, t.nbytes)
                     deltas.append(RegionSum(t.name, slot.src, da, db))
                     parts.setdefault(slot.param, []).append((slot, dst, new, old))
                     changed += int(at.size)
@@ -297,9 +243,16 @@ def _merge(param: str, items: list[tuple[Slot, np.ndarray, torch.Tensor, torch.T
         )
     if len(kept) == 1:  # the usual case: no copies
         _, dst, new, old = kept[0]
-        return Write(param, torch.from_numpy(dst).to(new.device), new, old)
-    index = torch.cat([torch.from_numpy(k[1]).to(k[2].device) for k in kept])
+        return Write(param, _index(dst, new.device), new, old)
+    index = torch.cat([_index(k[1], k[2].device) for k in kept])
     return Write(param, index, torch.cat([k[2] for k in kept]), torch.cat([k[3] for k in kept]))
+
+
+def _index(offsets: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Flat offsets as the staged index: 32-bit where they fit (half the memory staging holds;
+    the writes widen them, per parameter, where a kernel needs 64)."""
+    narrow = offsets.astype(np.int32) if offsets.size and offsets.max() < 2**31 else offsets
+    return torch.from_numpy(narrow).to(device)
 
 
 def _disjoint(regions: list[Region]) -> bool:
@@ -379,7 +332,7 @@ def _scatter_all(writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) 
         for param, index, values in writes:
             flat = param.data.view(-1)
             if flat.device.type != "cpu":
-                flat.index_copy_(0, index, values)
+                flat.index_copy_(0, index.long(), values)
                 continue
             if not index.numel():
                 continue

@@ -13,7 +13,13 @@ methods on every rank, returning one result per rank. The loader's vLLM adapter 
     hotload_apply             write the staged patch (the adapter has paused generation)
     hotload_rollback          put back what the last apply replaced
     hotload_discard           drop a staged patch
+    hotload_state             the scrub (rate, last pass, a mismatch) and the counters of what
+                              checksums read and patches wrote
     hotload_parameter_checksums   sha256 of every parameter as held (tests, audits)
+
+After a patch each rank's served checksums are derived from the patch; a scrub re-reads the
+weights in the background at HOTLOAD_SCRUB_BYTES_PER_SECOND (default 64 MiB/s, 0: off) and
+compares them (`hotload_patch.scrub`).
 
 Every method answers a JSON object and never raises for a refused patch: `{"error": {"reason",
 "message", "tensor"}}` says why, and the weights are unchanged.
@@ -38,10 +44,27 @@ from hotload_patch import PROTOCOL
 from hotload_patch.checkpoint import Specs, checkpoint_specs
 from hotload_patch.errors import PatchError
 from hotload_patch.placement import LoaderHost
+from hotload_patch.scrub import DEFAULT_SCRUB_RATE
 from hotload_patch.session import Patcher
 from hotload_patch.staging import parameter_checksums
 
 PLAIN_ENV = "HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS"
+SCRUB_ENV = "HOTLOAD_SCRUB_BYTES_PER_SECOND"
+
+
+def scrub_rate() -> float:
+    """The scrub's rate from HOTLOAD_SCRUB_BYTES_PER_SECOND (bytes per second; 0 turns it off);
+    the default when unset; a value that is not a number is refused naming the variable."""
+    raw = os.environ.get(SCRUB_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_SCRUB_RATE
+    try:
+        rate = float(raw)
+    except ValueError:
+        raise ValueError(f"{SCRUB_ENV}={raw!r} is not a number of bytes per second") from None
+    if rate < 0:
+        raise ValueError(f"{SCRUB_ENV}={raw!r} must not be negative")
+    return rate
 
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
@@ -224,7 +247,7 @@ class HotloadWorkerExtension:
                 return naming_tensors(lines, host, checkpoint_specs(self._hotload_folder()))
 
             host = LoaderHost(model, problems)
-            patcher = Patcher(host)
+            patcher = Patcher(host, scrub_rate=scrub_rate())
             self.__dict__["_hotload_patcher"] = patcher
         return patcher
 
@@ -305,6 +328,15 @@ class HotloadWorkerExtension:
         """Drop a staged patch."""
         self._hotload().discard()
         return {"rank": self._hotload_rank()}
+
+    def hotload_state(self) -> dict[str, Any]:
+        """The scrub's state and the counters of this rank."""
+        patcher = self._hotload()
+        return {
+            "rank": self._hotload_rank(),
+            "scrub": patcher.scrub_state(),
+            "counters": patcher.counters.to_json(),
+        }
 
     def hotload_parameter_checksums(self) -> dict[str, Any]:
         """sha256 of every parameter with storage, as held."""

@@ -38,6 +38,8 @@ from hotload.errors import (
 from hotload.snapshot import write_snapshot
 from hotload_patch import PROTOCOL
 from hotload_patch import vllm as vllm_extension
+from hotload_patch.checkpoint import checkpoint_specs
+from hotload_patch.served import Counters, Meter, served_sums
 from hotload_patch.staging import parameter_checksums
 from hotload_patch.vllm import HotloadWorkerExtension
 from hotload_sidecar.engines import (
@@ -1163,6 +1165,20 @@ async def test_vllm_patch_stages_on_every_rank_then_pauses_writes_and_confirms(
             for name, digest in sums.items()
         }
         assert await adapter.parameter_checksums() == expected
+        # Every rank counted what it wrote; the adapter sums them. Nothing was re-read for the
+        # served checksums after the patch: they were derived from it.
+        report = await adapter.weights_report()
+        assert report is not None and report.mismatch is None
+        applied = answers(vllm, "hotload_apply")
+        assert report.counters["patched_elements"] == sum(a["changed"] for a in applied) > 0
+        assert report.counters["patches"] == world
+        one_read = 0
+        for w in vllm.workers:
+            meter = Meter(Counters())
+            served_sums(w._hotload().host, checkpoint_specs(chain.parent), meter)
+            assert meter.counters is not None
+            one_read += meter.counters.checksum_bytes
+        assert report.counters["checksum_bytes"] == one_read  # the read at adoption, no other
 
 
 @pytest.mark.asyncio

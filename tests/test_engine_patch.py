@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from hotload.arc.patch import prepare_patch
 from hotload.engine.server import create_app
 from hotload_patch.format import PatchFile
+from support.patches import flip_first_difference, rewrite_patch
 from support.tiny_llm import build_tiny_llm, sparse_steps
 from test_engine import PROMPTS, complete, engine_of, load, serve
 
@@ -102,12 +103,8 @@ async def test_a_patch_that_does_not_verify_changes_nothing(tmp_path: Path) -> N
         assert (status, body["error"]["type"]) == (422, "wrong_patch"), body
         # A changed value: the predicted checksum is not the delta's.
         with PatchFile(good) as pf:
-            t = next(t for t in pf.tensors if t.positions.size)
-            offset = _values_offset(pf, t.name)
-        data = bytearray(good.read_bytes())
-        data[offset] ^= 0x01
-        bad = tmp_path / "bad.patch"
-        bad.write_bytes(bytes(data))
+            name = next(t.name for t in pf.tensors if t.add is not None)
+        bad = rewrite_patch(good, tmp_path / "bad.patch", name, flip_first_difference)
         status, body = await patch(client, bad, "step-1", 1, "step-0")
         assert (status, body["error"]["type"]) == (422, "checksum_mismatch"), body
         # A truncated file.
@@ -156,11 +153,3 @@ async def test_the_serving_port_refuses_patches_and_checksums(tmp_path: Path) ->
         # The admin port takes both, so the refusals above are the serving port's.
         assert (await patch(admin, good, "step-1", 1, "step-0"))[0] == 200
         assert len(await checksums(admin)) > 0
-
-
-def _values_offset(pf: PatchFile, name: str) -> int:
-    """Byte offset in the file of the first new value of tensor `name`."""
-    for entry in pf.header["tensors"]:
-        if entry["name"] == name:
-            return int(entry["values"])
-    raise AssertionError(name)

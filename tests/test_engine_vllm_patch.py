@@ -29,6 +29,7 @@ from hotload_sidecar.engines import (
     Timeouts,
     VLLMAdapter,
 )
+from support.patches import flip_first_difference, rewrite_patch
 from support.tiny_llm import sparse_steps
 from support.vllm_server import INSTALL_HINT, VLLMServer, vllm_python, write_tiny_llama
 
@@ -145,15 +146,12 @@ async def test_a_patch_that_does_not_verify_changes_nothing(world: World, tmp_pa
 
         # One changed value in the patch: the predicted result is not the delta's.
         with PatchFile(world.patches[0]) as pf:
-            entry = next(e for e in pf.header["tensors"] if e.get("count"))
-        data = bytearray(world.patches[0].read_bytes())
-        data[int(entry["values"])] ^= 0x01
-        bad = tmp_path / "bad.patch"
-        bad.write_bytes(bytes(data))
+            name = next(t.name for t in pf.tensors if t.add is not None)
+        bad = rewrite_patch(world.patches[0], tmp_path / "bad.patch", name, flip_first_difference)
         with pytest.raises(PatchRefusedError) as refused:
             await adapter.patch(LoadRequest(str(bad), "step-1", 12), "step-0")
         assert refused.value.reason == "checksum_mismatch", refused.value
-        assert entry["name"] in str(refused.value)
+        assert name in str(refused.value)
 
         # A truncated file.
         bad.write_bytes(world.patches[0].read_bytes()[:-100])
@@ -179,10 +177,11 @@ async def test_a_patch_that_does_not_verify_changes_nothing(world: World, tmp_pa
         assert (await adapter.health()).ready
 
 
-def test_the_loader_patches_vllm_and_rebuilds_the_volume(world: World, tmp_path: Path) -> None:
+def test_the_loader_patches_vllm_and_folds_the_volume(world: World, tmp_path: Path) -> None:
     """`python -m hotload_sidecar --engine vllm` follows a ledger: the full snapshot is loaded,
-    the next step (an arc_v2 delta of it) goes to vLLM as a sparse patch, and the volume gets
-    the full snapshot afterwards; the engine then holds what a full reload of it gives."""
+    the next step (an arc_v2 delta of it) goes to vLLM as a sparse patch (the delta kept on the
+    volume, then folded into a full snapshot: told to fold at once); the engine then holds what
+    a full reload of it gives."""
     import os
 
     from hotload.bucket import open_bucket
@@ -200,7 +199,7 @@ def test_the_loader_patches_vllm_and_rebuilds_the_volume(world: World, tmp_path:
         tmp_path / "replica",
         f"{bucket}/policy",
         {**os.environ, "PYTHONUNBUFFERED": "1"},
-        loader_args=["--engine", "vllm"],
+        loader_args=["--engine", "vllm", "--compact-fraction", "0.0001"],
         engine_port=int(world.server.url.rsplit(":", 1)[1]),
     )
     try:
@@ -210,9 +209,13 @@ def test_the_loader_patches_vllm_and_rebuilds_the_volume(world: World, tmp_path:
         trainer.publish(1)
         status = replica.wait_serving("step-001", timeout=180)
         assert status["last_load"]["method"] == "sparse", status["last_load"]
+        # vLLM's ranks counted the patch's elements themselves (hotload_state).
+        assert status["last_load"]["engine_patched_elements"] > 0, status["last_load"]
         assert _metric(replica.metrics(), 'hotload_loader_loads_total{method="sparse"}') == 1
         current = replica.weights / "current"
-        wait_for("step-001 rebuilt", lambda: os.readlink(current) == "snapshots/step-001", 120)
+        wait_for("step-001 folded", lambda: os.readlink(current) == "snapshots/step-001", 120)
+        deltas = replica.weights / "deltas"
+        wait_for("the delta collected", lambda: not any(deltas.iterdir()), 60)
     finally:
         replica.stop()
 

@@ -43,6 +43,7 @@ BASE = {
     "hotload.metrics",
     "hotload._extras",
     "hotload.logs",
+    "hotload.faults",
 }
 # The engine side of sparse hot loads runs inside vLLM's process, where hotload is not installed:
 # it imports nothing of ours, and the core may import it (the patch format, dtypes, checksums).
@@ -56,6 +57,7 @@ ALLOWED: dict[str, set[str]] = {
     "hotload.metrics": set(),
     "hotload._extras": {"hotload.errors"},
     "hotload.logs": set(),
+    "hotload.faults": set(),
     "hotload.process": set(),
     "hotload.api": BASE,
     # Only the delta container (checksums, the shard header): see FORMAT_MAY_USE.

@@ -1,6 +1,7 @@
-"""Sparse hot loads through the loader: a delta of the snapshot the engine serves goes to the
-engine as a patch, the full snapshot is rebuilt on the volume afterwards, and every reason not to
-patch falls back to today's full load, saying why.
+"""Sparse hot loads through the loader: the deltas after the snapshot the engine serves go to the
+engine as one patch, the volume keeps them after that snapshot (folded into a new one once they
+add up), restarts resume from the volume, and every reason not to patch falls back to the full
+load, saying why.
 
 Real processes (`python -m hotload_sidecar`, `python -m hotload serve --admin-port`), a real
 bucket on SeaweedFS, training steps that move ~1% of the elements (`support.tiny_llm`).
@@ -9,8 +10,6 @@ bucket on SeaweedFS, training steps that move ~1% of the elements (`support.tiny
 from __future__ import annotations
 
 import os
-import resource
-import signal
 import uuid
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,20 @@ def _current(r: Replica) -> str:
     return os.readlink(r.weights / "current")
 
 
+def _engine_status(r: Replica) -> dict[str, Any]:
+    code, body = http_json("GET", r.full_api_url + "/hotload/v1/status")
+    assert code == 200, body
+    return dict(body)
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def _shipped(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
 def test_deltas_of_the_served_snapshot_are_patched_in_place(
     steps: list[Path],
     tmp_path: Path,
@@ -62,8 +75,10 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
     env: dict[str, str],
     replicas: list[Replica],
 ) -> None:
-    """Patched, then rebuilt on the volume; a rebuild that fails after serving is reported and
-    the next delta loads in full; a dense delta and a corrupted one fall back too."""
+    """Patched, each delta kept on the volume after the snapshot (no model rewritten); an engine
+    restarted on that snapshot and a restarted loader are patched forward from the volume
+    without a download; the deltas fold into a snapshot once they add up; a dense delta and a
+    corrupted one fall back to the full path."""
     env = {**env, **s3_env.env}
     url = s3_env.url(f"sparse-{uuid.uuid4().hex[:8]}")
     trainer = Trainer(
@@ -74,47 +89,85 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
     replicas.append(r)
     r.start()
     r.wait_serving("step-000", timeout=180)
+    model_bytes = sum(p.stat().st_size for p in steps[0].glob("*.safetensors"))
+    # The engine read its weights once, for their checksums, after its start.
+    read = wait_for(
+        "the engine's checksums of step-000",
+        lambda: _engine_status(r)["counters"]["checksum_bytes"],
+        60,
+    )
 
-    # 1. A 1% delta of the served snapshot: a patch; then the full snapshot on the volume.
-    trainer.publish(1)
+    # 1. A 1% delta of the served snapshot: a patch. The volume keeps the delta after the
+    # snapshot: no model written, nothing re-read for the checksums.
+    written = _metric(r.metrics(), "hotload_loader_volume_bytes_written_total")
+    delta = trainer.publish(1)
     status = r.wait_serving("step-001")
-    assert status["last_load"]["method"] == "sparse", status
+    last = status["last_load"]
+    assert last["method"] == "sparse", status
     assert _tokens(r) == ("tiny@step-001", greedy_token_ids(steps[1], PROMPT_IDS, 8))
-    wait_for("step-001 rebuilt on the volume", lambda: _current(r) == "snapshots/step-001", 60)
+    assert _listing(r.weights / "deltas") == ["step-001"]
+    assert _listing(r.weights / "snapshots") == ["step-000"]
+    assert _current(r) == "snapshots/step-000"
+    # Written: the delta and the (transient) patch file, not the model.
+    assert 0 < last["volume_bytes_written"] <= 3 * _shipped(delta) < model_bytes // 4
+    # Proven from the engine's side: it counted the patch's elements as written, and read
+    # nothing for the new checksums (they were derived from the patch).
+    counters = _engine_status(r)["counters"]
+    assert counters["patched_elements"] == last["engine_patched_elements"] > 0
+    assert counters["checksum_bytes"] == read
     metrics = r.metrics()
     assert _metric(metrics, 'hotload_loader_loads_total{method="sparse"}') == 1
+    written = _metric(metrics, "hotload_loader_volume_bytes_written_total") - written
+    assert written == last["volume_bytes_written"]
     assert any(
         e["reason"] == "SnapshotLoaded" and "sparse patch of step-000" in e["message"]
         for e in r.status()["events"]
     )
+    trainer.publish(2)
+    r.wait_serving("step-002")
+    assert _listing(r.weights / "deltas") == ["step-001", "step-002"]
 
-    # 2. The rebuild after serving fails (a file size limit: the small patch fits, the rebuilt
-    # shards do not): the engine serves step-002 all the same, the failure is reported.
-    failed = _publish_with_a_rebuild_failing(r, trainer, steps, 2)
-    assert failed["last_load"]["method"] == "sparse"
-    assert "File too large" in failed["last_error"]
-    assert _metric(r.metrics(), 'hotload_loader_failures_total{stage="rebuild"}') == 1
+    # 2. The engine restarts: it boots `current`, step-000; the loader patches it forward to
+    # step-002 in one patch of the two deltas on the volume, fetching nothing.
+    r.kill_engine()
+    wait_for("the engine seen down", lambda: r.status()["reason"] == "EngineUnavailable", 60)
+    r.start_engine()
+    status = wait_for(
+        "step-002 patched again",
+        lambda: (
+            (s := r.status())["identity"] == "step-002"
+            and s["state"] == "idle"
+            and s["last_load"]["skipped"] == 1
+            and s
+        ),
+        180,
+    )
+    assert status["last_load"]["method"] == "sparse" and status["last_load"]["bytes_fetched"] == 0
     assert _tokens(r) == ("tiny@step-002", greedy_token_ids(steps[2], PROMPT_IDS, 8))
-    assert _current(r) == "snapshots/step-001"  # restarts boot what the volume verified
-    assert not (r.weights / "snapshots" / "step-002").exists()
 
-    # 3. Room again. The next delta's parent is not on the volume: a full load.
-    _lift_the_limit(r)
-    trainer.publish(3)
-    status = r.wait_serving("step-003")
-    assert status["last_load"]["method"] == "full"
-    assert status["last_load"]["sparse_fallback"] == "parent_not_on_volume"
-    assert _current(r) == "snapshots/step-003"
-
-    # 4. Once more, and the loader restarts: it rebuilds step-004 on the volume, finds the
-    # engine serving it, and moves `current` forward without loading anything.
-    _publish_with_a_rebuild_failing(r, trainer, steps, 4)
-    loads = http_json("GET", r.full_api_url + "/hotload/v1/status")[1]["loads"]
+    # 3. The loader restarts (told to fold the deltas as soon as there are any): it resumes
+    # from the volume, loads nothing, downloads nothing.
+    loads = _engine_status(r)["loads"]
     r.kill_loader()
+    r.loader_args = ["--compact-fraction", "0.0001"]
     r.start_loader()
-    wait_for("step-004 on the volume", lambda: _current(r) == "snapshots/step-004", 120)
-    assert r.wait_serving("step-004")["reason"] == "Current"
-    assert http_json("GET", r.full_api_url + "/hotload/v1/status")[1]["loads"] == loads
+    status = r.wait_serving("step-002")
+    assert status["resumed_from"] == "step-002", status
+    resumed = [e for e in status["events"] if e["reason"] == "ResumedFromVolume"]
+    assert "snapshot step-000 plus 2 delta(s)" in resumed[0]["message"], resumed
+    assert _engine_status(r)["loads"] == loads
+    assert _metric(r.metrics(), "hotload_loader_bytes_fetched_total") == 0
+
+    # 4. The next delta is patched; the deltas then fold into a snapshot in the background.
+    trainer.publish(3)
+    r.wait_serving("step-003")
+    wait_for("step-003 folded", lambda: _current(r) == "snapshots/step-003", 120)
+    wait_for("the deltas collected", lambda: _listing(r.weights / "deltas") == [], 60)
+    assert any(e["reason"] == "VolumeCompacted" for e in r.status()["events"])
+    # One swap in the engine since the restart: the patch; the folding reloaded nothing.
+    assert _engine_status(r)["loads"] == loads + 1
+    trainer.publish(4)
+    r.wait_serving("step-004")
     full_sums = _served_checksums(r)
 
     # 5. A delta that changes most elements: too dense for a patch, loaded in full.
@@ -125,6 +178,7 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
         "too_dense",
     )
     assert _metric(r.metrics(), 'hotload_loader_sparse_fallbacks_total{reason="too_dense"}') == 1
+    assert _current(r) == "snapshots/step-005"
 
     # 6. A delta corrupted in the bucket: the patch is refused, so is the full path; the engine
     # keeps step-005, unchanged.
@@ -150,6 +204,7 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
     assert _metric(metrics, "hotload_loader_checksum_failures_total") >= 2
     assert _served_checksums(r) == before
     assert _tokens(r)[0] == "tiny@step-005"
+    assert not (r.weights / "deltas" / "step-006").exists()
 
     # 7. The next step is published as a full snapshot (its delta's parent never served): the
     # fleet heals through the full path.
@@ -158,44 +213,65 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
     assert _tokens(r) == ("tiny@step-007", greedy_token_ids(steps[7], PROMPT_IDS, 8))
 
 
-def _publish_with_a_rebuild_failing(
-    r: Replica, trainer: Trainer, steps: list[Path], step: int
-) -> dict[str, Any]:
-    """Publish `step` while the loader cannot write a file as large as a rebuilt shard (the
-    small patch fits); return the status once the engine serves it and the rebuild failed."""
-    assert r.loader is not None
-    identity = Trainer.identity(step)
-    r.loader.send_signal(signal.SIGSTOP)
-    try:
-        delta = trainer.publish(step)
-        biggest_download = max(p.stat().st_size for p in delta.iterdir())
-        limit = max(p.stat().st_size for p in steps[step].iterdir()) // 2
-        assert 4 * biggest_download < limit
-        _, hard = resource.prlimit(r.loader.pid, resource.RLIMIT_FSIZE)
-        resource.prlimit(r.loader.pid, resource.RLIMIT_FSIZE, (limit, hard))
-    finally:
-        r.loader.send_signal(signal.SIGCONT)
-
-    def rebuild_failed() -> dict[str, Any] | None:
-        s = r.status()
-        failed = [
-            e for e in s["events"] if e["reason"] == "RebuildFailed" and identity in e["message"]
-        ]
-        return s if failed and s["state"] == "idle" else None
-
-    failed: dict[str, Any] = wait_for(f"the rebuild of {identity} failing", rebuild_failed, 120)
-    assert failed["identity"] == identity and identity in failed["last_error"]
-    return failed
-
-
-def _lift_the_limit(r: Replica) -> None:
-    assert r.loader is not None
-    _, hard = resource.prlimit(r.loader.pid, resource.RLIMIT_FSIZE)
-    resource.prlimit(r.loader.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, hard))
-
-
 def _size(p: Path) -> int:
     return p.stat().st_size
+
+
+@pytest.fixture(scope="module")
+def burst(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Eight steps of a tiny Llama, each moving 1% of the elements."""
+    root = tmp_path_factory.mktemp("burst")
+    base = build_tiny_llm(root / "m", 0).snapshots[0]
+    return sparse_steps(base, root / "s", 8, fraction=0.01, seed=6)[0]
+
+
+def test_a_burst_of_deltas_is_served_as_patches(
+    burst: list[Path], tmp_path: Path, env: dict[str, str], replicas: list[Replica]
+) -> None:
+    """Deltas published faster than the replica takes them: it skips ahead with one patch of
+    several; when they change too much together for one patch, with a few patches in a row,
+    never a full reload because it was busy."""
+    bucket = tmp_path / "bucket"
+    trainer = Trainer(Ledger(open_bucket(str(bucket)), "policy"), burst, tmp_path / "t", 100)
+    trainer.publish(0)
+    r = Replica("r0", tmp_path / "r0", f"{bucket}/policy", env, admin_port=free_port())
+    replicas.append(r)
+    r.start()
+    r.wait_serving("step-000", timeout=180)
+
+    def publish_while_busy(steps: range) -> None:
+        r.pause_loader()  # busy: the deltas land before it looks again
+        try:
+            for k in steps:
+                trainer.publish(k)
+        finally:
+            r.resume_loader()
+
+    # Four deltas (4% together): one patch of all four.
+    publish_while_busy(range(1, 5))
+    status = r.wait_serving("step-004")
+    last = status["last_load"]
+    assert (last["method"], last["skipped"], last["steps"]) == ("sparse", 3, 4)
+    assert _tokens(r) == ("tiny@step-004", greedy_token_ids(burst[4], PROMPT_IDS, 8))
+    assert _metric(r.metrics(), 'hotload_loader_loads_total{method="sparse"}') == 1
+    assert _engine_status(r)["counters"]["patches"] == 1
+    assert any("over 4 deltas" in e["message"] for e in status["events"])
+
+    # At most 2.5% per patch: four more deltas go in two patches of two.
+    r.kill_loader()
+    r.loader_args = ["--sparse-max-changed", "0.025"]
+    r.start_loader()
+    r.wait_serving("step-004")
+    publish_while_busy(range(5, 9))
+    status = r.wait_serving("step-008")
+    assert (status["last_load"]["method"], status["last_load"]["steps"]) == ("sparse", 2)
+    metrics = r.metrics()
+    assert _metric(metrics, 'hotload_loader_loads_total{method="sparse"}') == 2
+    assert _metric(metrics, 'hotload_loader_loads_total{method="full"}') == 0
+    fallbacks = [line for line in metrics.splitlines() if "sparse_fallbacks_total{" in line]
+    assert fallbacks and all(line.endswith(" 0.0") for line in fallbacks), fallbacks
+    assert _engine_status(r)["counters"]["patches"] == 3
+    assert _tokens(r) == ("tiny@step-008", greedy_token_ids(burst[8], PROMPT_IDS, 8))
 
 
 @pytest.mark.asyncio

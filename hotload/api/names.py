@@ -61,6 +61,8 @@ REASON_LEDGER_UNREACHABLE: Final = "LedgerUnreachable"  # ... but the ledger cou
 REASON_STARTING: Final = "Starting"
 REASON_ENGINE_DOWN: Final = "EngineUnavailable"
 REASON_NO_SNAPSHOT: Final = "NoSnapshot"
+#: A scrub found the served weights differ from their checksums: reloading them in full.
+REASON_DEGRADED: Final = "Degraded"
 
 # --- conditions on the custom resources -------------------------------------------------------
 

@@ -156,6 +156,75 @@ _JOIN_DTYPES = {
 }
 
 
+def _read_streams(
+    meta: dict[str, Any], data: memoryview, streams_raw: list[int], what: str
+) -> tuple[list[list[Any]], list[bytes]]:
+    """A chunk's stream entries, checked, and each stream decompressed (still bit-packed)."""
+    streams = _check_streams(meta, streams_raw, what)
+    packed: list[bytes] = []
+    pos = 0
+    for i, ((codec, stored, bits), count) in enumerate(zip(streams, streams_raw, strict=True)):
+        if pos + stored > len(data):
+            raise CorruptDeltaError(f"{what}: stream {i} runs past the end of the chunk payload")
+        # The decoded size follows from the chunk's own element count: a frame that claims
+        # more is a decompression bomb and is refused before anything is allocated.
+        packed.append(
+            st.decompress_stream(
+                codec, data[pos : pos + stored], st.packed_len(count, bits), f"{what}: stream {i}"
+            )
+        )
+        pos += stored
+    if pos != len(data):
+        raise CorruptDeltaError(f"{what}: {len(data) - pos} stray bytes after the last stream")
+    return streams, packed
+
+
+class NeedsParentError(CorruptDeltaError):
+    """A chunk whose changed positions depend on the parent's values (`sparse_exp`: the
+    parent's exponents order them), asked for without the parent."""
+
+
+def chunk_changes(
+    meta: dict[str, Any], data: memoryview, n: int, udtype: np.dtype[Any], what: str
+) -> tuple[str, np.ndarray | None, np.ndarray | None]:
+    """What one chunk of `n` elements changes, without its parent: ("same", None, None);
+    ("add", positions or None for every element, wrapping differences new - old) for a sparse
+    or dense chunk; ("set", None, new elements) for a raw one. Every field and stream is
+    checked as in `decode_chunk`; a `sparse_exp` chunk raises `NeedsParentError`."""
+    encoding = meta.get("encoding")
+    width = udtype.itemsize
+    if encoding == SAME:
+        if len(data):
+            raise CorruptDeltaError(f"{what}: a 'same' chunk must have no payload")
+        return SAME, None, None
+    if encoding == SPARSE_EXP:
+        raise NeedsParentError(
+            f"{what}: a sparse_exp chunk's positions follow the parent's exponents"
+        )
+    if encoding == SPARSE:
+        shape = _run_shape(meta, n, width, what)
+        if shape[0] == 0:
+            raise CorruptDeltaError(f"{what}: a sparse chunk must change at least one element")
+        streams_raw = _run_streams(shape)
+    elif encoding == DENSE:
+        streams_raw = [n] * _int_field(meta, "value_planes", 1, width, what)
+    elif encoding == RAW:
+        streams_raw = [n] * width
+    else:
+        raise CorruptDeltaError(f"{what}: unknown encoding {encoding!r} (supported: {ENCODINGS})")
+    streams, packed = _read_streams(meta, data, streams_raw, what)
+    decoded = [
+        st.unpack_symbols(raw, s[2], count)
+        for raw, s, count in zip(packed, streams, streams_raw, strict=True)
+    ]
+    if encoding == SPARSE:
+        idx, zz = _decode_run(decoded, shape, n, udtype, what)
+        return "add", idx, st.unzigzag(zz)
+    if encoding == DENSE:
+        return "add", None, st.unzigzag(st.join_planes(decoded, n, udtype))
+    return "set", None, st.join_planes(decoded, n, udtype)
+
+
 # How the decoder reads a chunk's parent elements (`parent_use`).
 READ = "read"  # summed where they lie (same, raw: nothing else reads them)
 BUILD = "build"  # read once by the C kernel as it rebuilds; both checksums from the result
@@ -234,22 +303,7 @@ def decode_chunk(
         streams_raw = [n] * width
     else:
         raise CorruptDeltaError(f"{what}: unknown encoding {encoding!r} (supported: {ENCODINGS})")
-    streams = _check_streams(meta, streams_raw, what)
-    packed: list[bytes] = []
-    pos = 0
-    for i, ((codec, stored, bits), count) in enumerate(zip(streams, streams_raw, strict=True)):
-        if pos + stored > len(data):
-            raise CorruptDeltaError(f"{what}: stream {i} runs past the end of the chunk payload")
-        # The decoded size follows from the chunk's own element count: a frame that claims
-        # more is a decompression bomb and is refused before anything is allocated.
-        packed.append(
-            st.decompress_stream(
-                codec, data[pos : pos + stored], st.packed_len(count, bits), f"{what}: stream {i}"
-            )
-        )
-        pos += stored
-    if pos != len(data):
-        raise CorruptDeltaError(f"{what}: {len(data) - pos} stray bytes after the last stream")
+    streams, packed = _read_streams(meta, data, streams_raw, what)
     if encoding == SPARSE and (out is not None or write_to is not None) and native is not None:
         fd, offset = write_to if write_to is not None else (None, 0)
         try:
@@ -339,6 +393,8 @@ __all__ = [
     "WRITE_THROUGH",
     "DecodedChunk",
     "EncodedChunk",
+    "NeedsParentError",
+    "chunk_changes",
     "decode_chunk",
     "encode_chunk",
     "encode_sparse_exp",

@@ -1,14 +1,20 @@
-"""Sparse patches from arc_v2 deltas: what a delta changes, per tensor, verified before it is
-written (the file format is `patch_file`; docs/arc_v2.md, Appendix C).
+"""Sparse patches from arc_v2 deltas: what one delta, or several in a row, change, written for an
+engine to apply in place (the file format is `patch_file`; docs/arc_v2.md, Appendix C).
 
-`prepare_patch(parent, delta, out)` reads every chunk of every delta shard against the
-same-named shard of its parent, a full snapshot on disk, with the decoder's own checks: the
-CRC-32 of a chunk's stored bytes before they are read, the adler32 of the parent's tensor
-(a wrong parent) and of the result (a corrupted payload). Instead of writing the rebuilt shard
-it keeps only what changed: a sparse chunk's positions and new values, a dense or raw chunk as
-one whole range; a `same` chunk contributes nothing. A shard's changes reach the patch file only
-after every tensor of the shard verified, and the file takes its name only after every shard
-did, so an unverified patch never exists.
+`prepare_patch(parent, deltas, out)` reads every chunk of every delta shard with the decoder's
+structural checks (each chunk's CRC-32 before its streams are read, every field, every stream's
+size) and keeps what it changes without rebuilding anything: a sparse chunk's positions and its
+differences new - old, a dense chunk's differences for every element, a raw chunk's new
+elements; a `same` chunk contributes nothing. Differences are what the delta stores, so the
+parent's values are never read: a patch costs what the deltas changed, whatever the model's size.
+Several deltas in a row compose into one patch (positions joined, differences added, a later
+raw value replacing what came before). The engine verifies the result against its own weights
+(the parent's checksums and the last delta's result checksums, `hotload_patch.verify`); the file
+takes its name only after every shard of every delta passed its checks.
+
+`sparse_exp` chunks (deltas encoded with `compact`) order their positions by the parent's
+exponents: they need the parent, which `parent` may give for a single delta (its chunk's values
+are then read from the parent snapshot); otherwise `PatchNeedsParentError`.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,30 +30,28 @@ from typing import Any
 import numpy as np
 
 from hotload.arc import chunk as ck
-from hotload.arc.checksum import adler32, parse_checksum
+from hotload.arc.checksum import parse_checksum
 from hotload.arc.container import read_header
-from hotload.arc.decoder import ChunkResult, check_sums, stored_chunk
+from hotload.arc.decoder import stored_chunk
 from hotload.arc.encodings import DENSE, RAW, SPARSE, SPARSE_EXP
 from hotload.arc.lanes import ChunkRunner, Lanes, released_scratch
-from hotload.arc.patch_file import (
-    INDEX_DTYPES,
-    PatchRange,
-    PatchTensor,
-    PatchWriter,
-    index_dtype_for,
-    tensor_entry,
-)
-from hotload.arc.plan import ChunkTask, ShardStats, check_delta, check_parent, elements, plan_chunks
-from hotload.errors import ArcError, SnapshotError
+from hotload.arc.patch_file import PatchTensor, PatchWriter, Run, tensor_entry
+from hotload.arc.plan import ChunkTask, check_delta, elements, plan_chunks
+from hotload.errors import ArcError, SnapshotError, WrongParentError
 from hotload.parse_cache import parse_once
 from hotload.snapshot.dtypes import uint_view_dtype
 from hotload.snapshot.safetensors_io import SafetensorsFile
-from hotload.snapshot.validate import validate_snapshot, validate_transition
+from hotload.snapshot.validate import validate_snapshot
 
 
 class PatchTooDenseError(ArcError):
     """The delta changes so much of the model that writing its changes in place would cost
     about what loading the whole snapshot costs: load it whole instead."""
+
+
+class PatchNeedsParentError(ArcError):
+    """A delta chunk whose positions depend on the parent's values (`sparse_exp`), without
+    the parent at hand: the patch cannot be made from the deltas alone."""
 
 
 @dataclass
@@ -62,6 +67,7 @@ class PatchStats:
     bytes: int
     delta_bytes: int
     seconds: float
+    deltas: int = 1
 
 
 def delta_changes(delta: str | Path) -> tuple[int, int]:
@@ -85,14 +91,39 @@ def delta_changes(delta: str | Path) -> tuple[int, int]:
     return changed, total
 
 
+def check_delta_files(delta: str | Path, expected_parent: str | None = None) -> int:
+    """Check an incremental snapshot's files without its parent: every shard header (the
+    parent it names, when `expected_parent` is given), every chunk inside its payload and its
+    stored bytes against their CRC-32. Returns the chunks checked; raises `CorruptDeltaError`,
+    `WrongParentError` or `SnapshotError`."""
+    folder = Path(delta)
+    snap = validate_snapshot(folder)
+    if snap.kind != "incremental":
+        raise SnapshotError(f"expected an incremental snapshot, not {snap.kind}", path=str(folder))
+    chunks = 0
+    for shard in snap.shard_files:
+        header = read_header(folder / shard)
+        plan, _ = plan_chunks(check_delta(header, shard, expected_parent), shard)
+        with (folder / shard).open("rb") as f:
+            delta_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                for item in plan:
+                    stored_chunk(delta_map, header.payload_offset, item, shard).release()
+                    chunks += 1
+            finally:
+                with contextlib.suppress(BufferError):
+                    delta_map.close()
+    return chunks
+
+
 def _count(run: object) -> int:
     count = run.get("count") if isinstance(run, dict) else None
     return count if isinstance(count, int) and not isinstance(count, bool) else 0
 
 
 def prepare_patch(
-    parent: str | Path,
-    delta: str | Path,
+    parent: str | Path | None,
+    delta: str | Path | Sequence[str | Path],
     out: str | Path,
     *,
     identity: str | None = None,
@@ -100,164 +131,228 @@ def prepare_patch(
     threads: int | None = None,
     max_changed_fraction: float | None = None,
 ) -> PatchStats:
-    """Write the patch that turns full snapshot `parent` into what incremental snapshot `delta`
-    rebuilds, at `out`, verifying every chunk and tensor first (see the module docstring).
+    """Write the patch of incremental snapshot `delta` (or of several, each the next one's
+    parent, composed into one) at `out`, checking every chunk first (see the module docstring).
 
-    `identity` and `expected_parent` are recorded in the patch (default: the delta's header
-    fields, and for the identity else the delta folder's name); `expected_parent` is also
-    checked against every shard's header. With `max_changed_fraction`, a delta changing more
-    than that fraction of the elements is refused (`PatchTooDenseError`) before anything is
-    decoded. Raises what `decode` raises otherwise (`WrongParentError`, `CorruptDeltaError`,
-    `ChecksumMismatchError`, `SnapshotError`).
+    `parent` (a full snapshot of the first delta's parent, or None) is read only for
+    `sparse_exp` chunks. `identity` and `expected_parent` are recorded in the patch (default:
+    the deltas' header fields, and for the identity else the last delta folder's name);
+    `expected_parent` is also checked against the first delta's headers, and each later delta
+    must name the one before it. With `max_changed_fraction`, deltas changing more than that
+    fraction of the elements (summed over the deltas, from their chunk entries) are refused
+    (`PatchTooDenseError`) before anything is decoded. Raises `CorruptDeltaError`,
+    `WrongParentError`, `SnapshotError` or `PatchNeedsParentError` otherwise.
     """
     started = time.perf_counter()
-    prev_path, delta_path = Path(parent), Path(delta)
+    folders = [Path(delta)] if isinstance(delta, str | Path) else [Path(d) for d in delta]
+    if not folders:
+        raise SnapshotError("a patch needs at least one delta")
     with parse_once():
-        prev = validate_snapshot(prev_path)
-        dsnap = validate_snapshot(delta_path)
-        if prev.kind != "full" or dsnap.kind != "incremental":
-            raise SnapshotError(
-                f"a patch joins a full parent and an incremental snapshot, not {prev.kind} and "
-                f"{dsnap.kind}",
-                path=str(delta_path),
-            )
-        validate_transition(prev, dsnap)
-        if max_changed_fraction is not None:
-            changed, total = delta_changes(delta_path)
-            if changed > max_changed_fraction * total:
-                raise PatchTooDenseError(
-                    f"the delta changes {changed} of {total} elements ({changed / total:.0%}), "
-                    f"more than the {max_changed_fraction:.0%} a patch is worth"
+        snaps = [validate_snapshot(f) for f in folders]
+        for snap in snaps:
+            if snap.kind != "incremental":
+                raise SnapshotError(
+                    f"a patch is made of incremental snapshots, not {snap.kind}",
+                    path=str(snap.path),
                 )
-        shards: list[tuple[list[dict[str, Any]], ShardStats]] = []
+            if snap.shard_files != snaps[0].shard_files:
+                raise SnapshotError(
+                    "the deltas of one patch must have the same shards", path=str(snap.path)
+                )
+        shards = snaps[0].shard_files
+        firsts = [read_header(f / shards[0]) if shards else None for f in folders]
+        names = [
+            (h.identity if h is not None else None) or f.name
+            for h, f in zip(firsts, folders, strict=True)
+        ]
+        parents = [expected_parent or (firsts[0].parent if firsts[0] else None), *names[:-1]]
+        if max_changed_fraction is not None:
+            counted = [delta_changes(f) for f in folders]
+            changed, total = sum(c for c, _ in counted), counted[0][1]
+            if changed > max_changed_fraction * total:
+                what = "the deltas change" if len(folders) > 1 else "the delta changes"
+                raise PatchTooDenseError(
+                    f"{what} {changed} of {total} elements ({changed / total:.0%}), more than "
+                    f"the {max_changed_fraction:.0%} a patch is worth"
+                )
+        use_parent = Path(parent) if parent is not None and len(folders) == 1 else None
         with PatchWriter(out) as writer, released_scratch():
-            shards = Lanes(threads).each_shard(
-                dsnap.shard_files,
+            results = Lanes(threads).each_shard(
+                shards,
                 lambda shard, runner: _patch_shard(
-                    prev_path / shard, delta_path / shard, writer, expected_parent, runner
+                    [f / shard for f in folders], parents, use_parent, writer, runner
                 ),
             )
-            entries = [e for shard_entries, _ in shards for e in shard_entries]
-            first = read_header(delta_path / dsnap.shard_files[0]) if dsnap.shard_files else None
-            ident = identity or (first.identity if first else None) or delta_path.name
-            parent_ident = expected_parent or (first.parent if first else None)
-            nelements = sum(s.elements for _, s in shards)
-            nchanged = sum(s.changed for _, s in shards)
+            entries = [e for shard_entries, _, _ in results for e in shard_entries]
+            ident = identity or names[-1]
             size = writer.finish(
                 {
                     "identity": ident,
-                    "parent": parent_ident,
-                    "elements": nelements,
-                    "changed": nchanged,
+                    "parent": parents[0],
+                    "deltas": names,
+                    "elements": sum(n for _, n, _ in results),
+                    "changed": sum(c for _, _, c in results),
                     "tensors": entries,
                 }
             )
     return PatchStats(
         Path(out),
         ident,
-        parent_ident,
+        parents[0],
         len(entries),
-        nelements,
-        nchanged,
+        sum(n for _, n, _ in results),
+        sum(c for _, _, c in results),
         size,
-        sum(s.delta_bytes for _, s in shards),
+        sum(f.stat().st_size for folder in folders for f in folder.iterdir() if f.is_file()),
         time.perf_counter() - started,
+        len(folders),
     )
+
+
+#: One tensor's changes so far: ascending positions, whether each value is set (not added),
+#: the values (unsigned integers of the dtype's width).
+Changes = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _patch_shard(
-    previous: Path,
-    delta: Path,
+    deltas: list[Path],
+    parents: list[str | None],
+    parent: Path | None,
     writer: PatchWriter,
-    expected_parent: str | None,
     pool: ChunkRunner,
-) -> tuple[list[dict[str, Any]], ShardStats]:
-    """Decode one delta shard's chunks into changes, verify them all, then write them."""
-    shard = delta.name
-    stats = ShardStats(shard)
-    header = read_header(delta)
-    checked = check_delta(header, shard, expected_parent)
-    with SafetensorsFile(previous) as prev:
-        check_parent(prev, checked, shard)
+) -> tuple[list[dict[str, Any]], int, int]:
+    """One shard over every delta: its chunks' changes, composed, written; returns (entries,
+    elements, changed)."""
+    shard = deltas[0].name
+    composed: dict[str, Changes] = {}
+    first: dict[str, Any] = {}
+    last: dict[str, Any] = {}
+    infos: dict[str, Any] = {}
+    for path, want in zip(deltas, parents, strict=True):
+        header = read_header(path)
+        checked = check_delta(header, shard, want)
+        if infos and {n: (i.dtype, i.shape) for n, i in checked.infos.items()} != {
+            n: (i.dtype, i.shape) for n, i in infos.items()
+        }:
+            raise WrongParentError("the deltas hold different tensors", shard=shard)
+        infos = checked.infos
         plan, _ = plan_chunks(checked, shard)
-        stats.delta_bytes = header.file_size
-        stats.elements = sum(i.numel for i in checked.infos.values())
-        delta_file = delta.open("rb")
-        delta_map = mmap.mmap(delta_file.fileno(), 0, access=mmap.ACCESS_READ)
-        outcomes: list[tuple[ChunkResult, ck.DecodedChunk | None]] = []
-        try:
+        changes = _shard_changes(path, header.payload_offset, plan, parent, pool)
+        for entry in checked.entries:
+            name = entry["name"]
+            first.setdefault(name, entry)
+            last[name] = entry
+            if name in changes:
+                composed[name] = (
+                    _compose(composed[name], changes[name]) if name in composed else changes[name]
+                )
+    entries = []
+    changed = 0
+    for name, entry in first.items():
+        info = infos[name]
+        t = PatchTensor(
+            name,
+            info.dtype,
+            tuple(info.shape),
+            parse_checksum(entry.get("base_checksum"), shard=shard, tensor=name),
+            parse_checksum(last[name].get("checksum"), shard=shard, tensor=name),
+        )
+        if name in composed:
+            at, is_set, values = composed[name]
+            if (~is_set).any():
+                t.add = Run(at[~is_set], values[~is_set])
+            if is_set.any():
+                t.set = Run(at[is_set], values[is_set])
+        changed += t.changed
+        entries.append(tensor_entry(writer, t))
+    return entries, sum(i.numel for i in infos.values()), changed
 
-            def run(item: ChunkTask) -> tuple[ChunkResult, ck.DecodedChunk | None]:
-                info, s, e, meta = item
-                old = elements(prev, prev.tensors[info.name])[s:e]
+
+def _shard_changes(
+    path: Path, payload: int, plan: list[ChunkTask], parent: Path | None, pool: ChunkRunner
+) -> dict[str, Changes]:
+    """Every chunk of one delta shard read (CRC-32 first) into per-tensor changes."""
+    shard = path.name
+    with path.open("rb") as f:
+        delta_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        prev = SafetensorsFile(parent / shard) if parent is not None else None
+
+        def run(item: ChunkTask) -> tuple[str, np.ndarray | None, np.ndarray | None]:
+            info, s, e, meta = item
+            udtype = uint_view_dtype(info.dtype)
+            what = f"{shard}: tensor {info.name!r}: elements {s}..{e}"
+            try:
+                data = stored_chunk(delta_map, payload, item, shard)
                 try:
-                    data = stored_chunk(delta_map, header.payload_offset, item, shard)
-                    what = f"{shard}: tensor {info.name!r}: elements {s}..{e}"
-                    # Without an output buffer a sparse chunk comes back as its changes only.
-                    res = ck.decode_chunk(meta, data, old, what, info.dtype)
-                except ArcError as exc:
-                    exc.shard, exc.tensor = exc.shard or shard, exc.tensor or info.name
-                    return ChunkResult(adler32(old), None, 0, exc), None
-                return ChunkResult(res.base_checksum, res.target_checksum, res.changed, None), res
+                    kind, at, values = ck.chunk_changes(meta, data, e - s, udtype, what)
+                finally:
+                    data.release()
+            except ck.NeedsParentError as exc:
+                if prev is None:
+                    raise PatchNeedsParentError(str(exc), shard=shard, tensor=info.name) from None
+                return _from_parent(prev, item, delta_map, payload, shard)
+            except ArcError as exc:
+                exc.shard, exc.tensor = exc.shard or shard, exc.tensor or info.name
+                raise
+            if kind == ck.SAME:
+                return kind, None, None
+            at = np.arange(s, e, dtype=np.int64) if at is None else at + s
+            return kind, at, values
 
-            outcomes = list(pool.map(run, plan))
-            check_sums(checked.entries, plan, [o[0] for o in outcomes], stats, shard)
-            # Verified: only now does anything of this shard reach the file. Chunk arrays may
-            # view the delta's map, so they are written before it closes.
-            by_tensor: dict[str, list[tuple[int, ck.DecodedChunk]]] = {}
-            for (info, s, _e, _meta), (_, res) in zip(plan, outcomes, strict=True):
-                assert res is not None
-                by_tensor.setdefault(info.name, []).append((s, res))
-            entries = []
-            for entry in checked.entries:
-                tensor = _tensor_changes(entry, checked.infos[entry["name"]], by_tensor, shard)
-                entries.append(_write(writer, tensor))
+        try:
+            results = list(pool.map(run, plan))
         finally:
-            del outcomes
+            if prev is not None:
+                prev.close()
+            # A chunk that failed may still hold a view of the map (in its traceback): the
+            # map is then freed with it.
             with contextlib.suppress(BufferError):
                 delta_map.close()
-            delta_file.close()
-    return entries, stats
+    by_tensor: dict[str, list[tuple[str, np.ndarray, np.ndarray]]] = {}
+    for (info, _s, _e, _m), (kind, at, values) in zip(plan, results, strict=True):
+        if at is not None and values is not None:
+            by_tensor.setdefault(info.name, []).append((kind, at, values))
+    out: dict[str, Changes] = {}
+    for name, parts in by_tensor.items():
+        at = np.concatenate([p[1] for p in parts])
+        is_set = np.concatenate([np.full(p[1].size, p[0] == "set") for p in parts])
+        values = np.concatenate([p[2] for p in parts])
+        out[name] = (at, is_set, values)
+    return out
 
 
-def _tensor_changes(
-    entry: dict[str, Any],
-    info: Any,
-    by_tensor: dict[str, list[tuple[int, ck.DecodedChunk]]],
-    shard: str,
-) -> PatchTensor:
-    """One tensor's verified chunks as a `PatchTensor`: sparse changes joined, with positions
-    counted from the tensor's first element; dense and raw chunks as ranges."""
-    name = entry["name"]
-    index_dtype = INDEX_DTYPES[index_dtype_for(info.numel)]
-    positions: list[np.ndarray] = []
-    values: list[np.ndarray] = []
-    ranges: list[PatchRange] = []
-    for start, res in by_tensor.get(name, []):
-        if res.positions is not None and res.values is not None:
-            at = res.positions.astype(index_dtype)
-            at += start
-            positions.append(at)
-            values.append(res.values)
-        elif res.dense is not None:
-            ranges.append(PatchRange(start, res.dense))
-    udtype = uint_view_dtype(info.dtype)
-    return PatchTensor(
-        name,
-        info.dtype,
-        tuple(info.shape),
-        parse_checksum(entry.get("base_checksum"), shard=shard, tensor=name),
-        parse_checksum(entry.get("checksum"), shard=shard, tensor=name),
-        np.concatenate(positions) if positions else np.zeros(0, dtype=index_dtype),
-        np.concatenate(values) if values else np.zeros(0, dtype=udtype),
-        ranges,
-    )
+def _from_parent(
+    prev: SafetensorsFile, item: ChunkTask, delta_map: mmap.mmap, payload: int, shard: str
+) -> tuple[str, np.ndarray, np.ndarray]:
+    """A `sparse_exp` chunk decoded against the parent's values: its differences."""
+    info, s, e, meta = item
+    old = elements(prev, prev.tensors[info.name])[s:e]
+    data = stored_chunk(delta_map, payload, item, shard)
+    try:
+        res = ck.decode_chunk(meta, data, old, f"{shard}: tensor {info.name!r}", info.dtype)
+    finally:
+        data.release()
+    assert res.positions is not None and res.values is not None
+    # sparse_exp lists hot positions before cold ones: a run is ascending.
+    order = np.argsort(res.positions, kind="stable")
+    at = res.positions[order]
+    return "add", at + s, res.values[order] - old[at]
 
 
-def _write(writer: PatchWriter, t: PatchTensor) -> dict[str, Any]:
-    positions_at = values_at = None
-    if t.positions.size:
-        positions_at = writer.add(t.positions)
-        values_at = writer.add(t.values)
-    ranges_at = [writer.add(r.values) for r in t.ranges]
-    return tensor_entry(t, positions_at, values_at, ranges_at)
+def _compose(a: Changes, b: Changes) -> Changes:
+    """Changes `a`, then `b`: positions joined, differences added (wrapping), a set value
+    replacing what came before it; a difference that sums to nothing is dropped. A stable sort
+    merges the two ascending runs in linear time; a position in both is then `a`'s entry
+    followed by `b`'s, folded into the latter."""
+    at = np.concatenate([a[0], b[0]])
+    order = np.argsort(at, kind="stable")
+    at = at[order]
+    is_set = np.concatenate([a[1], b[1]])[order]
+    values = np.concatenate([a[2], b[2]])[order]
+    first = np.flatnonzero(at[1:] == at[:-1])  # a's entry; b's follows it
+    adds = first[~is_set[first + 1]]
+    values[adds + 1] += values[adds]
+    is_set[adds + 1] = is_set[adds]
+    keep = is_set | (values != 0)
+    keep[first] = False
+    return at[keep], is_set[keep], values[keep]

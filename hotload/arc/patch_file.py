@@ -1,10 +1,12 @@
-"""Writing sparse patch files: what one arc_v2 delta changes, per tensor, as raw arrays an engine
-can write straight into the weights it serves (spec: docs/arc_v2.md, Appendix C).
+"""Writing sparse patch files: what arc_v2 deltas change, per tensor, in the form an engine
+applies to the weights it serves (spec: docs/arc_v2.md, Appendix C).
 
 The format and its reader live in `hotload_patch.format`, which engines import without hotload;
-this module writes it. The header comes last because the arrays' offsets are known only once
-they are written; the file appears under its final name only after the header
-(`PatchWriter.finish`).
+this module writes it. A run's positions are stored as gaps and its values (zigzagged when they
+are differences) as byte planes; each plane is stored raw, zlib-compressed when that saves (the
+reader has only the standard library), or not at all when it is all zeros. The header comes last
+because the planes' offsets are known only once they are written; the file appears under its
+final name only after the header (`PatchWriter.finish`).
 """
 
 from __future__ import annotations
@@ -18,32 +20,39 @@ from typing import Any
 
 import numpy as np
 
+from hotload.arc.streams import split_planes, zigzag
+from hotload.faults import crash_point
 from hotload.fileio import pwrite_all
 from hotload_patch.format import (
     ALIGN,
     FORMAT,
-    INDEX_DTYPES,
     MAGIC,
     PREFIX,
     VERSION,
-    PatchRange,
     PatchTensor,
+    Run,
     format_checksum,
-    index_dtype_for,
+    gaps_of,
+    position_width,
 )
 
-__all__ = [
-    "INDEX_DTYPES",
-    "PatchRange",
-    "PatchTensor",
-    "PatchWriter",
-    "index_dtype_for",
-    "tensor_entry",
-]
+__all__ = ["PatchTensor", "PatchWriter", "Run", "tensor_entry"]
+
+#: zlib level of compressed planes: speed matters more than the last bytes (planes of gaps and
+#: small differences are mostly runs of a few symbols, which level 1 already finds).
+LEVEL = 1
+#: A plane whose bytes carry more entropy than this (bits per byte, from the histogram of its
+#: first `SAMPLE` bytes) is stored raw without trying: zlib would not shrink it (the low byte
+#: of random gaps).
+RAW_ENTROPY = 7.6
+#: Bytes of a plane whose histogram decides whether zlib is tried (a plane's bytes are alike
+#: throughout: the same kind of value at every position).
+SAMPLE = 1 << 16
+_UINT = {4: "<u4", 8: "<u8"}
 
 
 class PatchWriter:
-    """Writes a patch file under a temporary name; arrays may be added from several threads.
+    """Writes a patch file under a temporary name; planes may be added from several threads.
 
     `finish` writes the header and renames the file into place; `abort` (or leaving the `with`
     block by an exception) removes it, so no partial patch ever carries the final name.
@@ -56,16 +65,40 @@ class PatchWriter:
         self._end = PREFIX.size
         self._lock = threading.Lock()
 
-    def add(self, array: np.ndarray) -> int:
-        """Append `array`'s bytes at the next aligned offset; return that offset."""
-        data = np.ascontiguousarray(array)
+    def add(self, data: bytes | memoryview | np.ndarray) -> int:
+        """Append `data` at the next aligned offset; return that offset."""
+        view = memoryview(_buffer(data))
         with self._lock:
             offset = -(-self._end // ALIGN) * ALIGN
-            self._end = offset + data.nbytes
-        if data.nbytes:
+            self._end = offset + view.nbytes
+        if view.nbytes:
             assert self._fd is not None
-            pwrite_all(self._fd, data, offset)
+            pwrite_all(self._fd, view, offset)
         return offset
+
+    def plane(self, plane: np.ndarray) -> list[Any]:
+        """Store one byte plane the cheapest of the three ways; its header entry."""
+        if not plane.any():
+            return [0, 0, "zero", format_checksum(zlib.crc32(b""))]
+        stored = _buffer(plane)
+        codec = "raw"
+        if _entropy(plane[:SAMPLE]) < RAW_ENTROPY:
+            packed = zlib.compress(stored, LEVEL)
+            if len(packed) < 0.9 * plane.size:
+                stored, codec = memoryview(packed), "zlib"
+        entry = [self.add(stored), stored.nbytes, codec, format_checksum(zlib.crc32(stored))]
+        crash_point("patch-write")  # a patch file half written, under its temporary name
+        return entry
+
+    def run(self, run: Run, numel: int, *, add: bool) -> dict[str, Any]:
+        """Store a run of changes (`add`: values are differences, zigzagged here); its entry."""
+        gaps = gaps_of(run.positions).astype(np.dtype(_UINT[position_width(numel)]))
+        values = zigzag(run.values) if add else run.values
+        return {
+            "count": run.count,
+            "positions": {"planes": [self.plane(p) for p in split_planes(gaps, gaps.itemsize)]},
+            "values": {"planes": [self.plane(p) for p in split_planes(values, values.itemsize)]},
+        }
 
     def finish(self, header: dict[str, Any], *, durable: bool = False) -> int:
         """Write `header` after the data, then the prefix, and rename into place; return the
@@ -96,22 +129,32 @@ class PatchWriter:
         self.abort()
 
 
-def tensor_entry(
-    t: PatchTensor, positions_at: int | None, values_at: int | None, ranges_at: list[int]
-) -> dict[str, Any]:
-    """The header entry of tensor `t` whose arrays were written at the given offsets."""
+def tensor_entry(writer: PatchWriter, t: PatchTensor) -> dict[str, Any]:
+    """Store tensor `t`'s runs; its header entry."""
     entry: dict[str, Any] = {
         "name": t.name,
         "dtype": t.dtype,
         "shape": list(t.shape),
         "base_checksum": format_checksum(t.base_checksum),
         "checksum": format_checksum(t.checksum),
-        "count": int(t.positions.size),
     }
-    if t.positions.size:
-        entry["index"] = [positions_at, "u4" if t.positions.dtype.itemsize == 4 else "u8"]
-        entry["values"] = values_at
-    entry["ranges"] = [
-        [r.start, int(r.values.size), at] for r, at in zip(t.ranges, ranges_at, strict=True)
-    ]
+    if t.add is not None and t.add.count:
+        entry["add"] = writer.run(t.add, t.numel, add=True)
+    if t.set is not None and t.set.count:
+        entry["set"] = writer.run(t.set, t.numel, add=False)
     return entry
+
+
+def _buffer(data: bytes | memoryview | np.ndarray) -> memoryview:
+    """`data` as a flat byte view (an array made contiguous first)."""
+    if isinstance(data, np.ndarray):
+        array: Any = np.ascontiguousarray(data)
+        return memoryview(array).cast("B")
+    return memoryview(data).cast("B")
+
+
+def _entropy(plane: np.ndarray) -> float:
+    """Bits per byte of a plane's byte histogram (what an order-0 coder could reach)."""
+    counts = np.bincount(plane, minlength=256)
+    p = counts[counts > 0] / plane.size
+    return float(-(p * np.log2(p)).sum())

@@ -44,6 +44,7 @@ from hotload.bucket.remote import RemoteStore, call_checked, split_token
 from hotload.bucket.retry import RetryPolicy, translate
 from hotload.bucket.url import BucketURL
 from hotload.errors import BucketError, ObjectNotFoundError
+from hotload.faults import crash_point
 
 if TYPE_CHECKING:
     pass
@@ -229,6 +230,7 @@ class Bucket:
                 total = await self._remote.download(
                     key, tmp, size=size, etag=etag, progress=progress, semaphore=semaphore
                 )
+            crash_point("download-write")  # the bytes are in the temp file, not yet renamed
             await asyncio.to_thread(os.replace, tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):

@@ -116,6 +116,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="tokens of per-session prefix cache to keep, LRU (default: 262144; 0 disables)",
     )
     p.add_argument(
+        "--scrub-bytes-per-second",
+        type=float,
+        default=None,
+        metavar="RATE",
+        help="after a patch the served weights' checksums are derived from it; a scrub re-reads "
+        "the weights in the background at most this fast and compares (a mismatch is reported "
+        "on /hotload/v1/status, and patches are refused until a full load; default: 64 MiB/s, "
+        "0: no scrub)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -141,6 +151,8 @@ def _run(args: argparse.Namespace) -> int:
         raise HotloadError("--sequence must be >= 0")
     if args.max_adapters < 0:
         raise HotloadError("--max-adapters must be >= 0")
+    if args.scrub_bytes_per_second is not None and not args.scrub_bytes_per_second >= 0:
+        raise HotloadError("--scrub-bytes-per-second must be >= 0")
     if args.admin_port is not None and args.admin_port == args.port:
         raise HotloadError("--admin-port must differ from --port")
     # Fail fast, before importing torch or binding a port, when the folder is not a snapshot.
@@ -160,6 +172,11 @@ def _run(args: argparse.Namespace) -> int:
         session_max=1024 if args.session_cache_tokens > 0 else 0,
         session_tokens=args.session_cache_tokens,
         max_adapters=args.max_adapters,
+        **(
+            {}
+            if args.scrub_bytes_per_second is None
+            else {"scrub_bytes_per_second": args.scrub_bytes_per_second}
+        ),
     )
     engine = Engine(config)
     return asyncio.run(_serve(engine, args.host, args.port, args.admin_port, args.access_log))

@@ -29,6 +29,9 @@ class EngineConfig:
     # Niceness of the thread that stages a hot load: generation keeps the CPU while the old
     # weights serve, and staging takes what is left (0: same priority as generation).
     stage_nice: int = 10
+    #: The scrub's rate: bytes of served weights re-read per second to check the checksums
+    #: that patches derive (0: no scrub).
+    scrub_bytes_per_second: float = 64 << 20
 
     @property
     def initial_identity(self) -> str:

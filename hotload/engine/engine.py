@@ -139,7 +139,11 @@ class Engine:
         served = ServedSnapshot(cfg.initial_identity, cfg.sequence)
         runner.lora.limit = cfg.max_adapters
         self.runner = runner
-        self.patches = EnginePatches(runner, initializer=lambda: lower_priority(cfg.stage_nice))
+        self.patches = EnginePatches(
+            runner,
+            initializer=lambda: lower_priority(cfg.stage_nice),
+            scrub_rate=cfg.scrub_bytes_per_second,
+        )
         self.patches.loaded(cfg.model_path)
         self.scheduler = Scheduler(
             runner,
@@ -213,6 +217,7 @@ class Engine:
             "numerics": info.numerics if info else None,
             "batch_invariant": info.batch_invariant if info else None,
             "adapters": self.adapter_names(),
+            **(self.patches.report() if self.patches is not None else {}),
             "prefix_cache": {
                 "sessions": len(self.sessions),
                 "tokens": self.sessions.tokens,
@@ -250,7 +255,7 @@ class Engine:
         if req.adapter is not None and not scheduler.has_adapter(req.adapter):
             raise self.unknown_model(str(req.adapter))
         check_constraint(req.constraint, scheduler.served)
-        prompt_ids = self._prompt_ids(req, codec, runner.info.vocab_size)
+        prompt_ids = codec.prompt_ids(req, runner.info.vocab_size)
         limit = runner.info.max_positions
         max_tokens = req.sampling.max_tokens
         if len(prompt_ids) >= limit:
@@ -293,23 +298,6 @@ class Engine:
         )
         scheduler.submit(job)
         return GenerationStream(job, queue, scheduler)
-
-    @staticmethod
-    def _prompt_ids(req: GenerationRequest, codec: TextCodec, vocab: int) -> list[int]:
-        if req.kind == "chat":
-            ids = codec.encode_chat(req.messages)
-        elif isinstance(req.prompt, list):
-            bad = [t for t in req.prompt if t >= vocab]
-            if bad:
-                raise bad_request(
-                    f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt"
-                )
-            ids = list(req.prompt)
-        else:
-            ids = codec.encode(req.prompt or "")
-        if not ids:
-            raise bad_request("the prompt is empty after tokenisation", "prompt")
-        return ids
 
     # --- LoRA adapters ---------------------------------------------------------------------------
 

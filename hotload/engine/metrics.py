@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry
 
 from hotload.metrics import CONTENT_TYPE, MetricSet
@@ -69,9 +71,68 @@ class EngineMetrics(MetricSet):
             "hotload_engine_prefix_cache_reused_tokens",
             "Prompt tokens whose KV came from a session's cache instead of a prefill.",
         )
+        self.weight_bytes = self.counter(
+            "hotload_engine_weight_read_bytes",
+            "Bytes of served weights read to checksum them, by why: `load` after a full load, "
+            "`scrub` by the rate-limited scrub (after a patch the checksums are derived from "
+            "it, nothing is read), `host` copied from a device back to the host.",
+            ["kind"],
+        )
+        self.patched_elements = self.counter(
+            "hotload_engine_patched_elements",
+            "Weight elements written in place by sparse patches.",
+        )
+        self.scrub_passes = self.counter(
+            "hotload_engine_scrub_passes",
+            "Scrub passes over every served weight, by result (ok, mismatch).",
+            ["result"],
+        )
+        self.scrub_mismatch = self.gauge(
+            "hotload_engine_scrub_mismatch",
+            "1 while a scrub's mismatch stands (until the weights are loaded in full).",
+        )
+        self.scrub_last = self.gauge(
+            "hotload_engine_scrub_last_pass_timestamp_seconds",
+            "When the last scrub pass ended (Unix time; 0: none yet).",
+        )
+        self._seen: dict[str, float] = {}
         # Pre-create the label values dashboards expect, so they read 0 rather than nothing.
         for kind in ("prompt", "completion"):
             self.tokens.labels(kind)
+        for kind in ("load", "scrub", "host"):
+            self.weight_bytes.labels(kind)
+        for result in ("ok", "mismatch"):
+            self.scrub_passes.labels(result)
+
+    def sync_patches(self, report: dict[str, Any]) -> None:
+        """Bring the patch and scrub series up to `report` (`EnginePatches.report`: cumulative
+        counters kept by the threads that read and write the weights)."""
+        counters, scrub = report["counters"], report["scrub"]
+        totals = {
+            "load": counters["checksum_bytes"],
+            "scrub": counters["scrub_bytes"],
+            "host": counters["host_bytes"],
+            "patched": counters["patched_elements"],
+            "ok": scrub["passes"] - scrub["mismatches"],
+            "mismatch": scrub["mismatches"],
+        }
+        series = {
+            "load": self.weight_bytes.labels("load"),
+            "scrub": self.weight_bytes.labels("scrub"),
+            "host": self.weight_bytes.labels("host"),
+            "patched": self.patched_elements,
+            "ok": self.scrub_passes.labels("ok"),
+            "mismatch": self.scrub_passes.labels("mismatch"),
+        }
+        for key, total in totals.items():
+            step = total - self._seen.get(key, 0)
+            if step > 0:
+                series[key].inc(step)
+                self._seen[key] = total
+        self.scrub_mismatch.set(1 if scrub["mismatch"] else 0)
+        last = scrub["last"]
+        if last is not None and last["result"] != "failed":
+            self.scrub_last.set(last["finished"])
 
     def set_served(self, identity: str, sequence: int) -> None:
         """Point the served-snapshot series at `identity` (the previous label is removed)."""

@@ -7,7 +7,9 @@ thread of lower priority after every load or patch, while they serve. A patch is
 that thread too: placed, converted to the engine's dtype and device, its old values kept, and
 verified (the served checksums equal the patch's parent checksums, and the served weights with
 its changes give the delta's result checksums) without re-reading the model. The swap, at a
-pause point of the worker thread, only writes the changed elements.
+pause point of the worker thread, only writes the changed elements, and the served checksums
+move by the patch's sums; a rate-limited scrub re-reads the weights in the background
+(`hotload_patch.scrub`).
 
 An engine holding a tensor in a wider dtype than its checkpoint (float32 on bfloat16 weights)
 converts the new values exactly as a full load converts the whole tensor, so both paths give
@@ -19,10 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hotload.engine.model import ModelRunner
 from hotload_patch.checkpoint import checkpoint_specs
 from hotload_patch.placement import IdentityHost
+from hotload_patch.scrub import DEFAULT_SCRUB_RATE
 from hotload_patch.session import Patcher
 from hotload_patch.staging import Staged, parameter_checksums
 from hotload_patch.verify import verify
@@ -58,10 +62,16 @@ class StagedPatch:
 class EnginePatches:
     """The reference engine's sparse-load state (see the module docstring)."""
 
-    def __init__(self, runner: ModelRunner, *, initializer: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        initializer: Callable[[], None] | None = None,
+        scrub_rate: float = DEFAULT_SCRUB_RATE,
+    ):
         self.runner = runner
         host = IdentityHost(lambda: runner.targets, lambda: runner.converted)
-        self.patcher = Patcher(host, initializer=initializer)
+        self.patcher = Patcher(host, initializer=initializer, scrub_rate=scrub_rate)
 
     def loaded(self, path: str | Path) -> None:
         """The snapshot at `path` was loaded in full: checksum it in the background."""
@@ -73,6 +83,10 @@ class EnginePatches:
         staged = self.patcher.stage(path, identity=identity, parent=parent).result()
         verify(staged.checks, self.patcher.served(), staged.deltas)
         return StagedPatch(staged, self)
+
+    def report(self) -> dict[str, Any]:
+        """The scrub's state and the counters (what checksums read, what patches wrote)."""
+        return {"scrub": self.patcher.scrub_state(), "counters": self.patcher.counters.to_json()}
 
     def checksums(self) -> dict[str, str]:
         """sha256 of every state-dict tensor as held (tied names each listed)."""

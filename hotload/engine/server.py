@@ -305,7 +305,10 @@ async def _ready(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = request.app[ENGINE].metrics.render()
+    engine = request.app[ENGINE]
+    if engine.patches is not None:
+        engine.metrics.sync_patches(engine.patches.report())
+    body = engine.metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

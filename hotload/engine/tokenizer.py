@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hotload.engine.protocol import render_chat_fallback
+from hotload.engine.protocol import GenerationRequest, bad_request, render_chat_fallback
 
 
 class TextCodec:
@@ -44,3 +44,21 @@ class TextCodec:
         """One token's own text (its vocabulary entry, as vLLM's `decoded_token` shows it)."""
         piece = self._tok.convert_ids_to_tokens(int(token_id))
         return piece if isinstance(piece, str) else ""
+
+    def prompt_ids(self, req: GenerationRequest, vocab: int) -> list[int]:
+        """A request's prompt as token ids; a bad request (ids outside the vocabulary of `vocab`
+        tokens, an empty prompt) raises the 400 naming the field."""
+        if req.kind == "chat":
+            ids = self.encode_chat(req.messages)
+        elif isinstance(req.prompt, list):
+            bad = [t for t in req.prompt if t >= vocab]
+            if bad:
+                raise bad_request(
+                    f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt"
+                )
+            ids = list(req.prompt)
+        else:
+            ids = self.encode(req.prompt or "")
+        if not ids:
+            raise bad_request("the prompt is empty after tokenisation", "prompt")
+        return ids

@@ -53,6 +53,7 @@ class Settings:
     retry_seconds: float = 30.0
     hint_ttl_seconds: float = 600.0
     sparse_max_changed: float = 0.1
+    compact_fraction: float = 1.0
     load_timeout_seconds: float = 900.0
     log_level: str = "info"
     log_format: str = "text"
@@ -196,6 +197,15 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
         "is loaded); 0 turns sparse loads off",
     ),
     (
+        "--compact-fraction",
+        "HOTLOAD_COMPACT_FRACTION",
+        float,
+        1.0,
+        "sparse loads keep each delta on the weights volume after the newest full snapshot; once "
+        "they add up to this fraction of its bytes they are folded into a new full snapshot, in "
+        "one pass, in the background; 0 never folds them",
+    ),
+    (
         "--load-timeout-seconds",
         "HOTLOAD_LOAD_TIMEOUT_SECONDS",
         float,
@@ -313,6 +323,8 @@ def load_settings(
         raise ConfigError("--hint-ttl-seconds: must be 0 (off) or positive")
     if not 0 <= values["sparse_max_changed"] <= 1:
         raise ConfigError("--sparse-max-changed: must be in [0, 1] (0 turns sparse loads off)")
+    if values["compact_fraction"] < 0:
+        raise ConfigError("--compact-fraction: must be 0 (never) or positive")
     if not 0 <= values["poll_jitter"] < 1:
         raise ConfigError("--poll-jitter: must be in [0, 1)")
     _host, sep, port = values["listen"].rpartition(":")

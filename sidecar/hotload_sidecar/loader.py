@@ -31,7 +31,6 @@ from hotload.errors import (
     BucketError,
     EngineError,
     EngineLoadError,
-    HotloadError,
     LedgerError,
 )
 from hotload.ledger import (
@@ -39,34 +38,34 @@ from hotload.ledger import (
     LedgerDocument,
     LedgerEntry,
     LedgerState,
-    PinState,
     Target,
-    pin_target,
-    poll_pin_async,
 )
 from hotload.ledger.fields import format_time, utc_now
 from hotload_sidecar.adapters import AdapterSync
 from hotload_sidecar.board import StatusBoard
 from hotload_sidecar.cache_policy import move_cache_policy
+from hotload_sidecar.chained import ChainedUpdates
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadRequest, ServedSnapshot
 from hotload_sidecar.materialize import MaterializeError, Materializer
 from hotload_sidecar.metrics import LoaderMetrics
 from hotload_sidecar.pacing import Backoff, jittered, sleep_or_stop
+from hotload_sidecar.pinning import Pins
 from hotload_sidecar.prefetch import Prefetcher
+from hotload_sidecar.scrubs import ScrubWatch
 from hotload_sidecar.sparse import SparseLoads
 from hotload_sidecar.status import (
     REASON_ENGINE_DOWN,
     LoadTimings,
-    ReplicaStatus,
     Reporter,
 )
+from hotload_sidecar.volume import Volume
 from hotload_sidecar.weights import WeightsFolder
 
 log = logging.getLogger("hotload_sidecar.loader")
 
 
-class Loader:
+class Loader(ChainedUpdates):
     """Follows one ledger for one engine; `run` until `stop` is set."""
 
     def __init__(
@@ -94,6 +93,8 @@ class Loader:
                 ttl=settings.hint_ttl_seconds,
                 progress=self.metrics.bytes_fetched.inc,
                 corruption=self.metrics.checksum_failures.inc,
+                written=self.metrics.volume_bytes_written.inc,
+                sparse_takes=self._sparse_takes,
             )
             if settings.hint_ttl_seconds > 0
             else None
@@ -105,6 +106,11 @@ class Loader:
             threads=settings.threads,
             progress=self.metrics.bytes_fetched.inc,
             prebuilt=self.prefetcher.prebuilt if self.prefetcher is not None else None,
+            written=self.metrics.volume_bytes_written.inc,
+        )
+        #: What the volume holds as a snapshot plus deltas, and its compaction.
+        self.volume = Volume(
+            self.weights, self.materializer, compact_fraction=settings.compact_fraction
         )
         #: LoRA adapters beside the base weights (None when `--max-adapters 0`).
         self.adapters = (
@@ -130,26 +136,31 @@ class Loader:
                 max_changed=settings.sparse_max_changed,
                 threads=settings.threads,
                 progress=self.metrics.bytes_fetched.inc,
+                written=self.metrics.volume_bytes_written.inc,
             )
             if settings.sparse_max_changed > 0 and adapter.sparse_loads
             else None
         )
         self.board = StatusBoard(reporter, self.metrics)
+        self.scrubs = ScrubWatch(adapter, self.board, self.metrics, reporter)
         #: Set once `current` points at a verified snapshot (the /startup endpoint).
         self.started = asyncio.Event()
         self.document: LedgerDocument | None = None
         self._etag: str | None = None
         self.backoff = Backoff(settings.retry_seconds)
-        #: The pinned identity (None: follow the head), from --pin or the polled pin object.
-        self.pin: str | None = settings.pin
-        self._pin_state: PinState | None = None
-        #: Why the pin cannot be served ("" when it can), reported once per change.
-        self._pin_problem = ""
+        self.pins = Pins(
+            settings.pin,
+            settings.pin_object,
+            bucket=ledger.bucket,
+            board=self.board,
+            metrics=self.metrics,
+            reporter=reporter,
+        )
 
     @property
-    def status(self) -> ReplicaStatus:
-        """The replica's status as last published."""
-        return self.board.status
+    def pin(self) -> str | None:
+        """The pinned identity (None: it follows the ledger head)."""
+        return self.pins.pin
 
     # --- the two phases ----------------------------------------------------------------------
 
@@ -175,10 +186,11 @@ class Loader:
             await self.prefetcher.poll(self.document)
         await self._check_engine()
         target = self.target()
-        await self._note_pin_problem(target)
+        await self.pins.note_problem(target)
         entry = target.entry
         if not self.board.engine_live:
             return
+        await self.scrubs.check(self._reload_served)
         moving = entry is not None and entry.identity != self.status.identity
         if entry is not None and moving and self.backoff.may_try(entry.identity):
             await self._update(entry)
@@ -193,13 +205,13 @@ class Loader:
 
     def target(self) -> Target:
         """What this replica should serve now: the ledger head, or the pinned entry."""
-        return pin_target(self.document, self.pin)
+        return self.pins.target(self.document)
 
     async def _startup(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self._poll()
             target = self.target()
-            await self._note_pin_problem(target)
+            await self.pins.note_problem(target)
             head = target.entry
             if head is None:
                 if self.weights.current() is not None and not self.status.ledger_reachable:
@@ -209,6 +221,8 @@ class Loader:
                     break
                 await sleep_or_stop(stop, self._interval())
                 continue
+            if await self._resume_chain(head):
+                break
             try:
                 await self.board.set(state="fetching", target=head)
                 built = await self.materializer.build(
@@ -238,7 +252,7 @@ class Loader:
         last = self.document.sequence if self.document is not None else None
         try:
             state: LedgerState | None = await self.ledger.poll_async(self._etag, last_sequence=last)
-            pin_state = await self._poll_pin()
+            pin_state = await self.pins.poll()
         except (BucketError, LedgerError) as err:
             self.metrics.ledger_reachable.set(0)
             self.metrics.failures.labels("ledger").inc()
@@ -256,16 +270,7 @@ class Loader:
             if head is not None:
                 self.metrics.head_sequence.set(head.sequence)
         if pin_state is not None:
-            self._pin_state = pin_state
-            pin = pin_state.pin.identity if pin_state.pin is not None else None
-            if pin != self.pin:
-                log.info("pin %s", f"set to {pin}" if pin else "cleared: following the ledger head")
-                await self.reporter.event(
-                    "Normal",
-                    "Pinned" if pin else "Unpinned",
-                    f"serving {pin} until unpinned" if pin else "following the ledger head",
-                )
-            self.pin = pin
+            await self.pins.changed(pin_state)
         changes: dict[str, Any] = {"ledger_reachable": True, "last_poll_time": now, "pin": self.pin}
         target = self.target()
         if target.identity is not None:
@@ -273,35 +278,15 @@ class Loader:
             changes["target_sequence"] = target.entry.sequence if target.entry else None
         await self.board.set(**changes)
 
-    async def _poll_pin(self) -> PinState | None:
-        """The pin object if it changed since the last poll (None: unchanged or not used)."""
-        key = self.settings.pin_object
-        if key is None:
-            return None
-        return await poll_pin_async(self.ledger.bucket, key, self._pin_state)
-
-    async def _note_pin_problem(self, target: Target) -> None:
-        """Report a pin the ledger cannot build (once per change); clear it once it is gone.
-
-        The engine keeps serving whatever it serves: a replica never drops verified weights
-        because a pin became unservable."""
-        if target.problem == self._pin_problem:
-            return
-        previous, self._pin_problem = self._pin_problem, target.problem
-        if target.problem:
-            log.error("%s", target.problem)
-            self.metrics.failures.labels("pin").inc()
-            await self.reporter.event("Warning", "PinNotInLedger", target.problem)
-            await self.board.set(state="failed", message=target.problem, last_error=target.problem)
-        elif previous and self.status.message == previous:
-            await self.board.set(state="idle", message="")
-
     async def _check_engine(self) -> None:
         health = await self.adapter.health()
-        if health.live == self.board.engine_live:
+        # Down when it stops answering; back only once it is ready (a restarted engine loads
+        # its weights first: asked what it serves before that, it could not say).
+        up = health.live if self.board.engine_live else health.ready
+        if up == self.board.engine_live:
             return
-        self.board.engine_live = health.live
-        if not health.live:
+        self.board.engine_live = up
+        if not up:
             if self.adapters is not None:
                 self.adapters.engine_restarted()
             log.warning("engine %s is down: %s", self.adapter.url, health.detail)
@@ -343,7 +328,11 @@ class Loader:
             # made): now the volume holds it verified, so `current` catches up, never back.
             self.weights.switch(got.identity)
             want = got.identity
-        if served is not None and served.identity == want:
+        if served is not None and (
+            served.identity == want or self.volume.holds(self.document, served.identity)
+        ):
+            # The volume holds it (as a snapshot, or one plus the deltas after it): nothing
+            # to load; the next update patches it forward if it is behind.
             await self._served(served, None)
             return
         if want is None or entry is None:
@@ -359,16 +348,29 @@ class Loader:
         await self.board.set(state="fetching", target=target)
         policy = move_cache_policy(document, self.status.identity, target)
         fallback = ""
-        if self.sparse is not None and self.sparse.applies(target, self.status.identity):
-            fallback = await self._sparse_load(target, policy, started)
+        steps = self.sparse.plan(document, target, self.status.identity) if self.sparse else None
+        if steps:
+            fallback = await self._sparse_load(steps, policy, started)
             if not fallback:
                 return
+        await self.volume.settle()  # never build beside a compaction
+        await self._build_and_load(document, target, policy, fallback, started)
+
+    async def _build_and_load(
+        self,
+        document: LedgerDocument,
+        target: LedgerEntry,
+        policy: CachePolicy,
+        fallback: str,
+        started: float,
+    ) -> bool:
+        """Make `target` a verified folder on the volume and load it in full."""
         try:
             built = await self.materializer.build(document, target.identity)
         # OSError: a full or failing disk is a failed update to retry, not a dead loop.
         except (MaterializeError, BucketError, LedgerError, OSError) as err:
             await self._failed("rebuild", err, target)
-            return
+            return False
         await self.board.record_build(built)
         if built.fallback:
             await self.reporter.event("Warning", "FellBackToFull", built.fallback_reason)
@@ -377,45 +379,7 @@ class Loader:
         if ok:
             self.metrics.observe_serving(time.perf_counter() - started, target.published_time)
             self._collect(target)
-
-    async def _sparse_load(self, target: LedgerEntry, policy: CachePolicy, started: float) -> str:
-        """Serve `target`, a delta of the served snapshot, as a sparse patch, then rebuild its
-        full snapshot on the volume; "" when the engine serves it, else why not (the caller
-        loads the full snapshot)."""
-        assert self.sparse is not None
-        await self.board.set(state="loading", target=self.status_target(target))
-        mode, policy = self.settings.mode, self.settings.cache_policy or policy
-        outcome = await self.sparse.load(target, mode, policy, started=started)
-        done = outcome.patched
-        if done is None:
-            self.metrics.sparse_fallbacks.labels(outcome.reason).inc()
-            self.metrics.checksum_failures.inc(outcome.corruption)
-            await self.reporter.event("Normal", "SparseLoadFellBack", outcome.message)
-            if outcome.serving_unknown:
-                await self._refresh_served()
-            return outcome.reason
-        self.metrics.engine_load_seconds.observe(done.timings.load_seconds)
-        self.metrics.engine_pause_seconds.observe(done.timings.pause_seconds)
-        self.metrics.observe_serving(done.timings.total_seconds, target.published_time)
-        self.metrics.loads.labels("sparse").inc()
-        await self._served(done.result.served, done.timings)
-        await self.reporter.event("Normal", "SnapshotLoaded", done.summary())
-        await self.board.set(state="rebuilding")
-        try:  # the volume's copy: what restarts boot, and the next patch's parent
-            seconds = await self.sparse.rebuild(done)
-        except (HotloadError, OSError) as err:
-            await self._failed("rebuild", err, target)
-            return ""
-        self.metrics.rebuild_seconds.observe(seconds)
-        self.weights.switch(target.identity)
-        await self.board.set(state="idle")
-        self._collect(target)
-        return ""
-
-    def _collect(self, served: LedgerEntry) -> None:
-        if self.document is not None:
-            order = [e.identity for e in self.document.entries]
-            self.weights.collect(self.settings.keep, order, protect=[served.identity])
+        return ok
 
     async def _load(
         self, entry: LedgerEntry, path: object, policy: CachePolicy, timings: LoadTimings

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hotload.arc import decode, verify
+from hotload.arc.chain import decode_chain
 from hotload.bucket import Bucket, download_snapshot_async
 from hotload.errors import (
     ArcError,
@@ -42,7 +43,7 @@ from hotload.errors import (
 from hotload.ledger import LedgerDocument, LedgerEntry
 from hotload.snapshot import describe_snapshot
 from hotload_sidecar.status import LoadTimings
-from hotload_sidecar.weights import WeightsFolder, remove_tree
+from hotload_sidecar.weights import WeightsFolder, link_tree, remove_tree, written_bytes
 
 log = logging.getLogger("hotload_sidecar.materialize")
 
@@ -130,6 +131,7 @@ class _Clock:
     verify: float = 0.0
     bytes: int = 0
     corruptions: int = 0
+    written: int = 0
 
 
 class Materializer:
@@ -148,8 +150,11 @@ class Materializer:
         threads: int | None = None,
         progress: Callable[[int], None] | None = None,
         prebuilt: Callable[[LedgerEntry], Awaitable[Path | None]] | None = None,
+        written: Callable[[int], None] | None = None,
     ) -> None:
         self.bucket = bucket
+        #: Told the bytes each step wrote to the volume (downloads, rebuilt shards).
+        self.written = written
         #: Asked for each snapshot to build: a verified folder rebuilt ahead of time, or None.
         self.prebuilt = prebuilt
         self.weights = weights
@@ -178,6 +183,9 @@ class Materializer:
             resumed = await self._resume(goal, clock)
             if resumed is not None:
                 return resumed
+        folded = await self._from_volume(chain, clock, started)
+        if folded is not None:
+            return folded
         local = self.weights.local()
         start = max((i for i, e in enumerate(chain) if e.identity in local), default=-1)
         base = chain[start] if start >= 0 else None
@@ -216,6 +224,7 @@ class Materializer:
             total_seconds=time.perf_counter() - started,
             bytes_fetched=clock.bytes,
             steps=len(applied),
+            volume_bytes_written=clock.written,
         )
         return BuildResult(
             goal.identity,
@@ -230,6 +239,73 @@ class Materializer:
         )
 
     # --- internals -----------------------------------------------------------------------------
+
+    async def check_local(self, entry: LedgerEntry) -> bool:
+        """Whether the verified snapshot `entry` on the volume still verifies (checked once per
+        run: a restarted loader's first look at what an earlier run left)."""
+        if entry.identity in self._trusted:
+            return True
+        if not await self._still_verifies(entry, _Clock()):
+            return False
+        self._trusted.add(entry.identity)
+        return True
+
+    async def _from_volume(
+        self, chain: list[LedgerEntry], clock: _Clock, started: float
+    ) -> BuildResult | None:
+        """The goal from a snapshot and the deltas after it that the volume holds (kept there
+        by sparse loads), in one pass (`decode_chain`); None when the volume does not hold the
+        whole chain, or it failed (its deltas are then dropped and the caller fetches)."""
+        reach = self.weights.reach(chain)
+        if reach is None or reach[1] != len(chain) - 1 or reach[0] == reach[1]:
+            return None
+        base, deltas = chain[reach[0]], chain[reach[0] + 1 :]
+        goal = chain[-1]
+        if not await self.check_local(base):
+            self.weights.discard(base.identity)
+            return None
+        staged = self.weights.staging(goal.identity)
+        built = time.perf_counter()
+        try:
+            stats = await asyncio.to_thread(
+                decode_chain,
+                self.weights.path(base.identity),
+                [self.weights.delta_path(e.identity) for e in deltas],
+                staged,
+                parents=[str(e.previous) for e in deltas],
+                threads=self.threads,
+            )
+        except REBUILD_ERRORS as err:
+            remove_tree(staged)
+            clock.corruptions += is_corruption(err)
+            log.warning("folding the deltas on the volume into %s failed: %s", goal.identity, err)
+            for entry in deltas:
+                self.weights.drop_delta(entry.identity)
+            return None
+        except OSError:
+            remove_tree(staged)
+            raise
+        clock.rebuild += time.perf_counter() - built
+        self._wrote(clock, stats.written)
+        self.weights.commit(staged, goal.identity)
+        self._trusted.add(goal.identity)
+        log.info("folded %d delta(s) on the volume into %s", len(deltas), goal.identity)
+        timings = LoadTimings(
+            rebuild_seconds=clock.rebuild,
+            verify_seconds=clock.verify,
+            total_seconds=time.perf_counter() - started,
+            steps=len(deltas),
+            volume_bytes_written=clock.written,
+        )
+        return BuildResult(
+            goal.identity,
+            goal.sequence,
+            self.weights.path(goal.identity),
+            base.identity,
+            [e.identity for e in deltas],
+            timings=timings,
+            corruptions=clock.corruptions,
+        )
 
     async def _resume(self, goal: LedgerEntry, clock: _Clock) -> BuildResult | None:
         """A verified snapshot an earlier run left on the volume (a restarted loader, a pod on a
@@ -280,6 +356,9 @@ class Materializer:
                 if path is not None:
                     ready[entry.identity] = path
         gate = asyncio.Semaphore(self.prefetch)
+        if distrusted:
+            for entry in steps:  # a delta kept on the volume may be what failed
+                self.weights.drop_delta(entry.identity)
         downloads = {
             e.identity: asyncio.create_task(self._fetch(e, gate, clock))
             for e in todo
@@ -305,6 +384,7 @@ class Materializer:
                 waited = time.perf_counter()
                 fetched = await task
                 clock.fetch += time.perf_counter() - waited
+                self._wrote(clock, written_bytes(fetched))
                 check_digest(entry, fetched)
                 if entry.kind == "incremental":
                     if parent is None:
@@ -323,6 +403,7 @@ class Materializer:
                         durable=False,
                     )
                     remove_tree(fetched)
+                    self._wrote(clock, written_bytes(staged))
                     clock.rebuild += time.perf_counter() - built
                 else:
                     staged = fetched
@@ -342,6 +423,11 @@ class Materializer:
                 task.cancel()
             await asyncio.gather(*downloads.values(), return_exceptions=True)
         return applied
+
+    def _wrote(self, clock: _Clock, nbytes: int) -> None:
+        clock.written += nbytes
+        if self.written is not None:
+            self.written(nbytes)
 
     def _discard_intermediate(self, parent: LedgerEntry | None, applied: list[str]) -> None:
         # An intermediate delta is only a parent: drop it so a long catch-up holds at most the
@@ -365,6 +451,11 @@ class Materializer:
     async def _fetch(self, entry: LedgerEntry, gate: asyncio.Semaphore, clock: _Clock) -> Path:
         async with gate:
             folder = self.weights.download(entry.identity)
+            if self.weights.has_delta(entry.identity):
+                # Kept on the volume by a sparse load: linked, not fetched (the rebuild checks
+                # it against its parent and its result's checksums like any delta).
+                link_tree(self.weights.delta_path(entry.identity), folder)
+                return folder
             try:
                 result = await download_snapshot_async(
                     self.bucket, entry.identity, folder, progress=self.progress

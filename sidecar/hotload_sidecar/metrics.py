@@ -15,13 +15,13 @@ _PUBLISH_SECONDS = (*_SECONDS, 1800, 3600)
 
 # Label values created at zero when a loader starts: `increase()` in an alert misses the
 # first increment of a series that appears with it (a fresh series has no earlier sample).
-FAILURE_STAGES = ("rebuild", "engine", "ledger", "pin")
+FAILURE_STAGES = ("rebuild", "engine", "ledger", "pin", "compact")
 LOAD_METHODS = ("full", "sparse")
 # The reasons the loader itself gives (engines' refusals add their own, such as
 # engine_unsupported or parent_mismatch, when they first happen).
 SPARSE_FALLBACK_REASONS = (
     "too_dense",
-    "parent_not_on_volume",
+    "needs_parent",
     "delta_not_verified",
     "fetch_failed",
     "engine_failed",
@@ -81,7 +81,7 @@ class LoaderMetrics(MetricSet):
         )
         self.failures = self.counter(
             "hotload_loader_failures",
-            "Failed updates by stage (rebuild, engine, ledger)",
+            "Failed updates by stage (rebuild, engine, ledger, compact, pin)",
             ["stage"],
         )
         self.loads = self.counter(
@@ -94,6 +94,34 @@ class LoaderMetrics(MetricSet):
             "hotload_loader_sparse_fallbacks",
             "Deltas of the served snapshot loaded in full instead of as a sparse patch, by reason",
             ["reason"],
+        )
+        self.volume_bytes_written = self.counter(
+            "hotload_loader_volume_bytes_written",
+            "Bytes the loader wrote to the weights volume (downloads, patch files, rebuilt "
+            "shards): per update it follows what changed, not the model",
+        )
+        self.scrub_mismatches = self.counter(
+            "hotload_loader_scrub_mismatches",
+            "Scrubs that found the engine's weights differ from their checksums (each one "
+            "marks the replica Degraded and reloads the snapshot in full)",
+        )
+        self.degraded = self.gauge(
+            "hotload_loader_degraded",
+            "1 while a scrub's mismatch stands and the served weights are being reloaded",
+        )
+        self.engine_weight_bytes = self.gauge(
+            "hotload_loader_engine_weight_read_bytes",
+            "The engine's own cumulative count of weight bytes read, by why (load: checksums "
+            "after a full load; scrub; host: copied back from a device), as last reported",
+            ["kind"],
+        )
+        self.engine_patched_elements = self.gauge(
+            "hotload_loader_engine_patched_elements",
+            "The engine's own cumulative count of elements written in place by patches",
+        )
+        self.last_scrub = self.gauge(
+            "hotload_loader_engine_scrub_last_pass_timestamp_seconds",
+            "When the engine's last scrub pass ended (Unix time; 0: none yet)",
         )
         self.staleness = self.gauge(
             "hotload_loader_staleness", "Ledger head sequence minus the served sequence"
@@ -124,6 +152,18 @@ class LoaderMetrics(MetricSet):
         ledger publishedTime) ago; a publisher's clock ahead of this one counts as 0."""
         self.update_seconds.observe(seconds)
         self.publish_to_serving_seconds.observe(max(0.0, (utc_now() - published).total_seconds()))
+
+    def observe_engine(self, counters: dict[str, int], last_scrub: float | None) -> None:
+        """Mirror the engine's counters and its last scrub pass."""
+        for kind, key in (
+            ("load", "checksum_bytes"),
+            ("scrub", "scrub_bytes"),
+            ("host", "host_bytes"),
+        ):
+            self.engine_weight_bytes.labels(kind).set(counters.get(key, 0))
+        self.engine_patched_elements.set(counters.get("patched_elements", 0))
+        if last_scrub is not None:
+            self.last_scrub.set(last_scrub)
 
     def observe_build(self, built: BuildResult) -> None:
         """Count a successful build: its timings (when it rebuilt anything), its fallback, and the

@@ -36,7 +36,7 @@ from hotload.ledger.hints import (
 )
 from hotload.snapshot import describe_snapshot, validate_identity
 from hotload_sidecar.materialize import is_corruption
-from hotload_sidecar.weights import WeightsFolder, remove_tree
+from hotload_sidecar.weights import WeightsFolder, remove_tree, written_bytes
 
 log = logging.getLogger("hotload_sidecar.prefetch")
 
@@ -75,10 +75,17 @@ class Prefetcher:
         ttl: float = 600.0,
         progress: Callable[[int], None] | None = None,
         corruption: Callable[[], None] | None = None,
+        written: Callable[[int], None] | None = None,
+        sparse_takes: Callable[[Hint, Path], bool] | None = None,
     ) -> None:
         """`progress` receives bytes as they download; `corruption` is called once for each
         early rebuild that meets bytes failing their checksums (a rotten hinted file or a
-        rotten local parent), which the ledger path would otherwise never see."""
+        rotten local parent), which the ledger path would otherwise never see; `written` the
+        bytes each early fetch wrote to the volume (downloads, rebuilt shards);
+        `sparse_takes(hint, folder)` says whether the downloaded delta will be loaded as a sparse
+        patch (then it is not rebuilt: that would write the whole model for nothing)."""
+        self.written = written
+        self.sparse_takes = sparse_takes
         self.bucket = bucket
         self.ledger = ledger
         self.weights = weights
@@ -252,6 +259,15 @@ class Prefetcher:
                     f"{job.hint.manifest_digest}"
                 )
             staged = folder
+            self._wrote(written_bytes(folder))
+            if (
+                job.hint.kind == "incremental"
+                and self.sparse_takes is not None
+                and self.sparse_takes(job.hint, folder)
+            ):
+                raise LeftToSparseLoadError(
+                    f"{identity} will be loaded as a sparse patch: not rebuilt early"
+                )
             if job.hint.kind == "incremental":
                 assert job.hint.previous is not None
                 staged = self._folder("staging", identity)
@@ -266,6 +282,7 @@ class Prefetcher:
                     durable=False,
                 )
                 remove_tree(folder)
+                self._wrote(written_bytes(staged))
             # The same check the materializer makes before a commit, done ahead of time.
             await asyncio.to_thread(verify, staged, threads=self.threads)
         except BaseException as err:
@@ -282,8 +299,17 @@ class Prefetcher:
         )
         return staged
 
+    def _wrote(self, nbytes: int) -> None:
+        if self.written is not None:
+            self.written(nbytes)
+
+
+class LeftToSparseLoadError(HotloadError):
+    """An early fetch that stops after the download: the sparse path will take the delta."""
+
 
 def _log_failure(task: asyncio.Task[Path]) -> None:
     # Retrieve the exception here so a failed early fetch is logged once, not at shutdown.
     if not task.cancelled() and (err := task.exception()) is not None:
-        log.warning("%s failed: %s", task.get_name(), err)
+        level = logging.INFO if isinstance(err, LeftToSparseLoadError) else logging.WARNING
+        log.log(level, "%s ended: %s", task.get_name(), err)

@@ -45,6 +45,7 @@ async def _status(request: web.Request) -> web.Response:
     doc["engine"] = {"kind": loader.adapter.kind, "url": loader.adapter.url}
     doc["current"] = loader.weights.current()
     doc["on_disk"] = sorted(loader.weights.local())
+    doc["deltas_on_disk"] = sorted(loader.weights.local_deltas())
     events = request.app[EVENTS]
     if events is not None:
         doc["events"] = events.events

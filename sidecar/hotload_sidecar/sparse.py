@@ -1,17 +1,23 @@
-"""Sparse hot loads: when the engine serves a delta's parent, send it only what changed.
+"""Sparse hot loads: when the engine serves an ancestor of the target through deltas only, send it
+only what changed, and keep the volume's copy by adding the deltas, not rewriting the model.
 
-`SparseLoads.load(entry, served, ...)` fetches the delta, turns it into a verified patch file
-against the parent's full snapshot on the volume (`hotload.arc.patch.prepare_patch`: every
-chunk's CRC-32, the parent's and the result's checksums), and asks the engine to write it into
-the weights it serves (`EngineAdapter.patch`; the engine checks the patch against its own
-weights again). All of that happens while the old weights serve; the engine pauses only for the
-writes. Any refusal (too dense, the delta does not verify, the engine holds other weights or
-cannot patch) is an `Outcome` with a reason, and the caller loads the full snapshot instead.
+`SparseLoads.plan(document, target, served)` says which ledger entries lie between what the
+engine serves and the target (one delta in the steady state; several when the loader fell behind
+or the engine restarted on an older snapshot), or None when a full load is needed.
+`SparseLoads.load(steps, ...)` takes each delta from the volume (`deltas/`) or fetches it, checks
+its manifest digest against the ledger's and every chunk's CRC-32, commits it to `deltas/` (so a
+restarted loader never fetches it again), composes them into one patch file
+(`hotload.arc.patch.prepare_patch`: nothing of the parent read) and asks the engine to write it
+into the weights it serves (`EngineAdapter.patch`; the engine checks the patch against its own
+weights: the parent's checksums, and the result's). All of that happens while the old weights
+serve; the engine pauses only for the writes. Any refusal (too dense, a delta that fails its
+checks, an engine that holds other weights or cannot patch) is an `Outcome` with a reason, and
+the caller loads the full snapshot instead.
 
-After the engine serves the patched weights, `rebuild` makes the full snapshot on the volume
-from the same delta and verifies it (what restarts and new replicas boot from, and the parent
-of the next patch). Until that succeeded the next update cannot be a patch: its parent is not on
-the volume.
+The volume's copy of the served snapshot is then the newest full snapshot under `snapshots/`
+plus the deltas after it under `deltas/`: an update writes the delta (and a transient patch
+file), never the model. `Compaction` folds the deltas into a new full snapshot in one pass when
+they add up to a share of the model (amortised, that too costs what changed).
 """
 
 from __future__ import annotations
@@ -20,14 +26,20 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from hotload.arc import decode, verify
-from hotload.arc.patch import PatchTooDenseError, prepare_patch
+from hotload.arc.patch import (
+    PatchNeedsParentError,
+    PatchTooDenseError,
+    check_delta_files,
+    delta_changes,
+    prepare_patch,
+)
 from hotload.bucket import Bucket, download_snapshot_async
-from hotload.errors import BucketError, EngineError, EngineLoadError, HotloadError
-from hotload.ledger import LedgerEntry
+from hotload.errors import BucketError, EngineError, EngineLoadError, HotloadError, LedgerError
+from hotload.faults import crash_point
+from hotload.ledger import LedgerDocument, LedgerEntry
 from hotload_sidecar.engines import (
     CachePolicy,
     EngineAdapter,
@@ -38,31 +50,31 @@ from hotload_sidecar.engines import (
 )
 from hotload_sidecar.materialize import check_digest, is_corruption
 from hotload_sidecar.status import LoadTimings
-from hotload_sidecar.weights import WeightsFolder, remove_tree
+from hotload_sidecar.weights import WeightsFolder, remove_tree, written_bytes
 
 log = logging.getLogger("hotload_sidecar.sparse")
 
 
 @dataclass
 class Patched:
-    """A delta the engine serves as a patch: the engine's answer, the timings, and the fetched
-    delta kept for `rebuild`."""
+    """Deltas the engine serves as one patch: the engine's answer and the timings."""
 
     entry: LedgerEntry
     parent: str
     result: LoadResult
     timings: LoadTimings
-    delta: Path
     changed: int
     elements: int
+    steps: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line for the log and the Event."""
         t = self.timings
         share = self.changed / self.elements if self.elements else 0.0
+        over = f" over {len(self.steps)} deltas" if len(self.steps) > 1 else ""
         return (
             f"serving {self.entry.identity} (sequence {self.entry.sequence}) after "
-            f"{t.total_seconds:.2f}s: sparse patch of {self.parent} ({self.changed} of "
+            f"{t.total_seconds:.2f}s: sparse patch of {self.parent}{over} ({self.changed} of "
             f"{self.elements} elements, {share:.2%}), {t.bytes_fetched} bytes fetched, engine "
             f"pause {self.result.pause_seconds:.4f}s"
         )
@@ -93,6 +105,7 @@ class SparseLoads:
         max_changed: float,
         threads: int | None = None,
         progress: Callable[[int], None] | None = None,
+        written: Callable[[int], None] | None = None,
     ) -> None:
         self.bucket = bucket
         self.weights = weights
@@ -100,122 +113,211 @@ class SparseLoads:
         self.max_changed = max_changed
         self.threads = threads
         self.progress = progress
+        #: Told the bytes written to the volume (deltas, patch files).
+        self.written = written
 
-    def applies(self, entry: LedgerEntry, served: str | None) -> bool:
-        """Whether `entry` is a delta of the snapshot the engine serves (else the full path
-        runs as it always did: a catch-up over several deltas, a full snapshot, a rollback)."""
-        return entry.kind == "incremental" and served is not None and entry.previous == served
+    def plan(
+        self, document: LedgerDocument, target: LedgerEntry, served: str | None
+    ) -> list[LedgerEntry] | None:
+        """The deltas from the snapshot the engine serves to `target`, in order, when every
+        entry between them is one (else None: a full snapshot on the way, a rollback, an
+        engine serving nothing known)."""
+        if served is None or target.kind != "incremental" or served == target.identity:
+            return None
+        try:
+            chain = document.chain_to(target.identity)
+        except LedgerError:
+            return None
+        at = next((i for i, e in enumerate(chain) if e.identity == served), None)
+        if at is None:
+            return None
+        steps = chain[at + 1 :]
+        return steps if steps and all(e.kind == "incremental" for e in steps) else None
 
     async def load(
-        self, entry: LedgerEntry, mode: Mode, policy: CachePolicy, *, started: float
+        self,
+        steps: list[LedgerEntry],
+        mode: Mode,
+        policy: CachePolicy,
+        *,
+        started: float,
     ) -> Outcome:
-        """Fetch, verify and send `entry` as a patch of its parent (which the engine serves)."""
-        parent = entry.previous
+        """Fetch (or take from the volume), check, commit and send `steps` as one patch of
+        their first parent, which the engine serves."""
+        target, parent = steps[-1], steps[0].previous
         assert parent is not None
         try:
             # Before anything is fetched: an engine that cannot take patches costs no download.
             await self.adapter.check_sparse()
         except PatchRefusedError as err:
-            return self._refused(entry, err.reason, err, None)
+            return self._refused(target, err.reason, err)
         except EngineError as err:
-            return self._refused(entry, "engine_failed", err, None)
-        if not self.weights.has(parent):
-            return Outcome(
-                reason="parent_not_on_volume",
-                message=f"{parent} is not on the volume (its rebuild after a patch failed, or it "
-                "was collected): loading the full snapshot",
-            )
+            return self._refused(target, "engine_failed", err)
         t0 = time.perf_counter()
-        delta = self.weights.download(entry.identity)
-        patch = self.weights.staging_root / f"{entry.identity}.patch"
+        engine_before = await self._engine_patched()
+        patch = self.weights.staging_root / f"{target.identity}.patch"
+        folders: list[Path] = []
+        fetched = wrote = 0
         try:
-            try:
-                fetched = await download_snapshot_async(
-                    self.bucket, entry.identity, delta, progress=self.progress
-                )
-                check_digest(entry, delta)
-            except BucketError as err:
-                return self._refused(entry, "fetch_failed", err, delta)
-            except HotloadError as err:
-                return self._refused(entry, "delta_not_verified", err, delta)
+            # Fetched side by side (a burst of deltas is one round trip, not one per delta).
+            got_all = await asyncio.gather(
+                *(self._delta(entry) for entry in steps), return_exceptions=True
+            )
+            for got in got_all:
+                if isinstance(got, BucketError):
+                    return self._refused(target, "fetch_failed", got)
+                if isinstance(got, PatchTooDenseError):
+                    return self._refused(target, "too_dense", got)
+                if isinstance(got, HotloadError):
+                    return self._refused(target, "delta_not_verified", got)
+                if isinstance(got, BaseException):
+                    raise got
+                folder, nbytes, new = got
+                folders.append(folder)
+                fetched += nbytes
+                wrote += self._wrote(new)
             fetch_seconds = time.perf_counter() - t0
             t1 = time.perf_counter()
+            # Deltas that together change too much for one patch: the longest run of them that
+            # does not, now; the rest from the volume next time (never a full load because the
+            # loader fell behind).
+            keep = await asyncio.to_thread(self._within_density, folders)
+            if keep < len(steps):
+                log.info(
+                    "%d deltas queued: patching the first %d now, the rest after",
+                    len(steps),
+                    keep,
+                )
+                steps, folders = steps[:keep], folders[:keep]
+                target = steps[-1]
+            crash_point("patch")
+            full_parent = self.weights.path(parent) if self.weights.has(parent) else None
             try:
                 stats = await asyncio.to_thread(
                     prepare_patch,
-                    self.weights.path(parent),
-                    delta,
+                    full_parent,
+                    folders,
                     patch,
-                    identity=entry.identity,
+                    identity=target.identity,
                     expected_parent=parent,
                     threads=self.threads,
                     max_changed_fraction=self.max_changed,
                 )
             except PatchTooDenseError as err:
-                return self._refused(entry, "too_dense", err, delta)
+                return self._refused(target, "too_dense", err)
+            except PatchNeedsParentError as err:
+                return self._refused(target, "needs_parent", err)
             except (HotloadError, OSError) as err:
-                return self._refused(entry, "delta_not_verified", err, delta)
+                self._distrust(steps, err)
+                return self._refused(target, "delta_not_verified", err)
             prepare_seconds = time.perf_counter() - t1
+            wrote += self._wrote(stats.bytes)
+            crash_point("engine")
             t2 = time.perf_counter()
-            req = LoadRequest(str(patch), entry.identity, entry.sequence, mode, policy)
+            req = LoadRequest(str(patch), target.identity, target.sequence, mode, policy)
             try:
-                folder = str(self.weights.path(entry.identity))
-                result = await self.adapter.patch(req, parent, folder=folder)
+                result = await self.adapter.patch(req, parent)
             except PatchRefusedError as err:
-                return self._refused(entry, err.reason, err, delta)
+                return self._refused(target, err.reason, err)
             except EngineLoadError as err:
-                out = self._refused(entry, "engine_failed", err, delta)
+                out = self._refused(target, "engine_failed", err)
                 out.serving_unknown = err.serving != "previous"
                 return out
             except EngineError as err:
-                return self._refused(entry, "engine_failed", err, delta)
+                return self._refused(target, "engine_failed", err)
         finally:
             remove_tree(patch)
         load_seconds = time.perf_counter() - t2
+        crash_point("served")
+        engine_after = await self._engine_patched()
         timings = LoadTimings(
             fetch_seconds=fetch_seconds,
             rebuild_seconds=prepare_seconds,
             load_seconds=load_seconds,
             pause_seconds=result.pause_seconds,
             total_seconds=time.perf_counter() - started,
-            bytes_fetched=fetched.bytes,
-            steps=1,
+            bytes_fetched=fetched,
+            steps=len(steps),
             method="sparse",
+            volume_bytes_written=wrote,
+            engine_patched_elements=max(0, engine_after - engine_before),
+            skipped=len(steps) - 1,
         )
-        done = Patched(entry, parent, result, timings, delta, stats.changed, stats.elements)
+        done = Patched(
+            target,
+            parent,
+            result,
+            timings,
+            stats.changed,
+            stats.elements,
+            [e.identity for e in steps],
+        )
         return Outcome(patched=done)
 
-    def _refused(
-        self, entry: LedgerEntry, reason: str, err: BaseException, delta: Path | None
-    ) -> Outcome:
-        if delta is not None:
-            remove_tree(delta)
+    def _within_density(self, folders: list[Path]) -> int:
+        """How many of `folders` (deltas in order) to compose at once: as many as change, all
+        together, at most `max_changed` of the elements (counted from their chunk headers,
+        an upper bound of what their composition changes), and at least one."""
+        budget, count = None, 0
+        for folder in folders:
+            changed, total = delta_changes(folder)
+            budget = self.max_changed * total if budget is None else budget
+            if count and changed > budget:
+                break
+            budget -= changed
+            count += 1
+        return count
+
+    async def _delta(self, entry: LedgerEntry) -> tuple[Path, int, int]:
+        """The delta `entry` on the volume: (its folder, bytes fetched, bytes written). One
+        already there is used as it is (checked when it arrived, and at
+        start-up); else it is fetched, refused when too dense (`PatchTooDenseError`: the full
+        path takes it), its manifests and chunks checked, and committed."""
+        if self.weights.has_delta(entry.identity):
+            return self.weights.delta_path(entry.identity), 0, 0
+        folder = self.weights.download(entry.identity)
+        try:
+            crash_point("fetch")
+            got = await download_snapshot_async(
+                self.bucket, entry.identity, folder, progress=self.progress
+            )
+            check_digest(entry, folder)
+            changed, total = await asyncio.to_thread(delta_changes, folder)
+            if changed > self.max_changed * total:
+                raise PatchTooDenseError(
+                    f"{entry.identity} changes {changed} of {total} elements "
+                    f"({changed / total:.0%}), more than the {self.max_changed:.0%} a patch is "
+                    "worth"
+                )
+            await asyncio.to_thread(check_delta_files, folder, entry.previous)
+            new = written_bytes(folder)
+            crash_point("commit")
+            return self.weights.commit_delta(folder, entry.identity), got.bytes, new
+        except BaseException:
+            remove_tree(folder)
+            raise
+
+    def _distrust(self, steps: list[LedgerEntry], err: BaseException) -> None:
+        """Deltas whose bytes failed a check are not kept: the full path fetches them again."""
+        if is_corruption(err):
+            for entry in steps:
+                self.weights.drop_delta(entry.identity)
+
+    def _wrote(self, nbytes: int) -> int:
+        if self.written is not None:
+            self.written(nbytes)
+        return nbytes
+
+    async def _engine_patched(self) -> int:
+        """The elements the engine counted as written by patches so far (0 when it does not
+        say): the loader reports the difference an update made, from the engine's side."""
+        try:
+            report = await self.adapter.weights_report()
+        except EngineError:
+            return 0
+        return int(report.counters.get("patched_elements", 0)) if report is not None else 0
+
+    def _refused(self, entry: LedgerEntry, reason: str, err: BaseException) -> Outcome:
         message = f"sparse load of {entry.identity} refused ({reason}): {err}"
         log.warning("%s; loading the full snapshot", message)
         return Outcome(reason=reason, message=message, corruption=is_corruption(err))
-
-    async def rebuild(self, done: Patched) -> float:
-        """Rebuild and verify the full snapshot of the delta the engine now serves, into
-        `snapshots/`; return the seconds it took. Raises what the codec raises (or `OSError`),
-        with nothing left half-done."""
-        t0 = time.perf_counter()
-        identity = done.entry.identity
-        staged = self.weights.staging(identity)
-        try:
-            await asyncio.to_thread(
-                decode,
-                self.weights.path(done.parent),
-                done.delta,
-                staged,
-                expected_parent=done.parent,
-                threads=self.threads,
-                durable=False,
-            )
-            await asyncio.to_thread(verify, staged, threads=self.threads)
-            self.weights.commit(staged, identity)
-        except BaseException:
-            remove_tree(staged)
-            raise
-        finally:
-            remove_tree(done.delta)
-        return time.perf_counter() - t0

@@ -18,6 +18,7 @@ from hotload.api.names import (
     LABEL_IDENTITY,
     LABEL_SEQUENCE,
     REASON_CURRENT,
+    REASON_DEGRADED,
     REASON_ENGINE_DOWN,
     REASON_LOAD_FAILED,
     REASON_NO_SNAPSHOT,
@@ -32,6 +33,7 @@ __all__ = [
     "LABEL_IDENTITY",
     "LABEL_SEQUENCE",
     "REASON_CURRENT",
+    "REASON_DEGRADED",
     "REASON_ENGINE_DOWN",
     "REASON_LOAD_FAILED",
     "REASON_NO_SNAPSHOT",
@@ -70,6 +72,12 @@ class LoadTimings:
     method: str = "full"
     #: Why a delta of the served snapshot was loaded in full after all ("" when it was not).
     sparse_fallback: str = ""
+    #: Bytes the loader wrote to the weights volume for this update (downloads, patch files,
+    #: rebuilt shards), and elements the engine counted as written in place by a patch.
+    volume_bytes_written: int = 0
+    engine_patched_elements: int = 0
+    #: Snapshots of the ledger this update went past (a sparse load of several deltas at once).
+    skipped: int = 0
 
 
 AdapterState = Literal["loaded", "loading", "failed"]
@@ -127,6 +135,14 @@ class ReplicaStatus:
     #: restarted loader, a pod on a persistent claim), and how long its check took.
     resumed_from: str | None = None
     resume_verify_seconds: float | None = None
+    #: Why the served weights cannot be trusted ("" when they can): a scrub found them differ
+    #: from their checksums; the loader reloads them in full.
+    degraded: str = ""
+    #: The engine's last scrub pass (`result`, `finishedTime`, `seconds`, `bytes`, `passes`,
+    #: `rateBytesPerSecond`, `tensor`), as its loader last saw it; None before one.
+    last_scrub: dict[str, Any] | None = None
+    #: The engine's cumulative counters of what checksums read and patches wrote.
+    engine_counters: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -161,6 +177,9 @@ class ReplicaStatus:
                 "steps": t.steps,
                 "method": t.method,
                 "sparseFallback": t.sparse_fallback,
+                "volumeBytesWritten": t.volume_bytes_written,
+                "enginePatchedElements": t.engine_patched_elements,
+                "skipped": t.skipped,
             }
         return {
             "identity": self.identity,
@@ -180,6 +199,8 @@ class ReplicaStatus:
             "pin": self.pin,
             "adapters": [a.to_annotation() for a in self.adapters],
             "resumedFrom": self.resumed_from,
+            "degraded": self.degraded,
+            "lastScrub": self.last_scrub,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -198,6 +219,8 @@ def condition(status: ReplicaStatus, *, engine_live: bool = True) -> tuple[bool,
         if status.target_identity is None and status.state != "starting":
             return False, REASON_NO_SNAPSHOT
         return False, REASON_STARTING
+    if status.degraded:
+        return False, REASON_DEGRADED
     if not status.ledger_reachable:
         return True, REASON_STALE
     if status.state == "failed":

@@ -3,6 +3,8 @@
 ```
 <root>/current                  -> snapshots/<identity>   (symlink, swapped atomically)
 <root>/snapshots/<identity>/    complete, verified full snapshots (never modified once here)
+<root>/deltas/<identity>/       verified deltas (as published) of the snapshot the engine serves:
+                                with the newest snapshot below them, the volume's copy of it
 <root>/.hotload/staging/        snapshots being rebuilt (renamed into snapshots/ when verified)
 <root>/.hotload/downloads/      deltas and full snapshots being fetched
 <root>/.hotload/early/          the same two, for hinted snapshots not yet admitted (early fetch)
@@ -10,8 +12,9 @@
 <root>/adapters/<identity>/     verified LoRA adapters, one weight file each (what engines load)
 ```
 
-A folder appears under `snapshots/` only by an atomic rename after every tensor verified, so a
-loader restarted at any moment finds either nothing or a whole snapshot there, and leftovers in
+A folder appears under `snapshots/` only by an atomic rename after every tensor verified (under
+`deltas/` after its manifests and every chunk's CRC-32 did), so a loader restarted at any
+moment finds either nothing or a whole snapshot (or delta) there, and leftovers in
 `.hotload/`'s work folders are simply removed (never `.hotload/python/`: the engine imports from
 it, and `extension.py` keeps it whole). The engine boots from `current`; the loader hot-loads
 the stable `snapshots/<identity>` path.
@@ -28,12 +31,14 @@ from pathlib import Path
 from hotload.api.names import ENGINE_PYTHONPATH_DIR
 from hotload.errors import HotloadError
 from hotload.fileio import fsync_dir
+from hotload.ledger import LedgerEntry
 from hotload.snapshot import validate_identity
 
 log = logging.getLogger("hotload_sidecar.weights")
 
 CURRENT = "current"
 SNAPSHOTS = "snapshots"
+DELTAS = "deltas"
 ADAPTERS = "adapters"
 WORK = ".hotload"
 
@@ -44,6 +49,7 @@ class WeightsFolder:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.snapshots = self.root / SNAPSHOTS
+        self.deltas = self.root / DELTAS
         self.work = self.root / WORK
         self.staging_root = self.work / "staging"
         self.downloads_root = self.work / "downloads"
@@ -60,6 +66,7 @@ class WeightsFolder:
         """Create the layout and drop whatever an interrupted run left half-done."""
         for folder in (
             self.snapshots,
+            self.deltas,
             self.staging_root,
             self.downloads_root,
             self.early_root,
@@ -69,11 +76,12 @@ class WeightsFolder:
         for leftover in (self.staging_root, self.downloads_root, self.early_root):
             for child in leftover.iterdir():
                 remove_tree(child)
-        for child in self.snapshots.iterdir():
-            # Only complete snapshots are renamed here; anything else is not ours to serve.
-            if not child.is_dir() or child.name.startswith("."):
-                log.warning("removing unexpected %s from the weights folder", child)
-                remove_tree(child)
+        for folder in (self.snapshots, self.deltas):
+            for child in folder.iterdir():
+                # Only complete folders are renamed here; anything else is not ours to serve.
+                if not child.is_dir() or child.name.startswith("."):
+                    log.warning("removing unexpected %s from the weights folder", child)
+                    remove_tree(child)
         link_tmp = self.root / f".{CURRENT}.tmp"
         if link_tmp.is_symlink() or link_tmp.exists():
             link_tmp.unlink()
@@ -85,6 +93,52 @@ class WeightsFolder:
     def has(self, identity: str) -> bool:
         """Whether a verified copy of `identity` is on disk."""
         return self.path(identity).is_dir()
+
+    def delta_path(self, identity: str) -> Path:
+        """Where the verified delta `identity` lives (whether or not it is there)."""
+        return self.deltas / validate_identity(identity)
+
+    def has_delta(self, identity: str) -> bool:
+        """Whether a verified copy of the delta `identity` is on disk."""
+        return self.delta_path(identity).is_dir()
+
+    def local_deltas(self) -> set[str]:
+        """Identities of the verified deltas on disk."""
+        if not self.deltas.is_dir():
+            return set()
+        return {p.name for p in self.deltas.iterdir() if p.is_dir()}
+
+    def commit_delta(self, folder: Path, identity: str) -> Path:
+        """Move a checked delta folder into `deltas/` (atomic rename, then fsync); an existing
+        copy is kept."""
+        final = self.delta_path(identity)
+        if final.exists():
+            remove_tree(folder)
+            return final
+        os.replace(folder, final)
+        fsync_dir(self.deltas)
+        return final
+
+    def drop_delta(self, identity: str) -> None:
+        """Remove a delta from the volume (compacted into a snapshot, or found bad)."""
+        remove_tree(self.delta_path(identity))
+
+    def reach(self, chain: list[LedgerEntry]) -> tuple[int, int] | None:
+        """Where the volume stands on `chain` (a ledger chain, from the full snapshot it
+        starts at): (i, j) when chain[i] is the newest entry of it held as a snapshot and
+        chain[i+1 .. j] are deltas held after it (j >= i); None when it holds no snapshot of it.
+        The volume then holds chain[j], as a snapshot plus deltas."""
+        i = max((k for k, e in enumerate(chain) if self.has(e.identity)), default=-1)
+        if i < 0:
+            return None
+        j = i
+        while (
+            j + 1 < len(chain)
+            and chain[j + 1].kind == "incremental"
+            and self.has_delta(chain[j + 1].identity)
+        ):
+            j += 1
+        return i, j
 
     def local(self) -> set[str]:
         """Identities of the verified snapshots on disk."""
@@ -176,9 +230,20 @@ class WeightsFolder:
         os.replace(tmp, self.current_link)
         fsync_dir(self.root)
 
-    def collect(self, keep: int, order: list[str], protect: Iterable[str] = ()) -> list[str]:
+    def collect(
+        self,
+        keep: int,
+        order: list[str],
+        protect: Iterable[str] = (),
+        deltas: Iterable[str] = (),
+    ) -> list[str]:
         """Delete verified snapshots beyond the newest `keep` in ledger `order` (oldest first),
-        never the ones in `protect` or the one `current` names; return what was deleted."""
+        never the ones in `protect` or the one `current` names, and every delta but `deltas`
+        (the chain the engine serves, after the snapshot it starts from); return what was
+        deleted."""
+        wanted = set(deltas)
+        for identity in sorted(self.local_deltas() - wanted):
+            self.drop_delta(identity)
         keep_set = set(protect)
         if (cur := self.current()) is not None:
             keep_set.add(cur)
@@ -192,6 +257,34 @@ class WeightsFolder:
         if doomed:
             log.info("garbage-collected %d snapshot(s): %s", len(doomed), ", ".join(doomed))
         return doomed
+
+
+def written_bytes(path: Path) -> int:
+    """Bytes of the files under `path` that were written for it: files hard-linked from
+    elsewhere (the unchanged shards of a rebuild) share their bytes and are not counted."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            st = os.lstat(os.path.join(root, name))
+            if st.st_nlink == 1:
+                total += st.st_size
+    return total
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """Hard-link every file of folder `src` into folder `dst` (copied where links fail)."""
+    for path in src.rglob("*"):
+        target = dst / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:
+            shutil.copyfile(path, target)
 
 
 def remove_tree(path: Path) -> None:

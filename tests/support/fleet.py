@@ -173,6 +173,8 @@ class Replica:
     #: With a port, as in the operator's pods: the engine serves its full API on it (loopback)
     #: and only the inference API on `engine_port`; the loader uses the full one.
     admin_port: int | None = None
+    #: More `hotload serve` options (e.g. `--scrub-bytes-per-second 0`).
+    engine_args: list[str] = field(default_factory=list)
     loader: subprocess.Popen[bytes] | None = None
     engine: subprocess.Popen[bytes] | None = None
 
@@ -248,6 +250,7 @@ class Replica:
                 "--max-batch",
                 "4",
                 *([] if self.admin_port is None else ["--admin-port", str(self.admin_port)]),
+                *self.engine_args,
             ],
             cwd=REPO,
             env=self.env,
@@ -346,6 +349,13 @@ class Replica:
         if self.loader is not None and self.loader.poll() is None:
             self.loader.kill()
             self.loader.wait(timeout=30)
+
+    def kill_engine(self) -> None:
+        """SIGKILL the engine (an engine container crash); `start_engine` boots it again from
+        `weights/current`."""
+        if self.engine is not None and self.engine.poll() is None:
+            self.engine.kill()
+            self.engine.wait(timeout=30)
 
     def stop(self) -> None:
         """Stop both processes (SIGTERM, then SIGKILL)."""

@@ -18,6 +18,7 @@ from hotload_sidecar.engines.base import (
     PatchRefusedError,
     ServedSnapshot,
     Timeouts,
+    WeightsReport,
 )
 from hotload_sidecar.engines.loadable import check_loadable
 from hotload_sidecar.engines.reference import ReferenceAdapter
@@ -45,6 +46,7 @@ __all__ = [
     "ServedSnapshot",
     "Timeouts",
     "VLLMAdapter",
+    "WeightsReport",
     "check_loadable",
     "make_adapter",
 ]

@@ -103,6 +103,41 @@ class LoadResult:
 
 
 @dataclass(frozen=True)
+class WeightsReport:
+    """What an engine says of the weights it serves (engines with sparse loads): its scrub
+    (`hotload_patch.scrub`: rate, passes, the last pass, a standing `mismatch`) and cumulative
+    counters of what checksums read and patches wrote (`hotload_patch.served.Counters`),
+    summed over every rank."""
+
+    scrub: dict[str, Any]
+    counters: dict[str, int]
+
+    @property
+    def mismatch(self) -> dict[str, Any] | None:
+        """The scrub's standing mismatch (the weights differ from their checksums), or None."""
+        found = self.scrub.get("mismatch")
+        return found if isinstance(found, dict) else None
+
+
+def combine_reports(ranks: list[WeightsReport]) -> WeightsReport:
+    """One report for an engine of several ranks: counters summed, the scrub as its slowest
+    rank's (fewest passes) with the first mismatch any rank found."""
+    if len(ranks) == 1:
+        return ranks[0]
+    counters: dict[str, int] = {}
+    for r in ranks:
+        for key, value in r.counters.items():
+            counters[key] = counters.get(key, 0) + int(value)
+    slowest = min(ranks, key=lambda r: int(r.scrub.get("passes") or 0))
+    scrub = dict(slowest.scrub)
+    found = next((r.mismatch for r in ranks if r.mismatch is not None), None)
+    if found is not None:
+        scrub["mismatch"] = found
+        scrub["last"] = next(r.scrub.get("last") for r in ranks if r.mismatch is found)
+    return WeightsReport(scrub, counters)
+
+
+@dataclass(frozen=True)
 class EngineHealth:
     """Whether the engine process answers (`live`) and can take requests (`ready`), and why not."""
 
@@ -263,6 +298,11 @@ class EngineAdapter(ABC):
     @abstractmethod
     async def load(self, req: LoadRequest) -> LoadResult:
         """Load `req.path` and return once the engine serves it (confirmed); else raise."""
+
+    async def weights_report(self) -> WeightsReport | None:
+        """The engine's scrub and counters (None: this engine keeps none). Raises
+        `EngineError` when the engine does not answer."""
+        return None
 
     async def check_sparse(self) -> None:
         """Raise `PatchRefusedError` when this engine cannot take sparse patches now (asked

@@ -25,6 +25,7 @@ from hotload_sidecar.engines.base import (
     ServedSnapshot,
     StepTimer,
     Timeouts,
+    WeightsReport,
 )
 
 LOAD_PATH = "/hotload/v1/load"
@@ -158,6 +159,14 @@ class ReferenceAdapter(EngineAdapter):
         if answer.status != 200 or not isinstance(answer.body, dict):
             raise self.unexpected(answer, step=step, what=f"GET {STATUS_PATH}")
         return answer.body
+
+    async def weights_report(self) -> WeightsReport | None:
+        """The scrub and counters the engine's status shows (None: an engine without them)."""
+        status = await self._status(step="status")
+        scrub, counters = status.get("scrub"), status.get("counters")
+        if not isinstance(scrub, dict) or not isinstance(counters, dict):
+            return None
+        return WeightsReport(scrub, {k: int(v) for k, v in counters.items()})
 
     async def current(self) -> ServedSnapshot | None:
         """The snapshot the engine's status names (None before its first hot-load)."""

@@ -33,6 +33,8 @@ from hotload_sidecar.engines.base import (
     ServedSnapshot,
     StepTimer,
     Timeouts,
+    WeightsReport,
+    combine_reports,
     served_version,
 )
 from hotload_sidecar.engines.loadable import check_loadable
@@ -306,6 +308,24 @@ class VLLMAdapter(EngineAdapter):
         # Tried until vLLM answers that it has no extension: then never again.
         if self._extension is not False:
             self._extension = await vllm_patch.weights_changed(self, folder)
+
+    async def weights_report(self) -> WeightsReport | None:
+        """Every rank's scrub and counters (`hotload_state`), combined; None without the
+        extension."""
+        if self._extension is False:
+            return None
+        try:
+            ranks = await vllm_patch.rpc(self, "hotload_state", step="state")
+        except EngineError as err:
+            if err.status is None:
+                raise
+            return None  # vLLM answered: it has no extension (or an older one)
+        reports = [
+            WeightsReport(r["scrub"], {k: int(v) for k, v in r["counters"].items()})
+            for r in ranks
+            if isinstance(r.get("scrub"), dict) and isinstance(r.get("counters"), dict)
+        ]
+        return combine_reports(reports) if len(reports) == len(ranks) else None
 
     async def parameter_checksums(self) -> dict[str, str]:
         """sha256 of every parameter as vLLM holds it, from the extension on every rank (rank

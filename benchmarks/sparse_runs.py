@@ -1,0 +1,300 @@
+"""bench_sparse_load.py --mode scaling|cadence|issue26: build the models, run both engines,
+write the two sections of RESULTS-sparse-load.md (between their markers; the rest of the file
+is kept). See sparse_modes.py for what is measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_sparse_load import build_model
+from sparse_modes import cadence, rolling_steps, scaling_size
+
+from hotload.arc.patch import prepare_patch
+from hotload.snapshot import describe_snapshot
+from support.seaweedfs import SeaweedFS
+
+GOAL_GROWTH = 1.25
+GOAL_LAG = 1.5
+MIB = 2**20
+
+
+def run_issue26(
+    args: argparse.Namespace, kinds: list[str], work: Path, engines: dict[str, Any]
+) -> None:
+    """The scaling and/or cadence runs, then their sections of the results file."""
+    server = SeaweedFS.start(work / "seaweedfs")
+    os.environ.update(server.env)
+    try:
+        if args.mode in ("scaling", "issue26"):
+            scaling = run_scaling(args, kinds, work, engines, server)
+            write_section(args.out, "scaling", scaling_report(args, scaling))
+        if args.mode in ("cadence", "issue26"):
+            result = run_cadence(args, kinds, work, engines, server)
+            write_section(args.out, "cadence", cadence_report(args, result))
+    finally:
+        server.stop()
+    print(args.out.read_text())
+
+
+def run_scaling(
+    args: argparse.Namespace,
+    kinds: list[str],
+    work: Path,
+    engines: dict[str, Any],
+    server: SeaweedFS,
+) -> dict[str, Any]:
+    """Both sizes, the same number of changed elements per step, both engines."""
+    sizes: dict[str, Any] = {}
+    small_numel: int | None = None
+    for label, scale in (("small", args.scale), ("large", args.large_scale)):
+        root = work / f"model-{label}"
+        # The same changed elements per step: the larger model moves a smaller fraction.
+        fraction = args.fraction
+        if small_numel is not None:
+            fraction = args.fraction * small_numel / _numel_at(scale)
+        print(f"scaling: building the {label} model (scale {scale}) ...", flush=True)
+        t0 = time.perf_counter()
+        fulls, deltas, full_bytes = build_model(root, scale, fraction)
+        numel = _numel(fulls[0])
+        small_numel = small_numel or numel
+        patch = prepare_patch(None, deltas[1], root / "step-1.patch")
+        sizes[label] = {
+            "scale": scale,
+            "full_bytes": full_bytes,
+            "elements": numel,
+            "fraction": fraction,
+            "changed": patch.changed,
+            "delta_bytes": [describe_snapshot(d).shipped_bytes for d in deltas[1:]],
+            "patch_bytes": patch.bytes,
+            "build_s": round(time.perf_counter() - t0, 1),
+            "engines": {},
+        }
+        for kind in kinds:
+            # Without the scrub: its reads follow the clock (its rate), not the updates, and
+            # would blur what an update costs; the cadence run keeps it on.
+            engine = engines[kind](work / f"{kind}-{label}", scrub=False)
+            try:
+                print(f"scaling: {kind} on the {label} model", flush=True)
+                rows = scaling_size(
+                    server, engine, fulls, deltas, name=f"{kind}-{label}", bucket=label
+                )
+            finally:
+                engine.close()
+            sizes[label]["engines"][kind] = rows
+        for k in range(len(fulls)):
+            _rm(fulls[k])
+    return sizes
+
+
+def run_cadence(
+    args: argparse.Namespace,
+    kinds: list[str],
+    work: Path,
+    engines: dict[str, Any],
+    server: SeaweedFS,
+) -> dict[str, Any]:
+    """30 deltas of the ~1 GiB model back to back, each engine."""
+    root = work / "cadence"
+    print(f"cadence: building {args.cadence_deltas} steps ...", flush=True)
+    fulls, _, full_bytes = build_model(root / "base", args.scale, args.fraction)
+    first, deltas, encodes = rolling_steps(
+        fulls[0], root, args.cadence_deltas, fraction=args.fraction, seed=7
+    )
+    for f in fulls:
+        _rm(f)
+    out: dict[str, Any] = {
+        "full_bytes": full_bytes,
+        "delta_bytes_mean": sum(describe_snapshot(d).shipped_bytes for d in deltas) / len(deltas),
+        "engines": {},
+    }
+    for kind in kinds:
+        engine = engines[kind](work / f"{kind}-cadence")
+        try:
+            for how, paced in (("paced", encodes), ("burst", None)):
+                print(f"cadence: {kind}, {how}", flush=True)
+                out["engines"][f"{kind} ({how})"] = cadence(
+                    server, engine, first, deltas, name=f"{kind}-{how}", encodes=paced
+                )
+        finally:
+            engine.close()
+    return out
+
+
+def scaling_report(args: argparse.Namespace, sizes: dict[str, Any]) -> list[str]:
+    """The scaling section."""
+    small, large = sizes["small"], sizes["large"]
+    lines = [
+        "## Scaling: the same change on a 3x larger model (issue 26)",
+        "",
+        f"Command: `nice -n 10 python benchmarks/bench_sparse_load.py --mode {args.mode}`  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, {time.strftime('%Y-%m-%d')}. Shared and noisy: compare "
+        "ratios within this run.",
+        "",
+        "| model | elements | bf16 | moved per step | changed | delta | patch |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label in ("small", "large"):
+        z = sizes[label]
+        lines.append(
+            f"| {label} (scale {z['scale']}) | {z['elements'] / 1e6:.0f} M | "
+            f"{z['full_bytes'] / 2**30:.2f} GiB | {z['fraction']:.3%} | {z['changed']:,} | "
+            f"{z['delta_bytes'][0] / MIB:.1f} MiB | {z['patch_bytes'] / MIB:.1f} MiB "
+            f"({z['patch_bytes'] / z['delta_bytes'][0]:.2f}x) |"
+        )
+    lines += [
+        "",
+        "Per delta update (three deltas each; CPU: loader and engine processes, every thread, "
+        "from the ledger append until the engine served it plus 3 s for background work; net: "
+        "minus what the same processes burn idle over as long, measured over 10 s just before "
+        "(vLLM's engine loop polls); the scrub off: its reads follow its rate, not the updates; "
+        "the loader polls every 0.1 s). The loader's split: fetch (downloads and checks), "
+        "prepare (the patch file), engine (the adapter's whole call: staging, verification, "
+        "pause, confirmation) and its pause:",
+        "",
+        "| engine | model | update | method | CPU s | net CPU s | volume bytes written | "
+        "bytes read for checksums | publish -> serving s | fetch | prepare | engine | pause |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for kind in small["engines"]:
+        for label in ("small", "large"):
+            for r in sizes[label]["engines"][kind]:
+                lines.append(
+                    f"| {kind} | {label} | {r['identity']} | {r['method']} | {r['cpu_s']:.2f} | "
+                    f"{r['net_cpu_s']:.2f} | {r['volume_bytes_written'] / MIB:.1f} MiB | "
+                    f"{r['checksum_bytes_read']} | {r['publish_to_serving_s']:.2f} | "
+                    f"{r.get('fetch_s', 0):.2f} | {r.get('prepare_s', 0):.2f} | "
+                    f"{r.get('engine_s', 0):.2f} | {r.get('pause_s', 0) * 1000:.0f} ms |"
+                )
+    lines += ["", "Growth, large against small (median of the three deltas; goal <= 1.25x):", ""]
+    for kind in small["engines"]:
+        for key, what in (
+            ("net_cpu_s", "net CPU seconds"),
+            ("cpu_s", "CPU seconds"),
+            ("volume_bytes_written", "bytes written to the volume"),
+            ("checksum_bytes_read", "bytes read for checksums"),
+            ("publish_to_serving_s", "publish -> serving"),
+        ):
+            a = _mean(small["engines"][kind], key)
+            b = _mean(large["engines"][kind], key)
+            lines.append(f"- {kind}: {what}: {_fmt(a)} -> {_fmt(b)}: **{_growth(a, b)}**")
+    lines += ["", "```json", json.dumps(sizes, indent=2), "```"]
+    return lines
+
+
+def cadence_report(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
+    """The cadence section."""
+    lines = [
+        "## Cadence: deltas published back to back (issue 26)",
+        "",
+        f"Command: `nice -n 10 python benchmarks/bench_sparse_load.py --mode {args.mode}`  ",
+        f"Model {result['full_bytes'] / 2**30:.2f} GiB bf16, {args.fraction:.1%} moved per step, "
+        f"deltas of {result['delta_bytes_mean'] / MIB:.1f} MiB on average, published one after "
+        "the other while one replica follows. Paced: the trainer's own loop, back to back: "
+        "encode (each delta waits as long as it took to encode here, 2 threads), upload, append. "
+        "Burst: uploaded and appended as fast as the bucket takes them (no trainer publishes "
+        "faster; a stress test: the replica cannot keep this pace, it must only never fall "
+        "back). Lag of a delta: from its append until the engine serves it or a later one "
+        "(polled every 20 ms): a delta skipped ahead of is live once a patch including it is.",
+        "",
+        "| engine | deltas | published over | served (of them) | skipped ahead | sparse loads | "
+        "full loads | fallbacks | lag of the first | lag of the last | last / first | "
+        "last patch's deltas |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, r in result["engines"].items():
+        lags = r["lags"]
+        first = lags.get("step-1")
+        last = lags.get(f"step-{r['deltas']}")
+        ratio = last / first if first and last else None
+        lines.append(
+            f"| {kind} | {r['deltas']} | {r['publish_seconds']:.1f} s | {len(r['served'])} | "
+            f"{r['deltas'] - len(r['served'])} | {r['sparse_loads']:.0f} | "
+            f"{r['full_loads']:.0f} | {r['fallbacks']:.0f} | {_fmt(first)} s | {_fmt(last)} s | "
+            f"**{_fmt(ratio)}x** | {r['last_load']['steps']} |"
+        )
+    lines += ["", "Goals: no fallback (paced and burst), last / first <= 1.5x (paced).", ""]
+    for kind, r in result["engines"].items():
+        lags = r["lags"]
+        first, last = lags.get("step-1"), lags.get(f"step-{r['deltas']}")
+        met = r["fallbacks"] == 0 and r["full_loads"] == 0
+        ratio_met = bool(first and last and last <= GOAL_LAG * first)
+        judged = "met" if ratio_met else "missed"
+        lag_goal = judged if r["paced"] else f"{judged} (not a goal: a burst)"
+        lines.append(
+            f"- {kind}: fallbacks {'none: met' if met else 'some: missed'}; lag "
+            f"{lag_goal}; served, in order: "
+            + ", ".join(r["served"])
+            + "; lags: "
+            + ", ".join(f"{lags[i]:.2f}" for i in lags)
+        )
+    lines += ["", "```json", json.dumps(result, indent=2), "```"]
+    return lines
+
+
+def write_section(out: Path, name: str, lines: list[str]) -> None:
+    """Replace the section `name` of the results file (between its markers), or add it."""
+    begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
+    block = "\n".join([begin, *lines, end])
+    text = out.read_text() if out.exists() else "# Sparse hot loads: benchmark\n"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _m: block, text)
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    out.write_text(text)
+
+
+def _numel(folder: Path) -> int:
+    """Elements of a bfloat16 snapshot (two bytes each)."""
+    return describe_snapshot(folder).full_bytes // 2
+
+
+def _numel_at(scale: float) -> int:
+    """Elements of bench_sidecar's model at `scale` (its layer count is round(16 * scale))."""
+    layers = max(1, round(16 * scale))
+    hidden, inter, kv, vocab = 1536, 4096, 512, _vocab()
+    per_layer = 2 * hidden * hidden + 2 * kv * hidden + 3 * inter * hidden + 2 * hidden
+    return layers * per_layer + 2 * vocab * hidden + hidden
+
+
+def _vocab() -> int:
+    from bench_sidecar import model_config
+
+    config, _ = model_config(Path(os.environ.get("TMPDIR", "/tmp")) / "bench-vocab", 1.0)
+    return int(config.vocab_size)
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    """The median of `key` over the rows (robust to one update landing on a busy moment)."""
+    values = sorted(float(r[key]) for r in rows)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.2f}"
+
+
+def _growth(a: float, b: float) -> str:
+    if a == 0 and b == 0:
+        return "0 both: met"
+    if a <= 0:
+        return "n/a"
+    g = b / a
+    return f"{g:.2f}x: {'met' if g <= GOAL_GROWTH else 'missed'}"
+
+
+def _rm(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

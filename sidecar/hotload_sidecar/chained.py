@@ -1,0 +1,174 @@
+"""The loader's updates that keep the weights volume a chain (a snapshot plus deltas): sparse
+loads of the deltas after the served snapshot (`SparseLoads`), the volume's compaction when they
+add up (`Volume`), resuming from the volume after a restart, and reloading the served snapshot
+in full when a scrub found its weights changed. A part of `Loader` (a base class of it), apart
+only so that each module stays readable."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from hotload.arc.patch import delta_changes
+from hotload.ledger import LedgerDocument, LedgerEntry, Target
+from hotload.ledger.hints import Hint
+from hotload_sidecar.board import StatusBoard
+from hotload_sidecar.config import Settings
+from hotload_sidecar.engines import CachePolicy, EngineAdapter, ServedSnapshot
+from hotload_sidecar.metrics import LoaderMetrics
+from hotload_sidecar.pacing import Backoff
+from hotload_sidecar.sparse import SparseLoads
+from hotload_sidecar.status import LoadTimings, ReplicaStatus, Reporter
+from hotload_sidecar.volume import Volume
+from hotload_sidecar.weights import WeightsFolder
+
+log = logging.getLogger("hotload_sidecar.loader")
+
+
+class ChainedUpdates:
+    """Sparse loads, compaction, resuming and reloading for `Loader` (see the module doc)."""
+
+    settings: Settings
+    adapter: EngineAdapter
+    reporter: Reporter
+    metrics: LoaderMetrics
+    weights: WeightsFolder
+    sparse: SparseLoads | None
+    volume: Volume
+    board: StatusBoard
+    backoff: Backoff
+    started: asyncio.Event
+    document: LedgerDocument | None
+
+    # What `Loader` provides.
+
+    @property
+    def status(self) -> ReplicaStatus:
+        """The replica's status as last published."""
+        return self.board.status
+
+    def target(self) -> Target:
+        """What this replica should serve now."""
+        raise NotImplementedError
+
+    def status_target(self, entry: LedgerEntry) -> LedgerEntry:
+        """The entry the status names as target."""
+        raise NotImplementedError
+
+    async def _served(self, served: ServedSnapshot, timings: LoadTimings | None) -> None:
+        raise NotImplementedError
+
+    async def _refresh_served(self) -> None:
+        raise NotImplementedError
+
+    async def _build_and_load(
+        self,
+        document: LedgerDocument,
+        target: LedgerEntry,
+        policy: CachePolicy,
+        fallback: str,
+        started: float,
+    ) -> bool:
+        raise NotImplementedError
+
+    # Its own.
+
+    async def _reload_served(self, reason: str) -> bool:
+        """Load the served snapshot in full again (a scrub found its weights changed)."""
+        document, identity = self.document, self.status.identity
+        entry = document.find(identity) if document is not None and identity else None
+        if document is None or entry is None or not self.backoff.may_try(entry.identity):
+            return False
+        log.warning("reloading %s in full: %s", entry.identity, reason)
+        await self.volume.settle()
+        return await self._build_and_load(document, entry, "all", "", time.perf_counter())
+
+    def _collect(self, served: LedgerEntry) -> None:
+        if self.document is not None:
+            order = [e.identity for e in self.document.entries]
+            head = self.target().identity
+            keep = [served.identity] + ([head] if head else [])
+            deltas = self.volume.wanted_deltas(self.document, keep)
+            self.weights.collect(self.settings.keep, order, protect=keep, deltas=deltas)
+
+    async def _sparse_load(
+        self, steps: list[LedgerEntry], policy: CachePolicy, started: float
+    ) -> str:
+        """Serve the last of `steps` (the deltas after the served snapshot) as one sparse
+        patch, the deltas kept on the volume; "" when the engine serves it, else why not (the
+        caller loads the full snapshot)."""
+        assert self.sparse is not None and self.document is not None
+        target = steps[-1]
+        await self.board.set(state="loading", target=self.status_target(target))
+        mode, policy = self.settings.mode, self.settings.cache_policy or policy
+        outcome = await self.sparse.load(steps, mode, policy, started=started)
+        done = outcome.patched
+        if done is None:
+            self.metrics.sparse_fallbacks.labels(outcome.reason).inc()
+            self.metrics.checksum_failures.inc(outcome.corruption)
+            await self.reporter.event("Normal", "SparseLoadFellBack", outcome.message)
+            if outcome.serving_unknown:
+                await self._refresh_served()
+            return outcome.reason
+        self.metrics.engine_load_seconds.observe(done.timings.load_seconds)
+        self.metrics.engine_pause_seconds.observe(done.timings.pause_seconds)
+        self.metrics.observe_serving(done.timings.total_seconds, target.published_time)
+        self.metrics.loads.labels("sparse").inc()
+        await self._served(done.result.served, done.timings)
+        await self.reporter.event("Normal", "SnapshotLoaded", done.summary())
+        self._collect(target)
+        if self.volume.compaction_due(self.document, target.identity):
+            self.volume.start_compaction(self.document, target.identity, self._compacted)
+        return ""
+
+    async def _compacted(self, identity: str, error: BaseException | None) -> None:
+        """A compaction ended: `current` moves to the folded snapshot (engine restarts boot
+        it), the deltas it holds are collected; a failure is reported and tried again later."""
+        if error is not None:
+            message = f"compacting the deltas on the volume into {identity} failed: {error}"
+            log.error("%s", message)
+            self.metrics.failures.labels("compact").inc()
+            await self.reporter.event("Warning", "CompactionFailed", message)
+            return
+        self.weights.switch(identity)
+        entry = self.document.find(identity) if self.document is not None else None
+        served = self.document.find(self.status.identity or "") if self.document else None
+        if served is not None:
+            self._collect(served)
+        elif entry is not None:
+            self._collect(entry)
+        await self.reporter.event(
+            "Normal", "VolumeCompacted", f"the deltas on the volume were folded into {identity}"
+        )
+
+    async def _resume_chain(self, head: LedgerEntry) -> bool:
+        """At start-up with sparse loads: resume from what the volume holds on the head's
+        chain (a snapshot plus deltas), downloading nothing; the engine is patched forward
+        once it runs. False when it holds nothing of it (the head is then built)."""
+        if self.sparse is None:
+            return False
+        resumed = await self.volume.resume(self.document, head.identity)
+        if resumed is None:
+            return False
+        self.metrics.checksum_failures.inc(resumed.corruptions)
+        log.info("resumed: %s", resumed.summary())
+        current = self.weights.current()
+        if current is None or not (await self.adapter.health()).live:
+            self.weights.switch(resumed.base)
+        seconds = round(resumed.seconds, 3)
+        await self.board.set(resumed_from=resumed.last.identity, resume_verify_seconds=seconds)
+        await self.reporter.event("Normal", "ResumedFromVolume", resumed.summary())
+        self.started.set()
+        return True
+
+    def _sparse_takes(self, hint: Hint, folder: Path) -> bool:
+        """Whether the hinted delta downloaded into `folder` will be loaded as a sparse patch
+        (a delta of the served snapshot, sparse enough): the prefetcher then leaves it."""
+        if self.sparse is None or hint.kind != "incremental":
+            return False
+        if hint.previous != self.board.status.identity:
+            return False
+        changed, total = delta_changes(folder)
+        return changed <= self.settings.sparse_max_changed * total

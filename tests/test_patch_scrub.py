@@ -1,0 +1,207 @@
+"""Served checksums that follow the patches, and the scrub that re-reads the weights.
+
+After a patch a `Patcher` derives the served weights' region sums from the patch instead of
+re-reading the model; the scrub reads them back at a bounded rate in the background and compares.
+Real patch files from real arc_v2 deltas (`support.tiny_llm.sparse_steps`), real torch tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hotload.arc.patch import prepare_patch
+from hotload.snapshot import write_snapshot
+from hotload_patch import PatchError
+from hotload_patch.checkpoint import checkpoint_specs
+from hotload_patch.dtypes import ELEMENT_SIZE
+from hotload_patch.placement import IdentityHost
+from hotload_patch.served import Meter, device_partial, region_partial, served_sums
+from hotload_patch.session import Patcher
+from hotload_patch.sums import Region
+from support.patch_models import checkpoint_weights, read_checkpoint
+from support.snapshots import CONFIG
+from support.tiny_llm import sparse_steps
+from test_patch_core import CFG, Chain, bits, build_chain, same_bits
+
+
+def _targets(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {n: t.to(dtype) for n, t in read_checkpoint(folder).items()}
+
+
+def _f16_chain(root: Path) -> Chain:
+    """`build_chain` for a float16 checkpoint."""
+    weights = {n: a.astype(np.float16) for n, a in checkpoint_weights(CFG).items()}
+    base = write_snapshot(root / "base", weights, config=CONFIG, overwrite=True).path
+    fulls, deltas = sparse_steps(base, root, 1, fraction=0.05)
+    prepare_patch(fulls[0], deltas[1], root / "step-1.patch")
+    return Chain(fulls[0], fulls[1], root / "step-1.patch")
+
+
+def _wait(what: str, check: Callable[[], object], timeout: float = 30.0) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def patchers() -> Iterator[list[Patcher]]:
+    made: list[Patcher] = []
+    yield made
+    for p in made:
+        p.close()
+
+
+@pytest.mark.parametrize(
+    ("cast", "dtype"),
+    [
+        ("BF16", torch.bfloat16),
+        ("BF16", torch.float32),
+        (None, torch.float32),
+        (None, torch.float64),
+        ("F16", torch.float16),
+    ],
+)
+def test_derived_sums_equal_a_full_reread_after_patches(
+    tmp_path: Path, patchers: list[Patcher], cast: str | None, dtype: torch.dtype
+) -> None:
+    """Two patches in a row: the sums the Patcher derived are what reading the weights gives,
+    and nothing was read for them (the counters say so); the scrub agrees."""
+    first = _f16_chain(tmp_path) if cast == "F16" else build_chain(tmp_path, cast)
+    targets = _targets(first.parent, dtype)
+    patcher = Patcher(IdentityHost(lambda: targets), scrub_rate=0)
+    patchers.append(patcher)
+    specs = checkpoint_specs(first.parent)
+    patcher.weights_changed(specs)
+    patcher.served(timeout=30)
+    model_bytes = sum(int(np.prod(s)) * ELEMENT_SIZE[d] for s, d in specs.values())
+    assert patcher.counters.checksum_bytes == model_bytes
+
+    patcher.stage(str(first.patch), identity="step-1", parent="step-0").result(timeout=30)
+    staged = patcher.apply()
+    derived = patcher.served(timeout=0)
+    assert derived == served_sums(IdentityHost(lambda: targets), specs)
+    child = read_checkpoint(first.child)
+    assert all(same_bits(targets[n].to(child[n].dtype), child[n]) for n in child)
+    counters = patcher.counters.to_json()
+    assert counters["checksum_bytes"] == model_bytes  # nothing re-read after the patch
+    assert counters["patches"] == 1 and counters["patched_elements"] == staged.changed > 0
+    assert counters["patched_bytes"] == staged.changed * targets[next(iter(targets))].itemsize
+
+    # The scrub, turned on, reads everything once and finds the derived sums right.
+    patcher.scrubber.set_rate(1 << 30)
+    _wait("a scrub pass", lambda: patcher.scrub_state()["passes"] >= 1)
+    state = patcher.scrub_state()
+    assert state["last"]["result"] == "ok" and state["mismatch"] is None
+    assert state["last"]["bytes"] == model_bytes
+    assert patcher.counters.scrub_bytes >= model_bytes
+
+
+@pytest.mark.parametrize("low", [True, False], ids=["below-bf16", "in-bf16"])
+def test_a_scrub_finds_a_flipped_bit_and_patches_are_refused_until_a_full_load(
+    tmp_path: Path, patchers: list[Patcher], low: bool
+) -> None:
+    chain = build_chain(tmp_path, "BF16")
+    targets = _targets(chain.parent, torch.float32)
+    patcher = Patcher(IdentityHost(lambda: targets), scrub_rate=0)
+    patchers.append(patcher)
+    patcher.weights_changed(checkpoint_specs(chain.parent))
+    patcher.served(timeout=30)
+    # A bit flips in memory, behind the engine's back: in the bits the bfloat16 checkpoint
+    # has, or (first) below them, where only the exact way back to bfloat16 can tell.
+    name = "model.layers.1.mlp.down_proj.weight"
+    flat = targets[name].view(-1).view(torch.int32)
+    flat[5] ^= 1 << (3 if low else 20)
+    patcher.scrubber.set_rate(1 << 30)
+    state = _wait("the scrub's mismatch", lambda: patcher.scrub_state()["mismatch"])
+    assert isinstance(state, dict) and state["tensor"] == name
+    assert patcher.scrub_state()["last"]["result"] == "mismatch"
+    # While the mismatch stands, a patch is refused: its parent check would be on sums the
+    # weights no longer match.
+    with pytest.raises(PatchError) as exc:
+        patcher.stage(str(chain.patch), identity="step-1", parent="step-0").result(timeout=30)
+    assert exc.value.reason == "parent_mismatch" and "scrub" in str(exc.value)
+    # A full load clears it (the loader reloads the snapshot in full).
+    fresh = _targets(chain.parent, torch.float32)
+    targets.update(fresh)
+    patcher.weights_changed(checkpoint_specs(chain.parent))
+    patcher.served(timeout=30)
+    assert patcher.scrub_state()["mismatch"] is None
+    patcher.stage(str(chain.patch), identity="step-1", parent="step-0").result(timeout=30)
+    patcher.apply()
+    _wait("a clean scrub pass", lambda: patcher.scrub_state()["last"]["result"] == "ok")
+
+
+def test_the_scrub_reads_at_its_rate_and_rereads_what_a_patch_changed_under_it(
+    tmp_path: Path, patchers: list[Patcher]
+) -> None:
+    """The scrub asks to sleep as long as its rate needs (a recorded clock, no waiting), and a
+    patch written while it reads a region makes it read that region again, not report it."""
+    chain = build_chain(tmp_path, "BF16")
+    targets = _targets(chain.parent, torch.bfloat16)
+    patcher = Patcher(IdentityHost(lambda: targets), scrub_rate=0)
+    patchers.append(patcher)
+    specs = checkpoint_specs(chain.parent)
+    patcher.weights_changed(specs)
+    patcher.served(timeout=30)
+    patcher.stage(str(chain.patch), identity="step-1", parent="step-0").result(timeout=30)
+    slept: list[float] = []
+    applied = threading.Event()
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if not applied.is_set():
+            patcher.apply()  # a patch lands in the middle of the scrub's first read
+            applied.set()
+
+    rate = 4096.0
+    patcher.scrubber.sleep = sleep
+    patcher.scrubber.set_rate(rate)
+    _wait("a scrub pass", lambda: patcher.scrub_state()["passes"] >= 1)
+    state = patcher.scrub_state()
+    assert state["last"]["result"] == "ok", state
+    model_bytes = state["last"]["bytes"]
+    # What it read, re-reads included, at `rate`: the sleeps add up to at least that long
+    # (minus the time the reads themselves took, which the recorded clock does not skip).
+    assert patcher.counters.scrub_bytes > model_bytes  # the region the patch hit, read twice
+    assert sum(slept) >= model_bytes / rate - 5.0
+    assert all(same_bits(targets[n], t) for n, t in read_checkpoint(chain.child).items())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_sums_on_the_device_equal_zlibs(dtype: torch.dtype) -> None:
+    """The device path (integer sums on the tensor's own device, used off the CPU) gives the
+    partial sums zlib gives, for whole tensors, slices and column shards, in every chunking."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(37, 29, generator=gen).to(dtype)
+    ckpt = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}[dtype]
+    total = weight.numel() * weight.element_size()
+    cases = [
+        (weight, Region.whole((37, 29))),
+        (weight[5:20], Region(5 * 29, (15, 29), (29, 1))),
+        (weight[:, 7:19], Region(7, (37, 12), (29, 1))),
+    ]
+    for view, region in cases:
+        want = region_partial(view, region, ckpt, total)
+        assert device_partial(view, region, ckpt, total) == want
+        for chunk in (1, 7, 64):
+            import hotload_patch.served as served_module
+
+            old = served_module.DEVICE_CHUNK_BYTES
+            served_module.DEVICE_CHUNK_BYTES = chunk
+            try:
+                meter = Meter()
+                assert device_partial(view, region, ckpt, total, meter) == want
+            finally:
+                served_module.DEVICE_CHUNK_BYTES = old
+    assert bits(weight).numel() == 37 * 29
