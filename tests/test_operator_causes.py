@@ -124,6 +124,7 @@ def pods_of(draw: st.DrawFn, n_entries: int) -> list[PodReport]:
                 failure_reason=draw(st.sampled_from([F.CHECKSUM_MISMATCH, F.LOAD_FAILED]))
                 if state == "failed"
                 else "",
+                degraded=draw(st.sampled_from(["", "", "", "scrub: model.norm differs"])),
             )
         )
     return out
@@ -207,7 +208,7 @@ def test_conditions_agree_with_the_replicas_and_claim_nothing_unobserved(
             assert any(r["pod"] in p["pods"] for p in problems), r
     # When something holds the fleet back, Ready says what (not just a count).
     if ready["status"] == "False" and ready["reason"] == R.REPLICAS_BEHIND:
-        blocking = reasons - {R.REPLICAS_UNAVAILABLE, R.ADAPTER_FAILURES}
+        blocking = reasons - {R.REPLICAS_UNAVAILABLE, R.ADAPTER_FAILURES, R.WEIGHTS_DEGRADED}
         if ledger.problem is not None:
             blocking.discard(ledger.problem.reason)
         assert not blocking, (ready, problems)

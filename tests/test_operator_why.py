@@ -504,7 +504,7 @@ async def test_pods_that_do_not_run_and_loaders_that_cannot_load_say_why(
         await install_crds(kube)
         async with running_operator(api, rollup_interval=0.5):
             await kube.create(hld_path(ns), hld_body("sick", bucket, 5))
-            await kube.create(hld_path(ns), hld_body("failing", bucket, 4))
+            await kube.create(hld_path(ns), hld_body("failing", bucket, 5))
             for name in ("sick", "failing"):
                 await kube.create(snapshot_path(ns), snapshot_body(f"{name}-0", name, "step-0"))
             sick = await _pods(kube, ns, "sick")
@@ -550,18 +550,34 @@ async def test_pods_that_do_not_run_and_loaders_that_cannot_load_say_why(
 
             # Loaders that cannot load, as their reports say.
             failures = ["ChecksumMismatch", "EngineRefused", "VolumeFull", "ChainBroken"]
+            *failing, scrubbed = failing
             for pod, why_ in zip(failing, failures, strict=True):
                 status = serving("step-0", 1, state="failed", error=f"{why_}: see the loader")
                 await play_loader(kube, ns, pod, _failed(status, why_), ready=True)
-            obj = await wait_reason(kube, ns, "failing", "Degraded", "LoadFailures")
+            # A scrub's mismatch: the loader takes the replica out while it reloads in full.
+            mismatch = "scrub: model.norm.weight differs from its checksum; reloading step-0"
+            degraded = serving("step-0", 1).evolve(degraded=mismatch)
+            await play_loader(kube, ns, scrubbed, degraded, ready=False)
+
+            async def both() -> JSON | None:
+                obj = await kube.get(hld_path(ns, "failing"))
+                found = [p["reason"] for p in (obj.get("status") or {}).get("problems") or []]
+                return obj if found == ["LoadFailures", "WeightsDegraded"] else None
+
+            obj = await eventually("load failures and a scrub mismatch", both, timeout=60)
+            assert condition(obj, "Degraded")["reason"] == "LoadFailures"
             replicas = {r["pod"]: r for r in obj["status"]["replicaStatuses"]}
             assert [replicas[p]["reason"] for p in failing] == failures
-            (problem,) = obj["status"]["problems"]
+            assert replicas[scrubbed]["reason"] == "WeightsDegraded"
+            assert replicas[scrubbed]["message"] == mismatch
+            problem, scrub = obj["status"]["problems"]
             assert sorted(problem["pods"]) == sorted(failing)
             assert all(
                 f"pod {p}: {w}" in problem["message"]
                 for p, w in zip(failing, failures, strict=True)
             )
+            assert scrub["pods"] == [scrubbed] and mismatch in scrub["message"]
+            assert "reloads the served snapshot" in scrub["fix"]
 
             # Events: one per problem as it appeared, however often rolled up since.
             await asyncio.sleep(3)  # several periodic checks and roll-ups
@@ -574,6 +590,7 @@ async def test_pods_that_do_not_run_and_loaders_that_cannot_load_say_why(
             for reason in problems:
                 assert by_reason.get(("sick", reason)) == 1, by_reason
             assert by_reason.get(("failing", "LoadFailures")) == 1, by_reason
+            assert by_reason.get(("failing", "WeightsDegraded")) == 1, by_reason
             assert not [e for e in events if e.get("source", {}).get("component") == "kopf"], (
                 "kopf posted Events"
             )

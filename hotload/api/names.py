@@ -116,6 +116,7 @@ class DeploymentReasons:
     # ... the loaders (the replica's own reason is in replicaStatuses[].reason)
     LOAD_FAILURES: Final = "LoadFailures"  # some replica failed to load the target
     ADAPTER_FAILURES: Final = "AdapterLoadFailures"  # a LoRA adapter failed to load
+    WEIGHTS_DEGRADED: Final = "WeightsDegraded"  # a scrub found served weights off their sums
     REPLICAS_UNAVAILABLE: Final = "ReplicasUnavailable"  # pods not ready, no cause known yet
 
 

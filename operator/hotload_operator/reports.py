@@ -46,6 +46,8 @@ class PodReport:
     problem: Cause | None = None
     #: Why the loader's last load failed (`LoadFailureReasons`), when `state` is failed.
     failure_reason: str = ""
+    #: Why the loader took the replica out of service after a scrub mismatch ("" when not).
+    degraded: str = ""
 
     def adapter(self, identity: str) -> AdapterReport | None:
         """This replica's report of adapter `identity`, if it has one."""
@@ -81,6 +83,7 @@ def read_pod(pod: JSON) -> PodReport:
         failure_reason=load_failure_reason(note.get("failureReason"))
         if note.get("state") == "failed"
         else "",
+        degraded=str(note.get("degraded") or "")[:1024],
     )
 
 
@@ -129,6 +132,18 @@ def replica_causes(reports: Sequence[PodReport], hld: HotLoadDeployment) -> list
                 _joined([f"pod {r.pod}: {r.failure_reason}: {r.message}" for r in failed]),
                 LOAD_FIXES.get(failed[0].failure_reason, LOAD_FIXES["LoadFailed"]),
                 tuple(r.pod for r in failed),
+            )
+        )
+    degraded = [r for r in reports if r.degraded]
+    if degraded:
+        out.append(
+            Cause(
+                d.WEIGHTS_DEGRADED,
+                _joined([f"pod {r.pod}: {r.degraded}" for r in degraded]),
+                "none needed: the loader reloads the served snapshot in full and the replica "
+                "returns by itself; if it recurs on one node, suspect its memory (ECC) and "
+                "drain it",
+                tuple(r.pod for r in degraded),
             )
         )
     adapter_failures = [(r, a) for r in reports for a in r.adapters if a.status == "failed"]

@@ -51,7 +51,11 @@ class LedgerRead:
 
 #: Causes that do not hold the base roll-out back (they still make the deployment Degraded).
 _NOT_BLOCKING = frozenset(
-    {DeploymentReasons.ADAPTER_FAILURES, DeploymentReasons.REPLICAS_UNAVAILABLE}
+    {
+        DeploymentReasons.ADAPTER_FAILURES,
+        DeploymentReasons.WEIGHTS_DEGRADED,
+        DeploymentReasons.REPLICAS_UNAVAILABLE,
+    }
 )
 
 
@@ -216,11 +220,13 @@ def rollup_deployment(
                 "ready": r.ready,
                 "state": r.state,
                 "lastLoadSeconds": r.total_seconds,
-                "reason": r.problem.reason
-                if r.problem
-                else (r.failure_reason if r.pod in failures else None),
+                "reason": _replica_reason(r, failures),
                 "message": (
-                    r.problem.message if r.problem else r.message if r.pod in failures else ""
+                    r.problem.message
+                    if r.problem
+                    else r.message
+                    if r.pod in failures
+                    else r.degraded
                 )[:4096],
                 "adapters": [
                     {
@@ -245,6 +251,16 @@ def rollup_deployment(
         "problems": [c.to_json() for c in problems[:16]],
     }
     return status
+
+
+def _replica_reason(r: PodReport, failures: dict[str, PodReport]) -> str | None:
+    """A replica's own reason: what keeps its pod from running, else its failed load, else a
+    scrub's mismatch being repaired."""
+    if r.problem:
+        return r.problem.reason
+    if r.pod in failures:
+        return r.failure_reason
+    return DeploymentReasons.WEIGHTS_DEGRADED if r.degraded else None
 
 
 def deployment_target(
