@@ -288,7 +288,8 @@ def report(r: dict[str, Any]) -> str:
         f"(O(changed): the old values of the changed elements), "
         f"{r['host_bytes']['after_load_sums']} for the sums after the load, "
         f"{r['host_bytes']['reread']} for a full re-read (two integers per chunk). "
-        f"Staging held {r['staged_bytes'] / mib:.1f} MiB (positions, new and old values). "
+        f"Staging held {r['staged_bytes'] / mib:.1f} MiB (positions and new values; old values "
+        "only where the patch sets values). "
         f"Derived sums equal a re-read: {r['derived_equals_reread']}. "
         f"Bit-exact with a full load of the child: {r['bit_exact']}.",
     ]

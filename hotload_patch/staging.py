@@ -1,14 +1,16 @@
 """Stage a patch while the old weights serve, verify it, write it in a pause, undo it.
 
 `stage` reads the patch file (`format`), places every changed checkpoint element in the engine's
-parameters (`placement`), reads the values held there, computes the new ones (a difference is
-added to the held value, a set value replaces it), converts them to the parameters' dtype and
-device and keeps the values they replace. It also computes, per region of each tensor the
-engine holds, how the patch moves the tensor's adler32 (`sums.delta_partial`), from the old
-values as the engine holds them. `verify` then checks, wherever every rank's results meet,
-that the served weights are the patch's parent (their checksums, read by
-`served.served_sums` or derived from the patches since, equal the delta's parent checksums)
-and that the served weights with the patch's changes give the delta's result checksums.
+parameters (`placement`), reads the values held there, computes the new ones (a difference is added
+to the held value, a set value replaces it) and converts them to the parameters' dtype and device.
+It keeps the positions and the new values, and the values they replace only where the patch sets
+values: an added difference is undone by subtracting it again (`undo` reads it from the patch file
+once more), so staging holds what the patch itself holds. It also computes, per region of each
+tensor the engine holds, how the patch moves the tensor's adler32 (`sums.delta_partial`), from the
+old values as the engine holds them. `verify` then checks, wherever every rank's results meet, that
+the served weights are the patch's parent (their checksums, read by `served.served_sums` or derived
+from the patches since, equal the delta's parent checksums) and that the served weights with the
+patch's changes give the delta's result checksums.
 `apply` only writes.
 
 Dtypes: an engine may hold a tensor in a wider floating dtype than its checkpoint (float32 for
@@ -43,20 +45,34 @@ from hotload_patch.served import Counters, held_dtype, region_view
 from hotload_patch.sums import Region, RegionSum, delta_partial
 from hotload_patch.verify import TensorCheck
 
-__all__ = ["Staged", "Write", "apply", "held_dtype", "region_view", "stage", "undo"]
+__all__ = ["Part", "Staged", "Write", "apply", "held_dtype", "region_view", "stage", "undo"]
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_WIDTH: dict[int, Any] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
+@dataclass(frozen=True)
+class Part:
+    """The elements of `Write.index[start:stop]`: slot `slot` of checkpoint tensor `tensor` (in
+    `Host.place` order), and the values they replace when the patch sets any of them (None: all
+    are added differences, whose old values `undo` computes from the patch file)."""
+
+    tensor: str
+    slot: int
+    start: int
+    stop: int
+    old: torch.Tensor | None
+
+
 @dataclass
 class Write:
-    """The writes into one parameter: flat positions, new values, the values they replace."""
+    """The writes into one parameter: flat positions, new values, and how to put back the values
+    they replace (`parts`)."""
 
     param: str
     index: torch.Tensor
     new: torch.Tensor
-    old: torch.Tensor
+    parts: list[Part]
 
 
 @dataclass
@@ -72,6 +88,8 @@ class Staged:
     changed: int
     nbytes: int
     seconds: float
+    #: The engine it was staged for (`undo` places the patch's tensors again).
+    host: Host | None = None
     written: list[Write] = field(default_factory=list)
 
     @property
@@ -81,9 +99,11 @@ class Staged:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes the staged writes hold (positions, new and old values)."""
+        """Bytes the staged writes hold (positions, new values, old values where set)."""
         return sum(
-            w.index.numel() * w.index.element_size() + 2 * w.new.numel() * w.new.element_size()
+            w.index.numel() * w.index.element_size()
+            + w.new.numel() * w.new.element_size()
+            + sum(p.old.numel() * p.old.element_size() for p in w.parts if p.old is not None)
             for w in self.writes
         )
 
@@ -149,7 +169,7 @@ def stage(
         if specs is not None:
             _check_specs(pf.tensors, specs, where)
         params = host.parameters()
-        parts: dict[str, list[tuple[Slot, np.ndarray, torch.Tensor, torch.Tensor]]] = {}
+        parts: dict[str, list[_Item]] = {}
         deltas: list[RegionSum] = []
         checks: dict[str, TensorCheck] = {}
         changed = 0
@@ -160,7 +180,7 @@ def stage(
                     continue  # the engine does not load this tensor (a full load skips it too)
                 checks[t.name] = TensorCheck(t.numel, t.nbytes, t.base_checksum, t.checksum)
                 positions, is_set, values = t.changes()
-                for slot in slots:
+                for number, slot in enumerate(slots):
                     param = params[slot.param]
                     held_dtype(slot, param, t.dtype)
                     inside, local = slot.src.locate(positions)
@@ -184,12 +204,25 @@ def stage(
                         )
                     da, db = delta_partial(at, old_bits, new_bits, t.nbytes)
                     deltas.append(RegionSum(t.name, slot.src, da, db))
-                    parts.setdefault(slot.param, []).append((slot, dst, new, old))
+                    kept = old if bool(is_set[inside].any()) else None
+                    parts.setdefault(slot.param, []).append(_Item(slot, number, dst, new, kept))
                     changed += int(at.size)
+                    del old
         writes = [_merge(name, items) for name, items in parts.items()]
         nbytes = Path(path).stat().st_size
     seconds = time.perf_counter() - started
-    return Staged(where, identity, parent, writes, deltas, checks, changed, nbytes, seconds)
+    return Staged(where, identity, parent, writes, deltas, checks, changed, nbytes, seconds, host)
+
+
+@dataclass
+class _Item:
+    """One slot's staged writes before they are merged per parameter."""
+
+    slot: Slot
+    number: int
+    dst: np.ndarray
+    new: torch.Tensor
+    old: torch.Tensor | None
 
 
 def _check_specs(tensors: list[PatchTensor], specs: Specs, where: str) -> None:
@@ -221,31 +254,35 @@ def _check_specs(tensors: list[PatchTensor], specs: Specs, where: str) -> None:
         )
 
 
-def _merge(param: str, items: list[tuple[Slot, np.ndarray, torch.Tensor, torch.Tensor]]) -> Write:
+def _merge(param: str, items: list[_Item]) -> Write:
     """One parameter's writes from all its slots. Two slots over the same elements (tied
     weights: one tensor under two checkpoint names) must write the same values."""
-    kept: list[tuple[Slot, np.ndarray, torch.Tensor, torch.Tensor]] = []
+    kept: list[_Item] = []
     for item in items:
-        twin = next((k for k in kept if k[0].dst == item[0].dst), None)
+        twin = next((k for k in kept if k.slot.dst == item.slot.dst), None)
         if twin is None:
             kept.append(item)
-        elif not (np.array_equal(twin[1], item[1]) and torch.equal(twin[2], item[2])):
+        elif not (np.array_equal(twin.dst, item.dst) and torch.equal(twin.new, item.new)):
             raise PatchError(
-                f"is tied to {twin[0].tensor} in the model but the patch changes it differently",
+                f"is tied to {twin.slot.tensor} in the model but the patch changes it differently",
                 reason="weights_mismatch",
-                tensor=item[0].tensor,
+                tensor=item.slot.tensor,
             )
-    if len(kept) > 1 and not _disjoint([k[0].dst for k in kept]):
+    if len(kept) > 1 and not _disjoint([k.slot.dst for k in kept]):
         raise PatchError(
             f"two checkpoint tensors overlap in {param}",
             reason="unmappable",
-            tensor=kept[0][0].tensor,
+            tensor=kept[0].slot.tensor,
         )
+    parts: list[Part] = []
+    start = 0
+    for k in kept:
+        parts.append(Part(k.slot.tensor, k.number, start, start + k.dst.size, k.old))
+        start += k.dst.size
     if len(kept) == 1:  # the usual case: no copies
-        _, dst, new, old = kept[0]
-        return Write(param, _index(dst, new.device), new, old)
-    index = torch.cat([_index(k[1], k[2].device) for k in kept])
-    return Write(param, index, torch.cat([k[2] for k in kept]), torch.cat([k[3] for k in kept]))
+        return Write(param, _index(kept[0].dst, kept[0].new.device), kept[0].new, parts)
+    index = torch.cat([_index(k.dst, k.new.device) for k in kept])
+    return Write(param, index, torch.cat([k.new for k in kept]), parts)
 
 
 def _index(offsets: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -286,9 +323,12 @@ def undo(staged: Staged, params: Mapping[str, torch.Tensor]) -> None:
     """Put back the values a (possibly partial) `apply` replaced. Every write is undone that
     can be; raises `PatchError` (write_failed) naming the parameters that could not be."""
     failed: list[str] = []
+    patch: PatchFile | None = None
     for w in reversed(staged.written):
         try:
-            _scatter_all([(params[w.param], w.index, w.old)])
+            if patch is None and any(p.old is None for p in w.parts):
+                patch = PatchFile(staged.path)
+            _scatter_all([(params[w.param], w.index, _old_values(staged, w, params, patch))])
         except Exception:
             failed.append(w.param)
     staged.written = []
@@ -299,6 +339,39 @@ def undo(staged: Staged, params: Mapping[str, torch.Tensor]) -> None:
             reason="write_failed",
             path=staged.path,
         )
+
+
+def _old_values(
+    staged: Staged, w: Write, params: Mapping[str, torch.Tensor], patch: PatchFile | None
+) -> torch.Tensor:
+    """The values write `w` replaced: kept where the patch sets values, else the new values
+    less the patch's differences (wrapping, in the checkpoint's bits: exactly what `stage`
+    added), read from the patch file again."""
+    if all(p.old is not None for p in w.parts):
+        return torch.cat([p.old for p in w.parts if p.old is not None])
+    if patch is None or staged.host is None:
+        raise PatchError("the old values are not kept", reason="write_failed", path=staged.path)
+    tensors = {t.name: t for t in patch.tensors}
+    pieces: list[torch.Tensor] = []
+    for part in w.parts:
+        if part.old is not None:
+            pieces.append(part.old)
+            continue
+        t = tensors[part.tensor]
+        slot = staged.host.place(t.name, t.shape, t.dtype)[part.slot]
+        positions, is_set, values = t.changes()
+        inside, _ = slot.src.locate(positions)
+        if int(inside.sum()) != part.stop - part.start or bool(is_set[inside].any()):
+            raise PatchError(
+                "the patch file changed after it was staged",
+                reason="write_failed",
+                tensor=t.name,
+                path=staged.path,
+            )
+        new_bits = as_bits(w.new[part.start : part.stop], t.dtype)
+        old_bits = (new_bits - values[inside]).astype(new_bits.dtype, copy=False)
+        pieces.append(from_bits(old_bits, t.dtype, params[w.param]))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 #: Threads for writes on the CPU: a scattered write is bound by memory latency, and a few

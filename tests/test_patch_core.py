@@ -759,6 +759,72 @@ def test_a_failed_write_puts_every_value_back(tmp_path: Path, times: int) -> Non
     assert all(torch.equal(parent[n], bits(p)) for n, p in models[0].named_parameters())
 
 
+def test_staging_keeps_old_values_only_where_the_patch_sets_them(tmp_path: Path) -> None:
+    """Staging holds positions and new values; the values they replace only where the patch sets
+    values (raw chunks). Added differences are undone from the patch file: apply then undo gives
+    the parent bit for bit on every rank, and without the file the writes that need it are named
+    as not put back (the ones with kept values are)."""
+    w0 = checkpoint_weights(CFG)
+    rng = np.random.default_rng(5)
+
+    def step(i: int, v: np.ndarray) -> np.ndarray:
+        if i % 2:  # new random values: raw chunks, set
+            return rng.standard_normal(v.shape).astype(np.float32)
+        moved = v.copy()
+        moved.reshape(-1)[::20] *= np.float32(1.01)  # about one bfloat16 ulp: added
+        return moved
+
+    w1 = {k: step(i, v) for i, (k, v) in enumerate(w0.items())}
+    a = write_snapshot(tmp_path / "step-0", w0, config=CONFIG, cast="BF16", overwrite=True).path
+    b = write_snapshot(tmp_path / "step-1", w1, config=CONFIG, cast="BF16", overwrite=True).path
+    encode(a, b, tmp_path / "d" / "step-1")
+    patch = tmp_path / "mixed.patch"
+    prepare_patch(None, tmp_path / "d" / "step-1", patch)
+    chain = Chain(a, b, patch)
+    with PatchFile(patch) as pf:
+        assert any(t.set is not None for t in pf.tensors)
+        assert any(t.add is not None and t.set is None for t in pf.tensors)
+
+    models = load_ranks(chain.parent, CFG, 2, torch.float32)
+    parent = [param_bits(m) for m in models]
+    ranks = stage_ranks(models, chain)
+    parts = [p for s in ranks.staged for w in s.writes for p in w.parts]
+    assert any(p.old is None for p in parts) and any(p.old is not None for p in parts)
+    for st_ in ranks.staged:
+        positions_and_new = sum(
+            w.index.numel() * w.index.element_size() + w.new.numel() * w.new.element_size()
+            for w in st_.writes
+        )
+        kept = sum(p.old.numel() * 4 for w in st_.writes for p in w.parts if p.old is not None)
+        assert st_.held_bytes == positions_and_new + kept
+        assert kept < positions_and_new
+
+    ranks.apply()
+    assert any(
+        not torch.equal(parent[r][n], bits(p))
+        for r, m in enumerate(models)
+        for n, p in m.named_parameters()
+    )
+    ranks.undo()
+    for r, model in enumerate(models):
+        assert all(torch.equal(parent[r][n], bits(p)) for n, p in model.named_parameters())
+
+    # Without the patch file, added differences cannot be taken back: named, not guessed.
+    ranks.apply()
+    patch.unlink()
+    staged, host = ranks.staged[0], ranks.hosts[0]
+    with pytest.raises(PatchError) as exc:
+        staging.undo(staged, host.parameters())
+    assert exc.value.reason == "write_failed"
+    lost = [w.param for w in staged.writes if any(p.old is None for p in w.parts)]
+    assert lost and all(name in exc.value.message for name in lost)
+    restored = [w for w in staged.writes if all(p.old is not None for p in w.parts)]
+    assert restored
+    for w in restored:
+        param = dict(models[0].named_parameters())[w.param]
+        assert torch.equal(parent[0][w.param], bits(param))
+
+
 def test_served_sums_do_not_depend_on_how_much_is_read_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -4,11 +4,11 @@ The engine holds every checkpoint tensor whole, under its own name (`IdentityHos
 share one tensor). `EnginePatches` keeps a `hotload_patch` `Patcher` for it, which checksums the
 served weights in checkpoint terms (the adler32 the delta records for the parent) in a background
 thread of lower priority after every load or patch, while they serve. A patch is then staged in
-that thread too: placed, converted to the engine's dtype and device, its old values kept, and
-verified (the served checksums equal the patch's parent checksums, and the served weights with
-its changes give the delta's result checksums) without re-reading the model. The swap, at a
-pause point of the worker thread, only writes the changed elements, and the served checksums
-move by the patch's sums; a rate-limited scrub re-reads the weights in the background
+that thread too: placed, converted to the engine's dtype and device (positions and new values
+kept), verified (the served checksums equal the patch's parent checksums, and the served weights
+with its changes give the delta's result checksums) without re-reading the model. The swap, at a
+pause point of the worker thread, only writes the changed elements, and the served checksums move
+by the patch's sums; a rate-limited scrub re-reads the weights in the background
 (`hotload_patch.scrub`).
 
 An engine holding a tensor in a wider dtype than its checkpoint (float32 on bfloat16 weights)
