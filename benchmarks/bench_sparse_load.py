@@ -24,7 +24,9 @@ per-update cost at two model sizes, and a trainer publishing deltas back to back
 (`sparse_modes.py`, `sparse_runs.py`); their sections of the results file are rewritten, the
 others kept.
 
-Results go to benchmarks/RESULTS-sparse-load.md.
+Results go to benchmarks/RESULTS-sparse-load.md. The work folder (models, the bucket, the
+volumes: up to 26 GiB for `--mode issue26`, checked before starting) is a temporary folder
+removed at the end, unless `--workdir` or `--keep` is given.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -311,7 +314,14 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.015, help="elements moved per step")
     parser.add_argument("--cadence-deltas", type=int, default=30)
     parser.add_argument("--engines", default="reference,vllm", help="comma-separated")
-    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where models, bucket and volumes go (kept; default: a temporary folder, removed "
+        "at the end unless --keep)",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the temporary work folder")
     parser.add_argument("--out", type=Path, default=HERE / "RESULTS-sparse-load.md")
     args = parser.parse_args()
     kinds = [k.strip() for k in args.engines.split(",") if k.strip()]
@@ -322,6 +332,35 @@ def main() -> None:
         parser.error(INSTALL_HINT)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-sparse-"))
     work.mkdir(parents=True, exist_ok=True)
+    check_disk(work, args)
+    try:
+        run(args, kinds, work)
+    finally:
+        if args.workdir is None and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"work folder kept: {work}", flush=True)
+
+
+#: Disk a run at the default scales filled at most (measured, GiB): models, bucket, volumes.
+DISK_GIB = {"compare": 12, "scaling": 26, "cadence": 12, "issue26": 26}
+
+
+def check_disk(work: Path, args: argparse.Namespace) -> None:
+    """Stop before starting when `work`'s disk cannot hold the run (a full disk shows up late,
+    as a bucket's HTTP 500 or a failed write in a replica)."""
+    scale = max(args.scale, args.large_scale / 3.5 if args.mode in ("scaling", "issue26") else 0)
+    need = DISK_GIB[args.mode] * max(scale, 0.1) * 2**30
+    free = shutil.disk_usage(work).free
+    if free < need:
+        sys.exit(
+            f"bench_sparse_load: {free / 2**30:.1f} GiB free under {work}, this run needs about "
+            f"{need / 2**30:.0f} GiB: free some space or give --workdir on a larger disk"
+        )
+
+
+def run(args: argparse.Namespace, kinds: list[str], work: Path) -> None:
+    """The chosen mode, in `work`."""
     if args.mode != "compare":
         from sparse_runs import run_issue26
 

@@ -161,12 +161,15 @@ async def download_snapshot_async(
     local_dir: str | os.PathLike[str],
     *,
     progress: Progress | None = None,
-    file_concurrency: int = 4,
+    file_concurrency: int = 16,
 ) -> TransferResult:
     """Download a present snapshot into `local_dir`: data first, manifests last, each file atomic.
 
     Large files arrive as parallel ranged reads; all files share one limit of
-    `bucket.concurrency` requests in flight.
+    `bucket.concurrency` requests in flight. `file_concurrency` files are open at once: more than
+    the request limit, because a delta is many small files (one shard per layer) whose time is
+    each file's own round trips, not bytes (58 files of a 2.8 GiB model's delta on SeaweedFS:
+    0.18-0.25 s with 4 open, 0.11-0.12 s with 16); memory stays bounded by the requests.
     """
     infos = await snapshot_files_async(bucket, identity)
     root = Path(local_dir)
