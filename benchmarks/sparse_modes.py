@@ -24,11 +24,12 @@ from typing import Any
 
 import numpy as np
 from bench_sidecar import append
+from bench_sparse_load import upload
 
 from hotload.arc import encode
 from hotload.bucket import open_bucket
 from hotload.ledger import Ledger
-from hotload.snapshot import RawTensor, describe_snapshot, write_snapshot
+from hotload.snapshot import RawTensor, write_snapshot
 from hotload.snapshot.safetensors_io import iter_file
 from support.fleet import Replica, http_json, wait_for
 from support.seaweedfs import SeaweedFS
@@ -105,18 +106,6 @@ def rolling_steps(
         previous = full
     shutil.rmtree(previous)
     return first, deltas, encodes
-
-
-def upload(ledger: Ledger, folder: Path, identity: str) -> float:
-    """Upload a snapshot folder under `identity`; return the seconds it took."""
-    from hotload.bucket import upload_snapshot
-
-    desc = describe_snapshot(folder)
-    t0 = time.perf_counter()
-    upload_snapshot(
-        folder, ledger.bucket, identity, files=desc.files, manifest_files=desc.manifest_files
-    )
-    return time.perf_counter() - t0
 
 
 def engine_counters(engine: Any, replica: Replica) -> dict[str, int]:

@@ -47,6 +47,8 @@ from hotload_operator.causes import (
 from hotload_operator.reports import PodReport
 from hotload_operator.rollup import LedgerRead, rollup_deployment
 from hotload_sidecar.metrics import failure_reason
+from support.operator import condition as cond
+from support.operator import ledger_entries
 
 JSON = dict[str, Any]
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
@@ -62,24 +64,8 @@ def deployment(**spec: Any) -> HotLoadDeployment:
 
 
 def entries(n: int) -> list[LedgerEntry]:
-    return [
-        LedgerEntry(
-            sequence=i + 1,
-            identity=f"step-{i}",
-            kind="full" if i == 0 else "incremental",
-            previous=None if i == 0 else f"step-{i - 1}",
-            published_time=NOW,
-            prompt_cache="all",
-            manifest_digest="sha256:" + "0" * 64,
-            shipped_bytes=1,
-            full_bytes=1,
-        )
-        for i in range(n)
-    ]
-
-
-def cond(status: JSON, type_: str) -> JSON:
-    return next(c for c in status["conditions"] if c["type"] == type_)
+    """Ledger entries step-0..: sequence i+1."""
+    return ledger_entries(n, NOW)
 
 
 # --- the property ---------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from hotload_operator.policy import build_loader_admission_policy
 from hotload_operator.reports import PodReport, read_pod
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 from hotload_sidecar.kube_report import build_pod_metadata_patch
-from support.operator import serving
+from support.operator import condition as cond
+from support.operator import ledger_entries, serving
 from support.snapshots import CONFIG, delta, full, nudged, weights
 
 JSON = dict[str, Any]
@@ -640,27 +641,7 @@ def pod(name: str, report: Any | None, *, ready: bool = True) -> PodReport:
 
 def entries(n: int) -> list[Any]:
     """Ledger entries step-000..: sequence i+1."""
-    from hotload.ledger import LedgerEntry
-
-    return [
-        LedgerEntry(
-            sequence=i + 1,
-            identity=f"step-{i:03d}",
-            kind="full" if i == 0 else "incremental",
-            previous=None if i == 0 else f"step-{i - 1:03d}",
-            published_time=NOW,
-            prompt_cache="all",
-            manifest_digest="sha256:" + "0" * 64,
-            shipped_bytes=1,
-            full_bytes=1,
-        )
-        for i in range(n)
-    ]
-
-
-def cond(status: JSON, type_: str) -> JSON:
-    """Condition `type_` of a status document."""
-    return next(c for c in status["conditions"] if c["type"] == type_)
+    return ledger_entries(n, NOW, digits=3)
 
 
 def test_rollup_without_a_snapshot_and_with_every_replica_current() -> None:

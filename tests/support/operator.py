@@ -69,6 +69,32 @@ async def eventually(
         await asyncio.sleep(interval)
 
 
+def ledger_entries(n: int, at: Any, *, digits: int = 0) -> list[Any]:
+    """Ledger entries step-0.. (zero-padded to `digits`): a full snapshot, then deltas, each
+    published at `at`, sequence i+1."""
+    from hotload.ledger import LedgerEntry
+
+    return [
+        LedgerEntry(
+            sequence=i + 1,
+            identity=f"step-{i:0{digits}d}",
+            kind="full" if i == 0 else "incremental",
+            previous=None if i == 0 else f"step-{i - 1:0{digits}d}",
+            published_time=at,
+            prompt_cache="all",
+            manifest_digest="sha256:" + "0" * 64,
+            shipped_bytes=1,
+            full_bytes=1,
+        )
+        for i in range(n)
+    ]
+
+
+def condition(status: JSON, type_: str) -> JSON:
+    """Condition `type_` of a status document."""
+    return next(c for c in status["conditions"] if c["type"] == type_)
+
+
 def hld_body(name: str, bucket_dir: Any, replicas: int = 1) -> JSON:
     """A HotLoadDeployment `name` of `replicas` on a `file://` bucket, as a platform team
     applies it."""
