@@ -2,24 +2,32 @@
 loads of the deltas after the served snapshot (`SparseLoads`), the volume's compaction when they
 add up (`Volume`), resuming from the volume after a restart, and reloading the served snapshot
 in full when a scrub found its weights changed. A part of `Loader` (a base class of it), apart
-only so that each module stays readable."""
+only so that each module stays readable.
+
+Pipelined patches: while the engine writes one patch (staging, verifying, pausing), the loader
+keeps reading the ledger, and once the head has moved past that patch by deltas it fetches them
+and writes the next patch file, which the next update sends as it is. Preparing and applying
+then overlap instead of adding up, so a trainer publishing faster than one update takes does
+not stretch the replica's lag by the preparation each time."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from pathlib import Path
 
 from hotload.arc.patch import delta_changes
+from hotload.errors import BucketError, LedgerError
 from hotload.ledger import LedgerDocument, LedgerEntry, Target
 from hotload.ledger.hints import Hint
 from hotload_sidecar.board import StatusBoard
 from hotload_sidecar.config import Settings
-from hotload_sidecar.engines import CachePolicy, EngineAdapter, ServedSnapshot
+from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadResult, ServedSnapshot
 from hotload_sidecar.metrics import LoaderMetrics
 from hotload_sidecar.pacing import Backoff
-from hotload_sidecar.sparse import SparseLoads
+from hotload_sidecar.sparse import Outcome, Prepared, SparseLoads
 from hotload_sidecar.status import LoadTimings, ReplicaStatus, Reporter
 from hotload_sidecar.volume import Volume
 from hotload_sidecar.weights import WeightsFolder
@@ -41,6 +49,10 @@ class ChainedUpdates:
     backoff: Backoff
     started: asyncio.Event
     document: LedgerDocument | None
+    #: The next patch being prepared while the engine takes one, and the task that follows
+    #: the ledger meanwhile (see the module doc).
+    _ahead: asyncio.Task[Prepared | Outcome] | None = None
+    _following: asyncio.Task[None] | None = None
 
     # What `Loader` provides.
 
@@ -61,6 +73,12 @@ class ChainedUpdates:
         raise NotImplementedError
 
     async def _refresh_served(self) -> None:
+        raise NotImplementedError
+
+    async def _read_ledger(self) -> None:
+        raise NotImplementedError
+
+    def _interval(self) -> float:
         raise NotImplementedError
 
     async def _build_and_load(
@@ -94,16 +112,22 @@ class ChainedUpdates:
             self.weights.collect(self.settings.keep, order, protect=keep, deltas=deltas)
 
     async def _sparse_load(
-        self, steps: list[LedgerEntry], policy: CachePolicy, started: float
+        self,
+        steps: list[LedgerEntry],
+        policy: CachePolicy,
+        started: float,
+        ready: Prepared | None = None,
     ) -> str:
         """Serve the last of `steps` (the deltas after the served snapshot) as one sparse
         patch, the deltas kept on the volume; "" when the engine serves it, else why not (the
-        caller loads the full snapshot)."""
+        caller loads the full snapshot). `ready`: the patch prepared ahead, if any."""
         assert self.sparse is not None and self.document is not None
         target = steps[-1]
         await self.board.set(state="loading", target=self.status_target(target))
         mode, policy = self.settings.mode, self.settings.cache_policy or policy
-        outcome = await self.sparse.load(steps, mode, policy, started=started)
+        outcome = await self.sparse.load(
+            steps, mode, policy, started=started, ready=ready, meanwhile=self._look_ahead
+        )
         done = outcome.patched
         if done is None:
             self.metrics.sparse_fallbacks.labels(outcome.reason).inc()
@@ -116,6 +140,8 @@ class ChainedUpdates:
         self.metrics.engine_pause_seconds.observe(done.timings.pause_seconds)
         self.metrics.observe_serving(done.timings.total_seconds, target.published_time)
         self.metrics.loads.labels("sparse").inc()
+        self.metrics.patches_ahead.inc(done.ahead)
+        target = done.entry  # the first part of `steps` when they change too much for one patch
         await self._served(done.result.served, done.timings)
         await self.reporter.event("Normal", "SnapshotLoaded", done.summary())
         self._collect(target)
@@ -172,3 +198,57 @@ class ChainedUpdates:
             return False
         changed, total = delta_changes(folder)
         return changed <= self.settings.sparse_max_changed * total
+
+    # --- the next patch, prepared while the engine takes this one ------------------------------
+
+    def _look_ahead(self, after: LedgerEntry, patching: asyncio.Future[LoadResult]) -> None:
+        """Follow the ledger while the engine takes the patch that serves `after`."""
+        self._following = asyncio.create_task(self._follow_while(after, patching))
+
+    async def _follow_while(self, after: LedgerEntry, patching: asyncio.Future[LoadResult]) -> None:
+        """Until the engine answers, read the ledger; once the target lies deltas past
+        `after`, start preparing their patch (`_ahead`) and stop."""
+        assert self.sparse is not None
+        while not patching.done():
+            try:
+                await self._read_ledger()
+            except (BucketError, LedgerError):
+                return  # the loop's own poll reports it
+            entry = self.target().entry
+            if (
+                self.document is not None
+                and entry is not None
+                and self.backoff.may_try(entry.identity)
+            ):
+                steps = self.sparse.plan(self.document, entry, after.identity)
+                if steps:
+                    self._ahead = asyncio.create_task(self.sparse.prepare(steps))
+                    return
+            await asyncio.wait({patching}, timeout=self._interval())
+
+    async def _take_ahead(self) -> Prepared | None:
+        """The patch prepared ahead, once written (None: there is none, or it could not be
+        made: the update then prepares its own and reports why)."""
+        following, self._following = self._following, None
+        if following is not None:
+            await following  # ends at the engine's answer: at most one ledger read left
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        try:
+            got = await ahead
+        except Exception as err:  # the update's own attempt reports it
+            log.warning("preparing the next patch ahead failed: %s", err)
+            return None
+        return got if isinstance(got, Prepared) else None
+
+    async def _drop_ahead(self) -> None:
+        """Stop following and remove a patch prepared ahead (the loader stops)."""
+        following, self._following = self._following, None
+        if following is not None:
+            following.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await following
+        ready = await self._take_ahead()
+        if ready is not None:
+            ready.discard()

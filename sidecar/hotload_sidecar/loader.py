@@ -174,6 +174,7 @@ class Loader(ChainedUpdates):
                 await self.step()
                 await sleep_or_stop(stop, self._interval())
         finally:
+            await self._drop_ahead()
             if self.prefetcher is not None:
                 await self.prefetcher.close()
 
@@ -248,10 +249,20 @@ class Loader(ChainedUpdates):
 
     # --- steps ---------------------------------------------------------------------------------
 
-    async def _poll(self) -> None:
+    async def _read_ledger(self) -> None:
+        """Read the ledger if it changed (raises `BucketError`, `LedgerError`)."""
         last = self.document.sequence if self.document is not None else None
+        state: LedgerState | None = await self.ledger.poll_async(self._etag, last_sequence=last)
+        if state is not None:
+            self._etag = state.etag
+            self.document = state.document
+            head = state.document.head
+            if head is not None:
+                self.metrics.head_sequence.set(head.sequence)
+
+    async def _poll(self) -> None:
         try:
-            state: LedgerState | None = await self.ledger.poll_async(self._etag, last_sequence=last)
+            await self._read_ledger()
             pin_state = await self.pins.poll()
         except (BucketError, LedgerError) as err:
             self.metrics.ledger_reachable.set(0)
@@ -263,12 +274,6 @@ class Loader(ChainedUpdates):
             return
         now = format_time(utc_now())
         self.metrics.ledger_reachable.set(1)
-        if state is not None:
-            self._etag = state.etag
-            self.document = state.document
-            head = state.document.head
-            if head is not None:
-                self.metrics.head_sequence.set(head.sequence)
         if pin_state is not None:
             await self.pins.changed(pin_state)
         changes: dict[str, Any] = {"ledger_reachable": True, "last_poll_time": now, "pin": self.pin}
@@ -348,11 +353,14 @@ class Loader(ChainedUpdates):
         await self.board.set(state="fetching", target=target)
         policy = move_cache_policy(document, self.status.identity, target)
         fallback = ""
+        ready = await self._take_ahead()
         steps = self.sparse.plan(document, target, self.status.identity) if self.sparse else None
         if steps:
-            fallback = await self._sparse_load(steps, policy, started)
+            fallback = await self._sparse_load(steps, policy, started, ready)
             if not fallback:
                 return
+        elif ready is not None:
+            ready.discard()
         await self.volume.settle()  # never build beside a compaction
         await self._build_and_load(document, target, policy, fallback, started)
 

@@ -95,6 +95,11 @@ class LoaderMetrics(MetricSet):
             "Deltas of the served snapshot loaded in full instead of as a sparse patch, by reason",
             ["reason"],
         )
+        self.patches_ahead = self.counter(
+            "hotload_loader_patches_prepared_ahead",
+            "Sparse patches written while the engine applied the one before them and sent as "
+            "soon as it answered (a trainer publishing faster than one update takes)",
+        )
         self.volume_bytes_written = self.counter(
             "hotload_loader_volume_bytes_written",
             "Bytes the loader wrote to the weights volume (downloads, patch files, rebuilt "

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from hotload.arc.patch import (
     PatchNeedsParentError,
+    PatchStats,
     PatchTooDenseError,
     check_delta_files,
     delta_changes,
@@ -54,6 +55,10 @@ from hotload_sidecar.weights import WeightsFolder, remove_tree, written_bytes
 
 log = logging.getLogger("hotload_sidecar.sparse")
 
+#: Called as a patch goes to the engine, with the entry it serves and the engine's pending
+#: answer: work to overlap with the engine's (`SparseLoads.send`).
+Meanwhile = Callable[[LedgerEntry, "asyncio.Future[LoadResult]"], None]
+
 
 @dataclass
 class Patched:
@@ -66,12 +71,15 @@ class Patched:
     changed: int
     elements: int
     steps: list[str] = field(default_factory=list)
+    #: Prepared while the engine applied the patch before it (`SparseLoads.prepare`).
+    ahead: bool = False
 
     def summary(self) -> str:
         """One line for the log and the Event."""
         t = self.timings
         share = self.changed / self.elements if self.elements else 0.0
         over = f" over {len(self.steps)} deltas" if len(self.steps) > 1 else ""
+        over += " (prepared while the engine took the one before)" if self.ahead else ""
         return (
             f"serving {self.entry.identity} (sequence {self.entry.sequence}) after "
             f"{t.total_seconds:.2f}s: sparse patch of {self.parent}{over} ({self.changed} of "
@@ -91,6 +99,32 @@ class Outcome:
     message: str = ""
     corruption: bool = False
     serving_unknown: bool = False
+
+
+@dataclass
+class Prepared:
+    """A patch file written for the engine, not yet sent: the deltas it holds (from the served
+    snapshot `parent` on), what fetching and writing it cost, and when that began."""
+
+    steps: list[LedgerEntry]
+    parent: str
+    patch: Path
+    stats: PatchStats
+    fetched: int
+    wrote: int
+    fetch_seconds: float
+    prepare_seconds: float
+    began: float
+
+    def fits(self, steps: list[LedgerEntry]) -> bool:
+        """Whether this patch serves the first of `steps` onwards (the deltas after what the
+        engine serves now), so sending it moves toward their end."""
+        ours = [e.identity for e in self.steps]
+        return [e.identity for e in steps[: len(ours)]] == ours and steps[0].previous == self.parent
+
+    def discard(self) -> None:
+        """Remove the patch file (harmless when gone)."""
+        remove_tree(self.patch)
 
 
 class SparseLoads:
@@ -141,20 +175,42 @@ class SparseLoads:
         policy: CachePolicy,
         *,
         started: float,
+        ready: Prepared | None = None,
+        meanwhile: Meanwhile | None = None,
     ) -> Outcome:
         """Fetch (or take from the volume), check, commit and send `steps` as one patch of
-        their first parent, which the engine serves."""
-        target, parent = steps[-1], steps[0].previous
-        assert parent is not None
+        their first parent, which the engine serves. `ready`: a patch of a first part of
+        `steps` prepared ahead (`prepare`, while the engine took the previous one), sent as
+        it is; one that does not fit `steps` is dropped. `meanwhile`: see `send`."""
+        if ready is not None and not ready.fits(steps):
+            ready.discard()
+            ready = None
         try:
             # Before anything is fetched: an engine that cannot take patches costs no download.
             await self.adapter.check_sparse()
         except PatchRefusedError as err:
-            return self._refused(target, err.reason, err)
+            if ready is not None:
+                ready.discard()
+            return self._refused(steps[-1], err.reason, err)
         except EngineError as err:
-            return self._refused(target, "engine_failed", err)
+            if ready is not None:
+                ready.discard()
+            return self._refused(steps[-1], "engine_failed", err)
+        got = ready if ready is not None else await self.prepare(steps)
+        if isinstance(got, Outcome):
+            return got
+        out = await self.send(got, mode, policy, started=started, meanwhile=meanwhile)
+        if out.patched is not None:
+            out.patched.ahead = ready is not None
+        return out
+
+    async def prepare(self, steps: list[LedgerEntry]) -> Prepared | Outcome:
+        """Fetch (or take from the volume), check and commit `steps` and write their patch
+        (of as many of them as one patch may change): what `send` gives the engine, or why
+        not (an `Outcome` with a reason)."""
+        target, parent = steps[-1], steps[0].previous
+        assert parent is not None
         t0 = time.perf_counter()
-        engine_before = await self._engine_patched()
         patch = self.weights.staging_root / f"{target.identity}.patch"
         folders: list[Path] = []
         fetched = wrote = 0
@@ -190,6 +246,7 @@ class SparseLoads:
                 )
                 steps, folders = steps[:keep], folders[:keep]
                 target = steps[-1]
+                patch = self.weights.staging_root / f"{target.identity}.patch"
             crash_point("patch")
             full_parent = self.weights.path(parent) if self.weights.has(parent) else None
             try:
@@ -210,13 +267,45 @@ class SparseLoads:
             except (HotloadError, OSError) as err:
                 self._distrust(steps, err)
                 return self._refused(target, "delta_not_verified", err)
-            prepare_seconds = time.perf_counter() - t1
-            wrote += self._wrote(stats.bytes)
+        except BaseException:
+            remove_tree(patch)
+            raise
+        wrote += self._wrote(stats.bytes)
+        return Prepared(
+            steps,
+            parent,
+            patch,
+            stats,
+            fetched,
+            wrote,
+            fetch_seconds,
+            time.perf_counter() - t1,
+            t0,
+        )
+
+    async def send(
+        self,
+        ready: Prepared,
+        mode: Mode,
+        policy: CachePolicy,
+        *,
+        started: float,
+        meanwhile: Meanwhile | None = None,
+    ) -> Outcome:
+        """Ask the engine to write the prepared patch into the weights it serves (the patch
+        file is removed either way). `meanwhile(target, patching)` is started beside the
+        engine's work (the loader prepares the next patch then)."""
+        target = ready.steps[-1]
+        try:
             crash_point("engine")
+            engine_before = await self._engine_patched()
             t2 = time.perf_counter()
-            req = LoadRequest(str(patch), target.identity, target.sequence, mode, policy)
+            req = LoadRequest(str(ready.patch), target.identity, target.sequence, mode, policy)
+            patching = asyncio.ensure_future(self.adapter.patch(req, ready.parent))
+            if meanwhile is not None:
+                meanwhile(target, patching)
             try:
-                result = await self.adapter.patch(req, parent)
+                result = await patching
             except PatchRefusedError as err:
                 return self._refused(target, err.reason, err)
             except EngineLoadError as err:
@@ -226,31 +315,32 @@ class SparseLoads:
             except EngineError as err:
                 return self._refused(target, "engine_failed", err)
         finally:
-            remove_tree(patch)
+            ready.discard()
         load_seconds = time.perf_counter() - t2
         crash_point("served")
         engine_after = await self._engine_patched()
         timings = LoadTimings(
-            fetch_seconds=fetch_seconds,
-            rebuild_seconds=prepare_seconds,
+            fetch_seconds=ready.fetch_seconds,
+            rebuild_seconds=ready.prepare_seconds,
             load_seconds=load_seconds,
             pause_seconds=result.pause_seconds,
-            total_seconds=time.perf_counter() - started,
-            bytes_fetched=fetched,
-            steps=len(steps),
+            # A patch prepared ahead counts from when its preparation began.
+            total_seconds=time.perf_counter() - min(started, ready.began),
+            bytes_fetched=ready.fetched,
+            steps=len(ready.steps),
             method="sparse",
-            volume_bytes_written=wrote,
+            volume_bytes_written=ready.wrote,
             engine_patched_elements=max(0, engine_after - engine_before),
-            skipped=len(steps) - 1,
+            skipped=len(ready.steps) - 1,
         )
         done = Patched(
             target,
-            parent,
+            ready.parent,
             result,
             timings,
-            stats.changed,
-            stats.elements,
-            [e.identity for e in steps],
+            ready.stats.changed,
+            ready.stats.elements,
+            [e.identity for e in ready.steps],
         )
         return Outcome(patched=done)
 

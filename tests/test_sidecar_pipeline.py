@@ -1,0 +1,145 @@
+"""Pipelined patches: while the engine takes one patch, the loader prepares the next from the
+deltas published meanwhile, and sends it as soon as the engine answers; a patch prepared for a
+parent the engine then does not serve is deleted unsent.
+
+In one process: the loader (`Loader.run`), a real reference engine behind its aiohttp server
+(`test_engine.serve`), a folder bucket with a real ledger, real arc_v2 deltas of a tiny Llama.
+The engine's patch route is held at a gate (the adapter waits before calling it), so the test
+decides when the engine answers: the deltas after it land while it is busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hotload.bucket import open_bucket
+from hotload.ledger import Ledger
+from hotload_sidecar.config import Settings
+from hotload_sidecar.engines import LoadRequest, LoadResult, ReferenceAdapter
+from hotload_sidecar.loader import Loader
+from hotload_sidecar.sparse import Prepared
+from hotload_sidecar.status import LocalReporter
+from support.fleet import Trainer
+from support.tiny_llm import build_tiny_llm, sparse_steps
+from test_engine import engine_of, serve
+from test_sidecar_behind import scraped
+
+
+class GatedAdapter(ReferenceAdapter):
+    """The reference engine's adapter, whose patches wait for the test to open the gate."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.gate = asyncio.Event()
+        self.asked: list[str] = []
+
+    async def patch(self, req: LoadRequest, parent: str) -> LoadResult:
+        self.asked.append(req.identity)
+        await self.gate.wait()
+        return await super().patch(req, parent)
+
+
+async def until(what: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Wait until `what()` holds (polled every 20 ms), else fail."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not what():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def fulls(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Four training steps of a tiny bf16 Llama, each moving 1% of the elements."""
+    root = tmp_path_factory.mktemp("pipeline")
+    base = build_tiny_llm(root / "m", 0, cast="BF16").snapshots[0]
+    steps, _ = sparse_steps(base, root / "s", 3, seed=4)
+    return steps
+
+
+@pytest.mark.asyncio
+async def test_the_next_patch_is_prepared_while_the_engine_takes_one(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    bucket = tmp_path / "bucket"
+    trainer = Trainer(Ledger(open_bucket(str(bucket)), "policy"), fulls, tmp_path / "t", 100)
+    await asyncio.to_thread(trainer.publish, 0)
+    staging = tmp_path / "weights" / ".hotload" / "staging"
+    async with serve(fulls[0], "step-000", dtype="bfloat16", numerics="fast") as client:
+        engine = engine_of(client)
+        adapter = GatedAdapter(str(client.make_url("")))
+        settings = Settings(
+            ledger_url=f"{bucket}/policy",
+            weights_dir=tmp_path / "weights",
+            engine_url=str(client.make_url("")),
+            hint_ttl_seconds=0,
+            poll_seconds=0.05,
+        )
+        reporter = LocalReporter()
+        loader = Loader(settings, ledger=trainer.ledger, adapter=adapter, reporter=reporter)
+        stop = asyncio.Event()
+        running = asyncio.create_task(loader.run(stop))
+        try:
+            await until(lambda: reporter.status.identity == "step-000")
+
+            # Step 1's patch goes to the engine, which does not answer yet.
+            await asyncio.to_thread(trainer.publish, 1)
+            await until(lambda: adapter.asked == ["step-001"])
+            # Step 2 lands meanwhile: its patch is written while the engine is busy.
+            await asyncio.to_thread(trainer.publish, 2)
+            await until((staging / "step-002.patch").exists)
+            assert engine.served.identity == "step-000"
+            assert (tmp_path / "weights" / "deltas" / "step-002").is_dir()
+
+            adapter.gate.set()
+            await until(lambda: reporter.status.identity == "step-002")
+            ahead = [e["message"] for e in reporter.events if e["reason"] == "SnapshotLoaded"]
+            # Step 3 after that, the engine idle: prepared as usual.
+            await asyncio.to_thread(trainer.publish, 3)
+            await until(lambda: reporter.status.identity == "step-003")
+        finally:
+            stop.set()
+            await running
+            await adapter.aclose()
+
+    # Step 2's patch was sent as written, once: nothing prepared twice.
+    assert adapter.asked == ["step-001", "step-002", "step-003"]
+    assert engine.served.identity == "step-003"
+    assert engine.patches is not None and engine.patches.report()["counters"]["patches"] == 3
+    last = reporter.status.last_load
+    assert last is not None and (last.method, last.steps) == ("sparse", 1)
+    metrics = scraped(loader.metrics)
+    assert metrics[("hotload_loader_patches_prepared_ahead_total", ())] == 1
+    assert metrics[("hotload_loader_loads_total", (("method", "sparse"),))] == 3
+    assert metrics[("hotload_loader_loads_total", (("method", "full"),))] == 0
+    assert "prepared while the engine took the one before" in ahead[-1]
+    assert "prepared while" not in ahead[0]
+    loaded = [e["message"] for e in reporter.events if e["reason"] == "SnapshotLoaded"]
+    assert "prepared while" not in loaded[-1]
+    assert list(staging.glob("*.patch")) == []  # sent and deleted
+
+
+def test_a_patch_prepared_for_another_parent_does_not_fit(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    """A patch prepared ahead is sent only from the parent it was made for, and only while the
+    deltas it holds begin the ones still to serve."""
+    trainer = Trainer(
+        Ledger(open_bucket(str(tmp_path / "b")), "policy"), fulls, tmp_path / "t", 100
+    )
+    for step in range(4):
+        trainer.publish(step)
+    e = trainer.published
+    patch = tmp_path / "x.patch"
+    patch.write_bytes(b"patch")
+    ready = Prepared(e[2:4], "step-001", patch, None, 0, 0, 0.0, 0.0, 0.0)  # type: ignore[arg-type]
+    assert ready.fits(e[2:4])
+    assert not ready.fits(e[2:3])  # it serves more than is left: nothing to send
+    assert not ready.fits(e[1:4])  # the engine serves step-000, not the patch's parent
+    first = Prepared(e[2:3], "step-001", patch, None, 0, 0, 0.0, 0.0, 0.0)  # type: ignore[arg-type]
+    assert first.fits(e[2:4])  # its first part: sent, the rest after it
+    ready.discard()
+    assert not patch.exists()
