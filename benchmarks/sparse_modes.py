@@ -289,6 +289,7 @@ def cadence(
         "lags": lags,
         "sparse_loads": _grew(before, metrics, 'hotload_loader_loads_total{method="sparse"}'),
         "full_loads": _grew(before, metrics, 'hotload_loader_loads_total{method="full"}'),
+        "prepared_ahead": _grew(before, metrics, "hotload_loader_patches_prepared_ahead_total"),
         "fallbacks": _fallbacks(metrics) - _fallbacks(before),
         "last_load": status["last_load"],
     }

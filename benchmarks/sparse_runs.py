@@ -202,12 +202,13 @@ def cadence_report(args: argparse.Namespace, result: dict[str, Any]) -> list[str
         "Burst: uploaded and appended as fast as the bucket takes them (no trainer publishes "
         "faster; a stress test: the replica cannot keep this pace, it must only never fall "
         "back). Lag of a delta: from its append until the engine serves it or a later one "
-        "(polled every 20 ms): a delta skipped ahead of is live once a patch including it is.",
+        "(polled every 20 ms): a delta skipped ahead of is live once a patch including it is. "
+        "Prepared ahead: patches the loader wrote while the engine applied the one before.",
         "",
         "| engine | deltas | published over | served (of them) | skipped ahead | sparse loads | "
-        "full loads | fallbacks | lag of the first | lag of the last | last / first | "
-        "last patch's deltas |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "prepared ahead | full loads | fallbacks | lag of the first | lag of the last | "
+        "last / first | last patch's deltas |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, r in result["engines"].items():
         lags = r["lags"]
@@ -217,7 +218,7 @@ def cadence_report(args: argparse.Namespace, result: dict[str, Any]) -> list[str
         lines.append(
             f"| {kind} | {r['deltas']} | {r['publish_seconds']:.1f} s | {len(r['served'])} | "
             f"{r['deltas'] - len(r['served'])} | {r['sparse_loads']:.0f} | "
-            f"{r['full_loads']:.0f} | {r['fallbacks']:.0f} | {_fmt(first)} s | {_fmt(last)} s | "
+            f"{r.get('prepared_ahead', 0):.0f} | {r['full_loads']:.0f} | {r['fallbacks']:.0f} | {_fmt(first)} s | {_fmt(last)} s | "
             f"**{_fmt(ratio)}x** | {r['last_load']['steps']} |"
         )
     lines += ["", "Goals: no fallback (paced and burst), last / first <= 1.5x (paced).", ""]
