@@ -64,12 +64,13 @@ def format_checksum(value: int) -> str:
 # --- the arrays ----------------------------------------------------------------------------------
 
 
-def gaps_of(positions: np.ndarray) -> np.ndarray:
-    """Gaps between ascending distinct positions (int64): p[0], then p[i] - p[i-1] - 1."""
-    gaps = np.empty(positions.size, dtype=np.int64)
+def gaps_of(positions: np.ndarray, dtype: Any = np.int64) -> np.ndarray:
+    """Gaps between ascending distinct positions: p[0], then p[i] - p[i-1] - 1, as `dtype`
+    (an unsigned type they fit: computed there directly, without a wide copy first)."""
+    gaps = np.empty(positions.size, dtype=dtype)
     if positions.size:
         gaps[0] = positions[0]
-        np.subtract(positions[1:], positions[:-1], out=gaps[1:])
+        np.subtract(positions[1:], positions[:-1], out=gaps[1:], casting="unsafe")
         gaps[1:] -= 1
     return gaps
 
@@ -151,6 +152,13 @@ class PatchTensor:
         runs = [(r, flag) for r, flag in ((self.add, False), (self.set, True)) if r is not None]
         if not runs:
             return np.zeros(0, np.int64), np.zeros(0, bool), np.zeros(0, udtype)
+        if len(runs) == 1:  # the usual case: the run's own arrays, not copies
+            r, flag = runs[0]
+            return (
+                r.positions.astype(np.int64, copy=False),
+                np.full(r.count, flag),
+                r.values.astype(udtype, copy=False),
+            )
         at = np.concatenate([r.positions.astype(np.int64, copy=False) for r, _ in runs])
         is_set = np.concatenate([np.full(r.count, flag) for r, flag in runs])
         values = np.concatenate([r.values for r, _ in runs]).astype(udtype, copy=False)

@@ -65,6 +65,8 @@ class IdentityHost:
     ) -> None:
         self._targets = targets
         self._converted = converted or (lambda: {})
+        #: The first name of each held tensor (tied weights share one), by the tensor's id.
+        self._owners: dict[int, str] = {}
 
     def parameters(self) -> Mapping[str, torch.Tensor]:
         """The targets by name."""
@@ -94,9 +96,20 @@ class IdentityHost:
                 reason="weights_mismatch",
                 tensor=name,
             )
-        owner = next(n for n, t in targets.items() if t is held)
         whole = Region.whole(shape)
-        return [Slot(name, owner, whole, whole)]
+        return [Slot(name, self._owner(targets, held), whole, whole)]
+
+    def _owner(self, targets: Mapping[str, torch.Tensor], held: torch.Tensor) -> str:
+        """The first name under which `targets` holds `held` (its parameter: tied weights
+        write one), from a map built once rather than a scan per tensor; rebuilt when the
+        engine's tensors changed."""
+        owner = self._owners.get(id(held))
+        if owner is None or targets.get(owner) is not held:
+            self._owners = {}
+            for n, t in targets.items():
+                self._owners.setdefault(id(t), n)
+            owner = self._owners[id(held)]
+        return owner
 
     def problems(self) -> list[str]:
         """None: the reference engine computes with the tensors it loads."""

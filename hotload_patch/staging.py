@@ -183,8 +183,9 @@ def stage(
                 for number, slot in enumerate(slots):
                     param = params[slot.param]
                     held_dtype(slot, param, t.dtype)
-                    inside, local = slot.src.locate(positions)
+                    inside, local = slot.src.select(positions)
                     at = positions[inside]
+                    sets = is_set[inside]
                     dst = slot.dst.offsets_of(local)
                     index = torch.from_numpy(dst).to(param.device)
                     # The values a difference applies to are the engine's own (checked to be
@@ -193,9 +194,9 @@ def stage(
                     if counters is not None and old.device.type != "cpu":
                         counters.add(host_bytes=old.numel() * old.element_size())
                     old_bits = as_bits(old, t.dtype)
-                    new_bits = t.new_bits(is_set[inside], values[inside], old_bits)
+                    new_bits = t.new_bits(sets, values[inside], old_bits)
                     new = from_bits(new_bits, t.dtype, param)
-                    if new.is_floating_point() and not bool(torch.isfinite(new).all()):
+                    if not _finite(new, new_bits, t.dtype):
                         raise PatchError(
                             "the patch writes NaN or infinite values",
                             reason="not_finite",
@@ -204,7 +205,7 @@ def stage(
                         )
                     da, db = delta_partial(at, old_bits, new_bits, t.nbytes)
                     deltas.append(RegionSum(t.name, slot.src, da, db))
-                    kept = old if bool(is_set[inside].any()) else None
+                    kept = old if bool(sets.any()) else None
                     parts.setdefault(slot.param, []).append(_Item(slot, number, dst, new, kept))
                     changed += int(at.size)
                     del old
@@ -212,6 +213,33 @@ def stage(
         nbytes = Path(path).stat().st_size
     seconds = time.perf_counter() - started
     return Staged(where, identity, parent, writes, deltas, checks, changed, nbytes, seconds, host)
+
+
+#: Checkpoint dtypes whose bit patterns say finiteness (exponent bits, with the sign masked
+#: off): values at or above the first infinity's pattern are infinite or NaN.
+_INFINITY_BITS = {"BF16": 0x7F80, "F16": 0x7C00, "F32": 0x7F800000, "F64": 0x7FF0000000000000}
+#: Engine dtypes that hold every finite value of these checkpoint dtypes finite (a conversion
+#: to a narrower range, such as F32 to float16, can overflow: checked on the converted values).
+_WIDE_ENOUGH = {
+    torch.float32: {"BF16", "F16", "F32"},
+    torch.float64: {"BF16", "F16", "F32", "F64"},
+    torch.bfloat16: {"BF16", "F16"},
+    torch.float16: {"F16"},
+}
+
+
+def _finite(new: torch.Tensor, bits: np.ndarray, ckpt: str) -> bool:
+    """Whether the staged values `new` (from checkpoint bit patterns `bits`) are all finite;
+    from the narrower bit patterns where the conversion cannot overflow (one pass over half
+    the bytes or fewer)."""
+    if not new.is_floating_point():
+        return True
+    infinity = _INFINITY_BITS.get(ckpt)
+    if infinity is None or ckpt not in _WIDE_ENOUGH.get(new.dtype, ()) or not bits.size:
+        return bool(torch.isfinite(new).all())
+    sign = bits.dtype.type(1 << (8 * bits.dtype.itemsize - 1))
+    magnitude = np.bitwise_and(bits, ~sign)
+    return int(magnitude.max()) < infinity
 
 
 @dataclass

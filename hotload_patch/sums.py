@@ -112,6 +112,18 @@ class Region:
         """Flat offsets of the region's elements `first .. first + count` (row-major order)."""
         return self.offsets_of(np.arange(first, first + count, dtype=np.int64))
 
+    def select(self, flat: np.ndarray) -> tuple[slice | np.ndarray, np.ndarray]:
+        """`locate` for ascending positions: which lie in the region (for a contiguous region a
+        slice, so that what lies inside is taken without a copy) and their row-major index in
+        it."""
+        span = self.span()
+        if span is None:
+            return self.locate(flat)
+        start, count = span
+        lo, hi = (int(i) for i in np.searchsorted(flat, (start, start + count)))
+        inside = flat[lo:hi]
+        return slice(lo, hi), inside - start if start else inside
+
     def offsets_of(self, index: np.ndarray) -> np.ndarray:
         """Flat offsets of the region's elements with row-major indices `index` (int64)."""
         span = self.span()

@@ -154,6 +154,10 @@ def _check_region(view: torch.Tensor) -> Region:
         row_major = np.empty(base.numel(), dtype=np.int64)
         row_major[values] = index
         np.testing.assert_array_equal(where, row_major[positions[inside]])
+        # `select` (ascending positions) takes the same elements, as a slice when it can.
+        chosen, local = region.select(positions)
+        np.testing.assert_array_equal(positions[chosen], positions[inside])
+        np.testing.assert_array_equal(local, where)
     assert Region.from_json(region.to_json()) == region
     return region
 
@@ -904,16 +908,24 @@ def test_a_flipped_value_in_the_patch_is_a_checksum_mismatch(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize(
-    ("cast", "nan"), [("BF16", 0x7FC0), (None, 0x7FC00000)], ids=["BF16", "F32"]
+    ("cast", "nan", "held"),
+    [
+        ("BF16", 0x7FC0, torch.bfloat16),
+        ("BF16", 0xFF80, torch.bfloat16),  # -inf
+        ("BF16", 0xFFC1, torch.float32),  # a negative NaN, held widened
+        ("BF16", 0x7F80, torch.float32),  # +inf, held widened
+        (None, 0x7FC00000, torch.float32),
+        (None, 0xFF800000, torch.float32),
+    ],
+    ids=["BF16-nan", "BF16-neg-inf", "BF16-neg-nan-as-f32", "BF16-inf-as-f32", "F32", "F32-inf"],
 )
 def test_a_patch_writing_nan_is_refused_on_every_rank(
-    tmp_path: Path, cast: str | None, nan: int
+    tmp_path: Path, cast: str | None, nan: int, held: torch.dtype
 ) -> None:
     chain = build_chain(tmp_path, cast)
     norm = "model.norm.weight"
     edited = rewrite_patch(chain.patch, tmp_path / "edited.patch", norm, set_first(nan))
-    dtype = torch.bfloat16 if cast else torch.float32
-    for model in load_ranks(chain.parent, CFG, 2, dtype):
+    for model in load_ranks(chain.parent, CFG, 2, held):
         with pytest.raises(PatchError) as exc:
             staging.stage(LoaderHost(model), edited, identity="step-1", parent="step-0")
         assert (exc.value.reason, exc.value.tensor) == ("not_finite", norm)

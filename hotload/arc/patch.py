@@ -259,9 +259,13 @@ def _patch_shard(
         )
         if name in composed:
             at, is_set, values = composed[name]
-            if (~is_set).any():
+            sets = int(np.count_nonzero(is_set))
+            if sets == 0:  # the usual case, differences only: no copies
+                t.add = Run(at, values)
+            elif sets == at.size:
+                t.set = Run(at, values)
+            else:
                 t.add = Run(at[~is_set], values[~is_set])
-            if is_set.any():
                 t.set = Run(at[is_set], values[is_set])
         changed += t.changed
         entries.append(tensor_entry(writer, t))

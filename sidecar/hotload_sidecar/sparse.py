@@ -41,6 +41,7 @@ from hotload.bucket import Bucket, download_snapshot_async
 from hotload.errors import BucketError, EngineError, EngineLoadError, HotloadError, LedgerError
 from hotload.faults import crash_point
 from hotload.ledger import LedgerDocument, LedgerEntry
+from hotload.parse_cache import parse_once
 from hotload_sidecar.engines import (
     CachePolicy,
     EngineAdapter,
@@ -208,6 +209,12 @@ class SparseLoads:
         """Fetch (or take from the volume), check and commit `steps` and write their patch
         (of as many of them as one patch may change): what `send` gives the engine, or why
         not (an `Outcome` with a reason)."""
+        # Each delta's headers are read by the checks, the density count and the patch:
+        # parsed once (a delta is a file per layer, so this is per-file work).
+        with parse_once():
+            return await self._prepare(steps)
+
+    async def _prepare(self, steps: list[LedgerEntry]) -> Prepared | Outcome:
         target, parent = steps[-1], steps[0].previous
         assert parent is not None
         t0 = time.perf_counter()
