@@ -34,6 +34,11 @@ from hotload_sidecar.weights import WeightsFolder
 
 log = logging.getLogger("hotload_sidecar.loader")
 
+#: How much less urgent the threads writing a patch ahead run: the engine stages the patch under
+#: way at its own lowered priority (the reference engine's `stage_nice`, 10), and work for the
+#: next update must not take the CPU from it where the two share cores.
+AHEAD_NICE = 10
+
 
 class ChainedUpdates:
     """Sparse loads, compaction, resuming and reloading for `Loader` (see the module doc)."""
@@ -128,6 +133,11 @@ class ChainedUpdates:
         outcome = await self.sparse.load(
             steps, mode, policy, started=started, ready=ready, meanwhile=self._look_ahead
         )
+        if self._following is not None:
+            # It stops at the engine's answer (one ledger read at most): the loop's own polls
+            # never run beside it.
+            await self._following
+            self._following = None
         done = outcome.patched
         if done is None:
             self.metrics.sparse_fallbacks.labels(outcome.reason).inc()
@@ -222,7 +232,7 @@ class ChainedUpdates:
             ):
                 steps = self.sparse.plan(self.document, entry, after.identity)
                 if steps:
-                    self._ahead = asyncio.create_task(self.sparse.prepare(steps))
+                    self._ahead = asyncio.create_task(self.sparse.prepare(steps, nice=AHEAD_NICE))
                     return
             await asyncio.wait({patching}, timeout=self._interval())
 

@@ -23,6 +23,7 @@ they add up to a share of the model (amortised, that too costs what changed).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from hotload.errors import BucketError, EngineError, EngineLoadError, HotloadErr
 from hotload.faults import crash_point
 from hotload.ledger import LedgerDocument, LedgerEntry
 from hotload.parse_cache import parse_once
+from hotload.process import run_in_thread
 from hotload_sidecar.engines import (
     CachePolicy,
     EngineAdapter,
@@ -205,16 +207,17 @@ class SparseLoads:
             out.patched.ahead = ready is not None
         return out
 
-    async def prepare(self, steps: list[LedgerEntry]) -> Prepared | Outcome:
+    async def prepare(self, steps: list[LedgerEntry], *, nice: int = 0) -> Prepared | Outcome:
         """Fetch (or take from the volume), check and commit `steps` and write their patch
         (of as many of them as one patch may change): what `send` gives the engine, or why
-        not (an `Outcome` with a reason)."""
+        not (an `Outcome` with a reason). `nice`: the patch is written in threads that much
+        less urgent (a patch prepared ahead yields the CPU to the engine's update under way)."""
         # Each delta's headers are read by the checks, the density count and the patch:
         # parsed once (a delta is a file per layer, so this is per-file work).
         with parse_once():
-            return await self._prepare(steps)
+            return await self._prepare(steps, nice)
 
-    async def _prepare(self, steps: list[LedgerEntry]) -> Prepared | Outcome:
+    async def _prepare(self, steps: list[LedgerEntry], nice: int) -> Prepared | Outcome:
         target, parent = steps[-1], steps[0].previous
         assert parent is not None
         t0 = time.perf_counter()
@@ -257,7 +260,7 @@ class SparseLoads:
             crash_point("patch")
             full_parent = self.weights.path(parent) if self.weights.has(parent) else None
             try:
-                stats = await asyncio.to_thread(
+                write = functools.partial(
                     prepare_patch,
                     full_parent,
                     folders,
@@ -267,6 +270,7 @@ class SparseLoads:
                     threads=self.threads,
                     max_changed_fraction=self.max_changed,
                 )
+                stats = await run_in_thread(write, nice=nice, name="hotload-patch")
             except PatchTooDenseError as err:
                 return self._refused(target, "too_dense", err)
             except PatchNeedsParentError as err:
