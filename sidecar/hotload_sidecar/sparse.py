@@ -207,17 +207,22 @@ class SparseLoads:
             out.patched.ahead = ready is not None
         return out
 
-    async def prepare(self, steps: list[LedgerEntry], *, nice: int = 0) -> Prepared | Outcome:
+    async def prepare(
+        self, steps: list[LedgerEntry], *, nice: int = 0, threads: int | None = None
+    ) -> Prepared | Outcome:
         """Fetch (or take from the volume), check and commit `steps` and write their patch
         (of as many of them as one patch may change): what `send` gives the engine, or why
         not (an `Outcome` with a reason). `nice`: the patch is written in threads that much
-        less urgent (a patch prepared ahead yields the CPU to the engine's update under way)."""
+        less urgent (a patch prepared ahead yields the CPU to the engine's update under way);
+        `threads`: how many write it (default: the loader's `--threads`)."""
         # Each delta's headers are read by the checks, the density count and the patch:
         # parsed once (a delta is a file per layer, so this is per-file work).
         with parse_once():
-            return await self._prepare(steps, nice)
+            return await self._prepare(steps, nice, threads or self.threads)
 
-    async def _prepare(self, steps: list[LedgerEntry], nice: int) -> Prepared | Outcome:
+    async def _prepare(
+        self, steps: list[LedgerEntry], nice: int, threads: int | None
+    ) -> Prepared | Outcome:
         target, parent = steps[-1], steps[0].previous
         assert parent is not None
         t0 = time.perf_counter()
@@ -267,7 +272,7 @@ class SparseLoads:
                     patch,
                     identity=target.identity,
                     expected_parent=parent,
-                    threads=self.threads,
+                    threads=threads,
                     max_changed_fraction=self.max_changed,
                 )
                 stats = await run_in_thread(write, nice=nice, name="hotload-patch")
