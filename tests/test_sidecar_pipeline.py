@@ -11,11 +11,15 @@ decides when the engine answers: the deltas after it land while it is busy.
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from hotload.arc import patch as arc_patch
 from hotload.bucket import open_bucket
 from hotload.ledger import Ledger
 from hotload_sidecar.config import Settings
@@ -62,8 +66,18 @@ def fulls(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 @pytest.mark.asyncio
 async def test_the_next_patch_is_prepared_while_the_engine_takes_one(
-    fulls: list[Path], tmp_path: Path
+    fulls: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # How each patch was written: by how many threads, at what niceness (the real writer runs).
+    written: dict[str, tuple[int | None, int]] = {}
+
+    def prepare_patch(*args: Any, **kwargs: Any) -> Any:
+        niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        written[kwargs["identity"]] = (kwargs["threads"], niceness)
+        return arc_patch.prepare_patch(*args, **kwargs)
+
+    monkeypatch.setattr("hotload_sidecar.sparse.prepare_patch", prepare_patch)
+    base_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     bucket = tmp_path / "bucket"
     trainer = Trainer(Ledger(open_bucket(str(bucket)), "policy"), fulls, tmp_path / "t", 100)
     await asyncio.to_thread(trainer.publish, 0)
@@ -77,6 +91,7 @@ async def test_the_next_patch_is_prepared_while_the_engine_takes_one(
             engine_url=str(client.make_url("")),
             hint_ttl_seconds=0,
             poll_seconds=0.05,
+            threads=2,
         )
         reporter = LocalReporter()
         loader = Loader(settings, ledger=trainer.ledger, adapter=adapter, reporter=reporter)
@@ -120,6 +135,13 @@ async def test_the_next_patch_is_prepared_while_the_engine_takes_one(
     loaded = [e["message"] for e in reporter.events if e["reason"] == "SnapshotLoaded"]
     assert "prepared while" not in loaded[-1]
     assert list(staging.glob("*.patch")) == []  # sent and deleted
+    # Written ahead: one thread, less urgent than the engine's update under way; otherwise the
+    # loader's threads at its own priority.
+    assert written == {
+        "step-001": (2, base_nice),
+        "step-002": (1, min(base_nice + 10, 19)),
+        "step-003": (2, base_nice),
+    }
 
 
 def test_a_patch_prepared_for_another_parent_does_not_fit(
