@@ -55,6 +55,25 @@ async def until(what: Callable[[], bool], timeout: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
+def gated_loader(
+    client: Any, trainer: Trainer, tmp_path: Path, *, threads: int | None = None
+) -> tuple[Loader, GatedAdapter, LocalReporter]:
+    """A loader following `trainer`'s ledger (in `tmp_path/bucket`) for the engine behind
+    `client`, its patches held at the adapter's gate; polls every 50 ms."""
+    adapter = GatedAdapter(str(client.make_url("")))
+    settings = Settings(
+        ledger_url=f"{tmp_path / 'bucket'}/policy",
+        weights_dir=tmp_path / "weights",
+        engine_url=str(client.make_url("")),
+        hint_ttl_seconds=0,
+        poll_seconds=0.05,
+        threads=threads,
+    )
+    reporter = LocalReporter()
+    loader = Loader(settings, ledger=trainer.ledger, adapter=adapter, reporter=reporter)
+    return loader, adapter, reporter
+
+
 @pytest.fixture(scope="module")
 def fulls(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """Four training steps of a tiny bf16 Llama, each moving 1% of the elements."""
@@ -84,17 +103,7 @@ async def test_the_next_patch_is_prepared_while_the_engine_takes_one(
     staging = tmp_path / "weights" / ".hotload" / "staging"
     async with serve(fulls[0], "step-000", dtype="bfloat16", numerics="fast") as client:
         engine = engine_of(client)
-        adapter = GatedAdapter(str(client.make_url("")))
-        settings = Settings(
-            ledger_url=f"{bucket}/policy",
-            weights_dir=tmp_path / "weights",
-            engine_url=str(client.make_url("")),
-            hint_ttl_seconds=0,
-            poll_seconds=0.05,
-            threads=2,
-        )
-        reporter = LocalReporter()
-        loader = Loader(settings, ledger=trainer.ledger, adapter=adapter, reporter=reporter)
+        loader, adapter, reporter = gated_loader(client, trainer, tmp_path, threads=2)
         stop = asyncio.Event()
         running = asyncio.create_task(loader.run(stop))
         try:
@@ -142,6 +151,34 @@ async def test_the_next_patch_is_prepared_while_the_engine_takes_one(
         "step-002": (1, min(base_nice + 10, 19)),
         "step-003": (2, base_nice),
     }
+
+
+@pytest.mark.asyncio
+async def test_a_loader_stopped_mid_patch_leaves_no_patch_prepared_ahead(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    """Cancelled while the engine holds a patch and the next one is written: the loader waits
+    for that writing and removes it; the delta it fetched stays committed on the volume."""
+    bucket = tmp_path / "bucket"
+    trainer = Trainer(Ledger(open_bucket(str(bucket)), "policy"), fulls, tmp_path / "t", 100)
+    await asyncio.to_thread(trainer.publish, 0)
+    staging = tmp_path / "weights" / ".hotload" / "staging"
+    async with serve(fulls[0], "step-000", dtype="bfloat16", numerics="fast") as client:
+        loader, adapter, reporter = gated_loader(client, trainer, tmp_path)
+        running = asyncio.create_task(loader.run(asyncio.Event()))
+        try:
+            await until(lambda: reporter.status.identity == "step-000")
+            await asyncio.to_thread(trainer.publish, 1)
+            await until(lambda: adapter.asked == ["step-001"])
+            await asyncio.to_thread(trainer.publish, 2)
+            await until(lambda: loader._ahead is not None)
+            running.cancel()  # the engine has not answered; the next patch is being written
+            with pytest.raises(asyncio.CancelledError):
+                await running
+        finally:
+            await adapter.aclose()
+    assert list(staging.glob("*.patch*")) == []
+    assert (tmp_path / "weights" / "deltas" / "step-002").is_dir()
 
 
 def test_a_patch_prepared_for_another_parent_does_not_fit(

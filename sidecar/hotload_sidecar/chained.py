@@ -13,7 +13,6 @@ not stretch the replica's lag by the preparation each time."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from pathlib import Path
@@ -60,6 +59,9 @@ class ChainedUpdates:
     #: The next patch being prepared while the engine takes one, and the task that follows
     #: the ledger meanwhile (see the module doc).
     _ahead: asyncio.Task[Prepared | Outcome] | None = None
+    _ahead_first: str | None = None  # the first delta it holds
+    #: Preparations that no longer fit, left to finish and remove what they wrote.
+    _abandoned: set[asyncio.Task[Prepared | Outcome]]
     _following: asyncio.Task[None] | None = None
 
     # What `Loader` provides.
@@ -112,6 +114,10 @@ class ChainedUpdates:
         return await self._build_and_load(document, entry, "all", "", time.perf_counter())
 
     def _collect(self, served: LedgerEntry) -> None:
+        if self._ahead is not None and not self._ahead.done():
+            # Its deltas arrive in any order, and one committed before the delta ahead of it
+            # would look unreachable from the snapshot: collect after the next update instead.
+            return
         if self.document is not None:
             order = [e.identity for e in self.document.entries]
             head = self.target().identity
@@ -136,11 +142,9 @@ class ChainedUpdates:
         outcome = await self.sparse.load(
             steps, mode, policy, started=started, ready=ready, meanwhile=self._look_ahead
         )
-        if self._following is not None:
-            # It stops at the engine's answer (one ledger read at most): the loop's own polls
-            # never run beside it.
-            await self._following
-            self._following = None
+        # It stops at the engine's answer (one ledger read at most): the loop's own polls
+        # never run beside it.
+        await self._stop_following(cancel=False)
         done = outcome.patched
         if done is None:
             self.metrics.sparse_fallbacks.labels(outcome.reason).inc()
@@ -151,10 +155,12 @@ class ChainedUpdates:
             return outcome.reason
         self.metrics.engine_load_seconds.observe(done.timings.load_seconds)
         self.metrics.engine_pause_seconds.observe(done.timings.pause_seconds)
+        # The snapshot served: the first part of `steps` when they change too much for one
+        # patch, or when the patch was prepared ahead before the head moved again.
+        target = done.entry
         self.metrics.observe_serving(done.timings.total_seconds, target.published_time)
         self.metrics.loads.labels("sparse").inc()
         self.metrics.patches_ahead.inc(done.ahead)
-        target = done.entry  # the first part of `steps` when they change too much for one patch
         await self._served(done.result.served, done.timings)
         await self.reporter.event("Normal", "SnapshotLoaded", done.summary())
         self._collect(target)
@@ -237,17 +243,36 @@ class ChainedUpdates:
                 if steps:
                     ahead = self.sparse.prepare(steps, nice=AHEAD_NICE, threads=1)
                     self._ahead = asyncio.create_task(ahead)
+                    self._ahead_first = steps[0].identity
                     return
             await asyncio.wait({patching}, timeout=self._interval())
 
-    async def _take_ahead(self) -> Prepared | None:
-        """The patch prepared ahead, once written (None: there is none, or it could not be
-        made: the update then prepares its own and reports why)."""
+    async def _stop_following(self, *, cancel: bool) -> None:
+        """Wait for the follower to end (it ends at the engine's answer), or cancel it; its
+        failure is logged, never the update's."""
         following, self._following = self._following, None
-        if following is not None:
-            await following  # ends at the engine's answer: at most one ledger read left
+        if following is None:
+            return
+        if cancel:
+            following.cancel()
+        await asyncio.wait({following})
+        if not following.cancelled() and following.exception() is not None:
+            log.warning("following the ledger ahead failed: %s", following.exception())
+
+    async def _take_ahead(self, steps: list[LedgerEntry] | None) -> Prepared | None:
+        """The patch prepared ahead, once written, when it begins `steps` (the deltas after
+        what the engine serves now); None when there is none, it does not fit (left to finish
+        and be removed, without waiting for it), or it could not be made (the update then
+        prepares its own and reports why)."""
+        await self._stop_following(cancel=False)
         ahead, self._ahead = self._ahead, None
         if ahead is None:
+            return None
+        first = self._ahead_first
+        if not steps or first is None or steps[0].identity != first:
+            self._abandoned.add(ahead)
+            ahead.add_done_callback(self._abandoned.discard)
+            ahead.add_done_callback(_discard_result)
             return None
         try:
             got = await ahead
@@ -257,12 +282,20 @@ class ChainedUpdates:
         return got if isinstance(got, Prepared) else None
 
     async def _drop_ahead(self) -> None:
-        """Stop following and remove a patch prepared ahead (the loader stops)."""
-        following, self._following = self._following, None
-        if following is not None:
-            following.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await following
-        ready = await self._take_ahead()
-        if ready is not None:
-            ready.discard()
+        """Stop following and remove a patch prepared ahead (the loader stops: its writing,
+        a second at most, is waited for so that no file is left behind)."""
+        await self._stop_following(cancel=True)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            await asyncio.wait({ahead})
+            _discard_result(ahead)
+        if self._abandoned:
+            await asyncio.wait(set(self._abandoned))  # each removes its own file
+
+
+def _discard_result(task: asyncio.Task[Prepared | Outcome]) -> None:
+    """Remove the patch file a finished preparation wrote (if it wrote one)."""
+    if not task.cancelled() and task.exception() is None:
+        got = task.result()
+        if isinstance(got, Prepared):
+            got.discard()

@@ -141,6 +141,7 @@ class Loader(ChainedUpdates):
             if settings.sparse_max_changed > 0 and adapter.sparse_loads
             else None
         )
+        self._abandoned = set()
         self.board = StatusBoard(reporter, self.metrics)
         self.scrubs = ScrubWatch(adapter, self.board, self.metrics, reporter)
         #: Set once `current` points at a verified snapshot (the /startup endpoint).
@@ -353,8 +354,8 @@ class Loader(ChainedUpdates):
         await self.board.set(state="fetching", target=target)
         policy = move_cache_policy(document, self.status.identity, target)
         fallback = ""
-        ready = await self._take_ahead()
         steps = self.sparse.plan(document, target, self.status.identity) if self.sparse else None
+        ready = await self._take_ahead(steps)
         if steps:
             fallback = await self._sparse_load(steps, policy, started, ready)
             if not fallback:
