@@ -67,7 +67,7 @@ ALLOWED: dict[str, set[str]] = {
     "hotload.bucket": BASE | {"hotload.snapshot", "hotload.arc"},
     "hotload.kube": BASE,
     "hotload.ledger": BASE | {"hotload.snapshot", "hotload.arc", "hotload.bucket"},
-    "hotload.engine": BASE | {"hotload.snapshot", "hotload.arc", ENGINE_SIDE},
+    "hotload.engine": BASE | {"hotload.process", "hotload.snapshot", "hotload.arc", ENGINE_SIDE},
     "hotload.router": BASE | {"hotload.api", "hotload.kube", "hotload.engine"},
     "hotload.sdk": BASE
     | {"hotload.api", "hotload.snapshot", "hotload.arc", "hotload.bucket", "hotload.kube"}
