@@ -188,17 +188,18 @@ class SparseLoads:
         if ready is not None and not ready.fits(steps):
             ready.discard()
             ready = None
+        refusal = None
         try:
             # Before anything is fetched: an engine that cannot take patches costs no download.
             await self.adapter.check_sparse()
         except PatchRefusedError as err:
-            if ready is not None:
-                ready.discard()
-            return self._refused(steps[-1], err.reason, err)
+            refusal = self._refused(steps[-1], err.reason, err)
         except EngineError as err:
+            refusal = self._refused(steps[-1], "engine_failed", err)
+        if refusal is not None:
             if ready is not None:
                 ready.discard()
-            return self._refused(steps[-1], "engine_failed", err)
+            return refusal
         got = ready if ready is not None else await self.prepare(steps)
         if isinstance(got, Outcome):
             return got
