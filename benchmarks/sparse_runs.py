@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ from sparse_modes import cadence, rolling_steps, scaling_size
 
 from hotload.arc.patch import prepare_patch
 from hotload.snapshot import describe_snapshot
+from hotload.snapshot.layout import layer_of
 from support.seaweedfs import SeaweedFS
+from support.tiny_llm import sparse_steps
 
 GOAL_GROWTH = 1.25
 GOAL_LAG = 1.5
@@ -53,15 +56,27 @@ def run_scaling(
     """Both sizes, the same number of changed elements per step, both engines."""
     sizes: dict[str, Any] = {}
     small_numel: int | None = None
-    for label, scale in (("small", args.scale), ("large", args.large_scale)):
+    for label, scale in (
+        ("small", args.scale),
+        ("large", args.large_scale),
+        ("local", args.large_scale),
+    ):
         root = work / f"model-{label}"
-        # The same changed elements per step: the larger model moves a smaller fraction.
+        # The same changed elements per step: the larger model moves a smaller fraction
+        # (spread over all its tensors), or the small one's (on the small one's tensors).
         fraction = args.fraction
-        if small_numel is not None:
+        if label == "large" and small_numel is not None:
             fraction = args.fraction * small_numel / _numel_at(scale)
         print(f"scaling: building the {label} model (scale {scale}) ...", flush=True)
         t0 = time.perf_counter()
-        fulls, deltas, full_bytes = build_model(root, scale, fraction)
+        if label == "local":
+            base = work / "model-large" / "base"
+            fulls, deltas = sparse_steps(
+                base, root, 3, fraction=fraction, seed=1, only=within_layers(args.scale)
+            )
+            full_bytes = describe_snapshot(fulls[0]).full_bytes
+        else:
+            fulls, deltas, full_bytes = build_model(root, scale, fraction)
         numel = _numel(fulls[0])
         small_numel = small_numel or numel
         patch = prepare_patch(None, deltas[1], root / "step-1.patch")
@@ -71,6 +86,9 @@ def run_scaling(
             "elements": numel,
             "fraction": fraction,
             "changed": patch.changed,
+            "tensors": patch.tensors,
+            "tensors_changed": _tensors_changed(patch.path),
+            "delta_files": len(list(deltas[1].glob("*.safetensors"))),
             "delta_bytes": [describe_snapshot(d).shipped_bytes for d in deltas[1:]],
             "patch_bytes": patch.bytes,
             "build_s": round(time.perf_counter() - t0, 1),
@@ -91,6 +109,19 @@ def run_scaling(
         for k in range(len(fulls)):
             _rm(fulls[k])
     return sizes
+
+
+def within_layers(layers_at: float) -> Callable[[str], bool]:
+    """The tensors the model at scale `layers_at` has (its layers, the embeddings, the final
+    norm and the head): on the larger model, the same tensors as the small model's, so that its
+    change touches as many tensors, files and pages while the model is 3x larger."""
+    layers = max(1, round(16 * layers_at))
+
+    def moved(name: str) -> bool:
+        layer = layer_of(name)
+        return layer is None or int(layer.rsplit(".", 1)[1]) < layers
+
+    return moved
 
 
 def run_cadence(
@@ -129,7 +160,8 @@ def run_cadence(
 
 def scaling_report(args: argparse.Namespace, sizes: dict[str, Any]) -> list[str]:
     """The scaling section."""
-    small, large = sizes["small"], sizes["large"]
+    small = sizes["small"]
+    labels = [label for label in ("small", "large", "local") if label in sizes]
     lines = [
         "## Scaling: the same change on a 3x larger model (issue 26)",
         "",
@@ -138,16 +170,24 @@ def scaling_report(args: argparse.Namespace, sizes: dict[str, Any]) -> list[str]
         f"{platform.python_version()}, {time.strftime('%Y-%m-%d')}. Shared and noisy: compare "
         "ratios within this run.",
         "",
-        "| model | elements | bf16 | moved per step | changed | delta | patch |",
-        "|---|---|---|---|---|---|---|",
+        "The same number of changed elements per step on three models: small; large (3x the "
+        "elements, the change spread over all of its tensors, as an RL step spreads it); local "
+        "(the large model again, the change on the tensors the small model has: its first "
+        f"{max(1, round(16 * args.scale))} layers, the embeddings, the norm and the head, so "
+        "that it touches as many tensors, files and pages as on the small model).",
+        "",
+        "| model | elements | bf16 | moved per step | changed | tensors changed | delta files "
+        "| delta | patch |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for label in ("small", "large"):
+    for label in labels:
         z = sizes[label]
         lines.append(
             f"| {label} (scale {z['scale']}) | {z['elements'] / 1e6:.0f} M | "
             f"{z['full_bytes'] / 2**30:.2f} GiB | {z['fraction']:.3%} | {z['changed']:,} | "
-            f"{z['delta_bytes'][0] / MIB:.1f} MiB | {z['patch_bytes'] / MIB:.1f} MiB "
-            f"({z['patch_bytes'] / z['delta_bytes'][0]:.2f}x) |"
+            f"{z.get('tensors_changed', '-')} of {z.get('tensors', '-')} | "
+            f"{z.get('delta_files', '-')} | {z['delta_bytes'][0] / MIB:.1f} MiB | "
+            f"{z['patch_bytes'] / MIB:.1f} MiB ({z['patch_bytes'] / z['delta_bytes'][0]:.2f}x) |"
         )
     lines += [
         "",
@@ -164,7 +204,7 @@ def scaling_report(args: argparse.Namespace, sizes: dict[str, Any]) -> list[str]
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in small["engines"]:
-        for label in ("small", "large"):
+        for label in labels:
             for r in sizes[label]["engines"][kind]:
                 lines.append(
                     f"| {kind} | {label} | {r['identity']} | {r['method']} | {r['cpu_s']:.2f} | "
@@ -173,18 +213,23 @@ def scaling_report(args: argparse.Namespace, sizes: dict[str, Any]) -> list[str]
                     f"{r.get('fetch_s', 0):.2f} | {r.get('prepare_s', 0):.2f} | "
                     f"{r.get('engine_s', 0):.2f} | {r.get('pause_s', 0) * 1000:.0f} ms |"
                 )
-    lines += ["", "Growth, large against small (median of the three deltas; goal <= 1.25x):", ""]
-    for kind in small["engines"]:
-        for key, what in (
-            ("net_cpu_s", "net CPU seconds"),
-            ("cpu_s", "CPU seconds"),
-            ("volume_bytes_written", "bytes written to the volume"),
-            ("checksum_bytes_read", "bytes read for checksums"),
-            ("publish_to_serving_s", "publish -> serving"),
-        ):
-            a = _mean(small["engines"][kind], key)
-            b = _mean(large["engines"][kind], key)
-            lines.append(f"- {kind}: {what}: {_fmt(a)} -> {_fmt(b)}: **{_growth(a, b)}**")
+    for label in labels[1:]:
+        lines += [
+            "",
+            f"Growth, {label} against small (median of the three deltas; goal <= 1.25x):",
+            "",
+        ]
+        for kind in small["engines"]:
+            for key, what in (
+                ("net_cpu_s", "net CPU seconds"),
+                ("cpu_s", "CPU seconds"),
+                ("volume_bytes_written", "bytes written to the volume"),
+                ("checksum_bytes_read", "bytes read for checksums"),
+                ("publish_to_serving_s", "publish -> serving"),
+            ):
+                a = _mean(small["engines"][kind], key)
+                b = _mean(sizes[label]["engines"][kind], key)
+                lines.append(f"- {kind}: {what}: {_fmt(a)} -> {_fmt(b)}: **{_growth(a, b)}**")
     lines += ["", "```json", json.dumps(sizes, indent=2), "```"]
     return lines
 
@@ -251,6 +296,14 @@ def write_section(out: Path, name: str, lines: list[str]) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     out.write_text(text)
+
+
+def _tensors_changed(patch: Path) -> int:
+    """Tensors a patch file changes."""
+    from hotload_patch.format import PatchFile
+
+    with PatchFile(patch) as pf:
+        return sum(1 for t in pf.tensors if t.changed)
 
 
 def _numel(folder: Path) -> int:

@@ -179,6 +179,10 @@ def stage(
                 if not slots:
                     continue  # the engine does not load this tensor (a full load skips it too)
                 checks[t.name] = TensorCheck(t.numel, t.nbytes, t.base_checksum, t.checksum)
+                if not t.changed:
+                    # Nothing to place or convert: a tensor the step left alone costs its
+                    # check (`verify`: parent checksum held, result promised equal), no more.
+                    continue
                 positions, is_set, values = t.changes()
                 for number, slot in enumerate(slots):
                     param = params[slot.param]

@@ -49,7 +49,18 @@ def verify(
                 reason="parent_mismatch",
                 tensor=name,
             )
-    for name, regions in distinct_regions(deltas).items():
+    moved = distinct_regions(deltas)
+    for name, check in checks.items():
+        # A tensor the patch does not change must keep its checksum (staging skips it).
+        if name in held and name not in moved and check.base != check.target:
+            raise PatchError(
+                f"the patch changes nothing here, the delta promises checksum "
+                f"{format_checksum(check.target)} after {format_checksum(check.base)}: the "
+                "patch is corrupted",
+                reason="checksum_mismatch",
+                tensor=name,
+            )
+    for name, regions in moved.items():
         predicted = shift(held[name], regions.values())
         if predicted != checks[name].target:
             raise PatchError(

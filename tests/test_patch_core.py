@@ -38,7 +38,7 @@ from hotload.snapshot import write_snapshot
 from hotload_patch import PROTOCOL, PatchError, served, staging
 from hotload_patch import vllm as vllm_extension
 from hotload_patch.checkpoint import checkpoint_specs
-from hotload_patch.format import PatchFile
+from hotload_patch.format import PatchFile, PatchTensor
 from hotload_patch.placement import IdentityHost, LoaderHost, Slot
 from hotload_patch.session import Patcher, derive
 from hotload_patch.staging import Staged, region_view
@@ -902,6 +902,25 @@ def test_a_flipped_value_in_the_patch_is_a_checksum_mismatch(tmp_path: Path) -> 
     q = "model.layers.0.self_attn.q_proj.weight"
     edited = rewrite_patch(chain.patch, tmp_path / "edited.patch", q, flip_first_difference)
     ranks = stage_ranks(models, chain, edited)
+    with pytest.raises(PatchError) as exc:
+        verify(patch_checks(edited), ranks.served, ranks.deltas)
+    assert (exc.value.reason, exc.value.tensor) == ("checksum_mismatch", q)
+
+
+def _drop_changes(t: PatchTensor) -> None:
+    t.add = t.set = None
+
+
+def test_a_tensor_whose_changes_are_lost_from_the_patch_is_a_checksum_mismatch(
+    tmp_path: Path,
+) -> None:
+    # Staging skips a tensor the patch leaves alone; its promised result must then be its parent.
+    chain = build_chain(tmp_path, "BF16")
+    models = load_ranks(chain.parent, CFG, 2, torch.bfloat16)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    edited = rewrite_patch(chain.patch, tmp_path / "edited.patch", q, _drop_changes)
+    ranks = stage_ranks(models, chain, edited)
+    assert not any(d.tensor == q for d in ranks.deltas)
     with pytest.raises(PatchError) as exc:
         verify(patch_checks(edited), ranks.served, ranks.deltas)
     assert (exc.value.reason, exc.value.tensor) == ("checksum_mismatch", q)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -207,12 +208,14 @@ def sparse_steps(
     fraction: float = 0.01,
     seed: int = 0,
     f16: bool = False,
+    only: Callable[[str], bool] | None = None,
 ) -> tuple[list[Path], list[Path]]:
     """Full snapshots `root/full/<base.name>..step-N` of `steps` training steps after `base`, each
     moving `fraction` of every floating-point tensor's elements by one ulp (what an RL step does
     to bf16 weights), and their arc_v2 deltas `root/delta/step-K` against step K-1 (`deltas[0]` is
     not written). Identities are the folder names: `step-0` is a copy of `base` (with `f16`,
-    its F32 tensors rounded to F16).
+    its F32 tensors rounded to F16). `only`: the names of the tensors a step moves (default:
+    every one).
     """
     import numpy as np
 
@@ -233,8 +236,8 @@ def sparse_steps(
     deltas: list[Path] = []
     for step in range(steps + 1):
         if step:
-            for raw in tensors.values():
-                if raw.dtype not in ("BF16", "F16", "F32"):
+            for name, raw in tensors.items():
+                if raw.dtype not in ("BF16", "F16", "F32") or (only and not only(name)):
                     continue
                 bits = raw.data.view({"BF16": "<u2", "F16": "<u2", "F32": "<u4"}[raw.dtype])
                 at = np.unique(rng.integers(0, bits.size, max(1, int(bits.size * fraction))))
