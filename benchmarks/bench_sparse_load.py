@@ -20,7 +20,8 @@ vLLM server serves both of its phases (a second start would add minutes, not inf
     .venv/bin/python benchmarks/bench_sparse_load.py --mode issue26       # scaling + cadence
 
 `--mode scaling` and `--mode cadence` (both: `--mode issue26`) measure what issue 26 asks:
-per-update cost at two model sizes, and a trainer publishing deltas back to back
+per-update cost at two model sizes (and on the larger with the change on the smaller's tensors),
+and a trainer publishing deltas back to back
 (`sparse_modes.py`, `sparse_runs.py`); their sections of the results file are rewritten, the
 others kept.
 

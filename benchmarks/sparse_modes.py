@@ -2,7 +2,9 @@
 changed, whatever the model's size, and a replica keeps pace with a trainer).
 
 Scaling: the same number of changed elements per step on the ~1 GiB model and on one 3x larger,
-both engines, in one run. Per delta update: the loader's and the engine's CPU seconds (every
+both engines, in one run; on the larger, once spread over all its tensors and once on the
+tensors the smaller has (`local`: as many tensors, files and pages touched; only the model's
+size differs). Per delta update: the loader's and the engine's CPU seconds (every
 thread, background work included: from the ledger append until a few seconds after the engine
 serves it, minus what the same processes burn idle over as long), the bytes the loader wrote to
 the weights volume (its `lastLoad.volumeBytesWritten`), the bytes the engine read for checksums
