@@ -173,6 +173,7 @@ def one_update(
         "prepare_s": round(last["rebuild_seconds"], 3),
         "engine_s": round(last["load_seconds"], 3),
         "pause_s": round(last["pause_seconds"], 4),
+        "engine_steps": last.get("engine_steps", {}),
     }
 
 

@@ -230,7 +230,36 @@ def scaling_report(args: argparse.Namespace, sizes: dict[str, Any]) -> list[str]
                 a = _mean(small["engines"][kind], key)
                 b = _mean(sizes[label]["engines"][kind], key)
                 lines.append(f"- {kind}: {what}: {_fmt(a)} -> {_fmt(b)}: **{_growth(a, b)}**")
+    lines += engine_steps_table(sizes, labels)
     lines += ["", "```json", json.dumps(sizes, indent=2), "```"]
+    return lines
+
+
+def engine_steps_table(sizes: dict[str, Any], labels: list[str]) -> list[str]:
+    """The engine call by step (its adapter's own timer), median seconds per model."""
+    lines = [
+        "",
+        "The engine's call by step (median seconds over the three deltas, as the engine's "
+        "adapter timed them: the loader's `lastLoad.engineSteps`):",
+        "",
+        "| engine | step | " + " | ".join(labels) + " |",
+        "|---|---|" + "---|" * len(labels),
+    ]
+    for kind in sizes["small"]["engines"]:
+        names: list[str] = []
+        for label in labels:
+            for r in sizes[label]["engines"][kind]:
+                names += [n for n in r.get("engine_steps", {}) if n not in names]
+        for name in names:
+            cells = []
+            for label in labels:
+                rows = [
+                    r for r in sizes[label]["engines"][kind] if name in r.get("engine_steps", {})
+                ]
+                cells.append(
+                    f"{_mean([r['engine_steps'] for r in rows], name):.3f}" if rows else "-"
+                )
+            lines.append(f"| {kind} | {name} | " + " | ".join(cells) + " |")
     return lines
 
 

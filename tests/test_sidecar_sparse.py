@@ -104,6 +104,14 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
     status = r.wait_serving("step-001")
     last = status["last_load"]
     assert last["method"] == "sparse", status
+    # Where the engine's call went: the patch call, what the engine measured inside it (its
+    # staging while serving, its pause), the confirmation; together within the call's time.
+    assert list(last["engine_steps"]) == ["patch", "patch.stage", "patch.pause", "confirm"]
+    assert last["engine_steps"]["patch.pause"] == pytest.approx(last["pause_seconds"], abs=1e-5)
+    assert last["pause_seconds"] > 0
+    assert (
+        last["engine_steps"]["patch.stage"] < last["engine_steps"]["patch"] < last["load_seconds"]
+    )
     assert _tokens(r) == ("tiny@step-001", greedy_token_ids(steps[1], PROMPT_IDS, 8))
     assert _listing(r.weights / "deltas") == ["step-001"]
     assert _listing(r.weights / "snapshots") == ["step-000"]

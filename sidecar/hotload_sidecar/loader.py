@@ -418,6 +418,7 @@ class Loader(ChainedUpdates):
             load_seconds=load_seconds,
             pause_seconds=result.pause_seconds,
             total_seconds=total,
+            engine_steps=dict(result.steps),
         )
         await self._served(result.served, done)
         await self.reporter.event(

@@ -349,6 +349,7 @@ class SparseLoads:
             volume_bytes_written=ready.wrote,
             engine_patched_elements=max(0, engine_after - engine_before),
             skipped=len(ready.steps) - 1,
+            engine_steps=dict(result.steps),
         )
         done = Patched(
             target,

@@ -78,6 +78,9 @@ class LoadTimings:
     engine_patched_elements: int = 0
     #: Snapshots of the ledger this update went past (a sparse load of several deltas at once).
     skipped: int = 0
+    #: The engine call's steps in order, seconds each, as its adapter timed them (for a vLLM
+    #: patch: begin, describe, stage, verify, pause, apply, ...): where `load_seconds` went.
+    engine_steps: dict[str, float] = field(default_factory=dict)
 
 
 AdapterState = Literal["loaded", "loading", "failed"]
@@ -180,6 +183,7 @@ class ReplicaStatus:
                 "volumeBytesWritten": t.volume_bytes_written,
                 "enginePatchedElements": t.engine_patched_elements,
                 "skipped": t.skipped,
+                "engineSteps": dict(t.engine_steps),
             }
         return {
             "identity": self.identity,

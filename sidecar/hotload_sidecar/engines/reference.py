@@ -110,6 +110,11 @@ class ReferenceAdapter(EngineAdapter):
                     step=step,
                     serving="unknown",
                 )
+            # What the engine measured inside its call (the call's own step times it whole).
+            for inside in ("stage", "pause"):
+                seconds = reported.get(f"{inside}_seconds")
+                if isinstance(seconds, (int, float)):
+                    timer.steps[f"{step}.{inside}"] = round(float(seconds), 6)
             served = await timer.run("confirm", self._confirm(req))
             return LoadResult(
                 engine=self.kind,
