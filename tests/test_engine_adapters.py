@@ -276,7 +276,9 @@ async def test_reference_load_sends_the_contract_and_confirms(reference: Referen
         result = await adapter.load(req("/w/step-1", "step-1", 1, mode="sync", cache_policy="none"))
         assert result.served == ServedSnapshot("step-1", 1)
         assert result.pause_seconds == 0.01 and result.load_seconds > 0
-        assert list(result.steps) == ["load", "confirm"]
+        # The engine's own pause, as it reported it, inside the load call.
+        assert result.steps["load.pause"] == 0.01
+        assert list(result.steps) == ["load", "load.pause", "confirm"]
         assert not result.cache_reset
         _, _, body = reference.calls[0]
         assert body == {
