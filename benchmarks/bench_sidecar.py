@@ -40,13 +40,18 @@ from support.tiny_llm import TOKENIZER_FILES, llama_config, tokenizer_dir
 HERE = Path(__file__).resolve().parent
 
 
+def layers_at(scale: float) -> int:
+    """Layers of the benchmark model at `scale` (16 at scale 1)."""
+    return max(1, round(16 * scale))
+
+
 def model_config(work: Path, scale: float) -> tuple[Any, Path]:
     """The Llama config of a ~1 GiB (at scale 1, in bf16) model, and a folder holding it and the
     tokenizer files (what a snapshot copies beside its weights)."""
     config = llama_config(
         hidden_size=1536,
         intermediate_size=4096,
-        num_hidden_layers=max(1, round(16 * scale)),
+        num_hidden_layers=layers_at(scale),
         num_attention_heads=12,
         num_key_value_heads=4,
     )

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench_sidecar import layers_at
 from bench_sparse_load import build_model
 from sparse_modes import cadence, rolling_steps, scaling_size
 
@@ -111,11 +112,11 @@ def run_scaling(
     return sizes
 
 
-def within_layers(layers_at: float) -> Callable[[str], bool]:
-    """The tensors the model at scale `layers_at` has (its layers, the embeddings, the final
+def within_layers(scale: float) -> Callable[[str], bool]:
+    """The tensors the model at `scale` has (its layers, the embeddings, the final
     norm and the head): on the larger model, the same tensors as the small model's, so that its
     change touches as many tensors, files and pages while the model is 3x larger."""
-    layers = max(1, round(16 * layers_at))
+    layers = layers_at(scale)
 
     def moved(name: str) -> bool:
         layer = layer_of(name)
@@ -173,7 +174,7 @@ def scaling_report(args: argparse.Namespace, sizes: dict[str, Any]) -> list[str]
         "The same number of changed elements per step on three models: small; large (3x the "
         "elements, the change spread over all of its tensors, as an RL step spreads it); local "
         "(the large model again, the change on the tensors the small model has: its first "
-        f"{max(1, round(16 * args.scale))} layers, the embeddings, the norm and the head, so "
+        f"{layers_at(args.scale)} layers, the embeddings, the norm and the head, so "
         "that it touches as many tensors, files and pages as on the small model).",
         "",
         "| model | elements | bf16 | moved per step | changed | tensors changed | delta files "
@@ -341,8 +342,8 @@ def _numel(folder: Path) -> int:
 
 
 def _numel_at(scale: float) -> int:
-    """Elements of bench_sidecar's model at `scale` (its layer count is round(16 * scale))."""
-    layers = max(1, round(16 * scale))
+    """Elements of bench_sidecar's model at `scale`."""
+    layers = layers_at(scale)
     hidden, inter, kv, vocab = 1536, 4096, 512, _vocab()
     per_layer = 2 * hidden * hidden + 2 * kv * hidden + 3 * inter * hidden + 2 * hidden
     return layers * per_layer + 2 * vocab * hidden + hidden

@@ -56,10 +56,9 @@ class ChainedUpdates:
     backoff: Backoff
     started: asyncio.Event
     document: LedgerDocument | None
-    #: The next patch being prepared while the engine takes one, and the task that follows
-    #: the ledger meanwhile (see the module doc).
-    _ahead: asyncio.Task[Prepared | Outcome] | None = None
-    _ahead_first: str | None = None  # the first delta it holds
+    #: The next patch being prepared while the engine takes one (the first delta it holds,
+    #: and its task), and the task that follows the ledger meanwhile (see the module doc).
+    _ahead: tuple[str, asyncio.Task[Prepared | Outcome]] | None = None
     #: Preparations that no longer fit, left to finish and remove what they wrote.
     _abandoned: set[asyncio.Task[Prepared | Outcome]]
     _following: asyncio.Task[None] | None = None
@@ -114,7 +113,7 @@ class ChainedUpdates:
         return await self._build_and_load(document, entry, "all", "", time.perf_counter())
 
     def _collect(self, served: LedgerEntry) -> None:
-        if self._ahead is not None and not self._ahead.done():
+        if self._ahead is not None and not self._ahead[1].done():
             # Its deltas arrive in any order, and one committed before the delta ahead of it
             # would look unreachable from the snapshot: collect after the next update instead.
             return
@@ -242,8 +241,7 @@ class ChainedUpdates:
                 steps = self.sparse.plan(self.document, entry, after.identity)
                 if steps:
                     ahead = self.sparse.prepare(steps, nice=AHEAD_NICE, threads=1)
-                    self._ahead = asyncio.create_task(ahead)
-                    self._ahead_first = steps[0].identity
+                    self._ahead = (steps[0].identity, asyncio.create_task(ahead))
                     return
             await asyncio.wait({patching}, timeout=self._interval())
 
@@ -265,11 +263,11 @@ class ChainedUpdates:
         and be removed, without waiting for it), or it could not be made (the update then
         prepares its own and reports why)."""
         await self._stop_following(cancel=False)
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
+        held, self._ahead = self._ahead, None
+        if held is None:
             return None
-        first = self._ahead_first
-        if not steps or first is None or steps[0].identity != first:
+        first, ahead = held
+        if not steps or steps[0].identity != first:
             self._abandoned.add(ahead)
             ahead.add_done_callback(self._abandoned.discard)
             ahead.add_done_callback(_discard_result)
@@ -285,10 +283,10 @@ class ChainedUpdates:
         """Stop following and remove a patch prepared ahead (the loader stops: its writing,
         a second at most, is waited for so that no file is left behind)."""
         await self._stop_following(cancel=True)
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            await asyncio.wait({ahead})
-            _discard_result(ahead)
+        held, self._ahead = self._ahead, None
+        if held is not None:
+            await asyncio.wait({held[1]})
+            _discard_result(held[1])
         if self._abandoned:
             await asyncio.wait(set(self._abandoned))  # each removes its own file
 
