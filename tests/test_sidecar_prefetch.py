@@ -7,16 +7,23 @@ it is given is the loader's `hotload_loader_checksum_failures` in production.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hotload.bucket import open_bucket
 from hotload.ledger import Ledger
 from hotload.sdk import publish_folder_async, upload_hinted_async
+from hotload.ledger.hints import hint_key, read_hint_async, write_hint_async
+from hotload_sidecar.engines import make_adapter
+from hotload_sidecar.materialize import Materializer
 from hotload_sidecar.prefetch import Prefetcher
+from hotload_sidecar.sparse import Prepared, SparseLoads
 from hotload_sidecar.weights import WeightsFolder
 from support.snapshots import delta, full, nudged, weights
 
@@ -74,3 +81,97 @@ async def test_an_early_rebuild_meeting_bad_bytes_is_counted_and_dropped(
         assert taken is None
         assert counted == [1], rot
         assert list((local.early_root).glob("*/s1")) == []
+
+
+async def _hinted_delta(tmp_path: Path) -> tuple[Ledger, WeightsFolder, Path, Any]:
+    """s0 published and served locally, s1 (a delta of it) uploaded with its hint, not yet
+    admitted: (ledger, weights folder, s1's folder, the upload to append)."""
+    ledger = Ledger(open_bucket(str(tmp_path / "bucket")), "policy")
+    base = weights(0)
+    s0 = full(tmp_path / "s0", base)
+    s1 = delta(s0, full(tmp_path / "f1", nudged(base, 1)), tmp_path / "s1")
+    await publish_folder_async(ledger, s0)
+    local = WeightsFolder(tmp_path / "weights")
+    local.prepare()
+    staged = local.staging("s0")
+    shutil.copytree(s0, staged)
+    local.commit(staged, "s0")
+    return ledger, local, s1, await upload_hinted_async(ledger, s1)
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["sparse", "full"])
+async def test_a_delta_left_to_the_sparse_path_is_handed_over_never_fetched_twice(
+    tmp_path: Path, path: str
+) -> None:
+    """The early fetch downloads a delta the sparse path will patch in and stops there; once
+    admitted, the sparse path (or the full path, when the engine refuses the patch after all)
+    takes those files: every byte of the delta comes down once."""
+    ledger, local, s1, up = await _hinted_delta(tmp_path)
+    fetched: list[int] = []
+    early = Prefetcher(
+        ledger.bucket, "policy", local, threads=1, progress=fetched.append,
+        sparse_takes=lambda hint, folder: True,
+    )  # fmt: skip
+    try:
+        await early.poll((await ledger.read_async()).document)
+        entry = await ledger.append_async(up.new)
+        assert await early.take(entry) is None  # not rebuilt: the download waits
+        if path == "sparse":
+            adapter = make_adapter("reference", "http://127.0.0.1:9")  # never called
+            loads = SparseLoads(
+                ledger.bucket, local, adapter, max_changed=0.5, threads=1,
+                progress=fetched.append, early=early.hand_over,
+            )  # fmt: skip
+            ready = await loads.prepare([entry])
+            assert isinstance(ready, Prepared), ready
+            assert ready.fetched == 0 and ready.patch.is_file()
+            assert local.has_delta("s1")
+        else:
+            builder = Materializer(
+                ledger.bucket, local, threads=1, progress=fetched.append,
+                prebuilt=early.prebuilt, early=early.hand_over,
+            )  # fmt: skip
+            built = await builder.build((await ledger.read_async()).document, "s1")
+            assert built.identity == "s1" and local.has("s1")
+    finally:
+        await early.close()
+    assert sum(fetched) == _size(s1), (sum(fetched), _size(s1))
+    assert list(local.early_root.glob("*/s1")) == []
+
+
+@pytest.mark.asyncio
+async def test_a_hint_pruned_before_our_copy_was_complete_is_finished_from_the_bucket(
+    tmp_path: Path,
+) -> None:
+    """The loader read the hint while the upload was under way, then the publisher finished,
+    appended and pruned it: the ledger entry says every file is in, so the early fetch lists
+    them and finishes, keeping what it already downloaded (it used to drop it)."""
+    ledger, local, s1, up = await _hinted_delta(tmp_path)
+    done = await read_hint_async(ledger.bucket, "policy", "s1")
+    assert done is not None and done.complete
+    # What the loader saw mid-upload: one landed file (one re-written over the final hint).
+    seen = replace(done, files=done.files[:1], complete=False, manifest_digest="")
+    await write_hint_async(ledger.bucket, "policy", seen)
+    fetched: list[int] = []
+    early = Prefetcher(ledger.bucket, "policy", local, threads=1, progress=fetched.append)
+    try:
+        await early.poll((await ledger.read_async()).document)
+        for _ in range(200):  # the first file comes down; the job then waits for the hint
+            if sum(fetched) >= seen.files[0].size:
+                break
+            await asyncio.sleep(0.01)
+        assert sum(fetched) == seen.files[0].size, fetched
+        entry = await ledger.append_async(up.new)
+        await ledger.bucket.delete_async(hint_key("policy", "s1"))
+        await early.poll((await ledger.read_async()).document)  # the hint is gone
+        taken = await early.take(entry)
+    finally:
+        await early.close()
+    assert taken is not None and taken.identity == "s1", taken
+    assert (taken.path / "model.safetensors.index.json").is_file()
+    assert sum(fetched) == _size(s1), (sum(fetched), _size(s1))

@@ -209,7 +209,8 @@ class ChainedUpdates:
 
     def _sparse_takes(self, hint: Hint, folder: Path) -> bool:
         """Whether the hinted delta downloaded into `folder` will be loaded as a sparse patch
-        (a delta of the served snapshot, sparse enough): the prefetcher then leaves it."""
+        (a delta of the served snapshot, sparse enough): the prefetcher then stops after the
+        download, which it hands over to whichever path loads the delta."""
         if self.sparse is None or hint.kind != "incremental":
             return False
         if hint.previous != self.board.status.identity:

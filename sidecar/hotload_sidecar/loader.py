@@ -107,6 +107,7 @@ class Loader(ChainedUpdates):
             progress=self.metrics.bytes_fetched.inc,
             prebuilt=self.prefetcher.prebuilt if self.prefetcher is not None else None,
             written=self.metrics.volume_bytes_written.inc,
+            early=self.prefetcher.hand_over if self.prefetcher is not None else None,
         )
         #: What the volume holds as a snapshot plus deltas, and its compaction.
         self.volume = Volume(
@@ -137,6 +138,7 @@ class Loader(ChainedUpdates):
                 threads=settings.threads,
                 progress=self.metrics.bytes_fetched.inc,
                 written=self.metrics.volume_bytes_written.inc,
+                early=self.prefetcher.hand_over if self.prefetcher is not None else None,
             )
             if settings.sparse_max_changed > 0 and adapter.sparse_loads
             else None

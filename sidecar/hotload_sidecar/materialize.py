@@ -53,6 +53,10 @@ REBUILD_ERRORS: tuple[type[HotloadError], ...] = (ArcError, SnapshotError, Objec
 #: What ends a fallback: nothing is left to fall back to, whether the chain or the disk failed.
 _FALLBACK_ERRORS: tuple[type[Exception], ...] = (*REBUILD_ERRORS, OSError)
 
+#: Moves a snapshot's files downloaded before admission (early fetch) into an empty folder and
+#: gives their bytes, or gives None when nothing was: `Prefetcher.hand_over`.
+EarlyFiles = Callable[[LedgerEntry, Path], Awaitable[int | None]]
+
 
 def is_corruption(err: BaseException) -> bool:
     """Whether `err` means bytes that fail their checksums: a rebuilt tensor, a payload that
@@ -151,12 +155,15 @@ class Materializer:
         progress: Callable[[int], None] | None = None,
         prebuilt: Callable[[LedgerEntry], Awaitable[Path | None]] | None = None,
         written: Callable[[int], None] | None = None,
+        early: EarlyFiles | None = None,
     ) -> None:
         self.bucket = bucket
         #: Told the bytes each step wrote to the volume (downloads, rebuilt shards).
         self.written = written
         #: Asked for each snapshot to build: a verified folder rebuilt ahead of time, or None.
         self.prebuilt = prebuilt
+        #: Asked for each snapshot to download: its files fetched ahead of time, if they were.
+        self.early = early
         self.weights = weights
         self.prefetch = max(1, prefetch)
         self.threads = threads
@@ -360,7 +367,7 @@ class Materializer:
             for entry in steps:  # a delta kept on the volume may be what failed
                 self.weights.drop_delta(entry.identity)
         downloads = {
-            e.identity: asyncio.create_task(self._fetch(e, gate, clock))
+            e.identity: asyncio.create_task(self._fetch(e, gate, clock, fresh=bool(distrusted)))
             for e in todo
             if e.identity not in ready
         }
@@ -384,7 +391,6 @@ class Materializer:
                 waited = time.perf_counter()
                 fetched = await task
                 clock.fetch += time.perf_counter() - waited
-                self._wrote(clock, written_bytes(fetched))
                 check_digest(entry, fetched)
                 if entry.kind == "incremental":
                     if parent is None:
@@ -448,14 +454,21 @@ class Materializer:
         finally:
             clock.verify += time.perf_counter() - checked
 
-    async def _fetch(self, entry: LedgerEntry, gate: asyncio.Semaphore, clock: _Clock) -> Path:
+    async def _fetch(
+        self, entry: LedgerEntry, gate: asyncio.Semaphore, clock: _Clock, *, fresh: bool
+    ) -> Path:
+        """`entry`'s files in a download folder: linked from the volume's deltas, taken from
+        the early fetch (unless `fresh`: a fallback fetches everything again), or fetched."""
         async with gate:
             folder = self.weights.download(entry.identity)
             if self.weights.has_delta(entry.identity):
                 # Kept on the volume by a sparse load: linked, not fetched (the rebuild checks
                 # it against its parent and its result's checksums like any delta).
                 link_tree(self.weights.delta_path(entry.identity), folder)
+                self._wrote(clock, written_bytes(folder))
                 return folder
+            if not fresh and self.early is not None and await self.early(entry, folder) is not None:
+                return folder  # counted (fetched, written) when it arrived
             try:
                 result = await download_snapshot_async(
                     self.bucket, entry.identity, folder, progress=self.progress
@@ -464,6 +477,7 @@ class Materializer:
                 remove_tree(folder)
                 raise
             clock.bytes += result.bytes
+            self._wrote(clock, written_bytes(folder))
             return folder
 
     def _drop_partial(self, chain: list[LedgerEntry]) -> None:

@@ -9,8 +9,11 @@ and verifies every tensor. Nothing more: the folder is never committed or loaded
 
 When the ledger admits the snapshot the materializer asks `take(entry)`: a finished job whose
 digest and parent equal the entry's hands over its verified staging folder, which is then only
-committed and loaded. Jobs for hints that are abandoned, dropped or off this replica's chain
-are cancelled and their folders removed.
+committed and loaded. A delta the sparse path will patch in is only downloaded, not rebuilt;
+`hand_over(entry, folder)` moves those files to whichever path loads it (sparse, or full when
+the engine refuses the patch), so no byte is fetched twice. A hint pruned before our copy of it
+was complete is finished from the bucket's listing once the ledger admits it. Jobs for hints
+that are abandoned, dropped or off this replica's chain are cancelled and their folders removed.
 """
 
 from __future__ import annotations
@@ -18,17 +21,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hotload.arc import decode, verify
-from hotload.bucket import Bucket
+from hotload.bucket import Bucket, snapshot_files_async
 from hotload.errors import BucketError, HotloadError, LedgerError
 from hotload.ledger import LedgerDocument, LedgerEntry
 from hotload.ledger.hints import (
     Hint,
+    HintFile,
     expired,
     hint_key,
     list_hints_async,
@@ -107,8 +112,13 @@ class Prefetcher:
             return
         self._seen = {i: v for i, v in self._seen.items() if i in listed}
         for identity in [i for i in self._jobs if i not in listed]:
-            # A vanished complete hint was usually just admitted and pruned: keep its work.
-            if not self._jobs[identity].hint.complete:
+            # A vanished hint was usually just admitted and pruned: keep its work, finishing
+            # the download from the bucket if our last read of the hint was not complete.
+            gone = self._jobs[identity]
+            found = document.find(identity) if document is not None else None
+            if not gone.hint.complete and found is not None:
+                await self._catch_up(gone, found)
+            if not gone.hint.complete:
                 self._drop(identity, "its hint was deleted")
         local = self.weights.local()
         for identity, listed_etag in listed.items():
@@ -159,23 +169,50 @@ class Prefetcher:
     async def take(self, entry: LedgerEntry) -> Prefetched | None:
         """The verified staging folder of `entry` if a job rebuilt exactly what the ledger
         admitted (waiting for a job that is still finishing); None: fetch it the normal way."""
+        done = await self._finished(entry)
+        if done is None or done[1] is None:
+            return None  # a download left to the sparse path waits for `hand_over`
+        job, path = done[0], done[1]
+        del self._jobs[entry.identity]
+        return Prefetched(
+            entry.identity, path, job.hint.manifest_digest, job.fetched_bytes, job.seconds
+        )
+
+    async def hand_over(self, entry: LedgerEntry, dest: Path) -> int | None:
+        """Move the files of `entry` downloaded early into the empty folder `dest`, when a job
+        fetched exactly what the ledger admitted and stopped there (left to the sparse path,
+        which the full path may still take after all): the bytes it fetched; None: fetch them
+        the normal way. The caller checks them as it checks a download."""
+        done = await self._finished(entry)
+        if done is None or done[1] is not None:
+            return None
+        job = done[0]
+        del self._jobs[entry.identity]
+        self._seen.pop(entry.identity, None)
+        await asyncio.to_thread(_move_folder, self._folder("downloads", entry.identity), dest)
+        fetched = job.fetched_bytes
+        log.info("%s: taking the %d bytes fetched before admission", entry.identity, fetched)
+        return fetched
+
+    async def _finished(self, entry: LedgerEntry) -> tuple[_Job, Path | None] | None:
+        """The job of `entry` once it ended, if it fetched exactly what the ledger admitted:
+        with its rebuilt folder, or None there when it stopped after the download (left to
+        the sparse path). None when there is no such job (one that does not fit is dropped)."""
         job = self._jobs.get(entry.identity)
         if job is None or job.task is None:
             return None
         if not job.hint.complete:
-            # The ledger entry means every file is in; the hint's last rewrite may be newer
-            # than our last read.
-            with contextlib.suppress(BucketError, LedgerError, HotloadError):
-                read = await self.bucket.get_async(hint_key(self.ledger, entry.identity))
-                job.hint, job.etag = Hint.loads(read.data, read.key), read.etag
-                job.changed.set()
+            await self._catch_up(job, entry)
         if not job.hint.complete:
             # Still downloading (no rebuild thread yet): safe to cancel.
             self._drop(entry.identity, "its hint was not complete when the ledger admitted it")
             return None
+        path: Path | None
         try:
             # Wait even for a job about to be refused, so no rebuild thread outlives its drop.
             path = await asyncio.shield(job.task)
+        except LeftToSparseLoadError:
+            path = None
         except (HotloadError, OSError) as err:
             self._drop(entry.identity, f"early fetch failed: {err}")
             return None
@@ -188,10 +225,28 @@ class Prefetcher:
         ):
             self._drop(entry.identity, "the ledger admitted another parent or other manifests")
             return None
-        del self._jobs[entry.identity]
-        return Prefetched(
-            entry.identity, path, job.hint.manifest_digest, job.fetched_bytes, job.seconds
-        )
+        return job, path
+
+    async def _catch_up(self, job: _Job, entry: LedgerEntry) -> None:
+        """Complete `job`'s copy of its hint now that the ledger admitted `entry` (every file is
+        in): the hint's last rewrite, newer than our last read; or, when the publisher already
+        pruned it, the files the bucket holds under the identity, with the admitted manifests'
+        digest (the download is checked against it), so nothing fetched early is lost."""
+        with contextlib.suppress(BucketError, LedgerError, HotloadError):
+            read = await self.bucket.get_async(hint_key(self.ledger, entry.identity))
+            job.hint, job.etag = Hint.loads(read.data, read.key), read.etag
+        if not job.hint.complete:
+            try:
+                infos = await snapshot_files_async(self.bucket, entry.identity)
+            except BucketError as err:
+                log.debug("cannot list %s: %s", entry.identity, err)
+                return
+            prefix = f"{entry.identity}/"
+            files = tuple(HintFile(i.key.removeprefix(prefix), i.size, i.etag) for i in infos)
+            job.hint = replace(
+                job.hint, files=files, complete=True, manifest_digest=entry.manifest_digest
+            )
+        job.changed.set()
 
     async def prebuilt(self, entry: LedgerEntry) -> Path | None:
         """The materializer's hook: the folder of `entry` rebuilt early from its hint, if it
@@ -302,6 +357,11 @@ class Prefetcher:
     def _wrote(self, nbytes: int) -> None:
         if self.written is not None:
             self.written(nbytes)
+
+
+def _move_folder(src: Path, dest: Path) -> None:
+    remove_tree(dest)
+    os.replace(src, dest)
 
 
 class LeftToSparseLoadError(HotloadError):

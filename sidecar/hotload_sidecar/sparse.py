@@ -52,7 +52,7 @@ from hotload_sidecar.engines import (
     Mode,
     PatchRefusedError,
 )
-from hotload_sidecar.materialize import check_digest, is_corruption
+from hotload_sidecar.materialize import EarlyFiles, check_digest, is_corruption
 from hotload_sidecar.status import LoadTimings
 from hotload_sidecar.weights import WeightsFolder, remove_tree, written_bytes
 
@@ -143,8 +143,12 @@ class SparseLoads:
         threads: int | None = None,
         progress: Callable[[int], None] | None = None,
         written: Callable[[int], None] | None = None,
+        early: EarlyFiles | None = None,
     ) -> None:
+        """`early(entry, folder)`: moves a delta downloaded before admission into `folder`
+        (the early fetch's `hand_over`), its bytes; None when it must be fetched."""
         self.bucket = bucket
+        self.early = early
         self.weights = weights
         self.adapter = adapter
         self.max_changed = max_changed
@@ -386,9 +390,13 @@ class SparseLoads:
         folder = self.weights.download(entry.identity)
         try:
             crash_point("fetch")
-            got = await download_snapshot_async(
-                self.bucket, entry.identity, folder, progress=self.progress
-            )
+            early = await self.early(entry, folder) if self.early is not None else None
+            fetched = 0
+            if early is None:
+                got = await download_snapshot_async(
+                    self.bucket, entry.identity, folder, progress=self.progress
+                )
+                fetched = got.bytes
             check_digest(entry, folder)
             changed, total = await asyncio.to_thread(delta_changes, folder)
             if changed > self.max_changed * total:
@@ -398,9 +406,10 @@ class SparseLoads:
                     "worth"
                 )
             await asyncio.to_thread(check_delta_files, folder, entry.previous)
-            new = written_bytes(folder)
+            # Bytes fetched early were counted (fetched, written) when they arrived.
+            new = written_bytes(folder) if early is None else 0
             crash_point("commit")
-            return self.weights.commit_delta(folder, entry.identity), got.bytes, new
+            return self.weights.commit_delta(folder, entry.identity), fetched, new
         except BaseException:
             remove_tree(folder)
             raise
