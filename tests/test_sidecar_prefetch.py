@@ -18,8 +18,8 @@ import pytest
 
 from hotload.bucket import open_bucket
 from hotload.ledger import Ledger
-from hotload.sdk import publish_folder_async, upload_hinted_async
 from hotload.ledger.hints import hint_key, read_hint_async, write_hint_async
+from hotload.sdk import publish_folder_async, upload_hinted_async
 from hotload_sidecar.engines import make_adapter
 from hotload_sidecar.materialize import Materializer
 from hotload_sidecar.prefetch import Prefetcher
@@ -39,11 +39,12 @@ def _flip_last_byte_of(snapshot: Path, tensor: str, back: int) -> None:
     shard.write_bytes(bytes(data))
 
 
-@pytest.mark.asyncio
-@pytest.mark.parametrize("rot", ["none", "hinted-delta", "local-parent"])
-async def test_an_early_rebuild_meeting_bad_bytes_is_counted_and_dropped(
-    tmp_path: Path, rot: str
-) -> None:
+async def _hinted_delta(
+    tmp_path: Path, rot: str = "none"
+) -> tuple[Ledger, WeightsFolder, Path, Any]:
+    """s0 published and held locally, s1 (a delta of it) uploaded with its hint, not yet
+    admitted: (ledger, weights folder, s1's folder, the upload to append). `rot`: flip a bit
+    of the hinted delta or of the local parent first."""
     ledger = Ledger(open_bucket(str(tmp_path / "bucket")), "policy")
     base = weights(0)
     s0 = full(tmp_path / "s0", base)
@@ -58,7 +59,15 @@ async def test_an_early_rebuild_meeting_bad_bytes_is_counted_and_dropped(
         _flip_last_byte_of(s1, CHANGED, 1)  # the payload ends the file: a chunk's stream
     elif rot == "local-parent":
         _flip_last_byte_of(local.path("s0"), CHANGED, 11)
-    up = await upload_hinted_async(ledger, s1)
+    return ledger, local, s1, await upload_hinted_async(ledger, s1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("rot", ["none", "hinted-delta", "local-parent"])
+async def test_an_early_rebuild_meeting_bad_bytes_is_counted_and_dropped(
+    tmp_path: Path, rot: str
+) -> None:
+    ledger, local, _, up = await _hinted_delta(tmp_path, rot)
 
     counted: list[int] = []
     early = Prefetcher(
@@ -81,22 +90,6 @@ async def test_an_early_rebuild_meeting_bad_bytes_is_counted_and_dropped(
         assert taken is None
         assert counted == [1], rot
         assert list((local.early_root).glob("*/s1")) == []
-
-
-async def _hinted_delta(tmp_path: Path) -> tuple[Ledger, WeightsFolder, Path, Any]:
-    """s0 published and served locally, s1 (a delta of it) uploaded with its hint, not yet
-    admitted: (ledger, weights folder, s1's folder, the upload to append)."""
-    ledger = Ledger(open_bucket(str(tmp_path / "bucket")), "policy")
-    base = weights(0)
-    s0 = full(tmp_path / "s0", base)
-    s1 = delta(s0, full(tmp_path / "f1", nudged(base, 1)), tmp_path / "s1")
-    await publish_folder_async(ledger, s0)
-    local = WeightsFolder(tmp_path / "weights")
-    local.prepare()
-    staged = local.staging("s0")
-    shutil.copytree(s0, staged)
-    local.commit(staged, "s0")
-    return ledger, local, s1, await upload_hinted_async(ledger, s1)
 
 
 def _size(folder: Path) -> int:
