@@ -9,15 +9,18 @@ dict to compare against), outside of `publish`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import faulthandler
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.multiprocessing.spawn import spawn
+from torch.multiprocessing.spawn import ProcessExitedException, spawn
 
 from hotload.arc.container import MAGIC
 from hotload.bucket import open_bucket
@@ -92,17 +95,42 @@ def _sharded_model() -> Llama:
     return model
 
 
-def _rank(rank: int, bucket_url: str, out: str, env: dict[str, str]) -> None:
-    """One trainer rank: FSDP2-shard the model, train, publish every step."""
+@contextlib.contextmanager
+def _group(rank: int, out: str) -> Iterator[None]:
+    """This rank in a gloo group of `WORLD` (rendezvous in `out`); a crash of the process dumps
+    its Python stack into `out/rank-N.err`, which `_spawn` shows. Every rank waits for the others
+    before the group is torn down, so none exits while a peer still talks to it."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    os.environ.update(env)
+    err = open(f"{out}/rank-{rank}.err", "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.enable(file=err, all_threads=True)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=WORLD
     )
     try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn: Callable[..., None], out: Path, *args: Any) -> None:
+    """Run `fn(rank, *args)` on `WORLD` processes; a rank that dies fails the test with what
+    each rank's crash log holds."""
+    try:
+        spawn(fn, args=args, nprocs=WORLD, join=True)  # type: ignore[no-untyped-call]
+    except ProcessExitedException as exc:
+        logs = {p.name: p.read_text()[-4000:] for p in sorted(out.glob("rank-*.err"))}
+        pytest.fail(f"{exc}\n" + "\n".join(f"--- {n}\n{t}" for n, t in logs.items()))
+
+
+def _rank(rank: int, bucket_url: str, out: str, env: dict[str, str]) -> None:
+    """One trainer rank: FSDP2-shard the model, train, publish every step."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    os.environ.update(env)
+    with _group(rank, out):
         model = _sharded_model()
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         pub = sharded.ShardedPublisher(
@@ -140,8 +168,6 @@ def _rank(rank: int, bucket_url: str, out: str, env: dict[str, str]) -> None:
                 torch.save(full, f"{out}/expected-{step}.pt")
             del full
         pub.close()
-    finally:
-        dist.destroy_process_group()
 
 
 def _tensors(path: Path) -> dict[str, Any]:
@@ -166,9 +192,7 @@ def test_fsdp_ranks_publish_their_layers_and_a_replica_rebuilds_the_unsharded_mo
     bucket_url: str, tmp_path: Path
 ) -> None:
     env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
-    spawn(  # type: ignore[no-untyped-call]
-        _rank, args=(bucket_url, str(tmp_path), env), nprocs=WORLD, join=True
-    )
+    _spawn(_rank, tmp_path, bucket_url, str(tmp_path), env)
 
     ledger = Ledger(open_bucket(bucket_url), "policy")
     document = ledger.read().document
@@ -228,13 +252,7 @@ def test_fsdp_ranks_publish_their_layers_and_a_replica_rebuilds_the_unsharded_mo
 
 def _failing_rank(rank: int, bucket_url: str, out: str) -> None:
     """Rank 1's disk fails while writing its first shard; then both ranks publish again."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=WORLD
-    )
-    try:
+    with _group(rank, out):
         model = _sharded_model()
         pub = sharded.ShardedPublisher(
             bucket_url, ledger="policy", config=CONFIG, workdir=f"{out}/work", threads=1
@@ -254,8 +272,6 @@ def _failing_rank(rank: int, bucket_url: str, out: str) -> None:
         kinds = [pub.publish(model, step=s).kind for s in (5, 6)]
         Path(f"{out}/kinds-{rank}.json").write_text(json.dumps(kinds))
         pub.close()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -263,9 +279,7 @@ def test_a_failing_rank_stops_the_commit_on_every_rank_and_the_retry_publishes(
     tmp_path: Path,
 ) -> None:
     bucket_url = str(tmp_path / "bucket")
-    spawn(  # type: ignore[no-untyped-call]
-        _failing_rank, args=(bucket_url, str(tmp_path)), nprocs=WORLD, join=True
-    )
+    _spawn(_failing_rank, tmp_path, bucket_url, str(tmp_path))
     # Both ranks raised the same error, naming the rank and its cause; neither hung.
     errors = {(tmp_path / f"error-{r}.txt").read_text() for r in range(WORLD)}
     assert len(errors) == 1
