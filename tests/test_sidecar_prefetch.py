@@ -1,8 +1,10 @@
 """Early fetch in process: a hinted delta rebuilt before admission, or refused and counted when
-its bytes or its local parent's fail their checksums.
+its bytes or its local parent's fail their checksums; and every delta fetched once, whichever
+path (early fetch, sparse patch, full rebuild) downloads it and whichever loads it.
 
-A real folder bucket and ledger, real snapshots and the loader's own `Prefetcher`; the counter
-it is given is the loader's `hotload_loader_checksum_failures` in production.
+A real folder bucket and ledger, real snapshots and the loader's own `Prefetcher`,
+`SparseLoads` and `Materializer`; the counters they are given are the loader's
+`hotload_loader_checksum_failures` and `hotload_loader_bytes_fetched` in production.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from hotload.bucket import open_bucket
 from hotload.ledger import Ledger
 from hotload.ledger.hints import hint_key, read_hint_async, write_hint_async
 from hotload.sdk import publish_folder_async, upload_hinted_async
+from hotload.snapshot import describe_snapshot
 from hotload_sidecar.engines import make_adapter
 from hotload_sidecar.materialize import Materializer
 from hotload_sidecar.prefetch import Prefetcher
-from hotload_sidecar.sparse import Prepared, SparseLoads
+from hotload_sidecar.sparse import Outcome, Prepared, SparseLoads
 from hotload_sidecar.weights import WeightsFolder
 from support.snapshots import delta, full, nudged, weights
 
@@ -168,3 +171,67 @@ async def test_a_hint_pruned_before_our_copy_was_complete_is_finished_from_the_b
     assert taken is not None and taken.identity == "s1", taken
     assert (taken.path / "model.safetensors.index.json").is_file()
     assert sum(fetched) == _size(s1), (sum(fetched), _size(s1))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sparse", [True, False])
+async def test_deltas_of_a_snapshot_served_by_patches_are_fetched_early_for_the_sparse_path(
+    tmp_path: Path, sparse: bool
+) -> None:
+    """In steady state the engine serves a snapshot it was patched to, which is on the volume as
+    deltas, never as a snapshot: with sparse loads the next delta is still downloaded as it is
+    uploaded, and handed to the sparse path; without, it waits for its parent to be built."""
+    ledger, local, _, up = await _hinted_delta(tmp_path)
+    await ledger.append_async(up.new)  # s1 admitted and served as a patch: not in snapshots/
+    s1_full = full(tmp_path / "full" / "s1", nudged(weights(0), 1))  # what s1 rebuilds to
+    s2 = delta(s1_full, full(tmp_path / "f2", nudged(weights(0), 2)), tmp_path / "s2")
+    up2 = await upload_hinted_async(ledger, s2)
+    fetched: list[int] = []
+    early = Prefetcher(
+        ledger.bucket, "policy", local, threads=1, progress=fetched.append,
+        sparse_takes=lambda hint, folder: sparse, sparse_parent=lambda: "s1" if sparse else None,
+    )  # fmt: skip
+    try:
+        await early.poll((await ledger.read_async()).document)
+        entry = await ledger.append_async(up2.new)
+        assert await early.take(entry) is None
+        dest = local.download("s2")
+        handed = await early.hand_over(entry, dest)
+    finally:
+        await early.close()
+    if sparse:
+        assert handed == _size(s2) == sum(fetched)
+        assert describe_snapshot(dest).manifest_digest == entry.manifest_digest
+    else:
+        assert handed is None and fetched == []  # "its parent s1 is admitted but not built"
+
+
+@pytest.mark.asyncio
+async def test_a_delta_too_dense_to_patch_is_fetched_once_for_the_full_load(
+    tmp_path: Path,
+) -> None:
+    """The sparse path must download a delta to learn it changes too much for a patch; the full
+    load that follows takes those files instead of fetching them again."""
+    ledger, local, _, _ = await _hinted_delta(tmp_path)
+    dense = delta(
+        tmp_path / "s0", full(tmp_path / "f9", weights(9)), tmp_path / "s9"
+    )  # every element changed
+    await publish_folder_async(ledger, dense)
+    document = (await ledger.read_async()).document
+    entry = document.find("s9")
+    assert entry is not None
+    fetched: list[int] = []
+    adapter = make_adapter("reference", "http://127.0.0.1:9")  # never called
+    loads = SparseLoads(
+        ledger.bucket, local, adapter, max_changed=0.1, threads=1, progress=fetched.append
+    )
+    refused = await loads.prepare([entry])
+    assert isinstance(refused, Outcome) and refused.reason == "too_dense", refused
+    assert sum(fetched) == _size(dense)
+    builder = Materializer(
+        ledger.bucket, local, threads=1, progress=fetched.append, early=loads.hand_over
+    )
+    built = await builder.build(document, "s9")
+    assert built.identity == "s9" and local.has("s9")
+    assert sum(fetched) == _size(dense), (sum(fetched), _size(dense))
+    assert list(local.staging_root.glob("*")) == []  # nothing left aside

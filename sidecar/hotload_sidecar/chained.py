@@ -26,6 +26,7 @@ from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadResult, ServedSnapshot
 from hotload_sidecar.metrics import LoaderMetrics
 from hotload_sidecar.pacing import Backoff
+from hotload_sidecar.prefetch import Prefetcher
 from hotload_sidecar.sparse import Outcome, Prepared, SparseLoads
 from hotload_sidecar.status import LoadTimings, ReplicaStatus, Reporter
 from hotload_sidecar.volume import Volume
@@ -51,6 +52,7 @@ class ChainedUpdates:
     metrics: LoaderMetrics
     weights: WeightsFolder
     sparse: SparseLoads | None
+    prefetcher: Prefetcher | None
     volume: Volume
     board: StatusBoard
     backoff: Backoff
@@ -206,6 +208,21 @@ class ChainedUpdates:
         await self.reporter.event("Normal", "ResumedFromVolume", resumed.summary())
         self.started.set()
         return True
+
+    async def _fetched_already(self, entry: LedgerEntry, dest: Path) -> int | None:
+        """The materializer's hook: `entry`'s files already downloaded, moved into `dest` (a
+        delta the sparse path fetched and found too dense, or the early fetch's download):
+        their bytes; None when the full path must fetch them."""
+        if self.sparse is not None:
+            moved = await self.sparse.hand_over(entry, dest)
+            if moved is not None:
+                return moved
+        return await self.prefetcher.hand_over(entry, dest) if self.prefetcher else None
+
+    def _sparse_parent(self) -> str | None:
+        """The snapshot a sparse patch would start from: the one the engine serves (None with
+        sparse loads off)."""
+        return self.board.status.identity if self.sparse is not None else None
 
     def _sparse_takes(self, hint: Hint, folder: Path) -> bool:
         """Whether the hinted delta downloaded into `folder` will be loaded as a sparse patch

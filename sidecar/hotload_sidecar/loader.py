@@ -95,6 +95,7 @@ class Loader(ChainedUpdates):
                 corruption=self.metrics.checksum_failures.inc,
                 written=self.metrics.volume_bytes_written.inc,
                 sparse_takes=self._sparse_takes,
+                sparse_parent=self._sparse_parent,
             )
             if settings.hint_ttl_seconds > 0
             else None
@@ -107,7 +108,7 @@ class Loader(ChainedUpdates):
             progress=self.metrics.bytes_fetched.inc,
             prebuilt=self.prefetcher.prebuilt if self.prefetcher is not None else None,
             written=self.metrics.volume_bytes_written.inc,
-            early=self.prefetcher.hand_over if self.prefetcher is not None else None,
+            early=self._fetched_already,
         )
         #: What the volume holds as a snapshot plus deltas, and its compaction.
         self.volume = Volume(

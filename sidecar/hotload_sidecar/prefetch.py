@@ -2,7 +2,8 @@
 
 The loader calls `Prefetcher.poll(document)` every poll. It lists the ledger's hints (one LIST),
 re-reads only the hints whose ETag changed, and keeps one background job per hinted snapshot
-that `prefetch_decision` allows: the job downloads each file as the hint names it into
+that `prefetch_decision` allows (its parent on disk, or served by sparse patches): the job
+downloads each file as the hint names it into
 `.hotload/early/downloads/<identity>`, and once the hint is complete checks the manifest
 digest, rebuilds a delta into `.hotload/early/staging/<identity>` on its verified local parent
 and verifies every tensor. Nothing more: the folder is never committed or loaded from here.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -41,7 +41,7 @@ from hotload.ledger.hints import (
 )
 from hotload.snapshot import describe_snapshot, validate_identity
 from hotload_sidecar.materialize import is_corruption
-from hotload_sidecar.weights import WeightsFolder, remove_tree, written_bytes
+from hotload_sidecar.weights import WeightsFolder, move_folder, remove_tree, written_bytes
 
 log = logging.getLogger("hotload_sidecar.prefetch")
 
@@ -82,15 +82,20 @@ class Prefetcher:
         corruption: Callable[[], None] | None = None,
         written: Callable[[int], None] | None = None,
         sparse_takes: Callable[[Hint, Path], bool] | None = None,
+        sparse_parent: Callable[[], str | None] | None = None,
     ) -> None:
         """`progress` receives bytes as they download; `corruption` is called once for each
         early rebuild that meets bytes failing their checksums (a rotten hinted file or a
         rotten local parent), which the ledger path would otherwise never see; `written` the
         bytes each early fetch wrote to the volume (downloads, rebuilt shards);
         `sparse_takes(hint, folder)` says whether the downloaded delta will be loaded as a sparse
-        patch (then it is not rebuilt: that would write the whole model for nothing)."""
+        patch (then it is not rebuilt: that would write the whole model for nothing);
+        `sparse_parent()` the snapshot a sparse patch would start from (the one the engine
+        serves, which may live on the volume as deltas, not as a snapshot): its deltas are
+        downloaded early too, for the sparse path."""
         self.written = written
         self.sparse_takes = sparse_takes
+        self.sparse_parent = sparse_parent
         self.bucket = bucket
         self.ledger = ledger
         self.weights = weights
@@ -121,6 +126,8 @@ class Prefetcher:
             if not gone.hint.complete:
                 self._drop(identity, "its hint was deleted")
         local = self.weights.local()
+        patched = self.sparse_parent() if self.sparse_parent is not None else None
+        parents = local | {patched} if patched else local
         for identity, listed_etag in listed.items():
             job = self._jobs.get(identity)
             if job is None and document is not None and document.find(identity) is not None:
@@ -138,7 +145,7 @@ class Prefetcher:
                     continue
                 etag = read.etag
                 self._seen[identity] = (etag, hint)
-            plan = prefetch_decision(hint, document, local, ttl=self.ttl)
+            plan = prefetch_decision(hint, document, parents, ttl=self.ttl)
             if plan.decision == "drop" or (job is not None and identity in local):
                 if job is not None:
                     self._drop(identity, plan.reason)
@@ -189,7 +196,7 @@ class Prefetcher:
         job = done[0]
         del self._jobs[entry.identity]
         self._seen.pop(entry.identity, None)
-        await asyncio.to_thread(_move_folder, self._folder("downloads", entry.identity), dest)
+        await asyncio.to_thread(move_folder, self._folder("downloads", entry.identity), dest)
         fetched = job.fetched_bytes
         log.info("%s: taking the %d bytes fetched before admission", entry.identity, fetched)
         return fetched
@@ -325,6 +332,12 @@ class Prefetcher:
                 )
             if job.hint.kind == "incremental":
                 assert job.hint.previous is not None
+                if not self.weights.has(job.hint.previous):
+                    raise HotloadError(
+                        f"{identity} is not sparse enough for a patch and its parent "
+                        f"{job.hint.previous} is served patched, not on disk as a snapshot: "
+                        "the ledger path builds it"
+                    )
                 staged = self._folder("staging", identity)
                 remove_tree(staged)
                 await asyncio.to_thread(
@@ -357,11 +370,6 @@ class Prefetcher:
     def _wrote(self, nbytes: int) -> None:
         if self.written is not None:
             self.written(nbytes)
-
-
-def _move_folder(src: Path, dest: Path) -> None:
-    remove_tree(dest)
-    os.replace(src, dest)
 
 
 class LeftToSparseLoadError(HotloadError):

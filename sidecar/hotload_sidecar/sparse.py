@@ -44,6 +44,7 @@ from hotload.faults import crash_point
 from hotload.ledger import LedgerDocument, LedgerEntry
 from hotload.parse_cache import parse_once
 from hotload.process import run_in_thread
+from hotload.snapshot import validate_identity
 from hotload_sidecar.engines import (
     CachePolicy,
     EngineAdapter,
@@ -54,12 +55,15 @@ from hotload_sidecar.engines import (
 )
 from hotload_sidecar.materialize import EarlyFiles, check_digest, is_corruption
 from hotload_sidecar.status import LoadTimings
-from hotload_sidecar.weights import WeightsFolder, remove_tree, written_bytes
+from hotload_sidecar.weights import WeightsFolder, move_folder, remove_tree, written_bytes
 
 log = logging.getLogger("hotload_sidecar.sparse")
 
 #: Called as a patch goes to the engine, with the entry it serves and the engine's pending
 #: answer: work to overlap with the engine's (`SparseLoads.send`).
+#: The suffix of a delta's download kept for the full path after it proved too dense to patch.
+TOO_DENSE = ".too-dense"
+
 Meanwhile = Callable[[LedgerEntry, "asyncio.Future[LoadResult]"], None]
 
 
@@ -384,7 +388,8 @@ class SparseLoads:
         """The delta `entry` on the volume: (its folder, bytes fetched, bytes written). One
         already there is used as it is (checked when it arrived, and at
         start-up); else it is fetched, refused when too dense (`PatchTooDenseError`: the full
-        path takes it), its manifests and chunks checked, and committed."""
+        path takes it, and its files, see `hand_over`), its manifests and chunks checked, and
+        committed."""
         if self.weights.has_delta(entry.identity):
             return self.weights.delta_path(entry.identity), 0, 0
         folder = self.weights.download(entry.identity)
@@ -400,6 +405,7 @@ class SparseLoads:
             check_digest(entry, folder)
             changed, total = await asyncio.to_thread(delta_changes, folder)
             if changed > self.max_changed * total:
+                self._set_aside(entry.identity, folder, count=early is None)
                 raise PatchTooDenseError(
                     f"{entry.identity} changes {changed} of {total} elements "
                     f"({changed / total:.0%}), more than the {self.max_changed:.0%} a patch is "
@@ -413,6 +419,30 @@ class SparseLoads:
         except BaseException:
             remove_tree(folder)
             raise
+
+    def _aside(self, identity: str) -> Path:
+        return self.weights.staging_root / f"{validate_identity(identity)}{TOO_DENSE}"
+
+    def _set_aside(self, identity: str, folder: Path, *, count: bool) -> None:
+        """Keep the download of a delta too dense for a patch for the full path, which loads it
+        next (`hand_over`); what an earlier update left unused goes."""
+        if count:
+            self._wrote(written_bytes(folder))
+        for stale in self.weights.staging_root.glob(f"*{TOO_DENSE}"):
+            remove_tree(stale)
+        move_folder(folder, self._aside(identity))
+
+    async def hand_over(self, entry: LedgerEntry, dest: Path) -> int | None:
+        """Move the files of `entry`, fetched for a patch and found too dense for one, into the
+        empty folder `dest` (the full path's download): their bytes; None when there are none.
+        Counted (fetched, written) when they arrived; the full path checks them again."""
+        aside = self._aside(entry.identity)
+        if not aside.is_dir():
+            return None
+        size = written_bytes(aside)
+        await asyncio.to_thread(move_folder, aside, dest)
+        log.info("%s: the full load takes the %d bytes fetched for a patch", entry.identity, size)
+        return size
 
     def _distrust(self, steps: list[LedgerEntry], err: BaseException) -> None:
         """Deltas whose bytes failed a check are not kept: the full path fetches them again."""

@@ -287,6 +287,12 @@ def link_tree(src: Path, dst: Path) -> None:
             shutil.copyfile(path, target)
 
 
+def move_folder(src: Path, dest: Path) -> None:
+    """Move folder `src` to `dest` on the same volume (one rename), replacing what is there."""
+    remove_tree(dest)
+    os.replace(src, dest)
+
+
 def remove_tree(path: Path) -> None:
     """Remove a file, link or folder if it exists."""
     if path.is_symlink() or path.is_file():
