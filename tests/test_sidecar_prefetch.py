@@ -111,7 +111,7 @@ async def test_a_delta_left_to_the_sparse_path_is_handed_over_never_fetched_twic
     fetched: list[int] = []
     early = Prefetcher(
         ledger.bucket, "policy", local, threads=1, progress=fetched.append,
-        sparse_takes=lambda hint, folder: True,
+        sparse_takes=lambda hint, folder: "",  # a patch
     )  # fmt: skip
     try:
         await early.poll((await ledger.read_async()).document)
@@ -157,10 +157,12 @@ async def test_a_hint_pruned_before_our_copy_was_complete_is_finished_from_the_b
     early = Prefetcher(ledger.bucket, "policy", local, threads=1, progress=fetched.append)
     try:
         await early.poll((await ledger.read_async()).document)
-        for _ in range(200):  # the first file comes down; the job then waits for the hint
-            if sum(fetched) >= seen.files[0].size:
-                break
-            await asyncio.sleep(0.01)
+
+        async def first_file() -> None:  # then the job waits for the hint to say more
+            while sum(fetched) < seen.files[0].size:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(first_file(), timeout=60)
         assert sum(fetched) == seen.files[0].size, fetched
         entry = await ledger.append_async(up.new)
         await ledger.bucket.delete_async(hint_key("policy", "s1"))
@@ -189,7 +191,8 @@ async def test_deltas_of_a_snapshot_served_by_patches_are_fetched_early_for_the_
     fetched: list[int] = []
     early = Prefetcher(
         ledger.bucket, "policy", local, threads=1, progress=fetched.append,
-        sparse_takes=lambda hint, folder: sparse, sparse_parent=lambda: "s1" if sparse else None,
+        sparse_takes=lambda hint, folder: "" if sparse else None,
+        sparse_parent=lambda: "s1" if sparse else None,
     )  # fmt: skip
     try:
         await early.poll((await ledger.read_async()).document)
@@ -206,12 +209,23 @@ async def test_deltas_of_a_snapshot_served_by_patches_are_fetched_early_for_the_
         assert handed is None and fetched == []  # "its parent s1 is admitted but not built"
 
 
+def _sparse_loads(ledger: Ledger, local: WeightsFolder, fetched: list[int]) -> SparseLoads:
+    """The loader's sparse path with a patch limit of 10% of the elements and no engine (only
+    `prepare` is called: nothing is sent)."""
+    adapter = make_adapter("reference", "http://127.0.0.1:9")
+    return SparseLoads(
+        ledger.bucket, local, adapter, max_changed=0.1, threads=1, progress=fetched.append
+    )
+
+
 @pytest.mark.asyncio
+@pytest.mark.parametrize("tries", [1, 2])
 async def test_a_delta_too_dense_to_patch_is_fetched_once_for_the_full_load(
-    tmp_path: Path,
+    tmp_path: Path, tries: int
 ) -> None:
-    """The sparse path must download a delta to learn it changes too much for a patch; the full
-    load that follows takes those files instead of fetching them again."""
+    """The sparse path must download a delta to learn it changes too much for a patch; a second
+    try (the update after a patch prepared ahead found it too dense) and the full load that
+    follows take those files instead of fetching them again."""
     ledger, local, _, _ = await _hinted_delta(tmp_path)
     dense = delta(
         tmp_path / "s0", full(tmp_path / "f9", weights(9)), tmp_path / "s9"
@@ -221,13 +235,11 @@ async def test_a_delta_too_dense_to_patch_is_fetched_once_for_the_full_load(
     entry = document.find("s9")
     assert entry is not None
     fetched: list[int] = []
-    adapter = make_adapter("reference", "http://127.0.0.1:9")  # never called
-    loads = SparseLoads(
-        ledger.bucket, local, adapter, max_changed=0.1, threads=1, progress=fetched.append
-    )
-    refused = await loads.prepare([entry])
-    assert isinstance(refused, Outcome) and refused.reason == "too_dense", refused
-    assert sum(fetched) == _size(dense)
+    loads = _sparse_loads(ledger, local, fetched)
+    for _ in range(tries):
+        refused = await loads.prepare([entry])
+        assert isinstance(refused, Outcome) and refused.reason == "too_dense", refused
+        assert sum(fetched) == _size(dense)
     builder = Materializer(
         ledger.bucket, local, threads=1, progress=fetched.append, early=loads.hand_over
     )
@@ -235,3 +247,39 @@ async def test_a_delta_too_dense_to_patch_is_fetched_once_for_the_full_load(
     assert built.identity == "s9" and local.has("s9")
     assert sum(fetched) == _size(dense), (sum(fetched), _size(dense))
     assert list(local.staging_root.glob("*")) == []  # nothing left aside
+
+
+@pytest.mark.asyncio
+async def test_a_dense_delta_rebuilt_early_is_refused_by_the_sparse_path_without_a_fetch(
+    tmp_path: Path,
+) -> None:
+    """A hinted delta of the served snapshot that changes too much for a patch is rebuilt early
+    for the full load; the sparse path, which the update still tries first, learns it from the
+    early fetch instead of downloading it to count its changes."""
+    ledger, local, _, _ = await _hinted_delta(tmp_path)
+    await ledger.bucket.delete_async(hint_key("policy", "s1"))  # only s9 is hinted here
+    dense = delta(tmp_path / "s0", full(tmp_path / "f9", weights(9)), tmp_path / "s9")
+    up = await upload_hinted_async(ledger, dense)
+    fetched: list[int] = []
+    loads = _sparse_loads(ledger, local, fetched)
+    early = Prefetcher(
+        ledger.bucket, "policy", local, threads=1, progress=fetched.append,
+        sparse_takes=lambda hint, folder: loads.density_refusal(hint.identity, 9, 10),
+    )  # fmt: skip
+    loads.early = early.for_patch
+    try:
+        await early.poll((await ledger.read_async()).document)
+        entry = await ledger.append_async(up.new)
+        refused = await loads.prepare([entry])
+        assert isinstance(refused, Outcome) and refused.reason == "too_dense", refused
+        assert "found early" in refused.message
+        builder = Materializer(
+            ledger.bucket, local, threads=1, progress=fetched.append,
+            prebuilt=early.prebuilt, early=early.hand_over,
+        )  # fmt: skip
+        built = await builder.build((await ledger.read_async()).document, "s9")
+        assert built.identity == "s9" and built.timings is not None
+        assert built.timings.bytes_fetched == 0  # taken from the early rebuild
+    finally:
+        await early.close()
+    assert sum(fetched) == _size(dense), (sum(fetched), _size(dense))

@@ -224,16 +224,17 @@ class ChainedUpdates:
         sparse loads off)."""
         return self.board.status.identity if self.sparse is not None else None
 
-    def _sparse_takes(self, hint: Hint, folder: Path) -> bool:
-        """Whether the hinted delta downloaded into `folder` will be loaded as a sparse patch
-        (a delta of the served snapshot, sparse enough): the prefetcher then stops after the
-        download, which it hands over to whichever path loads the delta."""
+    def _sparse_takes(self, hint: Hint, folder: Path) -> str | None:
+        """How the sparse path will take the hinted delta downloaded into `folder`: "" as a
+        patch (the prefetcher stops after the download and hands it over), or why it will
+        refuse it as too dense (the prefetcher rebuilds it for the full load); None when it
+        will not try it (sparse loads off, or a delta of another snapshot than the served one)."""
         if self.sparse is None or hint.kind != "incremental":
-            return False
+            return None
         if hint.previous != self.board.status.identity:
-            return False
+            return None
         changed, total = delta_changes(folder)
-        return changed <= self.settings.sparse_max_changed * total
+        return self.sparse.density_refusal(hint.identity, changed, total) or ""
 
     # --- the next patch, prepared while the engine takes this one ------------------------------
 

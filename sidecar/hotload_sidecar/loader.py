@@ -139,7 +139,7 @@ class Loader(ChainedUpdates):
                 threads=settings.threads,
                 progress=self.metrics.bytes_fetched.inc,
                 written=self.metrics.volume_bytes_written.inc,
-                early=self.prefetcher.hand_over if self.prefetcher is not None else None,
+                early=self.prefetcher.for_patch if self.prefetcher is not None else None,
             )
             if settings.sparse_max_changed > 0 and adapter.sparse_loads
             else None

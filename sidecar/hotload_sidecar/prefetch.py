@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hotload.arc import decode, verify
+from hotload.arc.patch import PatchTooDenseError
 from hotload.bucket import Bucket, snapshot_files_async
 from hotload.errors import BucketError, HotloadError, LedgerError
 from hotload.ledger import LedgerDocument, LedgerEntry
@@ -54,6 +55,8 @@ class _Job:
     task: asyncio.Task[Path] | None = None
     fetched_bytes: int = 0
     seconds: float = 0.0
+    #: Why the sparse path will refuse this delta as too dense (then rebuilt for a full load).
+    too_dense: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,18 +84,19 @@ class Prefetcher:
         progress: Callable[[int], None] | None = None,
         corruption: Callable[[], None] | None = None,
         written: Callable[[int], None] | None = None,
-        sparse_takes: Callable[[Hint, Path], bool] | None = None,
+        sparse_takes: Callable[[Hint, Path], str | None] | None = None,
         sparse_parent: Callable[[], str | None] | None = None,
     ) -> None:
         """`progress` receives bytes as they download; `corruption` is called once for each
         early rebuild that meets bytes failing their checksums (a rotten hinted file or a
         rotten local parent), which the ledger path would otherwise never see; `written` the
         bytes each early fetch wrote to the volume (downloads, rebuilt shards);
-        `sparse_takes(hint, folder)` says whether the downloaded delta will be loaded as a sparse
-        patch (then it is not rebuilt: that would write the whole model for nothing);
-        `sparse_parent()` the snapshot a sparse patch would start from (the one the engine
-        serves, which may live on the volume as deltas, not as a snapshot): its deltas are
-        downloaded early too, for the sparse path."""
+        `sparse_takes(hint, folder)` says how the sparse path will take the downloaded delta:
+        "" as a patch (then it is only downloaded: a rebuild would write the whole model for
+        nothing), a message when it will refuse it as too dense (rebuilt for the full load),
+        None when it will not try it; `sparse_parent()` the snapshot a sparse patch would start
+        from (the one the engine serves, which may live on the volume as deltas, not as a
+        snapshot): its deltas are downloaded early too, for the sparse path."""
         self.written = written
         self.sparse_takes = sparse_takes
         self.sparse_parent = sparse_parent
@@ -178,9 +182,10 @@ class Prefetcher:
         admitted (waiting for a job that is still finishing); None: fetch it the normal way."""
         done = await self._finished(entry)
         if done is None or done[1] is None:
-            return None  # a download left to the sparse path waits for `hand_over`
+            return None  # a download only waits for `hand_over`
         job, path = done[0], done[1]
-        del self._jobs[entry.identity]
+        if self._jobs.pop(entry.identity, None) is not job:
+            return None  # another caller took it meanwhile
         return Prefetched(
             entry.identity, path, job.hint.manifest_digest, job.fetched_bytes, job.seconds
         )
@@ -188,18 +193,36 @@ class Prefetcher:
     async def hand_over(self, entry: LedgerEntry, dest: Path) -> int | None:
         """Move the files of `entry` downloaded early into the empty folder `dest`, when a job
         fetched exactly what the ledger admitted and stopped there (left to the sparse path,
-        which the full path may still take after all): the bytes it fetched; None: fetch them
-        the normal way. The caller checks them as it checks a download."""
+        or a parent not on disk to rebuild on): the bytes it fetched; None: fetch them the
+        normal way. The caller checks them as it checks a download."""
         done = await self._finished(entry)
         if done is None or done[1] is not None:
             return None
         job = done[0]
-        del self._jobs[entry.identity]
+        if self._jobs.pop(entry.identity, None) is not job:
+            return None  # another caller took it meanwhile
         self._seen.pop(entry.identity, None)
-        await asyncio.to_thread(move_folder, self._folder("downloads", entry.identity), dest)
-        fetched = job.fetched_bytes
-        log.info("%s: taking the %d bytes fetched before admission", entry.identity, fetched)
-        return fetched
+        try:
+            move_folder(self._folder("downloads", entry.identity), dest)  # one rename
+        except OSError as err:
+            log.warning("cannot take the early download of %s: %s", entry.identity, err)
+            return None
+        log.info(
+            "%s: taking the %d bytes fetched before admission", entry.identity, job.fetched_bytes
+        )
+        return job.fetched_bytes
+
+    async def for_patch(self, entry: LedgerEntry, dest: Path) -> int | None:
+        """The sparse path's hook: `hand_over`; raises `PatchTooDenseError` when the early fetch
+        found the delta too dense for a patch and rebuilt it for the full load (which `take`s
+        it), so the sparse path refuses it without fetching it again."""
+        moved = await self.hand_over(entry, dest)
+        if moved is not None:
+            return moved
+        job = self._jobs.get(entry.identity)
+        if job is not None and job.too_dense and job.task is not None and job.task.done():
+            raise PatchTooDenseError(f"{job.too_dense} (found early, rebuilt for a full load)")
+        return None
 
     async def _finished(self, entry: LedgerEntry) -> tuple[_Job, Path | None] | None:
         """The job of `entry` once it ended, if it fetched exactly what the ledger admitted:
@@ -218,8 +241,12 @@ class Prefetcher:
         try:
             # Wait even for a job about to be refused, so no rebuild thread outlives its drop.
             path = await asyncio.shield(job.task)
-        except LeftToSparseLoadError:
+        except DownloadOnlyError:
             path = None
+        except asyncio.CancelledError:
+            if job.task.cancelled() and not _cancelling():
+                return None  # dropped meanwhile (`poll`, `close`): fetch it the normal way
+            raise
         except (HotloadError, OSError) as err:
             self._drop(entry.identity, f"early fetch failed: {err}")
             return None
@@ -322,22 +349,17 @@ class Prefetcher:
                 )
             staged = folder
             self._wrote(written_bytes(folder))
-            if (
-                job.hint.kind == "incremental"
-                and self.sparse_takes is not None
-                and self.sparse_takes(job.hint, folder)
-            ):
-                raise LeftToSparseLoadError(
-                    f"{identity} will be loaded as a sparse patch: not rebuilt early"
-                )
             if job.hint.kind == "incremental":
                 assert job.hint.previous is not None
+                verdict = self.sparse_takes(job.hint, folder) if self.sparse_takes else None
+                if verdict == "":
+                    raise DownloadOnlyError(f"{identity} will be loaded as a sparse patch")
                 if not self.weights.has(job.hint.previous):
-                    raise HotloadError(
-                        f"{identity} is not sparse enough for a patch and its parent "
-                        f"{job.hint.previous} is served patched, not on disk as a snapshot: "
-                        "the ledger path builds it"
+                    raise DownloadOnlyError(
+                        f"its parent {job.hint.previous} is served patched, not on disk as a "
+                        "snapshot to rebuild on: the update rebuilds it"
                     )
+                job.too_dense = verdict
                 staged = self._folder("staging", identity)
                 remove_tree(staged)
                 await asyncio.to_thread(
@@ -372,12 +394,19 @@ class Prefetcher:
             self.written(nbytes)
 
 
-class LeftToSparseLoadError(HotloadError):
-    """An early fetch that stops after the download: the sparse path will take the delta."""
+class DownloadOnlyError(HotloadError):
+    """An early fetch that stops after the download (the sparse path will take the delta, or
+    its parent is not on disk to rebuild on): `hand_over` gives the files to the update."""
+
+
+def _cancelling() -> bool:
+    """Whether the running task itself is being cancelled (not only a task it waits on)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _log_failure(task: asyncio.Task[Path]) -> None:
     # Retrieve the exception here so a failed early fetch is logged once, not at shutdown.
     if not task.cancelled() and (err := task.exception()) is not None:
-        level = logging.INFO if isinstance(err, LeftToSparseLoadError) else logging.WARNING
+        level = logging.INFO if isinstance(err, DownloadOnlyError) else logging.WARNING
         log.log(level, "%s ended: %s", task.get_name(), err)

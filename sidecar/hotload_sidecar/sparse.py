@@ -238,6 +238,7 @@ class SparseLoads:
         patch = self.weights.staging_root / f"{target.identity}.patch"
         folders: list[Path] = []
         fetched = wrote = 0
+        self._drop_stale(steps)
         try:
             # Fetched side by side (a burst of deltas is one round trip, not one per delta).
             got_all = await asyncio.gather(
@@ -395,7 +396,11 @@ class SparseLoads:
         folder = self.weights.download(entry.identity)
         try:
             crash_point("fetch")
-            early = await self.early(entry, folder) if self.early is not None else None
+            # A download set aside earlier (a patch prepared ahead found it too dense), or the
+            # early fetch's (which raises `PatchTooDenseError` when it rebuilt it for a full load).
+            early = await self.hand_over(entry, folder)
+            if early is None and self.early is not None:
+                early = await self.early(entry, folder)
             fetched = 0
             if early is None:
                 got = await download_snapshot_async(
@@ -404,13 +409,10 @@ class SparseLoads:
                 fetched = got.bytes
             check_digest(entry, folder)
             changed, total = await asyncio.to_thread(delta_changes, folder)
-            if changed > self.max_changed * total:
+            refusal = self.density_refusal(entry.identity, changed, total)
+            if refusal:
                 self._set_aside(entry.identity, folder, count=early is None)
-                raise PatchTooDenseError(
-                    f"{entry.identity} changes {changed} of {total} elements "
-                    f"({changed / total:.0%}), more than the {self.max_changed:.0%} a patch is "
-                    "worth"
-                )
+                raise PatchTooDenseError(refusal)
             await asyncio.to_thread(check_delta_files, folder, entry.previous)
             # Bytes fetched early were counted (fetched, written) when they arrived.
             new = written_bytes(folder) if early is None else 0
@@ -420,6 +422,16 @@ class SparseLoads:
             remove_tree(folder)
             raise
 
+    def density_refusal(self, identity: str, changed: int, total: int) -> str:
+        """Why a delta changing `changed` of `total` elements is too dense for a patch ("" when
+        it is not)."""
+        if changed <= self.max_changed * total:
+            return ""
+        return (
+            f"{identity} changes {changed} of {total} elements ({changed / total:.0%}), more "
+            f"than the {self.max_changed:.0%} a patch is worth"
+        )
+
     def _aside(self, identity: str) -> Path:
         return self.weights.staging_root / f"{validate_identity(identity)}{TOO_DENSE}"
 
@@ -428,9 +440,15 @@ class SparseLoads:
         next (`hand_over`); what an earlier update left unused goes."""
         if count:
             self._wrote(written_bytes(folder))
-        for stale in self.weights.staging_root.glob(f"*{TOO_DENSE}"):
-            remove_tree(stale)
         move_folder(folder, self._aside(identity))
+
+    def _drop_stale(self, steps: list[LedgerEntry]) -> None:
+        """Remove the downloads set aside for deltas other than `steps` (the full load that
+        followed did not take them: a fallback, a head that moved on)."""
+        keep = {f"{e.identity}{TOO_DENSE}" for e in steps}
+        for aside in self.weights.staging_root.glob(f"*{TOO_DENSE}"):
+            if aside.name not in keep:
+                remove_tree(aside)
 
     async def hand_over(self, entry: LedgerEntry, dest: Path) -> int | None:
         """Move the files of `entry`, fetched for a patch and found too dense for one, into the
@@ -440,7 +458,11 @@ class SparseLoads:
         if not aside.is_dir():
             return None
         size = written_bytes(aside)
-        await asyncio.to_thread(move_folder, aside, dest)
+        try:
+            move_folder(aside, dest)  # one rename
+        except OSError as err:
+            log.warning("cannot take the set-aside download of %s: %s", entry.identity, err)
+            return None
         log.info("%s: the full load takes the %d bytes fetched for a patch", entry.identity, size)
         return size
 
