@@ -53,8 +53,9 @@ REBUILD_ERRORS: tuple[type[HotloadError], ...] = (ArcError, SnapshotError, Objec
 #: What ends a fallback: nothing is left to fall back to, whether the chain or the disk failed.
 _FALLBACK_ERRORS: tuple[type[Exception], ...] = (*REBUILD_ERRORS, OSError)
 
-#: Moves a snapshot's files downloaded before admission (early fetch) into an empty folder and
-#: gives their bytes, or gives None when nothing was: `Prefetcher.hand_over`.
+#: Moves a snapshot's files already downloaded (by the early fetch, or by a sparse load that
+#: found the delta too dense) into an empty folder and gives their bytes, or None when there
+#: are none: `Prefetcher.hand_over`, `SparseLoads.hand_over`.
 EarlyFiles = Callable[[LedgerEntry, Path], Awaitable[int | None]]
 
 

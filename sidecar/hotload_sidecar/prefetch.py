@@ -220,7 +220,7 @@ class Prefetcher:
         if moved is not None:
             return moved
         job = self._jobs.get(entry.identity)
-        if job is not None and job.too_dense and job.task is not None and job.task.done():
+        if job is not None and job.too_dense:  # `hand_over` waited: it ended with a rebuild
             raise PatchTooDenseError(f"{job.too_dense} (found early, rebuilt for a full load)")
         return None
 

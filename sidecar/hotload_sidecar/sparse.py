@@ -59,11 +59,11 @@ from hotload_sidecar.weights import WeightsFolder, move_folder, remove_tree, wri
 
 log = logging.getLogger("hotload_sidecar.sparse")
 
-#: Called as a patch goes to the engine, with the entry it serves and the engine's pending
-#: answer: work to overlap with the engine's (`SparseLoads.send`).
 #: The suffix of a delta's download kept for the full path after it proved too dense to patch.
 TOO_DENSE = ".too-dense"
 
+#: Called as a patch goes to the engine, with the entry it serves and the engine's pending
+#: answer: work to overlap with the engine's (`SparseLoads.send`).
 Meanwhile = Callable[[LedgerEntry, "asyncio.Future[LoadResult]"], None]
 
 
@@ -150,7 +150,7 @@ class SparseLoads:
         early: EarlyFiles | None = None,
     ) -> None:
         """`early(entry, folder)`: moves a delta downloaded before admission into `folder`
-        (the early fetch's `hand_over`), its bytes; None when it must be fetched."""
+        (the early fetch's `for_patch`), its bytes; None when it must be fetched."""
         self.bucket = bucket
         self.early = early
         self.weights = weights
@@ -437,7 +437,7 @@ class SparseLoads:
 
     def _set_aside(self, identity: str, folder: Path, *, count: bool) -> None:
         """Keep the download of a delta too dense for a patch for the full path, which loads it
-        next (`hand_over`); what an earlier update left unused goes."""
+        next, or for another try of the patch (`hand_over`; `_drop_stale` removes it later)."""
         if count:
             self._wrote(written_bytes(folder))
         move_folder(folder, self._aside(identity))
@@ -452,8 +452,8 @@ class SparseLoads:
 
     async def hand_over(self, entry: LedgerEntry, dest: Path) -> int | None:
         """Move the files of `entry`, fetched for a patch and found too dense for one, into the
-        empty folder `dest` (the full path's download): their bytes; None when there are none.
-        Counted (fetched, written) when they arrived; the full path checks them again."""
+        empty folder `dest` (the full path's download, or another try's): their bytes; None
+        when there are none. Counted (fetched, written) when they arrived; checked again."""
         aside = self._aside(entry.identity)
         if not aside.is_dir():
             return None
