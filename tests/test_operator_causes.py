@@ -1,8 +1,9 @@
 """Why a deployment is not fine (`hotload_operator.causes`, `rollup.rollup_deployment`), pure:
 
 - a property test over the roll-up: whatever the replicas, the ledger and the causes observed,
-  `Ready`, `Progressing` and `Degraded` agree with `replicaStatuses` and `status.problems`, and
-  nothing claims what was not observed (no "no snapshot yet" while the ledger was never read);
+  the target, the counts, `Ready`, `Progressing`, `Degraded` and `status.problems` are what
+  `expected` works out from those inputs alone (not from the roll-up's own output), and nothing
+  claims what was not observed (no "no snapshot yet" while the ledger was never read);
 - each classification: a ledger read that failed, what the controllers and the kubelet write,
   a loader's failed load, and the fix each names.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import math
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -139,6 +141,75 @@ def situations(draw: st.DrawFn) -> tuple[HotLoadDeployment, list[PodReport], Any
     return hld, draw(pods_of(n)), (ledger, entries(n)), observed
 
 
+@dataclass(frozen=True)
+class Expected:
+    """What the roll-up must say, worked out from the generated inputs alone."""
+
+    target: str | None
+    target_sequence: int | None
+    current: str | None
+    live: list[str]
+    loaded: dict[str, bool]
+    need: int
+    problems: set[str]
+    blocking: set[str]
+
+
+def expected(
+    hld: HotLoadDeployment,
+    pods: list[PodReport],
+    ledger: LedgerRead,
+    es: list[LedgerEntry],
+    observed: list[Cause],
+) -> Expected:
+    """The fleet follows the newest ledger entry (no pin is drawn), once the ledger was read;
+    the problems are every cause observed, the ledger's, each replica's own, a failed load and
+    a scrub's mismatch, and only when there is none of those, too few ready replicas."""
+    live = sorted((p for p in pods if not p.deleting), key=lambda p: p.pod)
+    newest = max(es, key=lambda e: e.sequence) if es and ledger.known else None
+    target = newest.identity if newest else None
+    need = max(1, math.ceil(hld.spec.replicas * hld.spec.ready_percent / 100))
+    sequence_of = {e.identity: e.sequence for e in es}
+    served = sorted(
+        (sequence_of.get(p.identity, 0) for p in live if p.identity is not None), reverse=True
+    )
+    current_sequence = served[need - 1] if len(served) >= need else None
+    current = next(
+        (
+            p.identity
+            for p in live
+            if p.identity is not None
+            and current_sequence is not None
+            and sequence_of.get(p.identity, 0) == current_sequence
+        ),
+        None,
+    )
+    blocking = {c.reason for c in observed}
+    blocking |= {p.problem.reason for p in live if p.problem is not None}
+    if any(p.state == "failed" for p in live):
+        blocking.add(R.LOAD_FAILURES)
+    problems = set(blocking)
+    if ledger.problem is not None:
+        problems.add(ledger.problem.reason)
+        if not ledger.known:
+            blocking.add(ledger.problem.reason)
+    if any(p.degraded for p in live):
+        problems.add(R.WEIGHTS_DEGRADED)
+    ready_pods = sum(1 for p in live if p.ready)
+    if not problems and ready_pods < hld.spec.replicas - hld.spec.max_unavailable:
+        problems.add(R.REPLICAS_UNAVAILABLE)
+    return Expected(
+        target=target,
+        target_sequence=newest.sequence if newest else None,
+        current=current,
+        live=[p.pod for p in live],
+        loaded={p.pod: target is not None and p.identity == target for p in live},
+        need=need,
+        problems=problems,
+        blocking=blocking,
+    )
+
+
 @settings(max_examples=400, deadline=None)
 @given(situations())
 def test_conditions_agree_with_the_replicas_and_claim_nothing_unobserved(
@@ -147,57 +218,70 @@ def test_conditions_agree_with_the_replicas_and_claim_nothing_unobserved(
     hld, pods, (ledger, es), observed = situation
     head = es[-1] if es else None
     status = rollup_deployment(hld, pods, head, es, now=NOW, ledger=ledger, causes=observed)
-    live = [p for p in pods if not p.deleting]
+    want = expected(hld, pods, ledger, es, observed)
     replicas = status["replicaStatuses"]
     ready, progressing, degraded = (cond(status, t) for t in ("Ready", "Progressing", "Degraded"))
-    need = max(1, math.ceil(hld.spec.replicas * hld.spec.ready_percent / 100))
-    target = status["targetSnapshot"]
-    updated = [r for r in replicas if r["loaded"]]
+    updated = sum(want.loaded.values())
+    behind = len(want.live) - updated
+    missing = max(0, hld.spec.replicas - len(want.live))
 
-    # The counts are the replicas' own.
-    assert [r["pod"] for r in replicas] == sorted(p.pod for p in live)
-    assert status["readyReplicas"] == sum(1 for r in replicas if r["ready"])
-    assert status["updatedReplicas"] == len(updated)
-    assert all(r["snapshot"] == target for r in updated)
+    # The target is the ledger's newest entry; the counts are the replicas' own.
+    assert (status["targetSnapshot"], status["targetSequence"]) == (
+        want.target,
+        want.target_sequence,
+    )
+    assert status["currentSnapshot"] == want.current
+    assert [r["pod"] for r in replicas] == want.live
+    assert {r["pod"]: r["loaded"] for r in replicas} == want.loaded
+    assert status["readyReplicas"] == sum(1 for p in pods if not p.deleting and p.ready)
+    assert status["updatedReplicas"] == updated
 
-    # Nothing said of a head that was never read.
-    if not ledger.known:
-        assert target is None
-        assert ready["status"] == progressing["status"] == "Unknown"
-        assert R.NO_SNAPSHOT not in (ready["reason"], progressing["reason"])
-        if ledger.problem:
-            assert ready["reason"] == ledger.problem.reason
-    elif target is None:
-        assert (ready["status"], ready["reason"]) == ("False", R.NO_SNAPSHOT)
-        assert (progressing["status"], progressing["reason"]) == ("False", R.NO_SNAPSHOT)
-
-    # Ready exactly when the ready fraction serves the target.
-    assert (ready["status"] == "True") == (target is not None and len(updated) >= need)
-    # Up to date only when every desired replica exists and serves the target.
-    if progressing["reason"] == R.UP_TO_DATE:
-        assert len(replicas) >= hld.spec.replicas and len(updated) == len(replicas)
-    if progressing["status"] == "True":
-        assert len(updated) < len(replicas) or len(replicas) < hld.spec.replicas
-
-    # Degraded names the first problem; every problem is listed with its fix.
+    # Every problem is listed with its fix, and nothing that was not observed.
     problems = status["problems"]
-    assert (degraded["status"] == "True") == bool(problems)
-    if problems:
-        assert degraded["reason"] == problems[0]["reason"]
-        assert all(p["fix"] for p in problems)
-    reasons = {p["reason"] for p in problems}
-    for cause in observed:
-        assert cause.reason in reasons
+    assert {p["reason"] for p in problems} == want.problems
+    assert all(p["fix"] for p in problems)
+    assert (degraded["status"], degraded["reason"]) == (
+        ("True", problems[0]["reason"]) if problems else ("False", R.HEALTHY)
+    )
     # A replica's own reason is among the problems, which name it.
     for r in replicas:
         if r["reason"]:
             assert any(r["pod"] in p["pods"] for p in problems), r
-    # When something holds the fleet back, Ready says what (not just a count).
-    if ready["status"] == "False" and ready["reason"] == R.REPLICAS_BEHIND:
-        blocking = reasons - {R.REPLICAS_UNAVAILABLE, R.ADAPTER_FAILURES, R.WEIGHTS_DEGRADED}
-        if ledger.problem is not None:
-            blocking.discard(ledger.problem.reason)
-        assert not blocking, (ready, problems)
+
+    # Nothing said of a head that was never read.
+    if not ledger.known:
+        why = ledger.problem.reason if ledger.problem else R.LEDGER_NOT_READ
+        assert (ready["status"], ready["reason"]) == ("Unknown", why)
+        assert (progressing["status"], progressing["reason"]) == ("Unknown", why)
+        return
+    if want.target is None:
+        assert (ready["status"], ready["reason"]) == ("False", R.NO_SNAPSHOT)
+        assert (progressing["status"], progressing["reason"]) == ("False", R.NO_SNAPSHOT)
+        return
+
+    # Ready exactly when the ready fraction serves the target; if not, it says what holds the
+    # fleet back (a blocking cause, else no replica at all, else the replicas behind).
+    if updated >= want.need:
+        full = updated >= hld.spec.replicas
+        assert (ready["status"], ready["reason"]) == (
+            "True",
+            R.ALL_CURRENT if full else R.ENOUGH_CURRENT,
+        )
+    else:
+        assert ready["status"] == "False"
+        if want.blocking:
+            assert ready["reason"] in want.blocking, (ready, want.blocking)
+        else:
+            assert ready["reason"] == (R.REPLICAS_BEHIND if want.live else R.NO_REPLICAS)
+    # Up to date when every desired replica exists and serves the target; else rolling out,
+    # unless something blocks the roll-out, which Progressing then names.
+    if not behind and not missing:
+        assert (progressing["status"], progressing["reason"]) == ("False", R.UP_TO_DATE)
+    elif want.blocking:
+        assert progressing["status"] == "False"
+        assert progressing["reason"] in want.blocking, (progressing, want.blocking)
+    else:
+        assert (progressing["status"], progressing["reason"]) == ("True", R.ROLLING_OUT)
 
 
 # --- the ledger and the bucket --------------------------------------------------------------
