@@ -101,14 +101,14 @@ def test_deltas_in_a_row_compose_into_one_patch(tmp_path: Path, dtype: str) -> N
 
 
 def test_a_patch_is_about_the_size_of_its_delta(tmp_path: Path) -> None:
-    """1.5% of a bfloat16 model moved by one ulp (the benchmark's step): at most twice the
-    delta's bytes (the positions' low bytes cannot be compressed by zlib, the rest can)."""
+    """1.5% of a bfloat16 model moved by one ulp (the benchmark's step): no more bytes than the
+    delta (benchmarks/RESULTS-sparse-load.md: 0.96-0.99x; this input gives 0.96x)."""
     w = weights(0, layers=4, width=256)
     base = write_snapshot(tmp_path / "base", w, config=CONFIG, cast="BF16", overwrite=True).path
     _, deltas = sparse_steps(base, tmp_path, 1, fraction=0.015)
     stats = prepare_patch(None, deltas[1], tmp_path / "p.patch")
     shipped = describe_snapshot(deltas[1]).shipped_bytes
-    assert stats.bytes <= 2 * shipped, (stats.bytes, shipped)
+    assert stats.bytes <= shipped, (stats.bytes, shipped)
 
 
 def test_dense_and_raw_chunks_change_every_element(tmp_path: Path) -> None:
