@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,11 +25,11 @@ from hotload_patch.dtypes import ELEMENT_SIZE
 from hotload_patch.placement import IdentityHost
 from hotload_patch.served import Meter, device_partial, region_partial, served_sums
 from hotload_patch.session import Patcher
-from hotload_patch.sums import Region
+from hotload_patch.sums import MOD, Region, combine
 from support.patch_models import checkpoint_weights, read_checkpoint
 from support.snapshots import CONFIG
 from support.tiny_llm import sparse_steps
-from test_patch_core import CFG, Chain, bits, build_chain, same_bits
+from test_patch_core import CFG, Chain, build_chain, same_bits
 
 
 def _targets(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -178,6 +179,15 @@ def test_the_scrub_reads_at_its_rate_and_rereads_what_a_patch_changed_under_it(
     assert all(same_bits(targets[n], t) for n, t in read_checkpoint(chain.child).items())
 
 
+def by_definition(raw: np.ndarray, elements: torch.Tensor, width: int) -> tuple[int, int]:
+    """Adler-32's partial sums of the bytes of `elements` (indices into the little-endian
+    buffer `raw`), from the definition: the bytes' sum, and each byte times its distance from
+    the buffer's end."""
+    at = (elements.reshape(-1, 1).numpy() * width + np.arange(width)).reshape(-1)
+    held = raw[at].astype(np.int64)
+    return int(held.sum()) % MOD, int((held * (raw.size - at)).sum()) % MOD
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_sums_on_the_device_equal_zlibs(dtype: torch.dtype) -> None:
     """The device path (integer sums on the tensor's own device, used off the CPU) gives the
@@ -186,13 +196,17 @@ def test_sums_on_the_device_equal_zlibs(dtype: torch.dtype) -> None:
     weight = torch.randn(37, 29, generator=gen).to(dtype)
     ckpt = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}[dtype]
     total = weight.numel() * weight.element_size()
+    at = torch.arange(37 * 29).reshape(37, 29)
     cases = [
-        (weight, Region.whole((37, 29))),
-        (weight[5:20], Region(5 * 29, (15, 29), (29, 1))),
-        (weight[:, 7:19], Region(7, (37, 12), (29, 1))),
+        (weight, Region.whole((37, 29)), at),
+        (weight[5:20], Region(5 * 29, (15, 29), (29, 1)), at[5:20]),
+        (weight[:, 7:19], Region(7, (37, 12), (29, 1)), at[:, 7:19]),
     ]
-    for view, region in cases:
+    raw = weight.contiguous().view(torch.uint8).reshape(-1).numpy()
+    assert combine(total, [by_definition(raw, at, weight.element_size())]) == zlib.adler32(raw)
+    for view, region, elements in cases:
         want = region_partial(view, region, ckpt, total)
+        assert want == by_definition(raw, elements, weight.element_size())
         assert device_partial(view, region, ckpt, total) == want
         for chunk in (1, 7, 64):
             import hotload_patch.served as served_module
@@ -204,4 +218,3 @@ def test_sums_on_the_device_equal_zlibs(dtype: torch.dtype) -> None:
                 assert device_partial(view, region, ckpt, total, meter) == want
             finally:
                 served_module.DEVICE_CHUNK_BYTES = old
-    assert bits(weight).numel() == 37 * 29
