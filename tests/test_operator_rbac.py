@@ -523,10 +523,24 @@ async def test_the_chart_installs_two_replicas_with_a_lease_in_its_namespace_onl
 
             pods = await eventually("both operator pods created", two_pods, timeout=60)
             assert {p["spec"]["serviceAccountName"] for p in pods} == {fullname}
-            budget = await kube.get(
-                resource_path("policy/v1", "poddisruptionbudgets", ns, fullname)
-            )
-            assert budget["spec"]["minAvailable"] == 1
+            # The budget (docs/operations.md: minAvailable 1) covers exactly the operator's pods,
+            # belongs to the release, and the disruption controller counts both pods under it.
+            budget_path = resource_path("policy/v1", "poddisruptionbudgets", ns, fullname)
+            budget = await kube.get(budget_path)
+            assert {k: budget["spec"][k] for k in ("minAvailable", "selector")} == {
+                "minAvailable": 1,
+                "selector": deployment["spec"]["selector"],
+            }
+            assert "maxUnavailable" not in budget["spec"]
+            wanted = budget["spec"]["selector"]["matchLabels"]
+            assert all(wanted.items() <= p["metadata"]["labels"].items() for p in pods)
+            assert budget["metadata"]["annotations"]["meta.helm.sh/release-name"] == release
+
+            async def both_counted() -> bool:
+                status = (await kube.get(budget_path)).get("status") or {}
+                return status.get("expectedPods") == 2 and status.get("desiredHealthy") == 1
+
+            await eventually("the disruption controller counting both pods", both_counted)
             user = f"system:serviceaccount:{ns}:{fullname}"
 
             async def allowed(verb: str, namespace: str, name: str | None) -> bool:

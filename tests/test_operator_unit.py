@@ -96,6 +96,33 @@ def test_children_carry_labels_owner_and_settings() -> None:
     assert pod["serviceAccountName"] == "fleet-hotload-loader"
 
 
+@pytest.mark.parametrize(("spec", "max_unavailable"), [({}, 1), ({"maxUnavailable": 3}, 3)])
+def test_the_disruption_budget_covers_exactly_the_replicas(
+    spec: JSON, max_unavailable: int
+) -> None:
+    """docs/crds.md: spec.maxUnavailable (default 1) replicas may be down at once for voluntary
+    disruptions; the budget selects the Deployment's pods and is owned by the deployment."""
+    objs = {o["kind"]: o for o in build_children(deployment(replicas=4, **spec))}
+    budget, dep = objs["PodDisruptionBudget"], objs["Deployment"]
+    assert budget["apiVersion"] == "policy/v1"
+    assert budget["spec"] == {
+        "maxUnavailable": max_unavailable,
+        "selector": dep["spec"]["selector"],
+    }
+    wanted = budget["spec"]["selector"]["matchLabels"]
+    assert wanted and wanted.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert budget["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "hotload.dev/v1alpha1",
+            "kind": "HotLoadDeployment",
+            "name": "fleet",
+            "uid": "u-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+
+
 def _pod(hld: HotLoadDeployment) -> JSON:
     dep = next(o for o in build_children(hld) if o["kind"] == "Deployment")
     return dict(dep["spec"]["template"])
