@@ -21,6 +21,7 @@ import pytest
 
 from hotload.arc import patch as arc_patch
 from hotload.bucket import open_bucket
+from hotload.errors import EngineLoadError
 from hotload.ledger import Ledger
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import LoadRequest, LoadResult, ReferenceAdapter
@@ -56,11 +57,16 @@ async def until(what: Callable[[], bool], timeout: float = 60.0) -> None:
 
 
 def gated_loader(
-    client: Any, trainer: Trainer, tmp_path: Path, *, threads: int | None = None
+    client: Any,
+    trainer: Trainer,
+    tmp_path: Path,
+    *,
+    threads: int | None = None,
+    kind: type[GatedAdapter] = GatedAdapter,
 ) -> tuple[Loader, GatedAdapter, LocalReporter]:
     """A loader following `trainer`'s ledger (in `tmp_path/bucket`) for the engine behind
-    `client`, its patches held at the adapter's gate; polls every 50 ms."""
-    adapter = GatedAdapter(str(client.make_url("")))
+    `client`, its patches held at the gate of its adapter (a `kind`); polls every 50 ms."""
+    adapter = kind(str(client.make_url("")))
     settings = Settings(
         ledger_url=f"{tmp_path / 'bucket'}/policy",
         weights_dir=tmp_path / "weights",
@@ -202,3 +208,76 @@ def test_a_patch_prepared_for_another_parent_does_not_fit(
     assert first.fits(e[2:4])  # its first part: sent, the rest after it
     ready.discard()
     assert not patch.exists()
+
+
+class RefusingAdapter(GatedAdapter):
+    """A gated adapter whose engine refuses step-001, as a patch and in full, and records each
+    patch it is sent: (identity, parent, the patch file)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.sent: list[tuple[str, str, str]] = []
+
+    async def patch(self, req: LoadRequest, parent: str) -> LoadResult:
+        self.asked.append(req.identity)
+        await self.gate.wait()
+        self.sent.append((req.identity, parent, Path(req.path).name))
+        if req.identity == "step-001":
+            raise EngineLoadError("refused step-001", engine="reference", url=self.url)
+        return await ReferenceAdapter.patch(self, req, parent)
+
+    async def load(self, req: LoadRequest) -> LoadResult:
+        if req.identity == "step-001":
+            raise EngineLoadError("refused step-001", engine="reference", url=self.url)
+        return await super().load(req)
+
+
+@pytest.mark.asyncio
+async def test_a_patch_prepared_ahead_that_no_longer_fits_is_deleted_unsent(
+    fulls: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real `_take_ahead`: step-002's patch is written ahead from step-001 while the engine
+    takes step-001, which it then refuses (as a patch and in full): the engine still serves
+    step-000, so the next update needs step-001 and step-002 in one patch from step-000. The
+    patch written ahead does not begin those deltas: it is deleted without being sent (the
+    patch from step-000 has the same file name, so the deletions are watched, not the name)."""
+    discarded: list[tuple[str, str]] = []
+    discard = Prepared.discard
+
+    def watched(self: Prepared) -> None:
+        discarded.append((self.parent, self.steps[-1].identity))
+        discard(self)
+
+    monkeypatch.setattr(Prepared, "discard", watched)
+    bucket = tmp_path / "bucket"
+    trainer = Trainer(Ledger(open_bucket(str(bucket)), "policy"), fulls, tmp_path / "t", 100)
+    await asyncio.to_thread(trainer.publish, 0)
+    staging = tmp_path / "weights" / ".hotload" / "staging"
+    async with serve(fulls[0], "step-000", dtype="bfloat16", numerics="fast") as client:
+        engine = engine_of(client)
+        loader, adapter, reporter = gated_loader(client, trainer, tmp_path, kind=RefusingAdapter)
+        assert isinstance(adapter, RefusingAdapter)
+        running = asyncio.create_task(loader.run(asyncio.Event()))
+        try:
+            await until(lambda: reporter.status.identity == "step-000")
+            await asyncio.to_thread(trainer.publish, 1)
+            await until(lambda: adapter.asked == ["step-001"])
+            await asyncio.to_thread(trainer.publish, 2)
+            await until((staging / "step-002.patch").exists)
+            adapter.gate.set()
+            await until(lambda: reporter.status.identity == "step-002")
+        finally:
+            running.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await running
+            await adapter.aclose()
+    assert engine.served.identity == "step-002"
+    # Sent: step-001 (refused), then one patch of both deltas from step-000; never the patch
+    # written ahead from step-001.
+    assert [(i, p) for i, p, _ in adapter.sent] == [
+        ("step-001", "step-000"),
+        ("step-002", "step-000"),
+    ]
+    assert ("step-001", "step-002") in discarded
+    assert list(staging.glob("*.patch*")) == []
+    assert scraped(loader.metrics)[("hotload_loader_patches_prepared_ahead_total", ())] == 0
