@@ -62,3 +62,30 @@ def test_other_state_dicts_go_out_as_they_are(tmp_path: Path) -> None:
     assert checkpoint_names(state, config=None, side_files_from=None) is state
     arrays = {k: v.numpy() for k, v in state.items()}
     assert checkpoint_names(arrays, config=None, side_files_from=saved) is arrays
+
+
+@pytest.mark.parametrize(
+    ("config_json", "cause"),
+    [
+        (None, "FileNotFoundError"),
+        ("{not json", "JSONDecodeError"),
+        ('["LlamaForCausalLM"]', "it holds a JSON list, not an object"),
+        ('{"architectures": ["NoSuchModel"]}', "architecture 'NoSuchModel'"),
+    ],
+    ids=["missing", "corrupt", "not-an-object", "unknown-architecture"],
+)
+def test_names_left_as_they_are_for_want_of_a_config_are_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, config_json: str | None, cause: str
+) -> None:
+    """A config.json that cannot be read, or an architecture transformers does not know: the
+    state dict goes out under its own names, and the log says which file and why."""
+    if config_json is not None:
+        (tmp_path / "config.json").write_text(config_json)
+    state = {"model.embed_tokens.weight": torch.zeros(4, 2)}
+    with caplog.at_level("WARNING", logger="hotload.sdk.checkpoint"):
+        assert checkpoint_names(state, config=None, side_files_from=tmp_path) is state
+    (record,) = [r for r in caplog.records if r.name == "hotload.sdk.checkpoint"]
+    assert record.levelname == "WARNING"
+    assert "publishing the state dict's own names" in record.getMessage()
+    assert str(tmp_path / "config.json") in record.getMessage()
+    assert cause in record.getMessage()

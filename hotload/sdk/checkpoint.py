@@ -9,7 +9,8 @@ holds those names: vLLM refuses a reload whose tensors differ from the ones it h
 delta needs its parent's names. So the publisher writes what `save_pretrained` would, with
 transformers' own functions for it (tied duplicates left out, conversions reverted), when the
 snapshot's `config.json` names a transformers architecture and the tensors are torch's; any
-other state dict is published as it is.
+other state dict is published as it is, with a warning naming the file and the cause when that
+config.json cannot be read or names an architecture transformers does not know.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def checkpoint_names(
         return weights
     if not all(type(t).__module__.startswith("torch") for t in weights.values()):
         return weights
-    doc = _config(config, side_files_from)
+    doc, source = _config(config, side_files_from)
     architectures = doc.get("architectures") if doc else None
     if not architectures or not isinstance(architectures, list):
         return weights
@@ -50,6 +51,15 @@ def checkpoint_names(
         return weights
     cls = getattr(transformers, str(architectures[0]), None)
     if cls is None or not hasattr(cls, "config_class"):
+        # A typo or a custom model: its tied names and conversions are unknown, and a fleet
+        # booted from its checkpoint may refuse names that differ.
+        log.warning(
+            "publishing the state dict's own names: architecture %r (%s) is not one "
+            "transformers %s knows, so its checkpoint names are unknown",
+            architectures[0],
+            source,
+            transformers.__version__,
+        )
         return weights
     try:
         skeleton = _skeleton(cls, json.dumps(doc, sort_keys=True), torch)
@@ -99,14 +109,26 @@ def _skeleton(cls: Any, doc: str, torch: Any) -> Any:
 
 def _config(
     config: Mapping[str, Any] | None, side_files_from: str | Path | None
-) -> Mapping[str, Any] | None:
+) -> tuple[Mapping[str, Any] | None, str]:
+    """The model's configuration and where it came from (for messages); a config.json that
+    cannot be read is warned about, naming the file and why, and counts as none."""
     if config is not None:
-        return config
+        return config, "the config given"
     if side_files_from is None:
-        return None
+        return None, "no config"
     path = Path(side_files_from) / "config.json"
     try:
         doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
+    except (OSError, ValueError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    else:
+        if isinstance(doc, dict):
+            return doc, str(path)
+        why = f"it holds a JSON {type(doc).__name__}, not an object"
+    log.warning(
+        "publishing the state dict's own names: cannot read %s (%s), so the architecture and "
+        "its checkpoint names are unknown",
+        path,
+        why,
+    )
+    return None, str(path)
