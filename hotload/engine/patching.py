@@ -3,13 +3,13 @@
 The engine holds every checkpoint tensor whole, under its own name (`IdentityHost`; tied names
 share one tensor). `EnginePatches` keeps a `hotload_patch` `Patcher` for it, which checksums the
 served weights in checkpoint terms (the adler32 the delta records for the parent) in a background
-thread of lower priority after every load or patch, while they serve. A patch is then staged in
-that thread too: placed, converted to the engine's dtype and device (positions and new values
-kept), verified (the served checksums equal the patch's parent checksums, and the served weights
-with its changes give the delta's result checksums) without re-reading the model. The swap, at a
-pause point of the worker thread, only writes the changed elements, and the served checksums move
-by the patch's sums; a rate-limited scrub re-reads the weights in the background
-(`hotload_patch.scrub`).
+thread of lower priority after a full load (`loaded`), while they serve; after a patch it reads
+nothing: the served checksums move by the patch's sums. A patch is staged in that thread too:
+placed, converted to the engine's dtype and device (positions and new values kept), verified
+(the served checksums equal the patch's parent checksums, and the served weights with its
+changes give the delta's result checksums) without re-reading the model. The swap, at a pause
+point of the worker thread, only writes the changed elements; a rate-limited scrub re-reads the
+weights in the background (`hotload_patch.scrub`) and compares them with the derived checksums.
 
 An engine holding a tensor in a wider dtype than its checkpoint (float32 on bfloat16 weights)
 converts the new values exactly as a full load converts the whole tensor, so both paths give
@@ -26,7 +26,7 @@ from typing import Any
 from hotload.engine.model import ModelRunner
 from hotload_patch.checkpoint import checkpoint_specs
 from hotload_patch.placement import IdentityHost
-from hotload_patch.scrub import DEFAULT_SCRUB_RATE
+from hotload_patch.scrub import DEFAULT_SCRUB_PERIOD, DEFAULT_SCRUB_RATE
 from hotload_patch.session import Patcher
 from hotload_patch.staging import Staged, parameter_checksums
 from hotload_patch.verify import verify
@@ -68,10 +68,13 @@ class EnginePatches:
         *,
         initializer: Callable[[], None] | None = None,
         scrub_rate: float = DEFAULT_SCRUB_RATE,
+        scrub_period: float = DEFAULT_SCRUB_PERIOD,
     ):
         self.runner = runner
         host = IdentityHost(lambda: runner.targets, lambda: runner.converted)
-        self.patcher = Patcher(host, initializer=initializer, scrub_rate=scrub_rate)
+        self.patcher = Patcher(
+            host, initializer=initializer, scrub_rate=scrub_rate, scrub_period=scrub_period
+        )
 
     def loaded(self, path: str | Path) -> None:
         """The snapshot at `path` was loaded in full: checksum it in the background."""
