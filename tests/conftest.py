@@ -6,13 +6,37 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from support.fleet import Replica
+from support.modules import size_report
 from support.seaweedfs import INSTALL_HINT, SeaweedFS, find_weed
 
 pytest_plugins = ["support.kubeapi"]
+
+#: Whether this run holds the layer checks (tests/test_layers.py), which the size report joins.
+_SIZES = pytest.StashKey[bool]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Note whether the layer checks run (the whole suite does, `make test` included)."""
+    session.config.stash[_SIZES] = any(i.path.name == "test_layers.py" for i in session.items)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """With the layer checks, end with the ten largest modules: a report, never a failure."""
+    if not config.stash.get(_SIZES, False):
+        return
+    terminalreporter.section("module sizes")
+    try:
+        lines = size_report(10)
+    except OSError as err:  # a module removed or unreadable mid-run: say so, fail nothing
+        lines = [f"no module size report: {err}"]
+    for line in lines:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

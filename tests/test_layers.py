@@ -1,4 +1,4 @@
-"""The shape of the code: no import circles, the layers of docs/architecture.md, small modules.
+"""The shape of the code: no import circles, the layers of docs/architecture.md.
 
 The import graph of `hotload`, `hotload_operator` and `hotload_sidecar` is read from the source
 with `ast`. Function-level imports count as much as module-level ones: an import moved into a
@@ -12,6 +12,9 @@ module, else `a.b` (the package's `__init__`). Importing `a.b.c` also runs the `
 otherwise form a circle with every module of it that imports a sibling. Where two layers may
 import each other, `test_two_way_layers_import_in_any_order` imports every module of theirs
 first, in a fresh process, which is where an eager `__init__` would bite.
+
+Module length is a report, not a check: `make test` ends with the ten largest modules
+(`support.modules.size_report`, printed by `tests/conftest.py`).
 """
 
 from __future__ import annotations
@@ -24,13 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-ROOTS = {
-    "hotload": REPO / "hotload",
-    "hotload_patch": REPO / "hotload_patch",
-    "hotload_operator": REPO / "operator" / "hotload_operator",
-    "hotload_sidecar": REPO / "sidecar" / "hotload_sidecar",
-}
+from support.modules import REPO, product_modules
 
 # Which layer may import which: a module of the layer on the left may import modules of the
 # layers on the right (and of its own layer). A layer is a subpackage of `hotload`, a
@@ -109,12 +106,6 @@ CONFINED = {
     "obstore": {"hotload.bucket", "hotload.demo.seaweedfs"},
 }
 
-# A module longer than this holds more than one job (split it along a seam). No generated code
-# lives in these packages (crds/ is YAML), so the only exceptions are these, each with why; an
-# entry whose module is back within the limit fails too, so the list stays true.
-MAX_LINES = 500
-LONG_MODULES: set[str] = set()
-
 
 @dataclass(frozen=True)
 class Edge:
@@ -125,23 +116,7 @@ class Edge:
     line: int
 
 
-def _modules() -> dict[str, Path]:
-    """Every module of the three packages, by dotted name (stubs of extension modules too)."""
-    found: dict[str, Path] = {}
-    for top, root in ROOTS.items():
-        for path in sorted(root.rglob("*.py*")):
-            if path.suffix not in (".py", ".pyi"):
-                continue
-            parts = [top, *path.relative_to(root).with_suffix("").parts]
-            if parts[-1] == "__init__":
-                parts.pop()
-            name = ".".join(parts)
-            if path.suffix == ".py" or name not in found:
-                found[name] = path
-    return found
-
-
-MODULES = _modules()
+MODULES = product_modules()
 
 
 def _owner(name: str) -> str | None:
@@ -395,27 +370,3 @@ def test_two_way_layers_import_in_any_order() -> None:
     )
     assert run.returncode == 0, run.stderr
     assert not run.stdout, "modules that fail when imported first:\n" + run.stdout
-
-
-def _lines(path: Path) -> int:
-    return len(path.read_text().splitlines())
-
-
-def test_no_module_is_too_long() -> None:
-    long = sorted(
-        f"{path.relative_to(REPO)}: {_lines(path)} lines"
-        for path in MODULES.values()
-        if _lines(path) > MAX_LINES and str(path.relative_to(REPO)) not in LONG_MODULES
-    )
-    assert not long, f"modules over {MAX_LINES} lines (split them along a seam):\n" + "\n".join(
-        long
-    )
-
-
-def test_the_long_module_list_is_current() -> None:
-    stale = sorted(
-        name
-        for name in LONG_MODULES
-        if not (REPO / name).exists() or _lines(REPO / name) <= MAX_LINES
-    )
-    assert not stale, f"LONG_MODULES lists modules now within {MAX_LINES} lines: {stale}"
