@@ -28,6 +28,7 @@ from support.cluster import install_crds
 from support.fleet import Replica, free_port, http_json
 from support.kubeapi import KubeAPI
 from support.operator import (
+    condition,
     create_fleet,
     eventually,
     hld_path,
@@ -47,14 +48,6 @@ LOCAL_ROT_STEP = 5  # a replica's copy of step 4 rots before step 5's delta arri
 def chain(tmp_path_factory: pytest.TempPathFactory) -> TinyLLM:
     """Seven snapshots of one tiny Llama, each a training step after the one before."""
     return build_tiny_llm(tmp_path_factory.mktemp("e2e"), STEPS - 1, noise=0.01)
-
-
-def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
-    """Condition `type_` of `obj`'s status ({} if absent)."""
-    for c in (obj.get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return {}
 
 
 @pytest.mark.asyncio

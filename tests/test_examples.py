@@ -40,7 +40,6 @@ from support.example_cluster import (
     admission,
     claims,
     combined,
-    condition,
     needs_in_place,
     plan,
 )
@@ -58,7 +57,14 @@ from support.examples import (
 )
 from support.kubeapi import KubeAPI
 from support.kubetools import Kubectl, helm, kubectl, render_chart
-from support.operator import eventually, get_or_none, hld_body, hld_path, running_operator
+from support.operator import (
+    condition,
+    eventually,
+    get_or_none,
+    hld_body,
+    hld_path,
+    running_operator,
+)
 from support.seaweedfs import SeaweedFS
 from test_operator_rbac import chart_rbac, until_granted
 

@@ -45,6 +45,7 @@ from hotload_sidecar.status import (
     ReplicaStatus,
 )
 from support.kubeapi import KubeAPI
+from support.operator import condition
 
 JSON = dict[str, Any]
 ADMISSION = "admissionregistration.k8s.io/v1"
@@ -176,11 +177,6 @@ def denied_by_policy(fleet: Fleet, exc: KubeForbiddenError, message: str) -> boo
         f"ValidatingAdmissionPolicy '{fleet.policy}' with binding '{fleet.policy}' "
         f"denied request: {message}" in exc.message
     )
-
-
-def condition(pod: JSON, type_: str) -> JSON | None:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return next((c for c in conditions if c["type"] == type_), None)
 
 
 # --- what the loader may do ------------------------------------------------------------------
@@ -402,7 +398,7 @@ async def test_reporter_works_with_the_loaders_narrow_credentials(fleet: Fleet) 
     assert [e.get("count") for e in ours_events] == [1, 1]
     other_after = await fleet.pod(OTHER)
     assert other_after["metadata"]["resourceVersion"] == other_before["metadata"]["resourceVersion"]
-    assert condition(other_after, CONDITION_SNAPSHOT_LOADED) is None
+    assert condition(other_after, CONDITION_SNAPSHOT_LOADED) == {}
 
 
 # --- the server behaviour these checks rest on -----------------------------------------------

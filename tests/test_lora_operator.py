@@ -16,6 +16,7 @@ from hotload_sidecar.status import AdapterStatus
 from support.cluster import install_crds
 from support.kubeapi import KubeAPI
 from support.operator import (
+    condition,
     eventually,
     hld_path,
     play_deployment_controller,
@@ -27,13 +28,6 @@ from support.operator import (
 from support.snapshots import full, lora, weights
 
 JSON = dict[str, Any]
-
-
-def condition(obj: JSON, type_: str) -> JSON:
-    for c in (obj.get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return {}
 
 
 async def publish(kube: KubeClient, ns: str, bucket_dir: Path, folder: Path, fleet: str) -> None:

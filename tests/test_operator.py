@@ -20,6 +20,7 @@ from hotload.ledger import Ledger
 from support.cluster import install_crds
 from support.kubeapi import KubeAPI
 from support.operator import (
+    condition,
     create_fleet,
     eventually,
     hld_path,
@@ -32,14 +33,6 @@ from support.operator import (
 from support.snapshots import delta, full, nudged, upload, weights
 
 JSON = dict[str, Any]
-
-
-def condition(obj: JSON, type_: str) -> JSON:
-    """The condition `type_` of `obj`'s status ({} when absent)."""
-    for c in (obj.get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return {}
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from hotload.errors import KubeError, KubeInvalidError
 from hotload.kube import resource_path
 from support.cluster import install_crds
 from support.kubeapi import KubeAPI
-from support.operator import eventually, get_or_none, hld_path, running_operator
+from support.operator import condition, eventually, get_or_none, hld_path, running_operator
 
 JSON = dict[str, Any]
 
@@ -37,14 +37,6 @@ def fleet(name: str, bucket: Path, **spec: Any) -> JSON:
             **spec,
         },
     }
-
-
-def condition(obj: JSON | None, type_: str) -> JSON:
-    """The condition `type_` of `obj`'s status ({} when absent)."""
-    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
-        if c.get("type") == type_:
-            return dict(c)
-    return {}
 
 
 @pytest.mark.asyncio

@@ -49,8 +49,8 @@ from hotload_operator.causes import (
 from hotload_operator.reports import PodReport
 from hotload_operator.rollup import LedgerRead, rollup_deployment
 from hotload_sidecar.metrics import failure_reason
-from support.operator import condition as cond
 from support.operator import ledger_entries
+from support.operator import status_condition as cond
 
 JSON = dict[str, Any]
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)

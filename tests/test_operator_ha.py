@@ -35,6 +35,7 @@ from support.cluster import install_crds
 from support.fleet import free_port
 from support.kubeapi import KubeAPI
 from support.operator import (
+    condition,
     eventually,
     hld_body,
     hld_path,
@@ -71,13 +72,6 @@ def mine(log: AuditLog, ns: str) -> list[JSON]:
     """Everything the log recorded about namespace `ns` so far."""
     log.read()
     return [e for e in log.events if audit.namespace(e) == ns]
-
-
-def condition(obj: JSON | None, type_: str) -> JSON:
-    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return {}
 
 
 async def get(kube: KubeClient, path: str) -> JSON | None:

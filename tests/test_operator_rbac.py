@@ -31,7 +31,7 @@ from hotload_operator.leader import LeaseSettings
 from support.cluster import install_crds
 from support.kubeapi import KubeAPI
 from support.kubetools import helm, render_chart
-from support.operator import eventually, hld_path, running_operator, snapshot_path
+from support.operator import condition, eventually, hld_path, running_operator, snapshot_path
 from support.snapshots import full, upload, weights
 
 JSON = dict[str, Any]
@@ -50,14 +50,6 @@ ROUTER_OBJECTS = [
     ("rbac.authorization.k8s.io/v1", "roles"),
     ("rbac.authorization.k8s.io/v1", "rolebindings"),
 ]
-
-
-def condition(obj: JSON, type_: str) -> JSON:
-    """Condition `type_` of `obj`'s status ({} when absent)."""
-    for c in (obj.get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return {}
 
 
 def _path(obj: JSON) -> str:

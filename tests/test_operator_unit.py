@@ -25,8 +25,8 @@ from hotload_operator.policy import build_loader_admission_policy
 from hotload_operator.reports import PodReport, read_pod
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 from hotload_sidecar.kube_report import build_pod_metadata_patch
-from support.operator import condition as cond
 from support.operator import ledger_entries, serving
+from support.operator import status_condition as cond
 from support.snapshots import CONFIG, delta, full, nudged, weights
 
 JSON = dict[str, Any]

@@ -36,6 +36,7 @@ from support.fleet import free_port
 from support.kubeapi import KubeAPI
 from support.kubetools import kubectl
 from support.operator import (
+    condition,
     eventually,
     hld_body,
     hld_path,
@@ -66,13 +67,6 @@ def s3_fleet(name: str, url: str, creds: str) -> JSON:
     body = hld_body(name, "/unused", 1)
     body["spec"]["bucket"] = {"url": url, "credentialsSecret": creds}
     return body
-
-
-def condition(obj: JSON | None, type_: str) -> JSON:
-    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return dict(c)
-    return {}
 
 
 async def reason_is(kube: KubeClient, ns: str, name: str, type_: str, reason: str) -> JSON | None:

@@ -42,6 +42,7 @@ from support.cluster import install_crds
 from support.fleet import Replica, Trainer, wait_for
 from support.kubeapi import KubeAPI
 from support.operator import (
+    condition,
     eventually,
     hld_path,
     play_deployment_controller,
@@ -424,7 +425,7 @@ async def test_the_operator_pins_and_unpins_a_fleet(
                 "the fleet Ready on the pin",
                 lambda: _status_where(kube, path, updatedReplicas=2, currentSnapshot="step-000"),
             )
-            assert "(pinned)" in _condition(rolled_back, "Ready")["message"]
+            assert "(pinned)" in condition(rolled_back, "Ready")["message"]
 
             # A pin the ledger does not hold: not Ready, saying why.
             await kube.patch(path, {"spec": {"pin": "step-099"}}, "merge")
@@ -432,7 +433,7 @@ async def test_the_operator_pins_and_unpins_a_fleet(
                 "status PinNotInLedger",
                 lambda: _status_where(kube, path, targetSnapshot="step-099"),
             )
-            ready = _condition(missing, "Ready")
+            ready = condition(missing, "Ready")
             assert ready["status"] == "False" and ready["reason"] == "PinNotInLedger"
             assert "'step-099' is no longer in the history of ledger 'fleet'" in ready["message"]
 
@@ -449,10 +450,6 @@ async def _status_where(kube: Any, path: str, **want: Any) -> JSON | None:
     body = dict(await kube.get(path))
     status = body.get("status") or {}
     return body if all(status.get(k) == v for k, v in want.items()) else None
-
-
-def _condition(body: JSON, type_: str) -> JSON:
-    return next(c for c in body["status"]["conditions"] if c["type"] == type_)
 
 
 async def _pin_in(bucket: Any, key: str) -> Pin | None:

@@ -27,7 +27,7 @@ from support.examples import (
     deployments_in,
     hld_model,
 )
-from support.operator import eventually, get_or_none
+from support.operator import condition, eventually, get_or_none
 from support.snapshots import delta, full, lora, nudged, weights
 
 JSON = dict[str, Any]
@@ -353,14 +353,6 @@ class BucketFiles:
             if hld.spec.bucket.url.rstrip("/") == base_url and hld.spec.adapters.base_model:
                 return hld.spec.adapters.base_model
         raise AssertionError(f"no deployment of these examples serves adapters from {base_url}")
-
-
-def condition(obj: JSON, kind: str) -> JSON:
-    """Condition `kind` of `obj`'s status ({} when absent)."""
-    for c in (obj.get("status") or {}).get("conditions") or []:
-        if c.get("type") == kind:
-            return dict(c)
-    return {}
 
 
 @dataclass(frozen=True)

@@ -90,9 +90,18 @@ def ledger_entries(n: int, at: Any, *, digits: int = 0) -> list[Any]:
     ]
 
 
-def condition(status: JSON, type_: str) -> JSON:
-    """Condition `type_` of a status document."""
-    return next(c for c in status["conditions"] if c["type"] == type_)
+def condition(obj: JSON | None, type_: str) -> JSON:
+    """Condition `type_` of a Kubernetes object's status, a copy ({} when the object, its
+    status or the condition is absent)."""
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return dict(c)
+    return {}
+
+
+def status_condition(status: JSON, type_: str) -> JSON:
+    """Condition `type_` of a status document itself (what the roll-up returns)."""
+    return condition({"status": status}, type_)
 
 
 def hld_body(name: str, bucket_dir: Any, replicas: int = 1) -> JSON:
