@@ -1,4 +1,4 @@
-"""`hotload ledger ...`: show, reset, compact and resolve a ledger in a bucket."""
+"""`hotload ledger ...`: show, reset, compact, gc and resolve a ledger in a bucket."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from hotload.cli import ledger_gc
 from hotload.cli.common import print_json, stdout
 from hotload.errors import LedgerError
 from hotload.ledger import (
@@ -37,7 +38,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `ledger` command group."""
     p = sub.add_parser(
         "ledger",
-        help="show, reset, compact or resolve a snapshot ledger",
+        help="show, reset, compact, gc or resolve a snapshot ledger",
         description="A ledger is the ordered, append-only list of published snapshots of one "
         "policy, kept at BUCKET/.hotload/ledgers/NAME.json and changed only by "
         "compare-and-swap. S3 settings come from AWS_ENDPOINT_URL, AWS_REGION, "
@@ -71,7 +72,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="drop old history, keeping the chain from the latest full snapshot",
         description="Drop the oldest entries, keeping at least the last --keep entries and "
         "always the latest full snapshot with every delta after it. Snapshot files in the "
-        "bucket are not deleted.",
+        "bucket stay; `hotload ledger gc` deletes the folders nothing needs any more.",
     )
     _common(compact)
     compact.add_argument(
@@ -81,6 +82,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help=f"entries to keep at least (default: {DEFAULT_HISTORY})",
     )
     compact.set_defaults(func=_compact)
+
+    ledger_gc.register(s, _common)
 
     resolve = s.add_parser(
         "resolve",

@@ -1,10 +1,12 @@
 """The ledger: a versioned JSON document per policy in the bucket, changed only by compare-and-swap.
 
 It lives at `<bucket>/.hotload/ledgers/<name>.json`; writers append entries (full, incremental,
-lora) and resets, followers poll it cheaply and resolve which snapshots to fetch.
+lora) and resets, followers poll it cheaply and resolve which snapshots to fetch; `gc_async`
+deletes the snapshot folders nothing needs any more (`retention.plan_retention` decides).
 """
 
 from hotload.ledger.fields import validate_ledger_name
+from hotload.ledger.gc import GcResult, gc_async
 from hotload.ledger.ledger import (
     DEFAULT_HISTORY,
     LEDGER_PREFIX,
@@ -36,10 +38,12 @@ from hotload.ledger.pins import (
     poll_pin_async,
     write_pin_async,
 )
+from hotload.ledger.retention import DEFAULT_ORPHAN_AGE, Holder, RetentionPlan, plan_retention
 
 __all__ = [
     "BASE_KINDS",
     "DEFAULT_HISTORY",
+    "DEFAULT_ORPHAN_AGE",
     "ENTRY_KINDS",
     "FORMAT_VERSION",
     "LEDGER_PREFIX",
@@ -47,6 +51,8 @@ __all__ = [
     "PROMPT_CACHE_POLICIES",
     "SELF_CONTAINED",
     "EntryKind",
+    "GcResult",
+    "Holder",
     "Ledger",
     "LedgerDocument",
     "LedgerEntry",
@@ -56,11 +62,14 @@ __all__ = [
     "PinState",
     "PromptCachePolicy",
     "ResetRecord",
+    "RetentionPlan",
     "Target",
+    "gc_async",
     "ledger_key",
     "open_ledger",
     "pin_key",
     "pin_target",
+    "plan_retention",
     "poll_pin_async",
     "validate_ledger_name",
     "write_pin_async",

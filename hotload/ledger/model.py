@@ -6,7 +6,7 @@ Everything here is pure (no I/O), so the rules can be tested and reused by any w
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Final, Literal, get_args
@@ -303,11 +303,14 @@ class LedgerDocument:
         )
         return doc, record
 
-    def compacted(self, keep: int, now: datetime | None = None) -> LedgerDocument:
+    def compacted(
+        self, keep: int, now: datetime | None = None, *, also: Collection[str] = ()
+    ) -> LedgerDocument:
         """Drop old history, keeping the last `keep` entries (adapters count) and always the
         chain from the latest full snapshot (so the head stays resolvable); adapters older than
-        the last `keep` entries go even from inside that chain's span. The sequence is
-        unchanged."""
+        the last `keep` entries go even from inside that chain's span. Entries named in `also`
+        stay wherever they are (retention keeps the chains of pinned and served snapshots). The
+        sequence is unchanged."""
         keep = max(1, keep)
         if len(self.entries) <= keep:
             return self
@@ -319,7 +322,7 @@ class LedgerDocument:
         kept = tuple(
             e
             for i, e in enumerate(self.entries)
-            if i >= recent or (i >= start and e.kind != "lora")
+            if i >= recent or (i >= start and e.kind != "lora") or e.identity in also
         )
         if len(kept) == len(self.entries):
             return self

@@ -5,16 +5,24 @@ the ledger itself), the cadence of full snapshots and deltas, identities, and a 
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 from typing import Self
 
 from hotload.bucket import Bucket, open_bucket
+from hotload.errors import HotloadError
 from hotload.ledger import Ledger
+from hotload.ledger.gc import GcResult, gc_async
+from hotload.ledger.retention import DEFAULT_ORPHAN_AGE
 from hotload.sdk.cluster import Cluster
+from hotload.sdk.holders import deployment_holders_async
 from hotload.sdk.outcomes import PublishError
 from hotload.snapshot import validate_identity
+
+log = logging.getLogger("hotload.sdk.publisher")
 
 
 def check_target(full_every: int, deployment: str | None, ledger: str | None) -> None:
@@ -44,8 +52,12 @@ class PublisherCore:
         identity_format: str,
         accept_timeout: float,
         concurrency: int | None = None,
+        retain: int | None = None,
+        retain_orphan_age: timedelta = DEFAULT_ORPHAN_AGE,
     ) -> None:
         check_target(full_every, deployment, ledger)
+        if retain is not None and retain < 1:
+            raise PublishError("retain must be at least 1 (or None: no gc after publishing)")
         self.bucket: Bucket = (
             open_bucket(bucket_url, credentials_dir=credentials_dir)
             if concurrency is None
@@ -68,6 +80,8 @@ class PublisherCore:
         self.workdir.mkdir(parents=True, exist_ok=True)
         #: Set when the next publish cannot be a delta (a refusal, a rollout that failed).
         self._force_full = False
+        self.retain = retain
+        self.retain_orphan_age = retain_orphan_age
 
     def identity_for(self, step: int, identity: str | None) -> str:
         """The identity of the snapshot of `step`: `identity`, else from `identity_format`."""
@@ -83,6 +97,36 @@ class PublisherCore:
             or not delta_possible
             or (full is None and step % self.full_every == 0)
         )
+
+    async def retain_async(self) -> GcResult | None:
+        """After a successful publish, with `retain`: delete the snapshot folders nothing needs
+        (`hotload ledger gc --keep RETAIN --apply`). It respects the last `retain` entries, the
+        chain from the latest full snapshot, pins in the bucket, other ledgers and uploads in
+        flight, and with a deployment what its replicas serve or target. A gc that fails is
+        logged (with its cause) and never fails the publish; None when off or failed."""
+        if self.retain is None:
+            return None
+        try:
+            holders = (
+                await deployment_holders_async(
+                    [(self.namespace, self.deployment)], kubeconfig=self.kubeconfig
+                )
+                if self.deployment is not None
+                else []
+            )
+            result = await gc_async(
+                self.ledger,
+                keep=self.retain,
+                orphan_age=self.retain_orphan_age,
+                holders=holders,
+                apply=True,
+            )
+        except HotloadError as err:
+            log.warning("gc after publishing skipped, nothing deleted this time: %s", err)
+            return None
+        if result.deleted:
+            log.info("gc deleted %s: %s", len(result.deleted), ", ".join(result.deleted))
+        return result
 
     def close(self) -> None:
         """Remove the working folder if the publisher created it."""

@@ -34,6 +34,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from hotload.bucket import TransferResult, run_sync
 from hotload.errors import HotloadError
 from hotload.ledger import LedgerDocument, LedgerEntry, PromptCachePolicy
 from hotload.ledger.hints import prune_hints_async
+from hotload.ledger.retention import DEFAULT_ORPHAN_AGE
 from hotload.sdk.checkpoint import checkpoint_names
 from hotload.sdk.cluster import deployment_bucket
 from hotload.sdk.core import PublisherCore
@@ -81,7 +83,8 @@ class Publisher(PublisherCore):
     always, False never, or a callable given uploaded byte counts. `rebuild_parent`: with no
     usable full copy of the ledger head on disk, download and rebuild it so the next publish
     can still be a delta (costs a full download; off by default, `hotload publish` turns it
-    on).
+    on). `retain=N`: after each successful publish, delete the snapshot folders nothing needs
+    any more (`hotload ledger gc --keep N --apply`, see `retain_async`).
     """
 
     def __init__(
@@ -105,6 +108,8 @@ class Publisher(PublisherCore):
         accept_timeout: float = 300.0,
         rebuild_parent: bool = False,
         concurrency: int | None = None,
+        retain: int | None = None,
+        retain_orphan_age: timedelta = DEFAULT_ORPHAN_AGE,
     ) -> None:
         super().__init__(
             bucket_url,
@@ -119,6 +124,8 @@ class Publisher(PublisherCore):
             identity_format=identity_format,
             accept_timeout=accept_timeout,
             concurrency=concurrency,
+            retain=retain,
+            retain_orphan_age=retain_orphan_age,
         )
         self.cast = cast
         self.side_files_from = side_files_from
@@ -361,11 +368,13 @@ class Publisher(PublisherCore):
         Snapshot object the operator admits (its sequence); plus what the upload moved."""
         if self.cluster is not None:
             sequence, transfer = await self._submit(folder, identity, policy)
+            await self.retain_async()
             return None, sequence, transfer
         with self._progress_bar(f"upload {identity}", shipped) as advance:
             published = await publish_folder_async(
                 self.ledger, folder, identity=identity, prompt_cache=policy, progress=advance
             )
+        await self.retain_async()
         return published.entry, published.entry.sequence, published.transfer
 
     async def submit_folder_async(
