@@ -44,8 +44,8 @@ from hotload.ledger import Ledger
 from hotload.sdk import upload_hinted_async
 from hotload.snapshot import describe_snapshot
 from support.fleet import Replica
+from support.metrics import metric as _metric
 from support.seaweedfs import SeaweedFS
-from test_sidecar import _metric
 
 FETCHED = "hotload_loader_bytes_fetched_total"
 

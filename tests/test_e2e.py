@@ -25,7 +25,7 @@ from hotload.kube import resource_path
 from hotload.sdk import NotReadyError, Publisher
 from hotload.snapshot import Snapshot
 from support.cluster import install_crds
-from support.fleet import Replica, free_port, http_json
+from support.fleet import PROMPT_IDS, Replica, free_port, http_json
 from support.kubeapi import KubeAPI
 from support.operator import (
     condition,
@@ -38,7 +38,6 @@ from support.operator import (
 from support.tiny_llm import TinyLLM, build_tiny_llm
 from support.vllm_server import greedy_token_ids
 
-PROMPT_IDS = [101, 1996, 7570, 2001, 2019, 2214, 102]
 STEPS = 7  # step-00000000 .. step-00000006, a full snapshot every 3 steps
 ROT_STEP = 1  # its delta rots in the bucket after admission: step 2 is published full
 LOCAL_ROT_STEP = 5  # a replica's copy of step 4 rots before step 5's delta arrives

@@ -187,7 +187,7 @@ def test_the_loader_patches_vllm_and_folds_the_volume(world: World, tmp_path: Pa
     from hotload.bucket import open_bucket
     from hotload.ledger import Ledger
     from support.fleet import Replica, Trainer, wait_for
-    from test_sidecar import _metric
+    from support.metrics import metric
 
     bucket = tmp_path / "bucket"
     trainer = Trainer(
@@ -211,7 +211,7 @@ def test_the_loader_patches_vllm_and_folds_the_volume(world: World, tmp_path: Pa
         assert status["last_load"]["method"] == "sparse", status["last_load"]
         # vLLM's ranks counted the patch's elements themselves (hotload_state).
         assert status["last_load"]["engine_patched_elements"] > 0, status["last_load"]
-        assert _metric(replica.metrics(), 'hotload_loader_loads_total{method="sparse"}') == 1
+        assert metric(replica.metrics(), 'hotload_loader_loads_total{method="sparse"}') == 1
         current = replica.weights / "current"
         wait_for("step-001 folded", lambda: os.readlink(current) == "snapshots/step-001", 120)
         deltas = replica.weights / "deltas"

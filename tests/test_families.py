@@ -40,10 +40,10 @@ from hotload.sdk import Publisher
 from hotload_sidecar.engines import LoadRequest, ReferenceAdapter, Timeouts, VLLMAdapter
 from support.families import FAMILIES, Family, copy_tokenizer, save_family
 from support.fleet import Replica, free_port, http_json
+from support.metrics import metric
 from support.seaweedfs import SeaweedFS
 from support.tiny_llm import sparse_steps
 from support.vllm_server import INSTALL_HINT, VLLMServer, post_json, vllm_python
-from test_sidecar import _metric
 
 pytestmark = pytest.mark.slow
 
@@ -382,7 +382,7 @@ def test_vllm_experts_it_cannot_patch_load_in_full_naming_the_tensor(
         replica.wait_started(timeout=300)
         server = start_vllm(replica, {"HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS": "0"})
         replica.wait_serving(identity(0), timeout=300)
-        before = _metric(replica.metrics(), "hotload_loader_bytes_fetched_total")
+        before = metric(replica.metrics(), "hotload_loader_bytes_fetched_total")
         publish(chain, 1, workdir)
         status = replica.wait_serving(identity(1), timeout=300)
         last = status["last_load"]
@@ -393,7 +393,7 @@ def test_vllm_experts_it_cannot_patch_load_in_full_naming_the_tensor(
         assert "model.layers.0.mlp.experts" in fell_back[0]
         assert "checkpoint tensor model.layers.0.mlp.experts." in fell_back[0]
         # Decided before anything was fetched: the delta came down once, for the full load.
-        fetched = _metric(replica.metrics(), "hotload_loader_bytes_fetched_total") - before
+        fetched = metric(replica.metrics(), "hotload_loader_bytes_fetched_total") - before
         shipped = sum(o.size for o in open_bucket(chain.url).list(identity(1)))
         assert fetched == shipped, (fetched, shipped)
     finally:

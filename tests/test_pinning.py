@@ -39,7 +39,7 @@ from hotload_operator.rollup import rollup_deployment, rollup_snapshot
 from hotload_sidecar.config import ConfigError, load_settings
 from hotload_sidecar.loader import move_cache_policy
 from support.cluster import install_crds
-from support.fleet import Replica, Trainer, wait_for
+from support.fleet import PROMPT_IDS, Replica, Trainer, wait_for
 from support.kubeapi import KubeAPI
 from support.operator import (
     condition,
@@ -57,7 +57,6 @@ from support.vllm_server import greedy_token_ids
 JSON = dict[str, Any]
 NOW = datetime(2026, 5, 9, 12, 0, tzinfo=UTC)
 DIGEST = "sha256:" + "0" * 64
-PROMPT_IDS = [101, 1996, 7570, 2001, 2019, 2214, 102]
 
 
 def _document(kinds: str, **policies: str) -> LedgerDocument:

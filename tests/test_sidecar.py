@@ -33,33 +33,19 @@ from hotload_sidecar.status import (
     LABEL_IDENTITY,
     LABEL_SEQUENCE,
 )
-from support.fleet import REPO, Replica, Trainer, http_json, wait_for
+from support.fleet import PROMPT_IDS, REPO, Replica, Trainer, http_json, tokens, wait_for
 from support.kubeapi import KubeAPI
+from support.metrics import metric
 from support.operator import eventually
 from support.seaweedfs import SeaweedFS
 from support.tiny_llm import TinyLLM, broken_snapshot, build_tiny_llm
 from support.vllm_server import greedy_token_ids
-
-PROMPT_IDS = [101, 1996, 7570, 2001, 2019, 2214, 102]
 
 
 @pytest.fixture(scope="module")
 def tiny10(tmp_path_factory: pytest.TempPathFactory) -> TinyLLM:
     """Eleven snapshots of one tiny Llama: s0 and ten training steps after it."""
     return build_tiny_llm(tmp_path_factory.mktemp("tiny10"), 10, noise=0.01)
-
-
-def _tokens(replica: Replica, max_tokens: int = 8) -> tuple[str, list[int]]:
-    body = replica.complete_ids(PROMPT_IDS, max_tokens)
-    return body["model"], list(body["choices"][0]["token_ids"])
-
-
-def _metric(text: str, sample: str) -> float:
-    """The value of one sample (name plus labels, as exposed) in Prometheus text."""
-    for line in text.splitlines():
-        if line.startswith(sample + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{sample} is not in the metrics:\n{text}")
 
 
 def _stopped(pid: int) -> bool:
@@ -164,7 +150,7 @@ def test_three_replicas_follow_a_ten_step_chain(
     for r in fleet:
         status = r.wait_serving("step-009")
         assert status["sequence"] == 10 and status["loaded"] and status["reason"] == "Current"
-        assert _tokens(r) == ("tiny@step-009", expected)
+        assert tokens(r) == ("tiny@step-009", expected)
         # Garbage collection keeps the newest K=2 (plus nothing else) on disk.
         assert len(status["on_disk"]) <= 2 and "step-009" in status["on_disk"]
         metrics = r.metrics()
@@ -210,10 +196,10 @@ def test_failures_keep_serving_and_converge(
     status = r.wait_serving("step-002")
     assert any(e["reason"] == "FellBackToFull" for e in status["events"])
     metrics = r.metrics()
-    assert _metric(metrics, "hotload_loader_fallbacks_total") == 1
+    assert metric(metrics, "hotload_loader_fallbacks_total") == 1
     # The fallback recovered, yet the rotten parent is still a detection worth counting.
-    assert _metric(metrics, "hotload_loader_checksum_failures_total") == 1
-    assert _tokens(r) == ("tiny@step-002", greedy_token_ids(tiny10.snapshots[2], PROMPT_IDS, 8))
+    assert metric(metrics, "hotload_loader_checksum_failures_total") == 1
+    assert tokens(r) == ("tiny@step-002", greedy_token_ids(tiny10.snapshots[2], PROMPT_IDS, 8))
 
     # 2. A delta corrupted in the bucket: reported, old weights keep answering. Paused, so
     # that the loader cannot fetch the delta between its publication and the corruption (on a
@@ -238,10 +224,10 @@ def test_failures_keep_serving_and_converge(
     # The fallback was tried (and met the same bad bytes in the bucket's copy).
     assert "after falling back to the latest full snapshot" in failed["last_error"]
     metrics = r.metrics()
-    assert _metric(metrics, "hotload_loader_fallbacks_total") >= 2
+    assert metric(metrics, "hotload_loader_fallbacks_total") >= 2
     # Seen on the local parent's rebuild and again on the fallback: two more than before.
-    assert _metric(metrics, "hotload_loader_checksum_failures_total") >= 3
-    assert _tokens(r)[0] == "tiny@step-002"
+    assert metric(metrics, "hotload_loader_checksum_failures_total") >= 3
+    assert tokens(r)[0] == "tiny@step-002"
     # The next full snapshot heals the fleet.
     trainer.publish(4)
     r.wait_serving("step-004")
@@ -254,14 +240,14 @@ def test_failures_keep_serving_and_converge(
     )
     assert rejected["identity"] == "step-004" and "q_proj" in rejected["last_error"]
     assert any(e["reason"] == "EngineRejectedLoad" for e in rejected["events"])
-    assert _tokens(r)[0] == "tiny@step-004"
+    assert tokens(r)[0] == "tiny@step-004"
     assert os.readlink(r.weights / "current") == "snapshots/step-004"
     # One ledger entry behind while the engine refuses it, in the status and the gauge.
     assert rejected["staleness"] == 1
-    assert _metric(r.metrics(), "hotload_loader_staleness") == 1
+    assert metric(r.metrics(), "hotload_loader_staleness") == 1
     trainer.publish(6, full=True)
     assert r.wait_serving("step-006")["staleness"] == 0
-    assert _metric(r.metrics(), "hotload_loader_staleness") == 0
+    assert metric(r.metrics(), "hotload_loader_staleness") == 0
 
     # 4. The bucket goes away: keep serving, report the ledger unreachable; then recover.
     hidden = tmp_path / "bucket-away"
@@ -271,7 +257,7 @@ def test_failures_keep_serving_and_converge(
             "ledger unreachable", lambda: (s := r.status())["ledger_reachable"] is False and s, 30
         )
         assert away["reason"] == "LedgerUnreachable" and away["ready"]
-        assert _tokens(r)[0] == "tiny@step-006"
+        assert tokens(r)[0] == "tiny@step-006"
     finally:
         hidden.rename(bucket_dir)
     wait_for("ledger reachable", lambda: r.status()["ledger_reachable"], 30)
@@ -294,7 +280,7 @@ def test_failures_keep_serving_and_converge(
     status = r.wait_serving("step-008")
     assert status["reason"] == "Current"
     assert not any((work / "downloads").iterdir()) and not any((work / "staging").iterdir())
-    assert _tokens(r) == ("tiny@step-008", greedy_token_ids(tiny10.snapshots[8], PROMPT_IDS, 8))
+    assert tokens(r) == ("tiny@step-008", greedy_token_ids(tiny10.snapshots[8], PROMPT_IDS, 8))
     assert status["resumed_from"] is None  # it built step-008 itself
 
     # 6. A loader restarted with the head verified on its volume checks it and downloads
@@ -354,23 +340,23 @@ def test_a_full_disk_keeps_serving_reports_and_retries(
     assert failed["identity"] == "step-001" and failed["target_identity"] == "step-002"
     assert "File too large" in failed["last_error"], failed["last_error"]
     assert failed["staleness"] == 1
-    assert _metric(r.metrics(), "hotload_loader_staleness") == 1
-    assert _tokens(r)[0] == "tiny@step-001"
+    assert metric(r.metrics(), "hotload_loader_staleness") == 1
+    assert tokens(r)[0] == "tiny@step-001"
     # Retried, and further apart each time (--retry-seconds 1, doubling; polls every 0.3 s).
     three = wait_for("two retries", lambda: (f := failures())[2:] and f, 60)
     times = [datetime.fromisoformat(e["time"]).timestamp() for e in three[:3]]
     assert times[1] - times[0] >= 0.95 and times[2] - times[1] >= 1.95, times
     metrics = r.metrics()
-    assert _metric(metrics, 'hotload_loader_failures_total{stage="rebuild"}') >= 3
-    assert _metric(metrics, "hotload_loader_checksum_failures_total") == 0
-    assert _tokens(r)[0] == "tiny@step-001"
+    assert metric(metrics, 'hotload_loader_failures_total{stage="rebuild"}') >= 3
+    assert metric(metrics, "hotload_loader_checksum_failures_total") == 0
+    assert tokens(r)[0] == "tiny@step-001"
 
     # Room again: the next retry rebuilds, loads, and the replica is current.
     resource.prlimit(pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, hard))
     healed = r.wait_serving("step-002", timeout=60)
     assert healed["staleness"] == 0 and healed["reason"] == "Current"
-    assert _metric(r.metrics(), "hotload_loader_staleness") == 0
-    assert _tokens(r) == ("tiny@step-002", greedy_token_ids(tiny10.snapshots[2], PROMPT_IDS, 8))
+    assert metric(r.metrics(), "hotload_loader_staleness") == 0
+    assert tokens(r) == ("tiny@step-002", greedy_token_ids(tiny10.snapshots[2], PROMPT_IDS, 8))
     assert r.loader.poll() is None
 
 
@@ -515,7 +501,7 @@ async def test_the_loader_reports_on_its_own_pod(
     # Conditions the kubelet owns survive the loader's strategic merge.
     assert {"PodScheduled", CONDITION_SNAPSHOT_LOADED} <= set(conditions(pod))
 
-    before = _metric(r.metrics(), "hotload_loader_bytes_fetched_total")
+    before = metric(r.metrics(), "hotload_loader_bytes_fetched_total")
     uploaded = await asyncio.to_thread(trainer.publish, 1)
     status = await asyncio.to_thread(r.wait_serving, "step-001")
     pod = await eventually("step-001 reported on the pod", reported("step-001"))
@@ -524,7 +510,7 @@ async def test_the_loader_reports_on_its_own_pod(
     # The pod says what the loader says. The delta came down once, whether the early fetch
     # took it from the publisher's hint (then not after admission: bytesFetched 0) or not.
     assert note["lastLoad"]["bytesFetched"] == status["last_load"]["bytes_fetched"]
-    fetched = _metric(r.metrics(), "hotload_loader_bytes_fetched_total") - before
+    fetched = metric(r.metrics(), "hotload_loader_bytes_fetched_total") - before
     assert fetched == sum(f.stat().st_size for f in uploaded.rglob("*") if f.is_file())
 
     # A routine load is in the loader's own status (its /status events), not an Event on the

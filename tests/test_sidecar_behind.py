@@ -9,11 +9,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from hotload.ledger.fields import utc_now
 from hotload_sidecar.board import BehindClock
 from hotload_sidecar.metrics import FAILURE_STAGES, SPARSE_FALLBACK_REASONS, LoaderMetrics
+from support.metrics import scraped
 from test_sidecar_loader import _loader
 
 
@@ -25,15 +24,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def scraped(metrics: LoaderMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a scrape of `metrics`, by name and labels."""
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(metrics.render().decode())
-        for s in family.samples
-    }
 
 
 def test_behind_counts_from_the_first_target_not_served_since() -> None:

@@ -17,10 +17,10 @@ import pytest
 from hotload.bucket import open_bucket
 from hotload.faults import ENV as CRASH_AT
 from hotload.ledger import Ledger
-from support.fleet import Replica, Trainer, free_port, wait_for
+from support.fleet import PROMPT_IDS, Replica, Trainer, free_port, tokens, wait_for
+from support.metrics import metric
 from support.tiny_llm import build_tiny_llm, sparse_steps
 from support.vllm_server import greedy_token_ids
-from test_sidecar import PROMPT_IDS, _metric, _tokens
 
 #: (stage, whether the restarted loader must fetch the delta again: it was not on the volume).
 STAGES = [
@@ -83,10 +83,10 @@ def test_a_loader_killed_at_each_stage_resumes_without_a_download(
         # What the killed loader left in its work folders is gone; the volume holds the step.
         assert _leftovers(r) == [], (stage, _leftovers(r))
         assert status["resumed_from"] is not None, (stage, status)
-        fetched = _metric(r.metrics(), "hotload_loader_bytes_fetched_total")
+        fetched = metric(r.metrics(), "hotload_loader_bytes_fetched_total")
         shipped = sum(p.stat().st_size for p in delta.iterdir())
         assert fetched == (shipped if refetch else 0), (stage, fetched, shipped)
-        assert _tokens(r) == (f"tiny@{identity}", greedy_token_ids(steps[k], PROMPT_IDS, 8))
+        assert tokens(r) == (f"tiny@{identity}", greedy_token_ids(steps[k], PROMPT_IDS, 8))
         deltas = sorted(p.name for p in (r.weights / "deltas").iterdir())
         assert identity in deltas or os.readlink(r.weights / "current") == f"snapshots/{identity}"
     # Every delta is still there (nothing folded them: the folding was killed), on step-000.

@@ -29,9 +29,9 @@ from hotload_sidecar.loader import Loader
 from hotload_sidecar.sparse import Prepared
 from hotload_sidecar.status import LocalReporter
 from support.fleet import Trainer
+from support.metrics import scraped
 from support.tiny_llm import build_tiny_llm, sparse_steps
 from test_engine import engine_of, serve
-from test_sidecar_behind import scraped
 
 
 class GatedAdapter(ReferenceAdapter):

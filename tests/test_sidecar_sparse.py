@@ -21,12 +21,12 @@ from hotload.bucket import open_bucket
 from hotload.engine.server import create_app
 from hotload.ledger import Ledger
 from hotload_sidecar.engines import LoadRequest, PatchRefusedError, ReferenceAdapter
-from support.fleet import Replica, Trainer, free_port, http_json, wait_for
+from support.fleet import PROMPT_IDS, Replica, Trainer, free_port, http_json, tokens, wait_for
+from support.metrics import metric
 from support.seaweedfs import SeaweedFS
 from support.tiny_llm import build_tiny_llm, sparse_steps
 from support.vllm_server import greedy_token_ids
 from test_engine import engine_of, serve
-from test_sidecar import PROMPT_IDS, _metric, _tokens
 
 TRAINED = 7
 DENSE = 5
@@ -99,7 +99,7 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
 
     # 1. A 1% delta of the served snapshot: a patch. The volume keeps the delta after the
     # snapshot: no model written, nothing re-read for the checksums.
-    written = _metric(r.metrics(), "hotload_loader_volume_bytes_written_total")
+    written = metric(r.metrics(), "hotload_loader_volume_bytes_written_total")
     delta = trainer.publish(1)
     status = r.wait_serving("step-001")
     last = status["last_load"]
@@ -112,7 +112,7 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
     assert (
         last["engine_steps"]["patch.stage"] < last["engine_steps"]["patch"] < last["load_seconds"]
     )
-    assert _tokens(r) == ("tiny@step-001", greedy_token_ids(steps[1], PROMPT_IDS, 8))
+    assert tokens(r) == ("tiny@step-001", greedy_token_ids(steps[1], PROMPT_IDS, 8))
     assert _listing(r.weights / "deltas") == ["step-001"]
     assert _listing(r.weights / "snapshots") == ["step-000"]
     assert _current(r) == "snapshots/step-000"
@@ -124,8 +124,8 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
     assert counters["patched_elements"] == last["engine_patched_elements"] > 0
     assert counters["checksum_bytes"] == read
     metrics = r.metrics()
-    assert _metric(metrics, 'hotload_loader_loads_total{method="sparse"}') == 1
-    written = _metric(metrics, "hotload_loader_volume_bytes_written_total") - written
+    assert metric(metrics, 'hotload_loader_loads_total{method="sparse"}') == 1
+    written = metric(metrics, "hotload_loader_volume_bytes_written_total") - written
     assert written == last["volume_bytes_written"]
     assert any(
         e["reason"] == "SnapshotLoaded" and "sparse patch of step-000" in e["message"]
@@ -151,7 +151,7 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
         180,
     )
     assert status["last_load"]["method"] == "sparse" and status["last_load"]["bytes_fetched"] == 0
-    assert _tokens(r) == ("tiny@step-002", greedy_token_ids(steps[2], PROMPT_IDS, 8))
+    assert tokens(r) == ("tiny@step-002", greedy_token_ids(steps[2], PROMPT_IDS, 8))
 
     # 3. The loader restarts (told to fold the deltas as soon as there are any): it resumes
     # from the volume, loads nothing, downloads nothing.
@@ -164,7 +164,7 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
     resumed = [e for e in status["events"] if e["reason"] == "ResumedFromVolume"]
     assert "snapshot step-000 plus 2 delta(s)" in resumed[0]["message"], resumed
     assert _engine_status(r)["loads"] == loads
-    assert _metric(r.metrics(), "hotload_loader_bytes_fetched_total") == 0
+    assert metric(r.metrics(), "hotload_loader_bytes_fetched_total") == 0
 
     # 4. The next delta is patched; the deltas then fold into a snapshot in the background.
     trainer.publish(3)
@@ -185,7 +185,7 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
         "full",
         "too_dense",
     )
-    assert _metric(r.metrics(), 'hotload_loader_sparse_fallbacks_total{reason="too_dense"}') == 1
+    assert metric(r.metrics(), 'hotload_loader_sparse_fallbacks_total{reason="too_dense"}') == 1
     assert _current(r) == "snapshots/step-005"
 
     # 6. A delta corrupted in the bucket: the patch is refused, so is the full path; the engine
@@ -207,18 +207,18 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
     assert failed["identity"] == "step-005" and "step-006" in failed["last_error"]
     metrics = r.metrics()
     assert (
-        _metric(metrics, 'hotload_loader_sparse_fallbacks_total{reason="delta_not_verified"}') == 1
+        metric(metrics, 'hotload_loader_sparse_fallbacks_total{reason="delta_not_verified"}') == 1
     )
-    assert _metric(metrics, "hotload_loader_checksum_failures_total") >= 2
+    assert metric(metrics, "hotload_loader_checksum_failures_total") >= 2
     assert _served_checksums(r) == before
-    assert _tokens(r)[0] == "tiny@step-005"
+    assert tokens(r)[0] == "tiny@step-005"
     assert not (r.weights / "deltas" / "step-006").exists()
 
     # 7. The next step is published as a full snapshot (its delta's parent never served): the
     # fleet heals through the full path.
     trainer.publish(7, full=True)
     assert r.wait_serving("step-007")["last_load"]["method"] == "full"
-    assert _tokens(r) == ("tiny@step-007", greedy_token_ids(steps[7], PROMPT_IDS, 8))
+    assert tokens(r) == ("tiny@step-007", greedy_token_ids(steps[7], PROMPT_IDS, 8))
 
 
 def _size(p: Path) -> int:
@@ -260,8 +260,8 @@ def test_a_burst_of_deltas_is_served_as_patches(
     status = r.wait_serving("step-004")
     last = status["last_load"]
     assert (last["method"], last["skipped"], last["steps"]) == ("sparse", 3, 4)
-    assert _tokens(r) == ("tiny@step-004", greedy_token_ids(burst[4], PROMPT_IDS, 8))
-    assert _metric(r.metrics(), 'hotload_loader_loads_total{method="sparse"}') == 1
+    assert tokens(r) == ("tiny@step-004", greedy_token_ids(burst[4], PROMPT_IDS, 8))
+    assert metric(r.metrics(), 'hotload_loader_loads_total{method="sparse"}') == 1
     assert _engine_status(r)["counters"]["patches"] == 1
     assert any("over 4 deltas" in e["message"] for e in status["events"])
 
@@ -274,12 +274,12 @@ def test_a_burst_of_deltas_is_served_as_patches(
     status = r.wait_serving("step-008")
     assert (status["last_load"]["method"], status["last_load"]["steps"]) == ("sparse", 2)
     metrics = r.metrics()
-    assert _metric(metrics, 'hotload_loader_loads_total{method="sparse"}') == 2
-    assert _metric(metrics, 'hotload_loader_loads_total{method="full"}') == 0
+    assert metric(metrics, 'hotload_loader_loads_total{method="sparse"}') == 2
+    assert metric(metrics, 'hotload_loader_loads_total{method="full"}') == 0
     fallbacks = [line for line in metrics.splitlines() if "sparse_fallbacks_total{" in line]
     assert fallbacks and all(line.endswith(" 0.0") for line in fallbacks), fallbacks
     assert _engine_status(r)["counters"]["patches"] == 3
-    assert _tokens(r) == ("tiny@step-008", greedy_token_ids(burst[8], PROMPT_IDS, 8))
+    assert tokens(r) == ("tiny@step-008", greedy_token_ids(burst[8], PROMPT_IDS, 8))
 
 
 @pytest.mark.asyncio

@@ -389,3 +389,13 @@ class Replica:
                 raise AssertionError(
                     f"{self.name} {what} exited with {proc.returncode}\n{self.logs()}"
                 )
+
+
+#: A prompt as token ids of the tiny Llama's WordPiece vocabulary (`support.tiny_llm`).
+PROMPT_IDS = [101, 1996, 7570, 2001, 2019, 2214, 102]
+
+
+def tokens(replica: Replica, max_tokens: int = 8) -> tuple[str, list[int]]:
+    """The model name and the greedy token ids `replica` answers `PROMPT_IDS` with."""
+    body = replica.complete_ids(PROMPT_IDS, max_tokens)
+    return body["model"], list(body["choices"][0]["token_ids"])
