@@ -16,131 +16,23 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import ClientSession
-from aiohttp.test_utils import TestClient, TestServer
 
-from hotload.engine.engine import Engine, EngineConfig
-from hotload.engine.server import ENGINE, create_app
+from support.engines import PROMPTS, Result, complete, engine_of, load, serve
 from support.fleet import free_port
 from support.tiny_llm import TinyLLM, broken_snapshot, build_tiny_llm
 
 REPO = Path(__file__).resolve().parent.parent
-PROMPTS = [
-    "the chef cooked the old boat",
-    "a pilot found a red door in the garden",
-    "my neighbour",
-    "the teacher sold a wooden table to the doctor and then",
-    "our team built the new bridge",
-    "a sailor",
-]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyLLM:
     """Base snapshot s0 and perturbed snapshots s1..s3 of one tiny Llama."""
     return build_tiny_llm(tmp_path_factory.mktemp("tiny-llm"), 3)
-
-
-@dataclass
-class Result:
-    """One generation as a client saw it."""
-
-    status: int
-    body: dict[str, Any]
-    chunks: list[dict[str, Any]] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
-    headers: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def tokens(self) -> list[int]:
-        """Generated token ids (requests ask for `return_token_ids`)."""
-        if self.chunks:
-            return [t for c in self.chunks for t in c["choices"][0].get("token_ids", [])]
-        return list(self.body["choices"][0]["token_ids"])
-
-    @property
-    def text(self) -> str:
-        """The completion text (concatenated deltas when streamed)."""
-        if self.chunks:
-            return "".join(c["choices"][0].get("text", "") for c in self.chunks)
-        return str(self.body["choices"][0]["text"])
-
-    @property
-    def hotload(self) -> dict[str, Any]:
-        """The `hotload` object: the snapshots at generation start and end."""
-        source = self.chunks[-1] if self.chunks else self.body
-        return dict(source["hotload"])
-
-
-@asynccontextmanager
-async def serve(path: Path, identity: str, sequence: int = 0, **options: Any) -> AsyncIterator[Any]:
-    """A started engine on `path` behind a real aiohttp server; yields a test client.
-
-    Staging runs at normal priority here (`stage_nice=0`): these tests time swaps against
-    running generations and must not depend on how busy the machine is.
-    """
-    options.setdefault("stage_nice", 0)
-    engine = Engine(
-        EngineConfig(model_path=path, name="tiny", identity=identity, sequence=sequence, **options)
-    )
-    client = TestClient(TestServer(create_app(engine), host="127.0.0.1"))
-    await client.start_server()
-    try:
-        await engine.start()
-        yield client
-    finally:
-        await client.close()
-
-
-def engine_of(client: Any) -> Engine:
-    """The engine behind a test client."""
-    return client.server.app[ENGINE]
-
-
-async def complete(
-    client: Any,
-    prompt: str | list[int],
-    max_tokens: int = 16,
-    *,
-    stream: bool = False,
-    headers: dict[str, str] | None = None,
-    **extra: Any,
-) -> Result:
-    """POST /v1/completions (greedy, token ids returned) and read the answer or the SSE stream."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "return_token_ids": True, **extra}
-    if stream:
-        body["stream"] = True
-    resp = await client.post("/v1/completions", json=body, headers=headers or {})
-    if resp.status != 200 or not stream:
-        return Result(resp.status, await resp.json(), headers=dict(resp.headers))
-    result = Result(resp.status, {}, headers=dict(resp.headers))
-    done = False
-    async for raw in resp.content:
-        line = raw.decode().strip()
-        if not line.startswith("data: "):
-            continue
-        data = line[len("data: ") :]
-        if data == "[DONE]":
-            done = True
-            break
-        result.chunks.append(json.loads(data))
-        result.times.append(time.perf_counter())
-    assert done, "stream ended without [DONE]"
-    return result
-
-
-async def load(client: Any, path: Path, identity: str, sequence: int, **extra: Any) -> Any:
-    """POST /hotload/v1/load; returns the response (status and JSON)."""
-    body = {"path": str(path), "identity": identity, "sequence": sequence, **extra}
-    resp = await client.post("/hotload/v1/load", json=body)
-    return resp.status, await resp.json()
 
 
 # --- the model itself --------------------------------------------------------------------------

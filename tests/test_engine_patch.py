@@ -18,9 +18,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from hotload.arc.patch import prepare_patch
 from hotload.engine.server import create_app
 from hotload_patch.format import PatchFile
+from support.engines import PROMPTS, complete, engine_of, load, serve
 from support.patches import flip_first_difference, rewrite_patch
 from support.tiny_llm import build_tiny_llm, sparse_steps
-from test_engine import PROMPTS, complete, engine_of, load, serve
 
 
 async def patch(client: Any, path: Path, identity: str, sequence: int, parent: str) -> Any:

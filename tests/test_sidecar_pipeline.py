@@ -3,7 +3,7 @@ deltas published meanwhile, and sends it as soon as the engine answers; a patch 
 parent the engine then does not serve is deleted unsent.
 
 In one process: the loader (`Loader.run`), a real reference engine behind its aiohttp server
-(`test_engine.serve`), a folder bucket with a real ledger, real arc_v2 deltas of a tiny Llama.
+(`support.engines.serve`), a folder bucket with a real ledger, real arc_v2 deltas of a tiny Llama.
 The engine's patch route is held at a gate (the adapter waits before calling it), so the test
 decides when the engine answers: the deltas after it land while it is busy.
 """
@@ -28,10 +28,10 @@ from hotload_sidecar.engines import LoadRequest, LoadResult, ReferenceAdapter
 from hotload_sidecar.loader import Loader
 from hotload_sidecar.sparse import Prepared
 from hotload_sidecar.status import LocalReporter
+from support.engines import engine_of, serve
 from support.fleet import Trainer
 from support.metrics import scraped
 from support.tiny_llm import build_tiny_llm, sparse_steps
-from test_engine import engine_of, serve
 
 
 class GatedAdapter(ReferenceAdapter):

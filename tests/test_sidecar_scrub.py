@@ -24,9 +24,9 @@ from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import make_adapter
 from hotload_sidecar.loader import Loader
 from hotload_sidecar.status import LocalReporter, ReplicaStatus
+from support.engines import engine_of, serve
 from support.fleet import Trainer
 from support.tiny_llm import build_tiny_llm, sparse_steps
-from test_engine import engine_of, serve
 
 
 class Recorder(LocalReporter):

@@ -21,12 +21,12 @@ from hotload.bucket import open_bucket
 from hotload.engine.server import create_app
 from hotload.ledger import Ledger
 from hotload_sidecar.engines import LoadRequest, PatchRefusedError, ReferenceAdapter
+from support.engines import engine_of, serve
 from support.fleet import PROMPT_IDS, Replica, Trainer, free_port, http_json, tokens, wait_for
 from support.metrics import metric
 from support.seaweedfs import SeaweedFS
 from support.tiny_llm import build_tiny_llm, sparse_steps
 from support.vllm_server import greedy_token_ids
-from test_engine import engine_of, serve
 
 TRAINED = 7
 DENSE = 5
