@@ -319,6 +319,10 @@ async def test_a_gc_killed_in_the_middle_leaves_only_orphans_the_next_run_remove
     else:
         assert named == {"s4", "s5"}  # the ledger changed first; the rest are orphans
         assert left - named  # orphans: folders the ledger no longer names, not yet deleted
+        # A half-deleted folder lost its commit manifest first: never taken for a snapshot.
+        for name in left - named:
+            files = {i.key for i in await bucket.list_async(name)}
+            assert len(files) == 7 or f"{name}/model.safetensors.index.json" not in files
 
     # The next run (default orphan age: a day) removes them: the journal retired them.
     code, out, err = await _gc_cli(bucket_url, "--keep", "1", "--apply", "-o", "json")
