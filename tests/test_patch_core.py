@@ -57,30 +57,21 @@ from hotload_patch.sums import (
 from hotload_patch.verify import TensorCheck, checks_of, verify
 from hotload_patch.vllm import HotloadWorkerExtension
 from support.patch_models import (
+    CFG,
+    INT_OF_WIDTH,
     ScriptedModel,
     ToyConfig,
     ToyTPModel,
+    bits,
     checkpoint_weights,
     load_ranks,
     read_checkpoint,
+    same_bits,
 )
-from support.patches import flip_first_difference, rewrite_patch, set_first
+from support.patches import Chain, build_chain, flip_first_difference, rewrite_patch, set_first
 from support.snapshots import CONFIG
-from support.tiny_llm import sparse_steps
 
-CFG = ToyConfig()
-_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_UINTS: dict[int, np.dtype[Any]] = {w: np.dtype(f"<u{w}") for w in (1, 2, 4, 8)}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bit patterns as integers (NaN and -0.0 compared exactly)."""
-    return t.detach().contiguous().view(_INTS[t.element_size()])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors have the same dtype, shape and bits."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
 def param_bits(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -582,29 +573,6 @@ def test_a_host_with_problems_is_a_kernel_format_refusal(tmp_path: Path) -> None
 # --- 4. real patches on simulated tensor-parallel ranks -----------------------------------------
 
 
-@dataclass
-class Chain:
-    """A parent and a child full snapshot, and the patch from one to the other."""
-
-    parent: Path
-    child: Path
-    patch: Path
-
-
-def build_chain(
-    root: Path, cast: str | None, cfg: ToyConfig = CFG, fraction: float = 0.05
-) -> Chain:
-    """Full snapshots `step-0`, `step-1` of the toy model (one training step moving `fraction`
-    of every tensor by one ulp), the arc_v2 delta between them and its patch file."""
-    base = write_snapshot(
-        root / "base", checkpoint_weights(cfg), config=CONFIG, cast=cast, overwrite=True
-    ).path
-    fulls, deltas = sparse_steps(base, root, 1, fraction=fraction)
-    patch = root / "step-1.patch"
-    prepare_patch(fulls[0], deltas[1], patch)
-    return Chain(fulls[0], fulls[1], patch)
-
-
 def patch_checks(patch: Path) -> dict[str, TensorCheck]:
     """What the patch promises of each tensor (the loader reads this from the patch file)."""
     with PatchFile(patch) as pf:
@@ -856,7 +824,7 @@ def test_a_float32_checkpoint_held_as_bfloat16_is_refused(tmp_path: Path) -> Non
 
 def _bump(param: torch.Tensor, at: int = 0) -> None:
     """One ulp more at flat element `at`."""
-    flat = param.data.view(-1).view(_INTS[param.element_size()])
+    flat = param.data.view(-1).view(INT_OF_WIDTH[param.element_size()])
     flat[at] += 1
 
 

@@ -26,10 +26,10 @@ from hotload_patch.placement import IdentityHost
 from hotload_patch.served import Meter, device_partial, region_partial, served_sums
 from hotload_patch.session import Patcher
 from hotload_patch.sums import MOD, Region, combine
-from support.patch_models import checkpoint_weights, read_checkpoint
+from support.patch_models import CFG, checkpoint_weights, read_checkpoint, same_bits
+from support.patches import Chain, build_chain
 from support.snapshots import CONFIG
 from support.tiny_llm import sparse_steps
-from test_patch_core import CFG, Chain, build_chain, same_bits
 
 
 def _targets(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

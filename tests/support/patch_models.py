@@ -252,3 +252,20 @@ class ScriptedModel(nn.Module):
         for _name, loaded in weights:
             self.loader(self.weight, loaded)
         return {"weight"}
+
+
+#: The toy model's configuration most tests use.
+CFG = ToyConfig()
+
+#: The signed integer dtype of each element width, to view a tensor's bit patterns.
+INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bit patterns as integers (NaN and -0.0 compared exactly)."""
+    return t.detach().contiguous().view(INT_OF_WIDTH[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors have the same dtype, shape and bits."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
