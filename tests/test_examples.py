@@ -29,6 +29,7 @@ from hotload.kube import KubeClient, resource_path
 from hotload_operator.builders import build_children
 from hotload_operator.leader import LeaseSettings
 from hotload_operator.meta import ledger_url
+from support.chart_rbac import chart_rbac, until_granted
 from support.cluster import install_crds
 from support.example_cluster import (
     ENFORCE,
@@ -66,7 +67,6 @@ from support.operator import (
     running_operator,
 )
 from support.seaweedfs import SeaweedFS
-from test_operator_rbac import chart_rbac, until_granted
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
