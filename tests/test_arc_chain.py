@@ -15,9 +15,8 @@ from hotload.arc import encode
 from hotload.arc.chain import decode_chain
 from hotload.errors import ChecksumMismatchError, CorruptDeltaError, WrongParentError
 from hotload.snapshot import write_snapshot
-from support.snapshots import CONFIG, weights
+from support.snapshots import CONFIG, flip_payload_byte, weights
 from support.tiny_llm import sparse_steps
-from test_arc_patch import _flip_payload_byte
 
 
 def _steps(root: Path) -> tuple[list[Path], list[Path]]:
@@ -68,7 +67,7 @@ def test_a_chain_that_does_not_hold_leaves_nothing(tmp_path: Path) -> None:
         decode_chain(fulls[0], chain[:2], out, parents=["step-0", "step-9"])
     assert not out.exists()
     # A corrupted payload in the middle of the chain.
-    _flip_payload_byte(chain[2])
+    flip_payload_byte(chain[2])
     with pytest.raises((CorruptDeltaError, ChecksumMismatchError)):
         decode_chain(fulls[0], chain, out)
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))

@@ -13,41 +13,14 @@ from hotload.arc import decode, encode
 from hotload.arc.chunk import FLOAT_LAYOUTS, SPARSE_EXP, decode_chunk, encode_chunk
 from hotload.arc.container import read_header
 from hotload.errors import ArcError
-from hotload.snapshot import RawTensor, write_snapshot
-
-CONFIG = {"model_type": "toy"}
-
-
-def _bf16(x: np.ndarray) -> np.ndarray:
-    bits = x.astype(np.float32).view(np.uint32)
-    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(
-        16
-    )
-    return rounded.astype(np.uint16)
-
-
-def _adam_like(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """A bf16 weight and the same weight after an Adam-like step at lr 1e-6."""
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)
-    step = np.abs(rng.standard_normal(n, dtype=np.float32)).clip(0.05, 3) * np.float32(1e-6)
-    sign = rng.integers(0, 2, n).astype(np.float32) * 2 - 1
-    return _bf16(w), _bf16(w - step * sign)
-
-
-def _write(path: Path, weights: dict[str, np.ndarray]) -> None:
-    write_snapshot(
-        path,
-        {k: RawTensor("BF16", (v.size,), v.view(np.uint8)) for k, v in weights.items()},
-        config=CONFIG,
-    )
+from support.snapshots import adam_like_step, write_bf16
 
 
 def test_compact_delta_is_smaller_and_rebuilds_bit_for_bit(tmp_path: Path) -> None:
-    a0, a1 = _adam_like(300_000, 1)
-    b0, b1 = _adam_like(200_000, 2)
-    _write(tmp_path / "s0", {"layers.0.w": a0, "layers.1.w": b0})
-    _write(tmp_path / "s1", {"layers.0.w": a1, "layers.1.w": b1})
+    a0, a1 = adam_like_step(300_000, 1)
+    b0, b1 = adam_like_step(200_000, 2)
+    write_bf16(tmp_path / "s0", {"layers.0.w": a0, "layers.1.w": b0})
+    write_bf16(tmp_path / "s1", {"layers.0.w": a1, "layers.1.w": b1})
     plain = encode(tmp_path / "s0", tmp_path / "s1", tmp_path / "plain", chunk_elements=100_000)
     compact = encode(
         tmp_path / "s0", tmp_path / "s1", tmp_path / "compact", chunk_elements=100_000, compact=True
@@ -89,7 +62,7 @@ def test_sparse_exp_round_trips_random_bits(dtype: str, seed: int, rate: float) 
 
 
 def test_sparse_exp_needs_a_float_dtype() -> None:
-    old, new = _adam_like(50_000, 3)
+    old, new = adam_like_step(50_000, 3)
     chunk = encode_chunk(old, new, dtype="BF16", exponent_context=True)
     assert chunk.meta["encoding"] == SPARSE_EXP
     with pytest.raises(ArcError, match="floating-point dtype"):
@@ -97,7 +70,7 @@ def test_sparse_exp_needs_a_float_dtype() -> None:
 
 
 def test_sparse_exp_rejects_a_hot_count_beyond_the_hot_set() -> None:
-    old, new = _adam_like(50_000, 4)
+    old, new = adam_like_step(50_000, 4)
     chunk = encode_chunk(old, new, dtype="BF16", exponent_context=True)
     meta = dict(chunk.meta)
     meta["hot"] = dict(meta["hot"], count=10**9)
@@ -131,11 +104,11 @@ def test_sparse_exp_every_threshold_round_trips(dtype: str, threshold_at: float)
 def test_compact_delta_on_the_wrong_parent_says_so(tmp_path: Path) -> None:
     from hotload.errors import WrongParentError
 
-    a0, a1 = _adam_like(200_000, 5)
-    other, _ = _adam_like(200_000, 6)
-    _write(tmp_path / "s0", {"layers.0.w": a0})
-    _write(tmp_path / "s1", {"layers.0.w": a1})
-    _write(tmp_path / "x", {"layers.0.w": other})
+    a0, a1 = adam_like_step(200_000, 5)
+    other, _ = adam_like_step(200_000, 6)
+    write_bf16(tmp_path / "s0", {"layers.0.w": a0})
+    write_bf16(tmp_path / "s1", {"layers.0.w": a1})
+    write_bf16(tmp_path / "x", {"layers.0.w": other})
     encode(tmp_path / "s0", tmp_path / "s1", tmp_path / "d", compact=True)
     with pytest.raises(WrongParentError, match="another snapshot"):
         decode(tmp_path / "x", tmp_path / "d", tmp_path / "out")

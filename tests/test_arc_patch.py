@@ -26,7 +26,7 @@ from hotload.snapshot.dtypes import uint_view_dtype
 from hotload.snapshot.safetensors_io import iter_file
 from hotload_patch import PatchError
 from hotload_patch.format import PatchFile
-from support.snapshots import CONFIG, weights
+from support.snapshots import CONFIG, adam_like_step, flip_payload_byte, weights, write_bf16
 from support.tiny_llm import sparse_steps
 
 
@@ -140,11 +140,10 @@ def test_compact_deltas_need_their_parent(tmp_path: Path) -> None:
     """A delta encoded with `compact` orders changes by the parent's exponents
     (`sparse_exp`): made from the delta alone it is refused; with the parent it is exact."""
     from hotload.arc import encode
-    from test_arc_compact import _adam_like, _write
 
-    a0, a1 = _adam_like(300_000, 1)
-    _write(tmp_path / "s0", {"layers.0.w": a0})
-    _write(tmp_path / "s1", {"layers.0.w": a1})
+    a0, a1 = adam_like_step(300_000, 1)
+    write_bf16(tmp_path / "s0", {"layers.0.w": a0})
+    write_bf16(tmp_path / "s1", {"layers.0.w": a1})
     compact = tmp_path / "compact"
     encode(tmp_path / "s0", tmp_path / "s1", compact, chunk_elements=100_000, compact=True)
     kinds = {
@@ -164,18 +163,6 @@ def test_compact_deltas_need_their_parent(tmp_path: Path) -> None:
     assert all(np.array_equal(patched[n], b) for n, (_, b) in child.items())
 
 
-def _flip_payload_byte(delta: Path) -> None:
-    """Flip one byte of the first delta shard that carries a payload."""
-    for shard in sorted(delta.glob("*.safetensors")):
-        header = read_header(shard)
-        if header.file_size > header.payload_offset:
-            data = bytearray(shard.read_bytes())
-            data[header.payload_offset + 1] ^= 0xFF
-            shard.write_bytes(bytes(data))
-            return
-    raise AssertionError("no payload")
-
-
 def test_a_delta_that_does_not_pass_its_checks_leaves_no_patch(tmp_path: Path) -> None:
     _, deltas = _chain(tmp_path, "BF16")
     out = tmp_path / "p.patch"
@@ -190,7 +177,7 @@ def test_a_delta_that_does_not_pass_its_checks_leaves_no_patch(tmp_path: Path) -
         prepare_patch(None, deltas[1], out, max_changed_fraction=0.001)
     assert not any(p.exists() for p in leftovers)
     # A corrupted payload fails its CRC-32.
-    _flip_payload_byte(deltas[1])
+    flip_payload_byte(deltas[1])
     with pytest.raises(CorruptDeltaError):
         prepare_patch(None, deltas[1], out)
     assert not any(p.exists() for p in leftovers)

@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 
 from hotload.arc import encode
+from hotload.arc.container import read_header
 from hotload.bucket import open_bucket, upload_snapshot_async
-from hotload.snapshot import describe_snapshot, write_snapshot
+from hotload.snapshot import RawTensor, describe_snapshot, write_snapshot
 
 CONFIG = {"model_type": "toy", "hidden_size": 64}
 
@@ -97,3 +98,42 @@ async def upload(bucket_dir: Path, folder: Path) -> None:
         files=desc.files,
         manifest_files=desc.manifest_files,
     )
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """The bfloat16 bit patterns of `x` (rounded to nearest even), as uint16."""
+    bits = x.astype(np.float32).view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(
+        16
+    )
+    return rounded.astype(np.uint16)
+
+
+def adam_like_step(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A bf16 weight and the same weight after an Adam-like step at lr 1e-6."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(n, dtype=np.float32) * np.float32(0.02)
+    step = np.abs(rng.standard_normal(n, dtype=np.float32)).clip(0.05, 3) * np.float32(1e-6)
+    sign = rng.integers(0, 2, n).astype(np.float32) * 2 - 1
+    return bf16_bits(w), bf16_bits(w - step * sign)
+
+
+def write_bf16(path: Path, weights: dict[str, np.ndarray]) -> None:
+    """A full snapshot at `path` of flat bfloat16 tensors given as their bits (`bf16_bits`)."""
+    write_snapshot(
+        path,
+        {k: RawTensor("BF16", (v.size,), v.view(np.uint8)) for k, v in weights.items()},
+        config=CONFIG,
+    )
+
+
+def flip_payload_byte(delta: Path) -> None:
+    """Flip one byte of the first delta shard that carries a payload."""
+    for shard in sorted(delta.glob("*.safetensors")):
+        header = read_header(shard)
+        if header.file_size > header.payload_offset:
+            data = bytearray(shard.read_bytes())
+            data[header.payload_offset + 1] ^= 0xFF
+            shard.write_bytes(bytes(data))
+            return
+    raise AssertionError("no payload")
