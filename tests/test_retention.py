@@ -425,5 +425,7 @@ def test_the_cli_dry_run_prints_why(tmp_path: Path) -> None:
     assert "- s0" in out and "dropped from the ledger" in out
     assert "= s4" in out and "latest full snapshot s4" in out
     assert "no --deployment given" in err
+    code, _, err = asyncio.run(_gc_cli(url, "--orphan-age", "a fortnight"))
+    assert code == 2 and "--orphan-age: cannot read duration 'a fortnight'" in err
     assert (tmp_path / "bucket" / "s0").is_dir()
     assert all(p.stat().st_mtime < before for p in (tmp_path / "bucket" / "s0").iterdir())

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from hotload.bucket import run_sync
 from hotload.cli.common import print_json, progress_bar, stderr, stdout
-from hotload.errors import LedgerError
+from hotload.errors import HotloadError, LedgerError
 from hotload.ledger import DEFAULT_HISTORY, open_ledger
 from hotload.ledger.gc import GcResult, gc_async
 from hotload.ledger.retention import DEFAULT_ORPHAN_AGE, Verdict, human_age, parse_age
@@ -53,7 +54,7 @@ def register(
     )
     p.add_argument(
         "--orphan-age",
-        type=parse_age,
+        type=_age,
         default=DEFAULT_ORPHAN_AGE,
         metavar="DURATION",
         help="folders no ledger names go only once their newest file is this old, e.g. 90s, "
@@ -80,6 +81,13 @@ def register(
         "--apply", action="store_true", help="delete (default: only print what would go)"
     )
     p.set_defaults(func=_gc)
+
+
+def _age(text: str) -> timedelta:
+    try:
+        return parse_age(text)
+    except HotloadError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _deployments(args: argparse.Namespace) -> list[tuple[str, str]]:

@@ -111,9 +111,18 @@ async def gc_async(
     raise AssertionError("unreachable")
 
 
-def gc(ledger: Ledger, **options: object) -> GcResult:
+def gc(
+    ledger: Ledger,
+    *,
+    keep: int,
+    orphan_age: timedelta = DEFAULT_ORPHAN_AGE,
+    holders: Iterable[Holder] = (),
+    apply: bool = False,
+) -> GcResult:
     """Blocking `gc_async`."""
-    return run_sync(gc_async(ledger, **options))  # type: ignore[arg-type]
+    return run_sync(
+        gc_async(ledger, keep=keep, orphan_age=orphan_age, holders=holders, apply=apply)
+    )
 
 
 # --- reading ------------------------------------------------------------------------------------

@@ -54,15 +54,15 @@ def parse_age(text: str) -> timedelta:
 
 
 def human_age(age: timedelta) -> str:
-    """A duration as people read it: `45s`, `12m`, `5.5h`, `3.0d`."""
+    """A duration as people read it: `45s`, `12m`, `5.5h`, `24h`, `3d`."""
     seconds = age.total_seconds()
     if seconds < 120:
         return f"{seconds:.0f}s"
     if seconds < 7200:
         return f"{seconds / 60:.0f}m"
     if seconds < 172800:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
+        return f"{seconds / 3600:.3g}h"
+    return f"{seconds / 86400:.3g}d"
 
 
 @dataclass(frozen=True)
