@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from support.cli import hotload
 from support.cluster import install_crds
 from support.fleet import run_on_a_terminal, wait_for
 from support.kubeapi import KubeAPI
@@ -26,16 +27,6 @@ from support.operator import (
 from support.snapshots import delta, full, nudged, weights
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-async def hotload(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
-    """Run the `hotload` CLI in a subprocess without blocking the emulator's event loop."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "hotload", *args,
-        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    return proc.returncode or 0, out.decode(), err.decode()
 
 
 @pytest.mark.asyncio

@@ -29,6 +29,7 @@ import hotload.kube.config as kube_config
 from hotload.errors import KubeError, KubeForbiddenError
 from hotload.kube import KubeClient, KubeConfig, resource_path
 from hotload.sdk import Publisher
+from support.cli import hotload
 from support.cluster import install_crds
 from support.kubeapi import KubeAPI, write_kubeconfig
 from support.operator import (
@@ -39,7 +40,6 @@ from support.operator import (
     running_operator,
 )
 from support.snapshots import CONFIG, weights
-from test_cli_fleet import hotload
 
 EXEC_API = "client.authentication.k8s.io/v1"
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -12,8 +12,8 @@ from pathlib import Path
 from hotload.ledger.fields import utc_now
 from hotload_sidecar.board import BehindClock
 from hotload_sidecar.metrics import FAILURE_STAGES, SPARSE_FALLBACK_REASONS, LoaderMetrics
+from support.loaders import loader_with_engine_down
 from support.metrics import scraped
-from test_sidecar_loader import _loader
 
 
 class Clock:
@@ -96,7 +96,7 @@ def test_label_values_start_at_zero_and_publish_to_serving_clamps_skew() -> None
 def test_a_loader_whose_engine_is_down_reads_behind_at_each_scrape(tmp_path: Path) -> None:
     """A real loader (folder bucket, engine gone after serving step-000): once a poll names a
     head the engine does not serve, behind_seconds grows between scrapes without another poll."""
-    loader, trainer, _ = _loader(tmp_path)
+    loader, trainer, _ = loader_with_engine_down(tmp_path)
     name = ("hotload_loader_behind_seconds", ())
     trainer.publish(0)
 
