@@ -21,7 +21,12 @@ from typing import Any
 from hotload_patch.checkpoint import Specs
 from hotload_patch.errors import PatchError
 from hotload_patch.placement import Host
-from hotload_patch.scrub import DEFAULT_SCRUB_RATE, Scrubber, mismatch_error
+from hotload_patch.scrub import (
+    DEFAULT_SCRUB_PERIOD,
+    DEFAULT_SCRUB_RATE,
+    Scrubber,
+    mismatch_error,
+)
 from hotload_patch.served import Counters, Meter, served_sums
 from hotload_patch.staging import Staged, apply, stage, undo
 from hotload_patch.sums import MOD, Region, RegionSum
@@ -50,10 +55,12 @@ class Patcher:
         *,
         initializer: Callable[[], None] | None = None,
         scrub_rate: float = DEFAULT_SCRUB_RATE,
+        scrub_period: float = DEFAULT_SCRUB_PERIOD,
     ) -> None:
         """`initializer` runs first in the background threads (an engine lowers their priority
         there, so that checksums, staging and the scrub yield the CPU to generation);
-        `scrub_rate` bounds the scrub's reads in bytes per second (0: no scrub)."""
+        `scrub_rate` bounds the scrub's reads in bytes per second (0: no scrub), and a scrub
+        pass begins every `scrub_period` seconds."""
         self.host = host
         self.counters = Counters()
         self._pool = ThreadPoolExecutor(
@@ -71,7 +78,7 @@ class Patcher:
         self._writing = False
         self._expected: tuple[int, dict[tuple[str, Region], tuple[int, int]]] | None = None
         self._mismatch: dict[str, Any] | None = None
-        self.scrubber = Scrubber(self, scrub_rate, initializer)
+        self.scrubber = Scrubber(self, scrub_rate, initializer, period=scrub_period)
         self.scrubber.start()
 
     # --- the served weights' checksums -----------------------------------------------------------
@@ -251,7 +258,8 @@ class Patcher:
                 self._mismatch = mismatch
 
     def scrub_state(self) -> dict[str, Any]:
-        """The scrub's state as JSON (rate, passes, the last pass, a standing mismatch)."""
+        """The scrub's state as JSON (rate, period, passes, the last pass, a standing
+        mismatch)."""
         state = self.scrubber.snapshot()
         with self._lock:
             state["mismatch"] = self._mismatch

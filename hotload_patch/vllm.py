@@ -18,8 +18,9 @@ methods on every rank, returning one result per rank. The loader's vLLM adapter 
     hotload_parameter_checksums   sha256 of every parameter as held (tests, audits)
 
 After a patch each rank's served checksums are derived from the patch; a scrub re-reads the
-weights in the background at HOTLOAD_SCRUB_BYTES_PER_SECOND (default 64 MiB/s, 0: off) and
-compares them (`hotload_patch.scrub`).
+weights in the background once every HOTLOAD_SCRUB_PERIOD_SECONDS (default 3600; a full load
+restarts the period), at most HOTLOAD_SCRUB_BYTES_PER_SECOND fast (default 64 MiB/s, 0: off),
+resting in between, and compares them (`hotload_patch.scrub`).
 
 Every method answers a JSON object and never raises for a refused patch: `{"error": {"reason",
 "message", "tensor"}}` says why, and the weights are unchanged.
@@ -44,27 +45,47 @@ from hotload_patch import PROTOCOL
 from hotload_patch.checkpoint import Specs, checkpoint_specs
 from hotload_patch.errors import PatchError
 from hotload_patch.placement import LoaderHost
-from hotload_patch.scrub import DEFAULT_SCRUB_RATE
+from hotload_patch.scrub import DEFAULT_SCRUB_PERIOD, DEFAULT_SCRUB_RATE
 from hotload_patch.session import Patcher
 from hotload_patch.staging import parameter_checksums
 
 PLAIN_ENV = "HOTLOAD_VLLM_CPU_PLAIN_WEIGHTS"
 SCRUB_ENV = "HOTLOAD_SCRUB_BYTES_PER_SECOND"
+SCRUB_PERIOD_ENV = "HOTLOAD_SCRUB_PERIOD_SECONDS"
+
+
+def _env_number(name: str, default: float, unit: str) -> float:
+    """The number in environment variable `name` (`default` when unset); one that is not a
+    number is refused naming the variable."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of {unit}") from None
 
 
 def scrub_rate() -> float:
-    """The scrub's rate from HOTLOAD_SCRUB_BYTES_PER_SECOND (bytes per second; 0 turns it off);
-    the default when unset; a value that is not a number is refused naming the variable."""
-    raw = os.environ.get(SCRUB_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_SCRUB_RATE
-    try:
-        rate = float(raw)
-    except ValueError:
-        raise ValueError(f"{SCRUB_ENV}={raw!r} is not a number of bytes per second") from None
-    if rate < 0:
-        raise ValueError(f"{SCRUB_ENV}={raw!r} must not be negative")
+    """The scrub's cap from HOTLOAD_SCRUB_BYTES_PER_SECOND (bytes per second; 0 turns it off);
+    the default when unset; anything but a number >= 0 is refused naming the variable."""
+    rate = _env_number(SCRUB_ENV, DEFAULT_SCRUB_RATE, "bytes per second")
+    if not rate >= 0:
+        raise ValueError(f"{SCRUB_ENV}={os.environ[SCRUB_ENV]!r} must not be negative")
     return rate
+
+
+def scrub_period() -> float:
+    """The scrub's period from HOTLOAD_SCRUB_PERIOD_SECONDS (seconds from one pass's start to
+    the next's); the default when unset; anything but a positive number is refused naming the
+    variable."""
+    period = _env_number(SCRUB_PERIOD_ENV, DEFAULT_SCRUB_PERIOD, "seconds")
+    if not 0 < period < float("inf"):
+        raise ValueError(
+            f"{SCRUB_PERIOD_ENV}={os.environ[SCRUB_PERIOD_ENV]!r} must be a positive number of "
+            f"seconds (to turn the scrub off: {SCRUB_ENV}=0)"
+        )
+    return period
 
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
@@ -247,7 +268,7 @@ class HotloadWorkerExtension:
                 return naming_tensors(lines, host, checkpoint_specs(self._hotload_folder()))
 
             host = LoaderHost(model, problems)
-            patcher = Patcher(host, scrub_rate=scrub_rate())
+            patcher = Patcher(host, scrub_rate=scrub_rate(), scrub_period=scrub_period())
             self.__dict__["_hotload_patcher"] = patcher
         return patcher
 

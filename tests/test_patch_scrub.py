@@ -12,6 +12,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,9 +21,10 @@ import torch
 from hotload.arc.patch import prepare_patch
 from hotload.snapshot import write_snapshot
 from hotload_patch import PatchError
-from hotload_patch.checkpoint import checkpoint_specs
+from hotload_patch.checkpoint import Specs, checkpoint_specs
 from hotload_patch.dtypes import ELEMENT_SIZE
 from hotload_patch.placement import IdentityHost
+from hotload_patch.scrub import Scrubber
 from hotload_patch.served import Meter, device_partial, region_partial, served_sums
 from hotload_patch.session import Patcher
 from hotload_patch.sums import MOD, Region, combine
@@ -100,7 +102,7 @@ def test_derived_sums_equal_a_full_reread_after_patches(
     assert counters["patched_bytes"] == staged.changed * targets[next(iter(targets))].itemsize
 
     # The scrub, turned on, reads everything once and finds the derived sums right.
-    patcher.scrubber.set_rate(1 << 30)
+    patcher.scrubber.set_schedule(rate=1 << 30, period=0.01)
     _wait("a scrub pass", lambda: patcher.scrub_state()["passes"] >= 1)
     state = patcher.scrub_state()
     assert state["last"]["result"] == "ok" and state["mismatch"] is None
@@ -123,7 +125,7 @@ def test_a_scrub_finds_a_flipped_bit_and_patches_are_refused_until_a_full_load(
     name = "model.layers.1.mlp.down_proj.weight"
     flat = targets[name].view(-1).view(torch.int32)
     flat[5] ^= 1 << (3 if low else 20)
-    patcher.scrubber.set_rate(1 << 30)
+    patcher.scrubber.set_schedule(rate=1 << 30, period=0.01)
     state = _wait("the scrub's mismatch", lambda: patcher.scrub_state()["mismatch"])
     assert isinstance(state, dict) and state["tensor"] == name
     assert patcher.scrub_state()["last"]["result"] == "mismatch"
@@ -167,7 +169,7 @@ def test_the_scrub_reads_at_its_rate_and_rereads_what_a_patch_changed_under_it(
 
     rate = 4096.0
     patcher.scrubber.sleep = sleep
-    patcher.scrubber.set_rate(rate)
+    patcher.scrubber.set_schedule(rate=rate, period=0.01)
     _wait("a scrub pass", lambda: patcher.scrub_state()["passes"] >= 1)
     state = patcher.scrub_state()
     assert state["last"]["result"] == "ok", state
@@ -218,3 +220,166 @@ def test_sums_on_the_device_equal_zlibs(dtype: torch.dtype) -> None:
                 assert device_partial(view, region, ckpt, total, meter) == want
             finally:
                 served_module.DEVICE_CHUNK_BYTES = old
+
+
+def _loaded(
+    root: Path, patchers: list[Patcher], **options: float
+) -> tuple[Patcher, dict[str, torch.Tensor], Specs]:
+    """A Patcher over a bfloat16 checkpoint held as float32, its checksums read (a full load)."""
+    chain = build_chain(root, "BF16")
+    targets = _targets(chain.parent, torch.float32)
+    patcher = Patcher(IdentityHost(lambda: targets), **options)
+    patchers.append(patcher)
+    specs = checkpoint_specs(chain.parent)
+    patcher.weights_changed(specs)
+    patcher.served(timeout=30)
+    return patcher, targets, specs
+
+
+def test_by_default_the_scrub_rests_an_hour_after_a_full_load(
+    tmp_path: Path, patchers: list[Patcher]
+) -> None:
+    """Default settings: a full load's checksum read counts as a pass, so nothing is re-read
+    until the period (an hour) is up: across an idle window the scrub reads no byte."""
+    patcher, _, _ = _loaded(tmp_path, patchers)
+    time.sleep(1.0)
+    state = patcher.scrub_state()
+    assert patcher.counters.scrub_bytes == 0 and state["passes"] == 0
+    assert state["period_seconds"] == 3600 and state["rate_bytes_per_second"] == 64 << 20
+    assert state["next"] > time.time() + 3500
+
+
+def test_a_scrub_with_a_short_period_rests_between_passes_and_finds_a_flipped_bit_within_it(
+    tmp_path: Path, patchers: list[Patcher]
+) -> None:
+    """One pass per period, the thread idle in between (the scrub's own byte counter does not
+    move across the rest), and a bit flipped after a pass is found by the next one, which
+    begins within a period of the flip."""
+    period = 3.0
+    patcher, targets, specs = _loaded(tmp_path, patchers, scrub_rate=1 << 30, scrub_period=period)
+    model_bytes = sum(int(np.prod(s)) * ELEMENT_SIZE[d] for s, d in specs.values())
+    _wait("the first pass", lambda: patcher.scrub_state()["passes"] >= 1, timeout=60)
+    first = patcher.scrub_state()
+    assert first["last"]["result"] == "ok" and first["last"]["bytes"] == model_bytes
+    read = patcher.counters.scrub_bytes
+    assert read >= model_bytes
+    # Rest: until shortly before the next pass is due, nothing is read.
+    idle = first["next"] - time.time() - 0.5
+    assert idle > 1.0, first
+    time.sleep(idle)
+    assert patcher.counters.scrub_bytes == read
+    assert patcher.scrub_state()["passes"] == 1
+
+    name = "model.layers.1.mlp.down_proj.weight"
+    flipped_at = time.time()
+    targets[name].view(-1).view(torch.int32)[5] ^= 1 << 20
+    found = _wait("the mismatch", lambda: patcher.scrub_state()["mismatch"], timeout=60)
+    assert isinstance(found, dict) and found["tensor"] == name
+    last = patcher.scrub_state()["last"]
+    assert last["result"] == "mismatch" and patcher.scrub_state()["passes"] == 2
+    assert last["started"] <= flipped_at + period
+    # The next pass began a period after the first began, not sooner.
+    assert last["started"] >= first["last"]["started"] + period - 0.05
+
+
+class _Uncovered:
+    """The real Patcher as a scrub sees it, except that its expected sums leave out one tensor:
+    what the engine's checksums look like when they do not cover a region it holds. Injected:
+    no engine reaches that state on purpose, and the scrub must still not call the pass ok."""
+
+    def __init__(self, patcher: Patcher, tensor: str) -> None:
+        self.patcher, self.tensor = patcher, tensor
+        self.host, self.counters = patcher.host, patcher.counters
+
+    def scrub_target(self) -> Any:
+        target = self.patcher.scrub_target()
+        if target is None:
+            return None
+        epoch, specs, expected = target
+        return epoch, specs, {k: v for k, v in expected.items() if k[0] != self.tensor}
+
+    def epoch(self) -> int:
+        return self.patcher.epoch()
+
+    def busy(self) -> bool:
+        return self.patcher.busy()
+
+    def scrub_found(self, mismatch: dict[str, Any]) -> None:
+        self.patcher.scrub_found(mismatch)
+
+
+@pytest.mark.parametrize("case", ["no_sums", "unreadable"])
+def test_a_pass_that_skips_a_region_says_so_and_does_not_count_it_as_read(
+    tmp_path: Path, patchers: list[Patcher], case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A region without expected sums, or one held in a dtype that cannot give back its
+    checkpoint's bits (a write that replaced the tensor behind the engine's back), is not
+    compared: the pass ends `skipped`, names the tensor and the cause, counts only the bytes it
+    compared, and logs a warning."""
+    patcher, targets, specs = _loaded(tmp_path, patchers, scrub_rate=0)
+    name = "model.layers.1.mlp.down_proj.weight"
+    shape, dtype = specs[name]
+    skipped_bytes = int(np.prod(shape)) * ELEMENT_SIZE[dtype]
+    model_bytes = sum(int(np.prod(s)) * ELEMENT_SIZE[d] for s, d in specs.values())
+    if case == "no_sums":
+        scrubber = Scrubber(_Uncovered(patcher, name), rate=1 << 30, period=0.01)
+        cause = "no expected checksums"
+    else:
+        targets[name] = targets[name].to(torch.float16)  # float16 cannot hold bfloat16's bits
+        scrubber = patcher.scrubber
+        scrubber.set_schedule(rate=1 << 30, period=0.01)
+        cause = "weights_mismatch"
+    scrubber.start()
+    try:
+        with caplog.at_level("WARNING", logger="hotload_patch.scrub"):
+            _wait("a pass", lambda: scrubber.snapshot()["passes"] >= 1)
+        state = scrubber.snapshot()
+    finally:
+        if scrubber is not patcher.scrubber:
+            scrubber.stop()
+    last = state["last"]
+    assert last["result"] == "skipped", last
+    assert last["bytes"] == model_bytes - skipped_bytes
+    assert last["skipped_bytes"] == skipped_bytes
+    assert [s["tensor"] for s in last["skipped"]] == [name]
+    assert cause in last["skipped"][0]["cause"] and name in last["message"]
+    assert state["skips"] >= 1 and state["skipped_regions"] >= 1 and state["mismatch"] is None
+    assert any(name in r.getMessage() and cause in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--scrub-period", "0"], "--scrub-period must be a positive number of seconds, not 0"),
+        (["--scrub-period", "nan"], "--scrub-period must be a positive number of seconds"),
+        (["--scrub-bytes-per-second", "-1"], "--scrub-bytes-per-second must be >= 0"),
+    ],
+)
+def test_hotload_serve_refuses_a_scrub_schedule_it_cannot_keep(
+    tmp_path: Path, args: list[str], says: str
+) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "hotload", "serve", "--model", str(tmp_path), *args],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1 and says in proc.stderr, proc.stderr
+
+
+def test_the_vllm_extension_reads_its_scrub_schedule_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hotload_patch import vllm as extension
+
+    monkeypatch.delenv(extension.SCRUB_PERIOD_ENV, raising=False)
+    assert extension.scrub_period() == 3600.0
+    monkeypatch.setenv(extension.SCRUB_PERIOD_ENV, "90")
+    assert extension.scrub_period() == 90.0
+    for bad in ("0", "-5", "soon", "inf"):
+        monkeypatch.setenv(extension.SCRUB_PERIOD_ENV, bad)
+        with pytest.raises(ValueError, match=extension.SCRUB_PERIOD_ENV):
+            extension.scrub_period()
+    with pytest.raises(ValueError, match="period"):
+        Scrubber(_Uncovered.__new__(_Uncovered), period=0)  # type: ignore[arg-type]

@@ -116,14 +116,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="tokens of per-session prefix cache to keep, LRU (default: 262144; 0 disables)",
     )
     p.add_argument(
+        "--scrub-period",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="after a patch the served weights' checksums are derived from it; a scrub re-reads "
+        "the weights in the background once per period (a full load restarts the period) and "
+        "compares, resting in between: rot is found within about this long (a mismatch is "
+        "reported on /hotload/v1/status, and patches are refused until a full load; "
+        "default: 3600)",
+    )
+    p.add_argument(
         "--scrub-bytes-per-second",
         type=float,
         default=None,
         metavar="RATE",
-        help="after a patch the served weights' checksums are derived from it; a scrub re-reads "
-        "the weights in the background at most this fast and compares (a mismatch is reported "
-        "on /hotload/v1/status, and patches are refused until a full load; default: 64 MiB/s, "
-        "0: no scrub)",
+        help="the most the scrub reads per second during a pass; a model larger than "
+        "RATE x --scrub-period is re-read back to back (default: 64 MiB/s, 0: no scrub)",
     )
     p.add_argument(
         "--log-level",
@@ -152,7 +161,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_adapters < 0:
         raise HotloadError("--max-adapters must be >= 0")
     if args.scrub_bytes_per_second is not None and not args.scrub_bytes_per_second >= 0:
-        raise HotloadError("--scrub-bytes-per-second must be >= 0")
+        raise HotloadError(
+            f"--scrub-bytes-per-second must be >= 0 (0 turns the scrub off), not "
+            f"{args.scrub_bytes_per_second:g}"
+        )
+    if args.scrub_period is not None and not 0 < args.scrub_period < float("inf"):
+        raise HotloadError(
+            f"--scrub-period must be a positive number of seconds, not {args.scrub_period:g} "
+            "(to turn the scrub off: --scrub-bytes-per-second 0)"
+        )
     if args.admin_port is not None and args.admin_port == args.port:
         raise HotloadError("--admin-port must differ from --port")
     # Fail fast, before importing torch or binding a port, when the folder is not a snapshot.
@@ -177,6 +194,7 @@ def _run(args: argparse.Namespace) -> int:
             if args.scrub_bytes_per_second is None
             else {"scrub_bytes_per_second": args.scrub_bytes_per_second}
         ),
+        **({} if args.scrub_period is None else {"scrub_period_seconds": args.scrub_period}),
     )
     engine = Engine(config)
     return asyncio.run(_serve(engine, args.host, args.port, args.admin_port, args.access_log))

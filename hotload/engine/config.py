@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hotload_patch.scrub import DEFAULT_SCRUB_PERIOD, DEFAULT_SCRUB_RATE
+
 if TYPE_CHECKING:  # model.py imports torch, which only the 'engine' extra installs
     from hotload.engine.model import Numerics
 
@@ -29,9 +31,11 @@ class EngineConfig:
     # Niceness of the thread that stages a hot load: generation keeps the CPU while the old
     # weights serve, and staging takes what is left (0: same priority as generation).
     stage_nice: int = 10
-    #: The scrub's rate: bytes of served weights re-read per second to check the checksums
-    #: that patches derive (0: no scrub).
-    scrub_bytes_per_second: float = 64 << 20
+    #: The scrub re-reads the served weights to check the checksums that patches derive: a
+    #: pass begins every `scrub_period_seconds` (after a full load: a period later) and reads
+    #: at most `scrub_bytes_per_second` (0: no scrub); it rests in between.
+    scrub_bytes_per_second: float = DEFAULT_SCRUB_RATE
+    scrub_period_seconds: float = DEFAULT_SCRUB_PERIOD
 
     @property
     def initial_identity(self) -> str:

@@ -143,6 +143,7 @@ class Engine:
             runner,
             initializer=lambda: lower_priority(cfg.stage_nice),
             scrub_rate=cfg.scrub_bytes_per_second,
+            scrub_period=cfg.scrub_period_seconds,
         )
         self.patches.loaded(cfg.model_path)
         self.scheduler = Scheduler(

@@ -84,7 +84,8 @@ class EngineMetrics(MetricSet):
         )
         self.scrub_passes = self.counter(
             "hotload_engine_scrub_passes",
-            "Scrub passes over every served weight, by result (ok, mismatch).",
+            "Scrub passes over every served weight, by result (ok, mismatch; skipped: some "
+            "regions could not be compared, see /hotload/v1/status).",
             ["result"],
         )
         self.scrub_mismatch = self.gauge(
@@ -101,7 +102,7 @@ class EngineMetrics(MetricSet):
             self.tokens.labels(kind)
         for kind in ("load", "scrub", "host"):
             self.weight_bytes.labels(kind)
-        for result in ("ok", "mismatch"):
+        for result in ("ok", "mismatch", "skipped"):
             self.scrub_passes.labels(result)
 
     def sync_patches(self, report: dict[str, Any]) -> None:
@@ -113,8 +114,9 @@ class EngineMetrics(MetricSet):
             "scrub": counters["scrub_bytes"],
             "host": counters["host_bytes"],
             "patched": counters["patched_elements"],
-            "ok": scrub["passes"] - scrub["mismatches"],
+            "ok": scrub["passes"] - scrub["mismatches"] - scrub["skips"],
             "mismatch": scrub["mismatches"],
+            "skipped": scrub["skips"],
         }
         series = {
             "load": self.weight_bytes.labels("load"),
@@ -123,6 +125,7 @@ class EngineMetrics(MetricSet):
             "patched": self.patched_elements,
             "ok": self.scrub_passes.labels("ok"),
             "mismatch": self.scrub_passes.labels("mismatch"),
+            "skipped": self.scrub_passes.labels("skipped"),
         }
         for key, total in totals.items():
             step = total - self._seen.get(key, 0)

@@ -8,8 +8,9 @@ nothing: the served checksums move by the patch's sums. A patch is staged in tha
 placed, converted to the engine's dtype and device (positions and new values kept), verified
 (the served checksums equal the patch's parent checksums, and the served weights with its
 changes give the delta's result checksums) without re-reading the model. The swap, at a pause
-point of the worker thread, only writes the changed elements; a rate-limited scrub re-reads the
-weights in the background (`hotload_patch.scrub`) and compares them with the derived checksums.
+point of the worker thread, only writes the changed elements; a scrub re-reads the weights in
+the background once per period, at a capped rate (`hotload_patch.scrub`), and compares them with
+the derived checksums.
 
 An engine holding a tensor in a wider dtype than its checkpoint (float32 on bfloat16 weights)
 converts the new values exactly as a full load converts the whole tensor, so both paths give
