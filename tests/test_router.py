@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,12 +28,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from hotload.api.names import ANNOTATION_SNAPSHOT, LABEL_IDENTITY, LABEL_SEQUENCE
-from hotload.engine.engine import Engine, EngineConfig
-from hotload.engine.server import create_app
 from hotload.kube import resource_path
 from hotload.router.discovery import KubeDiscovery, StaticDiscovery, replica_from_pod
 from hotload.router.proxy import REPLICA_HEADER, Router, create_router_app
-from support.fleet import free_port
+from support.engines import EngineReplica, new_engine_replica
+from support.fleet import free_port, wait_until
 from support.kubeapi import KubeAPI
 from support.tiny_llm import TinyLLM, build_tiny_llm
 
@@ -47,50 +46,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyLLM:
     return build_tiny_llm(tmp_path_factory.mktemp("tiny-llm"), 2)
 
 
-@dataclass
-class Replica:
-    """A reference engine behind a real aiohttp server on a fixed loopback port."""
-
-    engine: Engine
-    port: int
-    server: TestServer | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        self.server = TestServer(create_app(self.engine), host="127.0.0.1", port=self.port)
-        await self.server.start_server()
-        await self.engine.start()
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.close()
-            self.server = None
-
-    def count(self, code: int, endpoint: str = "/v1/completions") -> int:
-        value = self.engine.metrics.registry.get_sample_value(
-            "hotload_engine_requests_total", {"endpoint": endpoint, "code": str(code)}
-        )
-        return int(value or 0)
-
-
-def new_replica(tiny: TinyLLM) -> Replica:
-    engine = Engine(
-        EngineConfig(
-            model_path=tiny.snapshots[0], name="tiny", identity="s0", sequence=0, stage_nice=0
-        )
-    )
-    return Replica(engine, free_port())
-
-
 @asynccontextmanager
 async def replicas(
     tiny: TinyLLM, n: int, started: int | None = None
-) -> AsyncIterator[list[Replica]]:
+) -> AsyncIterator[list[EngineReplica]]:
     """`n` replicas on s0 (sequence 0); the first `started` (default all) are running."""
-    fleet = [new_replica(tiny) for _ in range(n)]
+    fleet = [new_engine_replica(tiny) for _ in range(n)]
     try:
         # One at a time: the engine builds its model inside transformers' `no_init_weights`,
         # which patches torch's init functions process-wide; overlapping builds in one process
@@ -141,14 +102,6 @@ async def complete(
     resp = await client.post("/v1/completions", json=body, headers=hdrs)
     payload = await resp.json(content_type=None)
     return Answer(resp.status, resp.headers.get(REPLICA_HEADER), payload, dict(resp.headers))
-
-
-async def wait_until(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def metric(router: Router, name: str, labels: dict[str, str] | None = None) -> float:

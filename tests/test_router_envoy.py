@@ -26,9 +26,9 @@ from hotload.router.decision import Choice, RouteRequest, decide
 from hotload.router.discovery import StaticDiscovery
 from hotload.router.envoy import INSTALL_HINT, bootstrap_config, find_envoy
 from hotload.router.epp import SERVICE_NAME, EndpointPicker, start_epp_server
-from support.fleet import free_port
+from support.engines import EngineReplica, new_engine_replica
+from support.fleet import free_port, wait_until
 from support.tiny_llm import TinyLLM, build_tiny_llm
-from test_router import Replica, new_replica, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ class Gateway:
 
     url: str  # the main listener
     subset_url: str  # the listener that passes a one-endpoint subset (replica 0)
-    fleet: list[Replica]
+    fleet: list[EngineReplica]
     discovery: StaticDiscovery
     picker: EndpointPicker
     epp_port: int
@@ -60,7 +60,7 @@ class Gateway:
 
 @asynccontextmanager
 async def gateway(tiny: TinyLLM, envoy_bin: Path, tmp: Path, n: int = 3) -> AsyncIterator[Gateway]:
-    fleet = [new_replica(tiny) for _ in range(n)]
+    fleet = [new_engine_replica(tiny) for _ in range(n)]
     for r in fleet:  # one at a time: see test_router.replicas
         await r.start()
     discovery = StaticDiscovery([r.url for r in fleet], interval=0.1)
@@ -131,7 +131,7 @@ async def post(
         return resp.status, headers_lower, await resp.json(content_type=None)
 
 
-def completions(fleet: list[Replica]) -> list[int]:
+def completions(fleet: list[EngineReplica]) -> list[int]:
     return [r.count(200) for r in fleet]
 
 
@@ -214,7 +214,7 @@ async def test_envoy_passes_the_gateways_subset_and_the_picker_honours_it(
         results = await asyncio.gather(*(post(http, gw.subset_url, f"s{i}") for i in range(12)))
         assert all(status == 200 for status, _, _ in results)
         assert completions(gw.fleet) == [12, 0, 0]
-        # Replica 1 moves to sequence 1; a request that demands it is refused through the
+        # EngineReplica 1 moves to sequence 1; a request that demands it is refused through the
         # listener whose subset holds only replica 0, and served through the other.
         async with http.post(
             gw.fleet[1].url + "/hotload/v1/load",

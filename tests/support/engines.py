@@ -15,6 +15,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from hotload.engine.engine import Engine, EngineConfig
 from hotload.engine.server import ENGINE, create_app
+from support.fleet import free_port
+from support.tiny_llm import TinyLLM
 
 
 @asynccontextmanager
@@ -142,3 +144,46 @@ async def load(client: Any, path: Path, identity: str, sequence: int, **extra: A
     body = {"path": str(path), "identity": identity, "sequence": sequence, **extra}
     resp = await client.post("/hotload/v1/load", json=body)
     return resp.status, await resp.json()
+
+
+@dataclass
+class EngineReplica:
+    """A reference engine behind a real aiohttp server on a fixed loopback port."""
+
+    engine: Engine
+    port: int
+    server: TestServer | None = None
+
+    @property
+    def url(self) -> str:
+        """Its base URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        """Serve on its port and start the engine."""
+        self.server = TestServer(create_app(self.engine), host="127.0.0.1", port=self.port)
+        await self.server.start_server()
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        """Close its server (the engine's requests end with it)."""
+        if self.server is not None:
+            await self.server.close()
+            self.server = None
+
+    def count(self, code: int, endpoint: str = "/v1/completions") -> int:
+        """Requests to `endpoint` the engine answered with `code`."""
+        value = self.engine.metrics.registry.get_sample_value(
+            "hotload_engine_requests_total", {"endpoint": endpoint, "code": str(code)}
+        )
+        return int(value or 0)
+
+
+def new_engine_replica(tiny: TinyLLM) -> EngineReplica:
+    """A replica (not started) of `tiny`'s first snapshot, as s0, on a free port."""
+    engine = Engine(
+        EngineConfig(
+            model_path=tiny.snapshots[0], name="tiny", identity="s0", sequence=0, stage_nice=0
+        )
+    )
+    return EngineReplica(engine, free_port())

@@ -7,6 +7,7 @@ Everything here is a real process talking HTTP: `python -m hotload_sidecar` and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -399,3 +400,13 @@ def tokens(replica: Replica, max_tokens: int = 8) -> tuple[str, list[int]]:
     """The model name and the greedy token ids `replica` answers `PROMPT_IDS` with."""
     body = replica.complete_ids(PROMPT_IDS, max_tokens)
     return body["model"], list(body["choices"][0]["token_ids"])
+
+
+async def wait_until(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:
+    """`wait_for` in an event loop: await until `check()` holds (polled every 20 ms), else
+    fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
