@@ -100,6 +100,40 @@ def test_every_rebuild_path_gives_the_same_bytes_and_checksums(
     assert ref.changed == built.changed == through.changed == int(np.count_nonzero(old != new))
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    width=st.sampled_from([1, 2, 4, 8]),
+    n=st.integers(1, 20000),
+    seed=st.integers(0, 2**32 - 1),
+    fraction=st.sampled_from([0.0001, 0.002, 0.01, 0.05]),
+    first=st.sampled_from([0, 1, 8388608]),
+)
+def test_changes_without_the_parent_are_the_same_on_both_paths(
+    width: int, n: int, seed: int, fraction: float, first: int
+) -> None:
+    """What a patch takes from a sparse chunk (positions from the chunk's first element, the
+    wrapping differences), from the kernel and from the numpy reference: the inputs' changes."""
+    old, new, meta, payload = _sparse_case(width, n, seed, fraction)
+    if meta["encoding"] != ck.SPARSE:
+        return
+    want_at = np.flatnonzero(old != new) + first
+    want_diff = new - old  # wrapping, in the unsigned type
+    results = {}
+    for path in ("kernel", "numpy"):
+        ck.native = NATIVE if path == "kernel" else None
+        try:
+            results[path] = ck.chunk_changes(
+                meta, memoryview(payload), n, old.dtype, "c", first=first
+            )
+        finally:
+            ck.native = NATIVE
+    for kind, at, diff in results.values():
+        assert kind == "add" and at is not None and diff is not None
+        np.testing.assert_array_equal(at, want_at)
+        np.testing.assert_array_equal(diff, want_diff[want_at - first])
+        assert diff.dtype == old.dtype
+
+
 def _run_args(gaps: list[int], shift: int, values: list[int]) -> tuple[list[bytes], list[int], int]:
     """Planes of a hand-made run (8-bit symbols: remainders, quotients, one value plane), their
     symbol bits and the number of quotient planes."""
@@ -129,6 +163,28 @@ def test_the_kernel_refuses_runs_that_leave_the_chunk(
     old = np.zeros(100, dtype=np.uint8)
     with pytest.raises(ValueError, match=text):
         NATIVE.sparse_patch(old, np.empty_like(old), 1, planes, bits, len(gaps), shift, qp, 1)
+
+
+@pytest.mark.parametrize(
+    ("gaps", "shift", "text"),
+    [
+        ([100], 0, "a gap between changed positions exceeds the chunk"),
+        ([60, 60], 0, "a changed position lies past the chunk's 100 elements"),
+        ([0, 99], 0, "a changed position lies past the chunk's 100 elements"),
+    ],
+)
+def test_the_kernel_refuses_changes_that_leave_the_chunk(
+    gaps: list[int], shift: int, text: str
+) -> None:
+    assert NATIVE is not None
+    planes, bits, qp = _run_args(gaps, shift, [2, 4])
+    at, values = np.empty(2, dtype=np.int64), np.empty(2, dtype=np.uint8)
+    with pytest.raises(ValueError, match=text):
+        NATIVE.sparse_changes(at, values, 100, 0, 1, planes, bits, len(gaps), shift, qp, 1)
+    with pytest.raises(ValueError, match="must hold count elements"):
+        NATIVE.sparse_changes(
+            at[: len(gaps) - 1], values, 100, 0, 1, planes, bits, len(gaps), shift, qp, 1
+        )
 
 
 def test_the_kernel_refuses_a_remainder_wider_than_its_shift() -> None:

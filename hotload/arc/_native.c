@@ -189,6 +189,47 @@ static inline __attribute__((always_inline)) int apply_run(run_t *run, const int
     return OK;
 }
 
+/* A run's planes from the sequences `planes_obj` (buffers) and `bits_obj` (symbol widths):
+ * `nplanes` of them, each holding at least `k` symbols; their buffers are acquired into views
+ * (*nviews counts them: the caller releases them, also on error). Returns -1 with an exception. */
+static int get_planes(PyObject *planes_obj, PyObject *bits_obj, Py_ssize_t nplanes, Py_ssize_t k,
+                      plane_t *planes, Py_buffer *views, int *nviews) {
+    int status = -1;
+    PyObject *planes_seq = PySequence_Fast(planes_obj, "planes must be a sequence");
+    PyObject *bits_seq = planes_seq ? PySequence_Fast(bits_obj, "bits must be a sequence") : NULL;
+    if (!bits_seq)
+        goto done;
+    if (nplanes > MAX_PLANES || PySequence_Fast_GET_SIZE(planes_seq) != nplanes ||
+        PySequence_Fast_GET_SIZE(bits_seq) != nplanes) {
+        PyErr_SetString(PyExc_ValueError, "planes and bits must match the run's plane count");
+        goto done;
+    }
+    for (Py_ssize_t p = 0; p < nplanes; p++) {
+        long bits = PyLong_AsLong(PySequence_Fast_GET_ITEM(bits_seq, p));
+        if (PyErr_Occurred())
+            goto done;
+        if (!(bits == 1 || bits == 2 || bits == 4 || bits == 8)) {
+            PyErr_SetString(PyExc_ValueError, "symbol bits must be 1, 2, 4 or 8");
+            goto done;
+        }
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(planes_seq, p), &views[*nviews],
+                               PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        (*nviews)++;
+        Py_ssize_t per = 8 / bits;
+        if (views[p].len < (k + per - 1) / per) {
+            PyErr_SetString(PyExc_ValueError, "a plane is shorter than its symbols");
+            goto done;
+        }
+        planes[p] = (plane_t){(const uint8_t *)views[p].buf, (int)bits};
+    }
+    status = 0;
+done:
+    Py_XDECREF(planes_seq);
+    Py_XDECREF(bits_seq);
+    return status;
+}
+
 PyDoc_STRVAR(sparse_patch_doc,
 "sparse_patch(old, out, width, planes, bits, count, shift, quotient_planes, value_planes,\n"
 "             offset=0, /)\n--\n\n"
@@ -223,7 +264,7 @@ static PyObject *sparse_patch(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (PyObject_GetBuffer(args[0], &src, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
     int have_dst = 0;
-    PyObject *planes_seq = NULL, *bits_seq = NULL, *result = NULL;
+    PyObject *result = NULL;
     Py_buffer views[MAX_PLANES];
     int nviews = 0;
     if (!to_file) {
@@ -254,35 +295,9 @@ static PyObject *sparse_patch(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_ValueError, "run fields out of range");
         goto done;
     }
-    planes_seq = PySequence_Fast(args[3], "planes must be a sequence");
-    bits_seq = planes_seq ? PySequence_Fast(args[4], "bits must be a sequence") : NULL;
-    if (!bits_seq)
-        goto done;
-    Py_ssize_t nplanes = PySequence_Fast_GET_SIZE(planes_seq);
-    if (nplanes != rp + qp + vp || PySequence_Fast_GET_SIZE(bits_seq) != nplanes) {
-        PyErr_SetString(PyExc_ValueError, "planes and bits must match the run's plane count");
-        goto done;
-    }
     plane_t planes[MAX_PLANES];
-    for (Py_ssize_t p = 0; p < nplanes; p++) {
-        long bits = PyLong_AsLong(PySequence_Fast_GET_ITEM(bits_seq, p));
-        if (PyErr_Occurred())
-            goto done;
-        if (!(bits == 1 || bits == 2 || bits == 4 || bits == 8)) {
-            PyErr_SetString(PyExc_ValueError, "symbol bits must be 1, 2, 4 or 8");
-            goto done;
-        }
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(planes_seq, p), &views[nviews],
-                               PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-        nviews++;
-        Py_ssize_t per = 8 / bits;
-        if (views[p].len < (k + per - 1) / per) {
-            PyErr_SetString(PyExc_ValueError, "a plane is shorter than its symbols");
-            goto done;
-        }
-        planes[p] = (plane_t){(const uint8_t *)views[p].buf, (int)bits};
-    }
+    if (get_planes(args[3], args[4], rp + qp + vp, k, planes, views, &nviews) < 0)
+        goto done;
     run_t run = {planes,
                  (int)rp,
                  (int)qp,
@@ -333,16 +348,147 @@ static PyObject *sparse_patch(PyObject *self, PyObject *const *args, Py_ssize_t 
 done:
     for (int v = 0; v < nviews; v++)
         PyBuffer_Release(&views[v]);
-    Py_XDECREF(planes_seq);
-    Py_XDECREF(bits_seq);
     if (have_dst)
         PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     return result;
 }
 
+/* The positions and differences of a run, without its parent: position `first` + p of each
+ * change into positions[0 .. k), its unzigzagged wrapping difference into values (k elements of
+ * `width` bytes). The same checks as apply_run, in the same order. */
+static int changes_run(const plane_t *planes, int rp, int qp, int vp, int shift, Py_ssize_t k,
+                       Py_ssize_t m, int64_t first, int64_t *positions, uint8_t *values,
+                       const int width, Py_ssize_t *bad) {
+    const uint64_t vmask = width == 8 ? ~(uint64_t)0 : (((uint64_t)1 << (8 * width)) - 1);
+    const uint64_t qmax = (uint64_t)(m - 1) >> shift;
+    uint64_t rem[BLOCK], quo[BLOCK], val[BLOCK];
+    Py_ssize_t pos = -1;
+    for (Py_ssize_t start = 0; start < k; start += BLOCK) {
+        int n = k - start < BLOCK ? (int)(k - start) : BLOCK;
+        join_block(planes, 0, rp, start, n, rem);
+        join_block(planes, rp, qp, start, n, quo);
+        join_block(planes, rp + qp, vp, start, n, val);
+        for (int t = 0; t < n; t++) {
+            uint64_t r = rem[t], q = quo[t];
+            if (r >> shift)
+                return *bad = start + t, BAD_REMAINDER;
+            if (q > qmax)
+                return *bad = start + t, BAD_GAP;
+            uint64_t gap = (q << shift) | r;
+            if (gap >= (uint64_t)m)
+                return *bad = start + t, BAD_GAP;
+            pos += (Py_ssize_t)gap + 1;
+            if (pos >= m)
+                return *bad = start + t, PAST_END;
+            uint64_t zz = val[t];
+            uint64_t diff = ((zz >> 1) ^ (~(zz & 1) + 1)) & vmask;
+            positions[start + t] = first + (int64_t)pos;
+            memcpy(values + (start + t) * width, &diff, (size_t)width); /* little-endian */
+        }
+    }
+    return OK;
+}
+
+PyDoc_STRVAR(sparse_changes_doc,
+"sparse_changes(positions, values, m, first, width, planes, bits, count, shift,\n"
+"               quotient_planes, value_planes, /)\n--\n\n"
+"Decode a sparse run of a chunk of `m` elements without its parent: `positions` (a writable\n"
+"int64 buffer of at least `count` elements) receives `first` plus each changed position,\n"
+"`values` (writable, at least `count` elements of `width` bytes) each wrapping difference\n"
+"new - old. Raises ValueError naming what is wrong with a corrupted run.");
+
+static PyObject *sparse_changes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "sparse_changes takes 11 positional arguments");
+        return NULL;
+    }
+    Py_buffer pos_buf, val_buf;
+    if (PyObject_GetBuffer(args[0], &pos_buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &val_buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&pos_buf);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_buffer views[MAX_PLANES];
+    int nviews = 0;
+    Py_ssize_t m = PyLong_AsSsize_t(args[2]);
+    long long first = PyLong_AsLongLong(args[3]);
+    long width = PyLong_AsLong(args[4]);
+    Py_ssize_t k = PyLong_AsSsize_t(args[7]);
+    long shift = PyLong_AsLong(args[8]);
+    long qp = PyLong_AsLong(args[9]);
+    long vp = PyLong_AsLong(args[10]);
+    if (PyErr_Occurred())
+        goto done;
+    if (!(width == 1 || width == 2 || width == 4 || width == 8) || m < 1 ||
+        m > MAX_CHUNK_BYTES / width || first < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "a chunk holds 1 to 2**27 bytes of 1, 2, 4 or 8-byte elements");
+        goto done;
+    }
+    long rp = (shift + 7) / 8;
+    if (k < 1 || k > m || shift < 0 || shift > 56 || qp < 1 || qp > 8 || vp < 1 || vp > width) {
+        PyErr_SetString(PyExc_ValueError, "run fields out of range");
+        goto done;
+    }
+    if (pos_buf.len < k * (Py_ssize_t)sizeof(int64_t) || val_buf.len < k * width) {
+        PyErr_SetString(PyExc_ValueError, "positions and values must hold count elements");
+        goto done;
+    }
+    plane_t planes[MAX_PLANES];
+    if (get_planes(args[5], args[6], rp + qp + vp, k, planes, views, &nviews) < 0)
+        goto done;
+    int status;
+    Py_ssize_t bad = 0;
+    int64_t *positions = (int64_t *)pos_buf.buf;
+    uint8_t *values = (uint8_t *)val_buf.buf;
+    Py_BEGIN_ALLOW_THREADS
+    switch (width) {
+    case 1:
+        status = changes_run(planes, rp, qp, vp, shift, k, m, first, positions, values, 1, &bad);
+        break;
+    case 2:
+        status = changes_run(planes, rp, qp, vp, shift, k, m, first, positions, values, 2, &bad);
+        break;
+    case 4:
+        status = changes_run(planes, rp, qp, vp, shift, k, m, first, positions, values, 4, &bad);
+        break;
+    default:
+        status = changes_run(planes, rp, qp, vp, shift, k, m, first, positions, values, 8, &bad);
+    }
+    Py_END_ALLOW_THREADS
+    switch (status) {
+    case BAD_REMAINDER:
+        PyErr_Format(PyExc_ValueError, "a gap remainder does not fit its %ld bits (change %zd)",
+                     shift, bad);
+        break;
+    case BAD_GAP:
+        PyErr_Format(PyExc_ValueError,
+                     "a gap between changed positions exceeds the chunk (change %zd)", bad);
+        break;
+    case PAST_END:
+        PyErr_Format(PyExc_ValueError,
+                     "a changed position lies past the chunk's %zd elements (change %zd)", m, bad);
+        break;
+    default:
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+done:
+    for (int v = 0; v < nviews; v++)
+        PyBuffer_Release(&views[v]);
+    PyBuffer_Release(&val_buf);
+    PyBuffer_Release(&pos_buf);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"sparse_patch", (PyCFunction)(void (*)(void))sparse_patch, METH_FASTCALL, sparse_patch_doc},
+    {"sparse_changes", (PyCFunction)(void (*)(void))sparse_changes, METH_FASTCALL,
+     sparse_changes_doc},
     {NULL, NULL, 0, NULL},
 };
 

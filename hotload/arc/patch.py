@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from hotload.arc import chunk as ck
-from hotload.arc.checksum import parse_checksum
+from hotload.arc.checksum import format_checksum, parse_checksum
 from hotload.arc.container import read_header
 from hotload.arc.decoder import stored_chunk
 from hotload.arc.encodings import DENSE, RAW, SPARSE, SPARSE_EXP
@@ -288,7 +288,7 @@ def _shard_changes(
             try:
                 data = stored_chunk(delta_map, payload, item, shard)
                 try:
-                    kind, at, values = ck.chunk_changes(meta, data, e - s, udtype, what)
+                    kind, at, values = ck.chunk_changes(meta, data, e - s, udtype, what, first=s)
                 finally:
                     data.release()
             except ck.NeedsParentError as exc:
@@ -300,11 +300,16 @@ def _shard_changes(
                 raise
             if kind == ck.SAME:
                 return kind, None, None
-            at = np.arange(s, e, dtype=np.int64) if at is None else at + s
+            at = np.arange(s, e, dtype=np.int64) if at is None else at
             return kind, at, values
 
+        # Unchanged chunks are passed over by their entries alone (no payload, the CRC-32 of
+        # no bytes): on a large model most chunks of a step may be `same`, and handing each to
+        # the pool would cost more than the chunks that changed. Any other entry is decoded,
+        # with every check.
+        changing = [item for item in plan if not _unchanged(item[3])]
         try:
-            results = list(pool.map(run, plan))
+            results = list(pool.map(run, changing))
         finally:
             if prev is not None:
                 prev.close()
@@ -313,7 +318,7 @@ def _shard_changes(
             with contextlib.suppress(BufferError):
                 delta_map.close()
     by_tensor: dict[str, list[tuple[str, np.ndarray, np.ndarray]]] = {}
-    for (info, _s, _e, _m), (kind, at, values) in zip(plan, results, strict=True):
+    for (info, _s, _e, _m), (kind, at, values) in zip(changing, results, strict=True):
         if at is not None and values is not None:
             by_tensor.setdefault(info.name, []).append((kind, at, values))
     out: dict[str, Changes] = {}
@@ -323,6 +328,19 @@ def _shard_changes(
         values = np.concatenate([p[2] for p in parts])
         out[name] = (at, is_set, values)
     return out
+
+
+#: The CRC-32 of no bytes, as a header writes it: that of every `same` chunk.
+_EMPTY_CRC = format_checksum(0)
+
+
+def _unchanged(meta: dict[str, Any]) -> bool:
+    """Whether a chunk entry is a well-formed `same` chunk (else it is decoded and checked)."""
+    return (
+        meta.get("encoding") == ck.SAME
+        and meta.get("length") == 0
+        and meta.get("crc32") == _EMPTY_CRC
+    )
 
 
 def _from_parent(
