@@ -32,7 +32,9 @@ from hotload_patch.sums import MOD, Region, RegionSum, rows_partial, span_partia
 CHUNK_ELEMENTS = 1 << 24
 #: Bytes summed at once on a device: the sums widen every byte to int64 (8x the chunk).
 DEVICE_CHUNK_BYTES = 1 << 24
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: The torch integer type of each element width: bit patterns viewed without conversion
+#: (torch has no unsigned 16, 32 or 64-bit views numpy can take).
+INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: (checkpoint dtype, held dtype) pairs whose conversion is exact and reversible.
 EXACT_WIDENING = {("BF16", "F32"), ("F16", "F32"), ("BF16", "F64"), ("F16", "F64"), ("F32", "F64")}
 
@@ -250,7 +252,7 @@ def _narrowed(values: torch.Tensor, ckpt: str) -> torch.Tensor:
         return t
     narrow = t.to(dtype)
     back = narrow.to(t.dtype)
-    ints = _INT_OF_WIDTH[t.element_size()]
+    ints = INT_OF_WIDTH[t.element_size()]
     if not torch.equal(back.view(ints), t.view(ints)):
         raise PatchError(
             f"holds {t.dtype} values that {ckpt} cannot represent: they changed since they were "
@@ -263,13 +265,13 @@ def _narrowed(values: torch.Tensor, ckpt: str) -> torch.Tensor:
 def _device_bytes(values: torch.Tensor, ckpt: str) -> torch.Tensor:
     """Held values as the checkpoint's bytes, on their own device (flat uint8)."""
     t = _narrowed(values, ckpt)
-    return t.view(_INT_OF_WIDTH[t.element_size()]).view(torch.uint8)
+    return t.view(INT_OF_WIDTH[t.element_size()]).view(torch.uint8)
 
 
 def _bits(values: torch.Tensor, ckpt: str) -> np.ndarray:
     """Held CPU values as the checkpoint's unsigned bit patterns (numpy)."""
     t = _narrowed(values, ckpt)
-    result: Any = t.view(_INT_OF_WIDTH[t.element_size()]).numpy().view(uint_view_dtype(ckpt))
+    result: Any = t.view(INT_OF_WIDTH[t.element_size()]).numpy().view(uint_view_dtype(ckpt))
     return np.asarray(result)
 
 

@@ -41,13 +41,12 @@ from hotload_patch.dtypes import torch_dtype, uint_view_dtype
 from hotload_patch.errors import PatchError
 from hotload_patch.format import PatchFile, PatchTensor
 from hotload_patch.placement import Host, Slot
-from hotload_patch.served import Counters, held_dtype, region_view
+from hotload_patch.served import INT_OF_WIDTH, Counters, held_dtype, region_view
 from hotload_patch.sums import Region, RegionSum, delta_partial
 from hotload_patch.verify import TensorCheck
 
 __all__ = ["Part", "Staged", "Write", "apply", "held_dtype", "region_view", "stage", "undo"]
 
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_WIDTH: dict[int, Any] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
@@ -127,7 +126,7 @@ def as_bits(values: torch.Tensor, ckpt: str) -> np.ndarray:
     if t.dtype != dtype:
         t = t.to(dtype)
     t = t.reshape(-1).cpu()
-    return t.view(_INT_OF_WIDTH[t.element_size()]).numpy().view(uint_view_dtype(ckpt))
+    return t.view(INT_OF_WIDTH[t.element_size()]).numpy().view(uint_view_dtype(ckpt))
 
 
 def from_bits(bits: np.ndarray, ckpt: str, like: torch.Tensor) -> torch.Tensor:
@@ -457,7 +456,7 @@ def _scatter(flat: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> N
     """`flat[index] = values` on the CPU, through numpy views of the bit patterns (numpy's loop
     holds the pause about a third shorter than `index_copy_` here, has no bfloat16 type, hence
     the integer views, and lets go of the GIL)."""
-    ints = _INT_OF_WIDTH[flat.element_size()]
+    ints = INT_OF_WIDTH[flat.element_size()]
     flat.view(ints).numpy()[index.numpy()] = values.view(ints).numpy()
 
 
@@ -470,6 +469,6 @@ def parameter_checksums(params: Mapping[str, torch.Tensor]) -> dict[str, str]:
             t = tensor.detach().contiguous().reshape(-1)
             if t.device.type != "cpu":
                 t = t.cpu()
-            raw = t.view(_INT_OF_WIDTH[t.element_size()]).numpy()
+            raw = t.view(INT_OF_WIDTH[t.element_size()]).numpy()
             digests[name] = hashlib.sha256(raw.view(np.uint8).data).hexdigest()
     return digests
