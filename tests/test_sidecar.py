@@ -37,6 +37,7 @@ from support.fleet import PROMPT_IDS, REPO, Replica, Trainer, http_json, tokens,
 from support.kubeapi import KubeAPI
 from support.metrics import metric
 from support.operator import eventually
+from support.pods import conditions, make_pod, read_pod
 from support.seaweedfs import SeaweedFS
 from support.tiny_llm import TinyLLM, broken_snapshot, build_tiny_llm
 from support.vllm_server import greedy_token_ids
@@ -458,7 +459,6 @@ async def test_the_loader_reports_on_its_own_pod(
     """`--report kubernetes`: the loader process patches its pod (annotation, labels, the
     SnapshotLoaded condition used as a readiness gate) and records Events, on the session's API
     server (tests/README.md)."""
-    from test_sidecar_kube_report import conditions, make_pod, read_pod
 
     await make_pod(kube_api, "replica-0")
     bucket_dir = tmp_path / "bucket"

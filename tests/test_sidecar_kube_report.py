@@ -31,13 +31,10 @@ from hotload_sidecar.status import (
     ReplicaStatus,
 )
 from support.kubeapi import KubeAPI
+from support.pods import OTHER_CONDITIONS, conditions, make_pod, read_pod
 
 JSON = dict[str, Any]
 T0 = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
-OTHER_CONDITIONS = [
-    {"type": "PodScheduled", "status": "True", "lastTransitionTime": "2030-01-01T00:00:00Z"},
-    {"type": "Ready", "status": "False", "reason": "ReadinessGatesNotReady"},
-]
 
 
 class Clock:
@@ -75,33 +72,6 @@ CURRENT_2 = CURRENT.evolve(
     identity="step-000200", sequence=5, target_identity="step-000200", target_sequence=5
 )
 DOWN = CURRENT_2.evolve(ready=False, reason=REASON_ENGINE_DOWN, message="engine does not answer")
-
-
-async def make_pod(kube_api: KubeAPI, name: str = "replica-0") -> JSON:
-    ns = kube_api.namespace
-    spec = {
-        "schedulingGates": [{"name": "hotload.dev/test"}],
-        "readinessGates": [{"conditionType": CONDITION_SNAPSHOT_LOADED}],
-        "containers": [{"name": "engine", "image": "registry.invalid/engine:1"}],
-    }
-    async with kube_api.client() as kube:
-        await kube.create(
-            resource_path("v1", "pods", ns), {"metadata": {"name": name}, "spec": spec}
-        )
-        return await kube.patch(
-            resource_path("v1", "pods", ns, name, "status"),
-            {"status": {"conditions": OTHER_CONDITIONS}},
-            "strategic",
-        )
-
-
-async def read_pod(kube_api: KubeAPI, name: str = "replica-0") -> JSON:
-    async with kube_api.client() as kube:
-        return await kube.get(resource_path("v1", "pods", kube_api.namespace, name))
-
-
-def conditions(pod: JSON) -> dict[str, JSON]:
-    return {c["type"]: c for c in pod["status"]["conditions"]}
 
 
 def reporter_for(kube_api: KubeAPI, clock: Clock, name: str = "replica-0") -> KubernetesReporter:
