@@ -700,6 +700,10 @@ class VLLMStub(Stub):
     # Whether the last hotload_poll before the pause had every rank ready (None: no pause).
     ready_at_pause: bool | None = None
     describe_delay: float = 0.0
+    # Seconds a completion takes, and what ended when: "completion" as one is answered,
+    # "pause" as a pause arrives.
+    completion_delay: float = 0.0
+    ended: list[str] = field(default_factory=list)
 
     def methods(self) -> list[str]:
         """The collective_rpc methods called, in order."""
@@ -749,6 +753,7 @@ class VLLMStub(Stub):
 
     async def pause(self, request: web.Request) -> web.Response:
         _, hooked = await self._call(request, "pause")
+        self.ended.append("pause")
         polls = [results for method, results in self.answered if method == "hotload_poll"]
         self.ready_at_pause = bool(polls) and all(
             r.get("served") == "ready" and r.get("staging") == "ready" for r in polls[-1]
@@ -806,6 +811,8 @@ class VLLMStub(Stub):
 
     async def completions(self, request: web.Request) -> web.Response:
         _, hooked = await self._call(request, "completions")
+        await asyncio.sleep(self.completion_delay)
+        self.ended.append("completion")
         return hooked or web.json_response({"choices": [{"text": "x", "index": 0}]})
 
 
@@ -1127,7 +1134,6 @@ async def test_vllm_patch_stages_on_every_rank_then_pauses_writes_and_confirms(
             "POST /resume",
             "GET /health",
             "GET /weight_info",
-            "POST /v1/completions",
         ]
         assert vllm.ready_at_pause is True, "paused before every rank had staged"
         assert rpc_body(vllm, "hotload_stage") == {
@@ -1181,6 +1187,57 @@ async def test_vllm_patch_stages_on_every_rank_then_pauses_writes_and_confirms(
             assert meter.counters is not None
             one_read += meter.counters.checksum_bytes
         assert report.counters["checksum_bytes"] == one_read  # the read at adoption, no other
+        # The forward pass it was confirmed without: the probe the loader runs after reporting.
+        assert adapter.deferred_probe
+        calls = len(vllm.calls)
+        await adapter.probe("step-1")
+        assert vllm.trace()[calls:] == ["POST /v1/completions"]
+
+
+@pytest.mark.asyncio
+async def test_vllm_failed_probe_after_a_patch_refuses_patches_until_a_full_load(
+    patching: MakeStub, chain: PatchChain
+) -> None:
+    """The probe fails in vLLM's words; no patch goes on top of weights that failed it, and a
+    full load (confirmed with its own completion) lifts that."""
+    vllm = await patching(1)
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        await adapter.patch(patch_req(chain), "step-0", folder=str(chain.child))
+        vllm.on["completions"] = crash
+        with pytest.raises(EngineError, match="Worker failed with error 'boom'") as info:
+            await adapter.probe("step-1")
+        assert info.value.step == "probe"
+        with pytest.raises(PatchRefusedError) as refused:
+            await adapter.patch(req(chain.patch, "step-2", 2), "step-1")
+        assert refused.value.reason == "probe_failed" and "boom" in str(refused.value)
+        assert vllm.trace()[-1] == "POST /v1/completions"  # refused before any engine call
+        del vllm.on["completions"]
+        loaded = await adapter.load(req(chain.child, "step-1", 3))
+        assert "confirm" in loaded.steps and vllm.trace()[-2] == "POST /v1/completions"
+        # Patches are taken again (this one is refused for its parent, not for the probe).
+        with pytest.raises(PatchRefusedError) as refused:
+            await adapter.patch(req(chain.patch, "step-2", 4), "step-0")
+        assert refused.value.reason == "parent_not_served"
+
+
+@pytest.mark.asyncio
+async def test_vllm_load_waits_for_a_probe_under_way_before_pausing(
+    patching: MakeStub, chain: PatchChain
+) -> None:
+    """A probe answers for the weights it was run for: the next load pauses only once it
+    ended (the adapter's lock), never under it."""
+    vllm = await patching(1)
+    vllm.completion_delay = 0.5
+    adapter = VLLMAdapter(vllm.url, timeouts=FAST)
+    async with adapter:
+        await adapter.patch(patch_req(chain), "step-0", folder=str(chain.child))
+        vllm.ended.clear()
+        probing = asyncio.create_task(adapter.probe("step-1"))
+        await asyncio.sleep(0.1)  # the probe's completion is under way
+        await adapter.load(req(chain.parent, "step-0", 2))
+        await probing
+    assert vllm.ended[:3] == ["completion", "pause", "completion"], vllm.ended
 
 
 @pytest.mark.asyncio

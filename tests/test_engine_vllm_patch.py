@@ -13,9 +13,11 @@ move ~1% of the elements by one ulp (`support.tiny_llm.sparse_steps`). Never ski
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +31,10 @@ from hotload_sidecar.engines import (
     Timeouts,
     VLLMAdapter,
 )
+from hotload_sidecar.loader import Loader
+from hotload_sidecar.status import EventType, ReplicaStatus
+from support.fleet import Trainer
+from support.operator import eventually
 from support.patches import flip_first_difference, rewrite_patch
 from support.tiny_llm import sparse_steps
 from support.vllm_server import INSTALL_HINT, VLLMServer, vllm_python, write_tiny_llama
@@ -251,3 +257,170 @@ async def test_vllm_kernels_that_repack_weights_refuse_patches(tmp_path: Path) -
             assert await adapter.current() == ServedSnapshot("step-1", 2)
     finally:
         server.stop()
+
+
+class _Recorder:
+    """A loader's reporter that keeps every status it published (and the Events), and can run
+    a hook on each status before the loader goes on."""
+
+    def __init__(self, hook: Callable[[ReplicaStatus], Awaitable[None]] | None = None) -> None:
+        from hotload_sidecar.status import LocalReporter
+
+        self.local = LocalReporter(keep_events=500)
+        self.history: list[ReplicaStatus] = []
+        self.hook = hook
+
+    async def report(self, status: ReplicaStatus) -> None:
+        self.history.append(status)
+        await self.local.report(status)
+        if self.hook is not None:
+            await self.hook(status)
+
+    async def event(self, type_: EventType, reason: str, message: str) -> None:
+        await self.local.event(type_, reason, message)
+
+    async def aclose(self) -> None:
+        await self.local.aclose()
+
+
+async def _until(what: str, check: Callable[[], Any], timeout: float = 240.0) -> Any:
+    async def poll() -> Any:
+        return check()
+
+    return await eventually(what, poll, timeout, interval=0.05)
+
+
+async def _completions_done(url: str) -> float:
+    """vLLM's own count of finished requests (`vllm:request_success_total`, every reason)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total")
+    )
+
+
+@contextlib.asynccontextmanager
+async def _loader(
+    world: World, root: Path, reporter: _Recorder, probe_seconds: float
+) -> AsyncIterator[tuple[Loader, Trainer]]:
+    """An in-process loader following a folder ledger into the module's vLLM."""
+    from hotload.bucket import open_bucket
+    from hotload.ledger import Ledger
+    from hotload_sidecar.config import Settings
+
+    ledger = Ledger(open_bucket(str(root / "bucket")), "policy")
+    trainer = Trainer(ledger, world.fulls, root / "trainer", full_every=100)
+    await asyncio.to_thread(trainer.publish, 0)
+    settings = Settings(
+        ledger_url=f"{root / 'bucket'}/policy",
+        weights_dir=root / "weights",
+        engine_url=world.server.url,
+        poll_seconds=0.2,
+        hint_ttl_seconds=0,
+        retry_seconds=0.5,
+    )
+    adapter = VLLMAdapter(settings.engine_url, timeouts=Timeouts(probe=probe_seconds))
+    loader = Loader(settings, ledger=ledger, adapter=adapter, reporter=reporter)
+    stop = asyncio.Event()
+    running = asyncio.create_task(loader.run(stop))
+    try:
+        await _until("step-000 served", lambda: loader.status.identity == "step-000")
+        yield loader, trainer
+    finally:
+        stop.set()
+        await running
+        await adapter.aclose()
+
+
+@pytest.mark.asyncio
+async def test_the_loader_reports_a_patch_before_its_probe_runs(
+    world: World, tmp_path: Path
+) -> None:
+    """After a verified patch the replica reports the new snapshot at once: when the loader
+    publishes it, vLLM has not answered a completion since before the patch; the 1-token probe
+    runs right after and its result lands in the status later."""
+    seen: dict[str, float] = {}
+
+    async def at_report(status: ReplicaStatus) -> None:
+        if status.identity == "step-001" and "reported" not in seen:
+            seen["reported"] = await _completions_done(world.server.url)
+
+    reporter = _Recorder(at_report)
+    async with _loader(world, tmp_path, reporter, 60.0) as (loader, trainer):
+        await _until("a quiet engine", lambda: loader.status.state == "idle")
+        before = await _completions_done(world.server.url)
+        await asyncio.to_thread(trainer.publish, 1)
+        probed = await _until(
+            "the probe of step-001",
+            lambda: (p := loader.status.last_probe) and p["identity"] == "step-001" and p,
+        )
+    assert probed["result"] == "ok", probed
+    served_at = next(i for i, s in enumerate(reporter.history) if s.identity == "step-001")
+    served = reporter.history[served_at]
+    assert served.last_load is not None and served.last_load.method == "sparse"
+    assert served.ready and served.reason == "Current" and served.last_probe is None
+    # Published before the probe's completion was answered (none since the patch began) ...
+    assert seen["reported"] == before
+    # ... and the probe's result after it.
+    probed_at = next(
+        i for i, s in enumerate(reporter.history) if s.last_probe and s.last_probe["result"]
+    )
+    assert probed_at > served_at
+    assert await _completions_done(world.server.url) >= before + 1
+    assert "confirm" in served.last_load.engine_steps
+
+
+@pytest.mark.asyncio
+async def test_a_failed_probe_marks_the_replica_degraded_and_reloads_it_in_full(
+    world: World, tmp_path: Path
+) -> None:
+    """vLLM is paused behind the loader's back (by another client) as the patch is reported:
+    the probe gets no token within its timeout, the replica turns Degraded (ProbeFailed, with
+    what to check), and the loader reloads step-001 in full, which confirms with a completion
+    (the reload's own pause and resume let the engine generate again)."""
+    import aiohttp
+
+    paused: list[str] = []
+
+    async def pause_once(status: ReplicaStatus) -> None:
+        if status.identity == "step-001" and not paused:
+            paused.append(status.identity)
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(world.server.url + "/pause", params={"mode": "keep"}) as resp,
+            ):
+                assert resp.status == 200, await resp.text()
+
+    reporter = _Recorder(pause_once)
+    async with _loader(world, tmp_path, reporter, 5.0) as (loader, trainer):
+        await asyncio.to_thread(trainer.publish, 1)
+        degraded = await _until(
+            "the Degraded report", lambda: next((s for s in reporter.history if s.degraded), None)
+        )
+        assert degraded.identity == "step-001" and not degraded.ready
+        assert degraded.reason == "Degraded" and degraded.degraded_reason == "ProbeFailed"
+        assert "got no answer within 5 s" in degraded.degraded
+        assert "check the engine's log" in degraded.degraded
+        assert degraded.last_probe is not None and degraded.last_probe["result"] == "failed"
+        events = [e for e in reporter.local.events if e["reason"] == "ProbeFailed"]
+        assert len(events) == 1 and "step-001" in events[0]["message"]
+        await _until(
+            "the full reload",
+            lambda: (
+                (s := loader.status).identity == "step-001"
+                and not s.degraded
+                and s.last_load is not None
+                and s.last_load.method == "full"
+            ),
+        )
+        status = loader.status
+        assert status.ready and status.reason == "Current" and status.degraded_reason == ""
+        metrics = loader.metrics.render().decode()
+        assert "hotload_loader_probe_failures_total 1.0" in metrics
+        assert "hotload_loader_degraded 0.0" in metrics
+    assert paused == ["step-001"]
+    assert world.outputs()  # vLLM generates (not left paused)

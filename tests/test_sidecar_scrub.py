@@ -62,7 +62,9 @@ async def test_a_flipped_bit_marks_the_replica_degraded_and_reloads_it_in_full(
     ledger = Ledger(open_bucket(str(tmp_path / "bucket")), "policy")
     trainer = Trainer(ledger, fulls, tmp_path / "trainer", full_every=100)
     await asyncio.to_thread(trainer.publish, 0)
-    async with serve(fulls[0], "step-000", scrub_bytes_per_second=1 << 30) as client:
+    async with serve(
+        fulls[0], "step-000", scrub_bytes_per_second=1 << 30, scrub_period_seconds=0.5
+    ) as client:
         engine = engine_of(client)
         settings = Settings(
             ledger_url=f"{tmp_path / 'bucket'}/policy",
@@ -102,6 +104,7 @@ async def test_a_flipped_bit_marks_the_replica_degraded_and_reloads_it_in_full(
                 lambda: next((s for s in reporter.history if s.degraded), None),
             )
             assert degraded.reason == "Degraded" and not degraded.ready
+            assert degraded.degraded_reason == "ScrubMismatch"
             assert name in degraded.degraded
             events = [e for e in reporter.events if e["reason"] == "WeightsDegraded"]
             assert len(events) == 1 and name in events[0]["message"]

@@ -61,8 +61,19 @@ REASON_LEDGER_UNREACHABLE: Final = "LedgerUnreachable"  # ... but the ledger cou
 REASON_STARTING: Final = "Starting"
 REASON_ENGINE_DOWN: Final = "EngineUnavailable"
 REASON_NO_SNAPSHOT: Final = "NoSnapshot"
-#: A scrub found the served weights differ from their checksums: reloading them in full.
+#: The served weights cannot be trusted (why: `DegradedReasons`): reloading them in full.
 REASON_DEGRADED: Final = "Degraded"
+
+
+class DegradedReasons:
+    """Why a loader marked its replica Degraded (`degradedReason` in its report; the pod's
+    `SnapshotLoaded` condition is False with reason `Degraded` meanwhile)."""
+
+    #: A scrub found the served weights differ from their checksums.
+    SCRUB_MISMATCH: Final = "ScrubMismatch"
+    #: After a patch was reported served, the engine failed its 1-token liveness probe.
+    PROBE_FAILED: Final = "ProbeFailed"
+
 
 # --- conditions on the custom resources -------------------------------------------------------
 

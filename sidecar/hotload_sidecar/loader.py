@@ -52,6 +52,7 @@ from hotload_sidecar.metrics import LoaderMetrics
 from hotload_sidecar.pacing import Backoff, jittered, sleep_or_stop
 from hotload_sidecar.pinning import Pins
 from hotload_sidecar.prefetch import Prefetcher
+from hotload_sidecar.probes import ProbeWatch
 from hotload_sidecar.scrubs import ScrubWatch
 from hotload_sidecar.sparse import SparseLoads
 from hotload_sidecar.status import (
@@ -147,6 +148,7 @@ class Loader(ChainedUpdates):
         self._abandoned = set()
         self.board = StatusBoard(reporter, self.metrics)
         self.scrubs = ScrubWatch(adapter, self.board, self.metrics, reporter)
+        self.probes = ProbeWatch(adapter, self.board, self.metrics, reporter)
         #: Set once `current` points at a verified snapshot (the /startup endpoint).
         self.started = asyncio.Event()
         self.document: LedgerDocument | None = None
@@ -178,6 +180,7 @@ class Loader(ChainedUpdates):
                 await self.step()
                 await sleep_or_stop(stop, self._interval())
         finally:
+            await self.probes.close()
             await self._drop_ahead()
             if self.prefetcher is not None:
                 await self.prefetcher.close()
@@ -196,6 +199,7 @@ class Loader(ChainedUpdates):
         if not self.board.engine_live:
             return
         await self.scrubs.check(self._reload_served)
+        await self.probes.check(self._reload_served)
         moving = entry is not None and entry.identity != self.status.identity
         if entry is not None and moving and self.backoff.may_try(entry.identity):
             await self._update(entry)
@@ -362,6 +366,8 @@ class Loader(ChainedUpdates):
         if steps:
             fallback = await self._sparse_load(steps, policy, started, ready)
             if not fallback:
+                # Reported served: its liveness probe runs now, beside the next update.
+                self.probes.after_patch(self.status.identity or target.identity)
                 return
         elif ready is not None:
             ready.discard()
@@ -424,6 +430,7 @@ class Loader(ChainedUpdates):
             engine_steps=dict(result.steps),
         )
         await self._served(result.served, done)
+        await self.probes.confirmed()  # a full load confirmed with the probe
         await self.reporter.event(
             "Normal",
             "SnapshotLoaded",

@@ -112,7 +112,13 @@ class LoaderMetrics(MetricSet):
         )
         self.degraded = self.gauge(
             "hotload_loader_degraded",
-            "1 while a scrub's mismatch stands and the served weights are being reloaded",
+            "1 while the replica is Degraded (a scrub's mismatch, or a failed liveness probe "
+            "after a patch) and the served weights are being reloaded",
+        )
+        self.probe_failures = self.counter(
+            "hotload_loader_probe_failures",
+            "Liveness probes (one greedy token) that failed after a patch was reported served "
+            "(each marks the replica Degraded and reloads the snapshot in full)",
         )
         self.engine_weight_bytes = self.gauge(
             "hotload_loader_engine_weight_read_bytes",

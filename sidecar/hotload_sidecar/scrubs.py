@@ -16,6 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from hotload.api.names import DegradedReasons
 from hotload.errors import EngineError
 from hotload.ledger.fields import format_time
 from hotload_sidecar.board import StatusBoard
@@ -92,10 +93,10 @@ class ScrubWatch:
             changes["engine_counters"] = dict(report.counters)
         found = report.mismatch
         if found is None:
-            if self.board.status.degraded:
-                changes["degraded"] = ""
+            if self.board.status.degraded_reason == DegradedReasons.SCRUB_MISMATCH:
+                changes.update(degraded="", degraded_reason="")
+                self.metrics.degraded.set(0)
             self._handling = None
-            self.metrics.degraded.set(0)
             if changes:
                 await self.board.set(**changes)
             return
@@ -106,8 +107,8 @@ class ScrubWatch:
             log.error("%s", message)
             await self.reporter.event("Warning", "WeightsDegraded", message)
         self.metrics.degraded.set(1)
-        changes["degraded"] = message
+        changes.update(degraded=message, degraded_reason=DegradedReasons.SCRUB_MISMATCH)
         await self.board.set(**changes)
         if await reload(message):
             self.metrics.degraded.set(0)
-            await self.board.set(degraded="")
+            await self.board.set(degraded="", degraded_reason="")

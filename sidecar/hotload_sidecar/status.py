@@ -139,8 +139,13 @@ class ReplicaStatus:
     resumed_from: str | None = None
     resume_verify_seconds: float | None = None
     #: Why the served weights cannot be trusted ("" when they can): a scrub found them differ
-    #: from their checksums; the loader reloads them in full.
+    #: from their checksums, or the engine failed its liveness probe after a patch; the
+    #: loader reloads them in full. `degraded_reason` is one of `DegradedReasons`.
     degraded: str = ""
+    degraded_reason: str = ""
+    #: The last liveness probe run after a patch was reported (`identity`, `result` ok or
+    #: failed, `seconds`, `finishedTime`, `message`); None before one.
+    last_probe: dict[str, Any] | None = None
     #: The engine's last scrub pass (`result`, `finishedTime`, `seconds`, `bytes`, `passes`,
     #: `rateBytesPerSecond`, `tensor`), as its loader last saw it; None before one.
     last_scrub: dict[str, Any] | None = None
@@ -204,7 +209,9 @@ class ReplicaStatus:
             "adapters": [a.to_annotation() for a in self.adapters],
             "resumedFrom": self.resumed_from,
             "degraded": self.degraded,
+            "degradedReason": self.degraded_reason or None,
             "lastScrub": self.last_scrub,
+            "lastProbe": self.last_probe,
         }
 
     def to_json(self) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 Every adapter talks HTTP (aiohttp) to one engine at `url`. `load` returns only after the engine
 serves the new weights and that was confirmed; on any failure it raises `EngineLoadError`, whose
-`serving` attribute says whether the old weights were confirmed to keep serving.
+`serving` attribute says whether the old weights were confirmed to keep serving. A verified
+patch may be confirmed without a forward pass (`deferred_probe`): the caller reports it served
+and runs `probe` right after, off the critical path.
 """
 
 from __future__ import annotations
@@ -287,6 +289,10 @@ class EngineAdapter(ABC):
     sparse_loads: ClassVar[bool] = False
     #: Why not, when it does not (the refusal's message).
     no_sparse_loads: ClassVar[str] = "this adapter does not write sparse patches"
+    #: Whether `patch` returns before the engine's liveness probe (a forward pass), which the
+    #: caller then runs with `probe` once it reported the patch served; else `patch` confirms
+    #: in full itself, and `probe` has nothing to do.
+    deferred_probe: ClassVar[bool] = False
 
     def __init__(self, url: str, *, timeouts: Timeouts | None = None) -> None:
         self.url = url.rstrip("/")
@@ -320,6 +326,13 @@ class EngineAdapter(ABC):
         `PatchRefusedError` when the engine refused it unchanged (engines without sparse loads
         always do), `EngineLoadError` on any other failure."""
         raise self._no_patches()
+
+    async def probe(self, identity: str) -> None:
+        """Run the liveness probe a patch to `identity` was confirmed without (one greedy token:
+        the engine generates with the patched weights); raise `EngineError` in the engine's
+        words when it does not. Nothing to do when `identity` is no longer what this adapter
+        loaded, or for adapters without `deferred_probe`."""
+        return  # their loads and patches confirmed in full already
 
     def _no_patches(self) -> PatchRefusedError:
         return PatchRefusedError(

@@ -6,6 +6,14 @@ One load is: `POST /pause?mode=...&clear_cache=false`, `POST /collective_rpc` wi
 `POST /resume`, then a confirmation: `GET /health`, `GET /weight_info` names the identity, and a
 1-token completion works. The adapter records what it loaded only after all of that succeeded.
 
+A sparse patch (`patch`) is confirmed without the completion: its values were verified against
+the parent's and the result's checksums before the write, so `GET /health` and the weight
+version confirm it, and the 1-token completion, a forward pass over the whole model, runs right
+after as `probe` once the loader reported the patch served. The probe holds the adapter's lock:
+the next load or patch waits for it before it stages or pauses (a probe answers for the patched
+weights, never for weights written under it); after a failed probe patches are refused
+(`probe_failed`) until a full load, which confirms with the completion again.
+
 vLLM's `reload_weights` is in place and not transactional: when it fails part-way (a missing
 folder, a tensor of the wrong shape) the model is left half-loaded and the next forward pass
 crashes the engine. So the adapter refuses such folders before pausing (`check_loadable`), and
@@ -50,6 +58,7 @@ class VLLMAdapter(EngineAdapter):
 
     kind: ClassVar[str] = "vllm"
     sparse_loads: ClassVar[bool] = True
+    deferred_probe: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -81,6 +90,9 @@ class VLLMAdapter(EngineAdapter):
         self._broken: str | None = None
         # Whether vLLM runs the hotload extension (None: not asked yet).
         self._extension: bool | None = None
+        # Why the weights a patch wrote failed their liveness probe (None: they did not):
+        # no patch goes on top of them until a full load confirms new weights.
+        self._probe_failed: str | None = None
 
     def adopt(self, served: ServedSnapshot, path: str) -> None:
         """Record that the engine holds `served` from folder `path` (e.g. after a sidecar
@@ -127,11 +139,13 @@ class VLLMAdapter(EngineAdapter):
         undo: Callable[[], Awaitable[None]],
         folder: str | None,
         timer: StepTimer,
+        probe: bool = True,
     ) -> LoadResult:
         """Pause, `write` the new weights (a reload or a patch), reset the prefix cache per
-        policy, set the weight version, resume and confirm; record that the engine serves
-        `req` from `folder`. A failure once paused runs `undo` (if the write began), resumes
-        and confirms the old weights (`EngineLoadError.serving` says how that went)."""
+        policy, set the weight version, resume and confirm (with the 1-token completion when
+        `probe`); record that the engine serves `req` from `folder`. A failure once paused
+        runs `undo` (if the write began), resumes and confirms the old weights
+        (`EngineLoadError.serving` says how that went)."""
         pause_mode = "keep" if req.mode == "async" else self.sync_in_flight
         paused_at = time.monotonic()
         reset = False
@@ -164,7 +178,7 @@ class VLLMAdapter(EngineAdapter):
         pause_seconds = time.monotonic() - paused_at
 
         try:
-            await timer.run("confirm", self._confirm(req.identity))
+            await timer.run("confirm", self._confirm(req.identity, probe=probe))
         except EngineError as err:
             self._broken = f"could not confirm {req.identity!r} after its {step}: {err}"
             raise self._fail(err, step="confirm", serving="unknown") from err
@@ -172,6 +186,8 @@ class VLLMAdapter(EngineAdapter):
         self._served = ServedSnapshot(req.identity, req.sequence)
         self._loaded_path = folder
         self._broken = None
+        if probe:
+            self._probe_failed = None
         return LoadResult(
             engine=self.kind,
             served=self._served,
@@ -278,6 +294,13 @@ class VLLMAdapter(EngineAdapter):
         docstring). `folder`: where the full snapshot of `req.identity` will lie, for a later
         rollback to it."""
         async with self._lock:
+            if self._probe_failed is not None:
+                raise vllm_patch.refused(
+                    self,
+                    "probe_failed",
+                    f"the weights served failed their liveness probe ({self._probe_failed}): "
+                    "no patch goes on top of them until a full load",
+                )
             timer = StepTimer()
             version = await self._begin(timer)
             if version != parent:
@@ -302,7 +325,20 @@ class VLLMAdapter(EngineAdapter):
                 undo=lambda: vllm_patch.rollback(self),
                 folder=folder,
                 timer=timer,
+                probe=False,
             )
+
+    async def probe(self, identity: str) -> None:
+        """The 1-token completion a patch to `identity` was confirmed without (module doc);
+        raises `EngineError` in vLLM's words, and patches are refused until a full load."""
+        async with self._lock:
+            if self._served is None or self._served.identity != identity:
+                return  # a load since confirmed what the engine serves now
+            try:
+                await self._probe(step="probe")
+            except EngineError as err:
+                self._probe_failed = str(err)
+                raise
 
     async def _weights_changed(self, folder: str) -> None:
         # Tried until vLLM answers that it has no extension: then never again.
@@ -425,7 +461,7 @@ class VLLMAdapter(EngineAdapter):
         if answer.status != 200 or not isinstance(choices, list) or not choices:
             raise self.unexpected(answer, step=step, what="1-token completion")
 
-    async def _confirm(self, identity: str) -> None:
+    async def _confirm(self, identity: str, *, probe: bool = True) -> None:
         health = await self.http.request("GET", "/health", step="confirm")
         if health.status != 200:
             raise self.unexpected(health, step="confirm", what="GET /health")
@@ -437,7 +473,8 @@ class VLLMAdapter(EngineAdapter):
                 url=self.url,
                 step="confirm",
             )
-        await self._probe(step="confirm")
+        if probe:
+            await self._probe(step="confirm")
 
     # --- current, health -----------------------------------------------------------------------
 
