@@ -16,13 +16,8 @@ saying so (tests/README.md).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +25,12 @@ import pytest
 
 from hotload.kube import KubeClient, resource_path
 from support import audit
-from support.audit import AuditLog
 from support.cluster import install_crds
-from support.fleet import free_port
 from support.kubeapi import KubeAPI
 from support.operator import (
     condition,
     eventually,
+    get_or_none,
     hld_body,
     hld_path,
     play_deployment_controller,
@@ -46,87 +40,19 @@ from support.operator import (
     snapshot_body,
     snapshot_path,
 )
+from support.operator_replicas import (
+    LEASE_SECONDS,
+    RETRY,
+    OperatorReplica,
+    audit_log,
+    holder,
+    mine,
+    replicas,
+)
 from support.snapshots import full, upload, weights
 
 JSON = dict[str, Any]
 REPO = Path(__file__).resolve().parents[1]
-LEASE = "hotload-operator"
-#: Short timings keep the test quick; generous for a machine twice as busy.
-LEASE_SECONDS, RENEW_DEADLINE, RETRY = 8.0, 6.0, 1.0
-
-
-def audit_log(api: KubeAPI) -> AuditLog:
-    """The session's audit log, read from now on (skips where there is none)."""
-    path = api.lane.audit_log if api.lane is not None else None
-    if path is None:
-        pytest.skip(
-            "needs the API server's audit log: the shared control plane the session starts "
-            "writes one; a cluster from $HOTLOAD_E2E_KUBECONFIG does not"
-        )
-    log = AuditLog(path)
-    log.skip()
-    return log
-
-
-def mine(log: AuditLog, ns: str) -> list[JSON]:
-    """Everything the log recorded about namespace `ns` so far."""
-    log.read()
-    return [e for e in log.events if audit.namespace(e) == ns]
-
-
-async def get(kube: KubeClient, path: str) -> JSON | None:
-    from hotload.errors import KubeNotFoundError
-
-    try:
-        return dict(await kube.get(path))
-    except KubeNotFoundError:
-        return None
-
-
-async def holder(kube: KubeClient, ns: str) -> str:
-    lease = await get(kube, resource_path("coordination.k8s.io/v1", "leases", ns, LEASE))
-    return str(((lease or {}).get("spec") or {}).get("holderIdentity") or "")
-
-
-class Replica:
-    """One operator replica, a process of its own."""
-
-    def __init__(self, identity: str, api: KubeAPI, logs: Path) -> None:
-        self.identity = identity
-        self.log = logs / f"{identity}.log"
-        env = os.environ | {"KUBECONFIG": str(api.kubeconfig), "HOTLOAD_ROLLUP_INTERVAL": "1"}
-        command = [
-            sys.executable, "-m", "hotload_operator", "-n", api.namespace,
-            "--lease-namespace", api.namespace, "--lease-name", LEASE, "--identity", identity,
-            "--lease-seconds", str(LEASE_SECONDS), "--renew-deadline", str(RENEW_DEADLINE),
-            "--lease-retry", str(RETRY), "--liveness", f"http://127.0.0.1:{free_port()}/healthz",
-        ]  # fmt: skip
-        with self.log.open("wb") as out:
-            self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-    def stop(self) -> int | None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(30)
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
-        return self.process.returncode
-
-
-@contextlib.contextmanager
-def replicas(api: KubeAPI, logs: Path) -> Iterator[dict[str, Replica]]:
-    """Operator replicas started in the block (by `started[identity] = Replica(...)`), stopped
-    at its end; their logs are printed when the test fails."""
-    started: dict[str, Replica] = {}
-    try:
-        yield started
-    finally:
-        for replica in started.values():
-            replica.stop()
-        for replica in started.values():
-            print(f"--- {replica.identity}\n{replica.log.read_text()[-4000:]}")
 
 
 @pytest.mark.asyncio
@@ -142,9 +68,9 @@ async def test_the_standby_takes_over_when_the_leader_is_killed_mid_burst(
     async with api.client() as kube:
         await install_crds(kube)
         with replicas(api, tmp_path) as started:
-            started["op-a"] = Replica("op-a", api, tmp_path)
+            started["op-a"] = OperatorReplica("op-a", api, tmp_path)
             await eventually("op-a leading", lambda: _holds(kube, ns, "op-a"), timeout=60)
-            started["op-b"] = Replica("op-b", api, tmp_path)
+            started["op-b"] = OperatorReplica("op-b", api, tmp_path)
 
             # Four deployments of three replicas, each at step-0 then step-1 (full snapshots
             # shared by every ledger).
@@ -222,7 +148,7 @@ async def test_the_standby_takes_over_when_the_leader_is_killed_mid_burst(
             ]
 
             # A clean stop hands the Lease over at once: op-c stands by, op-b gets SIGTERM.
-            started["op-c"] = Replica("op-c", api, tmp_path)
+            started["op-c"] = OperatorReplica("op-c", api, tmp_path)
             await asyncio.sleep(2)  # op-c's caches listed, it watches the Lease
             stopped = time.monotonic()
             assert await asyncio.to_thread(started["op-b"].stop) == 0
@@ -234,7 +160,7 @@ async def _pods(kube: KubeClient, ns: str, name: str) -> list[str]:
     """The pods of deployment `name`, once the operator applied its Deployment and the
     controllers made them."""
     deployment = resource_path("apps/v1", "deployments", ns, name)
-    await eventually(f"Deployment {name}", lambda: get(kube, deployment), timeout=60)
+    await eventually(f"Deployment {name}", lambda: get_or_none(kube, deployment), timeout=60)
     return await play_deployment_controller(kube, ns, name)
 
 
@@ -243,12 +169,12 @@ async def _holds(kube: KubeClient, ns: str, identity: str) -> bool:
 
 
 async def _true(kube: KubeClient, path: str, type_: str) -> JSON | None:
-    obj = await get(kube, path)
+    obj = await get_or_none(kube, path)
     return obj if condition(obj, type_).get("status") == "True" else None
 
 
 async def _all_serve(kube: KubeClient, ns: str, name: str, identity: str, n: int) -> JSON | None:
-    obj = await get(kube, hld_path(ns, name))
+    obj = await get_or_none(kube, hld_path(ns, name))
     replicas = ((obj or {}).get("status") or {}).get("replicaStatuses") or []
     serving_it = [r for r in replicas if r.get("snapshot") == identity]
     return obj if len(serving_it) == n else None
