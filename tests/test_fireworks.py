@@ -104,10 +104,11 @@ async def test_a_fireworks_trainer_works_unchanged(
     )
     async with kube_api.client() as kube:
         await install_crds(kube)
-        async with running_operator(kube_api):
+        async with running_operator(kube_api) as op:
             pods = await create_fleet(kube, ns, bucket_dir)
 
-            server = TestServer(create_app(kube, namespace=ns, token=TOKEN), host="127.0.0.1")
+            app = create_app(kube, cache=op.cache, namespace=ns, token=TOKEN)
+            server = TestServer(app, host="127.0.0.1")
             await server.start_server()
             playing = asyncio.create_task(loaders_follow_the_ledger(kube, ns, bucket_dir, pods))
             try:

@@ -131,3 +131,77 @@ async def test_a_leader_whose_api_server_stops_answering_steps_down_in_time(
         assert not a.leading()
         assert time.monotonic() - started <= DEADLINE + 2 * RETRY
     server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_refused_lease_watch_is_said_and_the_standby_still_takes_over(
+    real_kube_api: KubeAPI, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Role without `watch` on leases: the standby warns once, naming the permission to grant,
+    tells `on_watch_refused` (the operator's gauge), and reads the Lease every retry instead."""
+    from hotload.errors import KubeForbiddenError, KubeNotFoundError
+    from support.operator import eventually
+
+    api, ns = real_kube_api, real_kube_api.namespace
+    rbac = "rbac.authorization.k8s.io/v1"
+    rules = [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "create", "update"],
+        }
+    ]
+    async with api.client() as admin:
+        await admin.create(
+            resource_path(rbac, "roles", ns), {"metadata": {"name": "no-watch"}, "rules": rules}
+        )
+        await admin.create(
+            resource_path(rbac, "rolebindings", ns),
+            {
+                "metadata": {"name": "no-watch"},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "Role",
+                    "name": "no-watch",
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": "no-watch", "namespace": ns}],
+            },
+        )
+    config = await api.service_account_config("no-watch", expiration_seconds=600)
+    lease_path = resource_path(LEASE_API, "leases", ns, "hotload-operator")
+
+    async with api.client() as ka, KubeClient(config) as kb:
+
+        async def allowed() -> bool:  # the server's RBAC caches catch up with the binding
+            try:
+                await kb.get(lease_path)
+            except KubeForbiddenError:
+                return False
+            except KubeNotFoundError:
+                return True
+            return True
+
+        await eventually("the Role in force", allowed)
+        a = LeaderElector(ka, settings(api, "replica-a"))
+        await asyncio.wait_for(a.acquire(), 30)
+        said: list[bool] = []
+        b = LeaderElector(kb, settings(api, "replica-b"), on_watch_refused=said.append)
+        with caplog.at_level("WARNING", logger="hotload_operator.leader"):
+            standby = asyncio.create_task(b.acquire())
+            await eventually("the refusal said", lambda: _said(said))
+            await asyncio.sleep(3 * RETRY)  # said once, not at every retry
+        assert said == [True] and b.watch_refused
+        warnings = [
+            r.getMessage() for r in caplog.records if "cannot watch lease" in r.getMessage()
+        ]
+        assert len(warnings) == 1, warnings
+        assert "`watch` on leases (coordination.k8s.io) named hotload-operator" in warnings[0]
+        assert ns in warnings[0]
+        # Reading the Lease every retry, it still takes over once the holder lets go.
+        await a.release()
+        await asyncio.wait_for(standby, DURATION)
+        assert b.leading()
+
+
+async def _said(said: list[bool]) -> bool:
+    return bool(said)

@@ -359,9 +359,11 @@ async def test_the_fireworks_api_needs_the_charts_snapshot_rule(
             await until_granted(kube_api, account, rbac)
             monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
             config = await kube_api.service_account_config(account)
-            async with running_operator(kube_api), KubeClient(config) as as_operator:
+            async with running_operator(kube_api) as op, KubeClient(config) as as_operator:
                 await kube.create(hld_path(ns), fleet("fleet", bucket_dir, "bucket-creds"))
-                app = create_app(as_operator, namespace=ns, token="t", accept_timeout=30)
+                app = create_app(
+                    as_operator, cache=op.cache, namespace=ns, token="t", accept_timeout=30
+                )
                 server = TestServer(app, host="127.0.0.1")
                 await server.start_server()
                 try:

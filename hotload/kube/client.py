@@ -121,8 +121,11 @@ class KubeClient:
         retries: int = 3,
         backoff: float = 0.2,
         user_agent: str = "hotload",
+        request_class: type[aiohttp.ClientRequest] = aiohttp.ClientRequest,
     ) -> None:
         self.config = config
+        #: What sends each request (a subclass may refuse one just before it goes out).
+        self.request_class = request_class
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
@@ -286,6 +289,7 @@ class KubeClient:
                 base_url=self.config.server + "/",
                 connector=connector,
                 headers={"User-Agent": self.user_agent, "Accept": "application/json"},
+                request_class=self.request_class,
             )
             self._session_cert = cert
         return self._session

@@ -26,6 +26,7 @@ from hotload_operator.causes import (
     CredentialsUnreadableError,
     missing_keys,
 )
+from hotload_operator.fence import FencedBucket, WriteFence
 from hotload_operator.ledgers import LedgerCache
 from hotload_operator.meta import OperatorImages, namespace_of
 from hotload_operator.workqueue import WorkQueue
@@ -85,6 +86,20 @@ class OperatorMetrics:
             "1 while this operator replica holds the lease and writes, else 0",
             registry=r,
         )
+        self.fenced_writes = Counter(
+            "hotload_operator_fenced_writes",
+            "Writes refused before they left this replica because it did not lead, by target",
+            ["target"],
+            registry=r,
+        )
+        for target in ("kubernetes", "bucket"):
+            self.fenced_writes.labels(target)
+        self.lease_watch_refused = Gauge(
+            "hotload_operator_lease_watch_refused",
+            "1 while the API server refuses this replica a watch of the Lease (RBAC lacks "
+            "watch on leases): a standby then polls and takes over up to a retry period late",
+            registry=r,
+        )
 
 
 async def _unset(_: Key) -> None:
@@ -114,6 +129,10 @@ class Context:
     poll_interval: float = 30.0
     #: This replica's name (the Lease holder's identity; `reportingInstance` of its Events).
     identity: str = "hotload-operator"
+    #: The gate of every write (`runtime.build` ties it to the Lease and to `kube`'s requests).
+    fence: WriteFence = field(default_factory=WriteFence)
+    #: kopf's HTTP sessions (one per login), fenced; closed once kopf stopped.
+    kopf_sessions: list[Any] = field(default_factory=list)
     writer: StatusWriter = field(init=False)
     ledgers: LedgerCache = field(init=False)
     events: EventRecorder = field(init=False)
@@ -129,6 +148,7 @@ class Context:
     _applied_at: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.fence.refused = self.metrics.fenced_writes
         self.writer = StatusWriter(self.kube, writes=self.metrics.status_writes)
         self.ledgers = LedgerCache(self.bucket)
         self.events = EventRecorder(self.kube, "hotload-operator", self.identity)
@@ -160,7 +180,10 @@ class Context:
                     raise CredentialsIncompleteError(
                         namespace_of(hld), secret, url, missing, sorted(keys)
                     )
-            self._buckets[key] = open_bucket(url, credentials_dir=credentials_dir)
+            # Fenced: ledger appends, pins and hints are writes of the leader only.
+            self._buckets[key] = FencedBucket(
+                open_bucket(url, credentials_dir=credentials_dir), self.fence
+            )
         return self._buckets[key]
 
     async def _secret_dir(self, namespace: str, name: str) -> tuple[Path, list[str]]:

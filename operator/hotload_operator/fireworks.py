@@ -9,6 +9,11 @@ already in the bucket, so loaders fetch and rebuild early; a trainer may repeat 
 files land. A hint never makes a replica serve anything. The `fireworks-deployment` header names the
 HotLoadDeployment (`NAME` in the gateway's namespace, or `NAMESPACE/NAME`); requests carry
 `Authorization: Bearer <token>` with the token from a mounted Secret.
+
+Every operator replica serves it, from its watch-fed caches (a GET sends no request to the API
+server). Its writes (the Snapshot, the hint) are the leader's only (`fence`): a standby answers
+a POST with 503, a `Retry-After` and the identity of the replica that leads, and the client
+sends it again (the Service picks a replica per connection).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from aiohttp import web
 
 from hotload.api.models import HotLoadDeployment
 from hotload.api.names import (
-    ANNOTATION_SNAPSHOT,
     API_VERSION,
     DEPLOYMENT_PLURAL,
     SNAPSHOT_PLURAL,
@@ -43,13 +47,19 @@ from hotload.ledger.hints import Hint, HintFile, HintKind, write_hint_async
 from hotload.snapshot import validate_identity
 from hotload.snapshot.layout import INDEX_FILE, MANIFEST_FILES
 from hotload.snapshot.reader import digest_of_manifests
-from hotload_operator.meta import parse_deployment, selector_string
+from hotload_operator.fence import NotLeadingError, WriteFence
+from hotload_operator.fleet import FleetCache
+from hotload_operator.meta import parse_deployment
 
 PATH = "/hot_load/v1/models/hot_load"
 KUBE: web.AppKey[KubeClient] = web.AppKey("kube", KubeClient)
 SETTINGS: web.AppKey[dict[str, Any]] = web.AppKey("settings", dict)
 BucketOpener = Callable[[HotLoadDeployment], Awaitable[Bucket]]
 BUCKETS: web.AppKey[BucketOpener] = web.AppKey("buckets")
+CACHE: web.AppKey[FleetCache] = web.AppKey("cache", FleetCache)
+FENCE: web.AppKey[WriteFence] = web.AppKey("fence", WriteFence)
+#: Seconds a client refused by a standby waits before it sends the POST again.
+STANDBY_RETRY_AFTER = 1
 
 _LOADING_STATES = {
     "idle": "LOADED",
@@ -68,15 +78,20 @@ async def _plain_bucket(hld: HotLoadDeployment) -> Bucket:
 def create_app(
     kube: KubeClient,
     *,
+    cache: FleetCache,
     namespace: str,
     token: str,
     accept_timeout: float = 60.0,
     buckets: BucketOpener | None = None,
+    fence: WriteFence | None = None,
 ) -> web.Application:
     """The gateway application (routes: POST and GET on the hot-load path, POST on its `/hint`,
-    `/healthz`); `buckets` opens a deployment's bucket (default: its URL, ambient credentials)."""
+    `/healthz`). It reads the operator's `cache`; it writes with `kube` and the buckets
+    `buckets` opens (default: its URL, ambient credentials), only while `fence` allows."""
     app = web.Application()
     app[KUBE] = kube
+    app[CACHE] = cache
+    app[FENCE] = fence or WriteFence()
     app[SETTINGS] = {"namespace": namespace, "token": token, "timeout": accept_timeout}
     app[BUCKETS] = buckets or _plain_bucket
     app.router.add_post(PATH, _post)
@@ -189,6 +204,13 @@ async def _accept_call(request: web.Request) -> _Call | web.Response:
     except (ValueError, json.JSONDecodeError) as err:
         return _error(400, str(err), "INVALID_ARGUMENT")
     ns, name = target
+    fence = request.app[FENCE]
+    if not fence.may_write():
+        return _standby(fence)
+    record = request.app[CACHE].deployment((ns, name))
+    if record is not None:
+        return _Call(identity, previous, policy, ns, name, record.body)
+    # Not in the cache: perhaps created a moment ago (a POST is rare, one GET is fine).
     try:
         body = await request.app[KUBE].get(resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, name))
     except KubeNotFoundError:
@@ -196,6 +218,25 @@ async def _accept_call(request: web.Request) -> _Call | web.Response:
     except KubeError as err:
         return _error(503, str(err), "UNAVAILABLE")
     return _Call(identity, previous, policy, ns, name, body)
+
+
+def _standby(fence: WriteFence, err: NotLeadingError | None = None) -> web.Response:
+    """A standby's answer to a write: 503, when to retry, and who leads."""
+    leader = fence.holder()
+    reason = str(err) if err else "this operator replica is a standby"
+    response = web.json_response(
+        {
+            "error": {
+                "code": "UNAVAILABLE",
+                "message": f"{reason}: send the request again (the leader, "
+                f"{leader or 'not known yet'}, takes it)",
+            },
+            "leader": leader,
+        },
+        status=503,
+    )
+    response.headers["Retry-After"] = str(STANDBY_RETRY_AFTER)
+    return response
 
 
 async def _post(request: web.Request) -> web.Response:
@@ -215,11 +256,12 @@ async def _post(request: web.Request) -> web.Response:
         "metadata": {"name": object_name},
         "spec": spec,
     }
-    path = resource_path(API_VERSION, SNAPSHOT_PLURAL, ns, object_name)
     try:
         with contextlib.suppress(KubeConflictError):  # a retry: report what the operator decided
             await kube.create(resource_path(API_VERSION, SNAPSHOT_PLURAL, ns), body)
-        return await _await_admission(request, path, identity, name)
+        return await _await_admission(request, (ns, object_name), identity, name)
+    except NotLeadingError as err:
+        return _standby(request.app[FENCE], err)
     except KubeForbiddenError as err:
         return _error(
             403,
@@ -232,14 +274,16 @@ async def _post(request: web.Request) -> web.Response:
 
 
 async def _await_admission(
-    request: web.Request, path: str, identity: str, name: str
+    request: web.Request, key: tuple[str, str], identity: str, name: str
 ) -> web.Response:
-    """Poll the Snapshot at `path` until the operator accepted or refused it (or time ran out)."""
-    kube = request.app[KUBE]
+    """Wait until the operator accepted or refused the Snapshot `key` (or time ran out), reading
+    the cache (the operator's own status write reaches it as a watch event)."""
+    cache = request.app[CACHE]
     deadline = asyncio.get_running_loop().time() + request.app[SETTINGS]["timeout"]
     while True:
-        obj = await kube.get(path)
-        for c in (obj.get("status") or {}).get("conditions") or []:
+        record = cache.snapshot(key)
+        status = record.status if record is not None else {}
+        for c in status.get("conditions") or []:
             if c.get("type") == "Accepted" and c.get("status") == "True":
                 return _ok({"identity": identity, "status": "ACCEPTED", "deployment": name})
             if c.get("type") == "Accepted" and c.get("status") == "False":
@@ -263,6 +307,8 @@ async def _hint(request: web.Request) -> web.Response:
         bucket = await request.app[BUCKETS](hld)
         hint = await hint_from_bucket(bucket, identity, previous)
         await write_hint_async(bucket, hld.spec.ledger or name, hint)
+    except NotLeadingError as err:
+        return _standby(request.app[FENCE], err)
     except BucketError as err:
         return _error(503, f"cannot write the hint: {err}", "UNAVAILABLE")
     return _ok(
@@ -298,44 +344,26 @@ async def _get(request: web.Request) -> web.Response:
     if target is None:
         return _error(400, "the fireworks-deployment header is required", "INVALID_ARGUMENT")
     ns, name = target
-    kube = request.app[KUBE]
-    try:
-        body = await kube.get(resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, name))
-    except KubeNotFoundError:
+    cache = request.app[CACHE]
+    record = cache.deployment((ns, name))
+    if record is None:
         return _error(404, f"HotLoadDeployment {ns}/{name} not found", "NOT_FOUND")
-    except KubeError as err:
-        return _error(503, str(err), "UNAVAILABLE")
-    hld = parse_deployment(body)
-    pods = (
-        await kube.list(resource_path("v1", "pods", ns), label_selector=selector_string(hld))
-    ).get("items") or []
-    status = body.get("status") or {}
-    replicas = []
-    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
-        raw = (pod["metadata"].get("annotations") or {}).get(ANNOTATION_SNAPSHOT)
-        try:
-            note = json.loads(raw) if raw else {}
-        except ValueError:
-            note = {}
-        ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in (pod.get("status") or {}).get("conditions") or []
-        )
-        replicas.append(
-            {
-                "name": pod["metadata"]["name"],
-                "readiness": ready,
-                "current_snapshot_identity": note.get("identity"),
-                "loading_state": _LOADING_STATES.get(str(note.get("state")), "UNKNOWN"),
-                "target_snapshot_identity": note.get("targetIdentity"),
-                "error": note.get("lastError") or None,
-            }
-        )
+    replicas = [
+        {
+            "name": report.pod,
+            "readiness": report.ready,
+            "current_snapshot_identity": report.identity,
+            "loading_state": _LOADING_STATES.get(str(report.state), "UNKNOWN"),
+            "target_snapshot_identity": report.target,
+            "error": report.message or None if report.state == "failed" else None,
+        }
+        for report in cache.pods_of((ns, name))
+    ]
     return _ok(
         {
             "deployment": name,
-            "current_snapshot_identity": status.get("currentSnapshot"),
-            "target_snapshot_identity": status.get("targetSnapshot"),
+            "current_snapshot_identity": record.status.get("currentSnapshot"),
+            "target_snapshot_identity": record.status.get("targetSnapshot"),
             "replicas": replicas,
         }
     )

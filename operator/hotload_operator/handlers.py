@@ -5,11 +5,13 @@ the periodic checks) runs from the operator's own caches and queues (`runtime`).
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
+import aiohttp
 import kopf
 
 from hotload.api.names import (
@@ -23,12 +25,13 @@ from hotload.errors import BucketError, KubeError
 from hotload.kube import KubeConfig
 from hotload_operator import apply, meta
 from hotload_operator.context import Context, SpecProblem
+from hotload_operator.fence import NotLeadingError, fenced_request_class
 
 log = logging.getLogger("hotload_operator")
 JSON = dict[str, Any]
+_KOPF = importlib.metadata.version("kopf")
 
 
-@kopf.on.login()
 def login(**_: Any) -> kopf.ConnectionInfo:
     """kopf connects with the same settings as `hotload.kube` ($KUBECONFIG, then in-cluster):
     one way to find credentials, whatever client libraries happen to be installed. kopf calls
@@ -55,6 +58,30 @@ def login(**_: Any) -> kopf.ConnectionInfo:
         private_key_data=key.encode() if key else None,
         default_namespace=config.namespace,
         expiration=credentials.expires,
+    )
+
+
+@kopf.on.login(id="login")  # kopf logs "Activity 'login' ..." as before
+async def login_fenced(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo | kopf.AiohttpSession:
+    """kopf's connection (`login`, read in a thread: a credential plugin may take a while) in a
+    session of our own, whose writes pass the operator's fence like every other write (kopf
+    patches the deployments' annotations), and whose user agent names this replica."""
+    info = await asyncio.to_thread(login)
+    ctx: Context | None = memo.get("ctx")
+    if ctx is None:
+        return info
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ssl=info.as_ssl_context()),
+        # kopf's product first, then the replica (the audit log tells whose kopf wrote).
+        headers={**info.as_http_headers(), "User-Agent": f"kopf/{_KOPF} ({ctx.kube.user_agent})"},
+        request_class=fenced_request_class(ctx.fence),
+    )
+    ctx.kopf_sessions.append(session)
+    return kopf.AiohttpSession(
+        aiohttp_session=session,
+        server=info.server,
+        default_namespace=info.default_namespace,
+        expiration=info.expiration,
     )
 
 
@@ -96,6 +123,16 @@ async def deployment_changed(
     if reason == kopf.Reason.RESUME and applied == digest:
         ctx.rollups.request(_key(body), 0)
         return
+    try:
+        await _changed(ctx, body, reason=reason, old=old, patch=patch, digest=digest)
+    except NotLeadingError as err:
+        # A replica that no longer leads: the new leader's kopf resumes this deployment.
+        raise kopf.TemporaryError(str(err), delay=10) from err
+
+
+async def _changed(
+    ctx: Context, body: kopf.Body, *, reason: str, old: Any, patch: kopf.Patch, digest: str
+) -> None:
     # A router to remove can exist only after a spec that had one (kopf's `old` on an update),
     # or from before this operator started; a new deployment has none (five DELETEs saved).
     had_router = reason != kopf.Reason.CREATE and (
@@ -163,7 +200,10 @@ def _failed(ctx: Context, key: tuple[str, str], reason: str, message: str, fix: 
 
 
 async def _respec(ctx: Context, body: JSON) -> None:
-    await _reconcile_spec(ctx, body)
+    try:
+        await _reconcile_spec(ctx, body)
+    except NotLeadingError as err:
+        log.debug("apply retry skipped: %s", err)
 
 
 def _key(body: Mapping[str, Any]) -> tuple[str, str]:

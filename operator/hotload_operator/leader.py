@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from hotload.errors import KubeConflictError, KubeError, KubeNotFoundError
+from hotload.errors import KubeConflictError, KubeError, KubeForbiddenError, KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
 
 log = logging.getLogger("hotload_operator.leader")
@@ -87,6 +87,10 @@ class LeaderElector:
     clock: Callable[[], float] = time.monotonic
     #: Called with True when this replica starts leading, False when it stops.
     on_change: Callable[[bool], None] | None = None
+    #: Called with True when the API server refuses the Lease watch (403), False once allowed.
+    on_watch_refused: Callable[[bool], None] | None = None
+    #: Whether the last Lease watch was refused (403): the replica polls instead.
+    watch_refused: bool = False
     _renewed_at: float | None = None
     _lease: JSON | None = None
     _seen: _Seen | None = None
@@ -284,9 +288,43 @@ class LeaderElector:
                     field_selector=selector,
                     timeout_seconds=300,
                 ):
+                    self._watch_allowed()
                     self._see(None if kind == "DELETED" else obj)
+                self._watch_allowed()  # the server's timeout ended it: allowed, watch again
             except asyncio.CancelledError:
                 raise
+            except KubeForbiddenError as err:
+                self._watch_forbidden(err)
+                await asyncio.sleep(s.retry)
             except KubeError as err:
                 log.debug("lease watch: %s", err)
                 await asyncio.sleep(s.retry)
+
+    def _watch_forbidden(self, err: KubeForbiddenError) -> None:
+        """Say once (a warning and `on_watch_refused`) that the Lease cannot be watched."""
+        if self.watch_refused:
+            return
+        self.watch_refused = True
+        s = self.settings
+        log.warning(
+            "cannot watch lease %s/%s (%s): this replica reads it every %g s instead, so as a "
+            "standby it takes over up to that much later than the holder's lease expires; fix: "
+            "grant the operator `watch` on leases (coordination.k8s.io) named %s in namespace "
+            "%s (the chart's leader-election Role does)",
+            s.namespace,
+            s.name,
+            err,
+            s.retry,
+            s.name,
+            s.namespace,
+        )
+        if self.on_watch_refused is not None:
+            self.on_watch_refused(True)
+
+    def _watch_allowed(self) -> None:
+        if not self.watch_refused:
+            return
+        self.watch_refused = False
+        log.info("watching lease %s/%s again", self.settings.namespace, self.settings.name)
+        if self.on_watch_refused is not None:
+            self.on_watch_refused(False)

@@ -38,6 +38,7 @@ from hotload_operator.admission import Admission, admit
 from hotload_operator.causes import Cause, workload_causes
 from hotload_operator.conditions import format_time, set_condition
 from hotload_operator.context import Context
+from hotload_operator.fence import NotLeadingError
 from hotload_operator.meta import (
     generation_of,
     ledger_url,
@@ -46,7 +47,6 @@ from hotload_operator.meta import (
     parse_deployment,
 )
 from hotload_operator.rollup import LedgerRead, rollup_deployment, rollup_snapshot
-from hotload_operator.writes import NotLeadingError
 
 log = logging.getLogger("hotload_operator")
 JSON = dict[str, Any]
@@ -332,11 +332,12 @@ def deployment_of_pod(body: JSON) -> str | None:
 
 async def guarded(what: str, call: Callable[[], Awaitable[Any]]) -> Any:
     """Run `call`, logging (not raising) API errors of background work; a replica that just
-    lost the Lease skips its writes quietly (it is on its way out)."""
+    lost the Lease has its writes refused by the fence and skips the rest (it is on its way
+    out: the new leader does this work from its own caches)."""
     try:
         return await call()
     except NotLeadingError as err:
-        log.debug("%s skipped: %s", what, err)
+        log.info("%s skipped: %s", what, err)
         return None
     except (KubeError, BucketError, LedgerError) as err:
         log.warning("%s failed: %s", what, err)

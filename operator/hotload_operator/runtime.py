@@ -30,6 +30,7 @@ from hotload.kube import KubeClient, KubeConfig
 from hotload_operator import reconcile
 from hotload_operator.causes import WorkloadStatus
 from hotload_operator.context import Context, Key
+from hotload_operator.fence import fenced_request_class
 from hotload_operator.fleet import DeploymentRecord, FleetCache, PodRecord, SnapshotRecord
 from hotload_operator.leader import LeaderElector, LeadershipLostError, LeaseSettings
 from hotload_operator.meta import OperatorImages
@@ -129,14 +130,27 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         else None
     )
     if elector is not None:
-        ctx.writer.may_write = elector.leading
+        # One gate for every write: this client's requests (status, applies, Events, the
+        # Fireworks API's Snapshots), kopf's session (`handlers.login_fenced`) and the buckets.
+        ctx.fence.may_write = elector.leading
+        ctx.fence.holder = elector.holder
+        ctx.fence.identity = elector.settings.identity
         elector.on_change = lambda leading: ctx.metrics.leader.set(1 if leading else 0)
+        elector.on_watch_refused = lambda refused: ctx.metrics.lease_watch_refused.set(
+            1 if refused else 0
+        )
+    # Before the client's first request: its connection pool is made with this class.
+    kube.request_class = fenced_request_class(ctx.fence)
     ctx.rollups = WorkQueue(
         lambda key: _rollup(ctx, key), window=settings.rollup_window, name="roll-up"
     )
-    ctx.polls = WorkQueue(lambda key: reconcile.poll(ctx, *key), name="poll")
+    ctx.polls = WorkQueue(
+        lambda key: reconcile.guarded("poll", lambda: reconcile.poll(ctx, *key)), name="poll"
+    )
     ctx.admissions = WorkQueue(
-        lambda key: reconcile.admit_queued(ctx, *key), window=0, name="admission"
+        lambda key: reconcile.guarded("admission", lambda: reconcile.admit_queued(ctx, *key)),
+        window=0,
+        name="admission",
     )
 
     def on_deployment(key: Key, old: DeploymentRecord | None, new: DeploymentRecord | None) -> None:
@@ -277,6 +291,8 @@ async def run(
                 kopf_stop.set_result(None)
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(kopf_task, 30)
+        for session in op.ctx.kopf_sessions:
+            await session.close()
         await _cancel([hold] if hold else [])
         if op.elector is not None:
             # Bounded: with the API server gone, the standby takes over when the Lease expires.
@@ -399,9 +415,11 @@ async def _serve_endpoints(settings: Settings, op: Operator) -> list[Any]:
         # Hints are written with the operator's own bucket access (the deployment's Secret).
         app = create_app(
             op.ctx.kube,
+            cache=op.cache,
             namespace=settings.fireworks_namespace,
             token=token,
             buckets=op.ctx.bucket,
+            fence=op.ctx.fence,
         )
         runner = web.AppRunner(app)
         await runner.setup()

@@ -1,12 +1,11 @@
-"""Status writes: merge patches of the `status` subresource that skip what would change nothing,
-remember what they wrote (the watch-fed cache sees the operator's own write a moment later),
-and refuse to write at all unless this replica leads.
+"""Status writes: merge patches of the `status` subresource that skip what would change nothing
+and remember what they wrote (the watch-fed cache sees the operator's own write a moment later).
+Like every write of the operator, they go out only while this replica leads (`fence`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,10 +19,6 @@ from hotload_operator.informer import Key
 
 log = logging.getLogger("hotload_operator")
 JSON = dict[str, Any]
-
-
-class NotLeadingError(Exception):
-    """A status write was refused because this operator replica does not hold the lease."""
 
 
 def _version(value: str) -> int | None:
@@ -47,8 +42,6 @@ class StatusWriter:
     else's change (roll up again)."""
 
     kube: KubeClient
-    #: Whether this replica may write now (the leader election's fence); always, without one.
-    may_write: Callable[[], bool] = lambda: True
     writes: Counter | None = None
     _memory: dict[tuple[str, Key], _Written] = field(default_factory=dict)
 
@@ -87,13 +80,11 @@ class StatusWriter:
         """Merge-patch `status` into object `key`'s status unless the newest known status
         already holds it (top-level nulls remove fields); return whether it wrote.
 
-        Raises `NotLeadingError` when this replica may not write."""
+        Raises `NotLeadingError` (from the client's fence) when this replica may not write."""
         before = self.previous(plural, key, cached, cached_version)
         wanted = stored_form(status)
         if wanted == stored_form({k: before.get(k) for k in status}):
             return False
-        if not self.may_write():
-            raise NotLeadingError(f"not writing {plural} {key[0]}/{key[1]}: not the leader")
         path = resource_path(API_VERSION, plural, key[0] or None, key[1], "status")
         try:
             stored = await self.kube.patch(path, {"status": status}, "merge")

@@ -74,3 +74,24 @@ def is_status_write(event: JSON) -> bool:
         and ref.get("subresource") == "status"
         and ref.get("resource") in ("hotloaddeployments", "snapshots")
     )
+
+
+#: Verbs that change something on the server.
+WRITE_VERBS = ("create", "update", "patch", "delete", "deletecollection")
+
+
+def is_write(event: JSON) -> bool:
+    """Whether the request asked the server to change something (whatever its answer)."""
+    return event.get("verb") in WRITE_VERBS
+
+
+def code(event: JSON) -> int:
+    """The HTTP status the server answered (0 when the log has none)."""
+    return int((event.get("responseStatus") or {}).get("code") or 0)
+
+
+def replica(event: JSON) -> str:
+    """Which operator replica sent a request, its own or its kopf's (the identity in
+    `hotload-operator (IDENTITY)` anywhere in the user agent); "" for anyone else."""
+    found = re.search(r"hotload-operator \(([^()]+)\)", str(event.get("userAgent") or ""))
+    return found.group(1) if found else ""

@@ -168,6 +168,21 @@ AUDIT_POLICY = {
                 {"group": "", "resources": ["pods"]},
             ],
         },
+        # Every other write the operator makes (tests/test_operator_fencing.py: a deposed
+        # leader writes nothing): Events, kopf's patches of a deployment, Snapshots the
+        # Fireworks-compatible API creates, and the owned objects it applies or deletes.
+        {
+            "level": "Metadata",
+            "verbs": ["create", "patch", "update", "delete"],
+            "resources": [
+                {"group": "", "resources": ["events", "services", "serviceaccounts"]},
+                {"group": "events.k8s.io", "resources": ["events"]},
+                {"group": "hotload.dev", "resources": ["hotloaddeployments", "snapshots"]},
+                {"group": "apps", "resources": ["deployments"]},
+                {"group": "rbac.authorization.k8s.io", "resources": ["roles", "rolebindings"]},
+                {"group": "policy", "resources": ["poddisruptionbudgets"]},
+            ],
+        },
         {"level": "None"},
     ],
 }

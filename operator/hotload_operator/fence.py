@@ -1,0 +1,129 @@
+"""The one gate in front of every write of the operator: Kubernetes requests (status writes,
+server-side applies, deletes, Events, kopf's own patches, the Fireworks-compatible API's
+Snapshots) and bucket writes (ledger appends, pins, hints).
+
+A write goes out only while this replica leads (`LeaderElector.leading`: less than the renew
+deadline since its last renewal was sent, on the monotonic clock). The lease is asked at the
+last moment a write can still be stopped: for a Kubernetes request, when aiohttp starts sending
+it and again just before its first byte is handed to the socket (no await in between); for a
+bucket write, just before the store is called. A replica frozen (SIGSTOP, a stalled VM) past its
+deadline and woken therefore sends nothing it had queued: its clock moved on while it slept.
+Reads are never fenced (a standby keeps its caches warm).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp.client_reqrep import ClientResponse
+from prometheus_client import Counter
+
+from hotload.bucket import Bucket
+
+log = logging.getLogger("hotload_operator")
+
+#: Methods that change nothing on the server (never fenced).
+READS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+class NotLeadingError(Exception):
+    """A write was refused before it left this replica: it does not hold the lease (or its last
+    renewal is older than the renew deadline)."""
+
+
+@dataclass
+class WriteFence:
+    """Whether this replica may write now, and the refusal of a write when it may not."""
+
+    #: Whether this replica may write now (always, without leader election).
+    may_write: Callable[[], bool] = lambda: True
+    #: Who holds the lease as last seen ("" when unknown), for the refusal's message.
+    holder: Callable[[], str] = lambda: ""
+    #: Refused writes by target ("kubernetes", "bucket").
+    refused: Counter | None = None
+    #: This replica's identity in the lease.
+    identity: str = ""
+
+    def check(self, target: str, what: str) -> None:
+        """Raise `NotLeadingError` unless this replica may write `what` to `target` now."""
+        if self.may_write():
+            return
+        if self.refused is not None:
+            self.refused.labels(target).inc()
+        held = self.holder()
+        why = (
+            f"the lease is held by {held}"
+            if held and held != self.identity
+            else "its last lease renewal is older than the renew deadline"
+        )
+        raise NotLeadingError(f"not sending {what}: this replica does not lead ({why})")
+
+
+def fenced_request_class(fence: WriteFence) -> type[aiohttp.ClientRequest]:
+    """An aiohttp request class that refuses every write `fence` does not allow: when the
+    request starts (a clean `NotLeadingError`, nothing sent) and again just before its first byte
+    goes to the socket (the body is written by a task of its own, a loop turn later: the
+    request then fails as a broken connection, its headers never sent)."""
+
+    class FencedRequest(aiohttp.ClientRequest):
+        async def send(self, conn: Any) -> ClientResponse:
+            if self.method not in READS:
+                fence.check("kubernetes", f"{self.method} {self.url.path}")
+            return await super().send(conn)
+
+        async def write_bytes(
+            self, writer: Any, conn: Any, content_length: int | None = None
+        ) -> None:
+            if self.method not in READS:
+                what = f"{self.method} {self.url.path}"
+                writer = _FencedWriter(writer, lambda: fence.check("kubernetes", what))
+            await super().write_bytes(writer, conn, content_length)
+
+    return FencedRequest
+
+
+class _FencedWriter:
+    """An aiohttp stream writer that asks the fence before its first body chunk (which carries
+    the buffered headers with it) is written."""
+
+    def __init__(self, inner: Any, check: Callable[[], None]) -> None:
+        self._inner = inner
+        self._check: Callable[[], None] | None = check
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def write(self, chunk: Any, **kwargs: Any) -> None:
+        if self._check is not None:
+            self._check()  # no await between this and the socket write below
+            self._check = None
+        await self._inner.write(chunk, **kwargs)
+
+    async def write_eof(self, chunk: bytes = b"") -> None:
+        if self._check is not None and chunk:
+            self._check()
+            self._check = None
+        await self._inner.write_eof(chunk)
+
+
+class FencedBucket(Bucket):
+    """A bucket whose writes (puts, uploads, deletes) are refused unless the fence allows them;
+    reads pass. Built from an open bucket (sharing its store and settings)."""
+
+    def __init__(self, inner: Bucket, fence: WriteFence) -> None:
+        self.__dict__.update(inner.__dict__)
+        self._fence = fence
+
+    async def put_async(self, key: str, *args: Any, **kwargs: Any) -> str | None:
+        """Write `key` (see `Bucket.put_async`) if this replica leads; else `NotLeadingError`."""
+        self._fence.check("bucket", f"PUT {self.url}/{key}")
+        return await super().put_async(key, *args, **kwargs)
+
+    async def delete_async(self, key: str) -> None:
+        """Delete `key` (see `Bucket.delete_async`) if this replica leads."""
+        self._fence.check("bucket", f"DELETE {self.url}/{key}")
+        await super().delete_async(key)
