@@ -11,6 +11,7 @@ decides when the engine answers: the deltas after it land while it is busy.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import threading
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from hotload_sidecar.loader import Loader
 from hotload_sidecar.sparse import Prepared
 from hotload_sidecar.status import LocalReporter
 from support.engines import engine_of, serve
-from support.fleet import Trainer
+from support.fleet import Trainer, wait_until
 from support.metrics import scraped
 from support.tiny_llm import build_tiny_llm, sparse_steps
 
@@ -48,12 +49,22 @@ class GatedAdapter(ReferenceAdapter):
         return await super().patch(req, parent)
 
 
-async def until(what: Callable[[], bool], timeout: float = 60.0) -> None:
-    """Wait until `what()` holds (polled every 20 ms), else fail."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not what():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
+async def until(check: Callable[[], bool]) -> None:
+    """`wait_until` with a minute's patience, named by the check's source line (or repr)."""
+    try:
+        what = inspect.getsource(check).strip()
+    except TypeError:  # a bound method, such as Path.exists
+        what = repr(check)
+    await wait_until(what, check, 60.0)
+
+
+async def step_0_published(fulls: list[Path], tmp_path: Path) -> tuple[Trainer, Path]:
+    """A trainer of `fulls` on a folder bucket in `tmp_path`, step-000 published; and the
+    folder where the loader writes patch files."""
+    bucket = tmp_path / "bucket"
+    trainer = Trainer(Ledger(open_bucket(str(bucket)), "policy"), fulls, tmp_path / "t", 100)
+    await asyncio.to_thread(trainer.publish, 0)
+    return trainer, tmp_path / "weights" / ".hotload" / "staging"
 
 
 def gated_loader(
@@ -103,10 +114,7 @@ async def test_the_next_patch_is_prepared_while_the_engine_takes_one(
 
     monkeypatch.setattr("hotload_sidecar.sparse.prepare_patch", prepare_patch)
     base_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    bucket = tmp_path / "bucket"
-    trainer = Trainer(Ledger(open_bucket(str(bucket)), "policy"), fulls, tmp_path / "t", 100)
-    await asyncio.to_thread(trainer.publish, 0)
-    staging = tmp_path / "weights" / ".hotload" / "staging"
+    trainer, staging = await step_0_published(fulls, tmp_path)
     async with serve(fulls[0], "step-000", dtype="bfloat16", numerics="fast") as client:
         engine = engine_of(client)
         loader, adapter, reporter = gated_loader(client, trainer, tmp_path, threads=2)
@@ -165,10 +173,7 @@ async def test_a_loader_stopped_mid_patch_leaves_no_patch_prepared_ahead(
 ) -> None:
     """Cancelled while the engine holds a patch and the next one is written: the loader waits
     for that writing and removes it; the delta it fetched stays committed on the volume."""
-    bucket = tmp_path / "bucket"
-    trainer = Trainer(Ledger(open_bucket(str(bucket)), "policy"), fulls, tmp_path / "t", 100)
-    await asyncio.to_thread(trainer.publish, 0)
-    staging = tmp_path / "weights" / ".hotload" / "staging"
+    trainer, staging = await step_0_published(fulls, tmp_path)
     async with serve(fulls[0], "step-000", dtype="bfloat16", numerics="fast") as client:
         loader, adapter, reporter = gated_loader(client, trainer, tmp_path)
         running = asyncio.create_task(loader.run(asyncio.Event()))
@@ -249,10 +254,7 @@ async def test_a_patch_prepared_ahead_that_no_longer_fits_is_deleted_unsent(
         discard(self)
 
     monkeypatch.setattr(Prepared, "discard", watched)
-    bucket = tmp_path / "bucket"
-    trainer = Trainer(Ledger(open_bucket(str(bucket)), "policy"), fulls, tmp_path / "t", 100)
-    await asyncio.to_thread(trainer.publish, 0)
-    staging = tmp_path / "weights" / ".hotload" / "staging"
+    trainer, staging = await step_0_published(fulls, tmp_path)
     async with serve(fulls[0], "step-000", dtype="bfloat16", numerics="fast") as client:
         engine = engine_of(client)
         loader, adapter, reporter = gated_loader(client, trainer, tmp_path, kind=RefusingAdapter)
