@@ -413,6 +413,19 @@ async def test_the_fireworks_api_reads_the_caches_and_a_standby_refuses_writes(
                     assert {x["loading_state"] for x in doc["replicas"]} == {"LOADED"}
                     for _ in range(5):
                         assert await loaded()
+                    # A replica's failed load: its state and the loader's error, from the cache.
+                    failed = serving("step-0", 1, target="step-1", state="failed", error="boom")
+                    await play_loader(kube, ns, pods[0], failed, ready=True)
+
+                    async def shows_failure() -> JSON | None:
+                        async with http.get(url, headers=headers) as r:
+                            doc = await r.json()
+                        first = min(doc["replicas"], key=lambda x: x["name"])
+                        return first if first["loading_state"] == "FAILED" else None
+
+                    first = await eventually("the failure shown", shows_failure)
+                    assert first["error"] == "boom"
+                    assert first["target_snapshot_identity"] == "step-1"
                     # A standby (the same app, its fence closed) refuses a POST with 503.
                     op.ctx.fence.may_write = lambda: False
                     op.ctx.fence.holder = lambda: "op-elsewhere"

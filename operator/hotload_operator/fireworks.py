@@ -355,7 +355,7 @@ async def _get(request: web.Request) -> web.Response:
             "current_snapshot_identity": report.identity,
             "loading_state": _LOADING_STATES.get(str(report.state), "UNKNOWN"),
             "target_snapshot_identity": report.target,
-            "error": report.message or None if report.state == "failed" else None,
+            "error": report.last_error or None,
         }
         for report in cache.pods_of((ns, name))
     ]

@@ -48,6 +48,8 @@ class PodReport:
     failure_reason: str = ""
     #: Why the loader took the replica out of service after a scrub mismatch ("" when not).
     degraded: str = ""
+    #: The loader's last error as it reports it ("" when none), whatever its state now.
+    last_error: str = ""
 
     def adapter(self, identity: str) -> AdapterReport | None:
         """This replica's report of adapter `identity`, if it has one."""
@@ -84,6 +86,7 @@ def read_pod(pod: JSON) -> PodReport:
         if note.get("state") == "failed"
         else "",
         degraded=str(note.get("degraded") or "")[:1024],
+        last_error=str(note.get("lastError") or ""),
     )
 
 
