@@ -19,10 +19,10 @@ import yaml
 
 from support.kubetools import Helm, helm, render_chart
 from support.metric_names import all_metrics, loader_metrics, router_metrics
+from support.paths import REPO
 from support.prometheus import Prometheus, promtool, running_prometheus, wait_until
 
 JSON = dict[str, Any]
-REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "hotload"
 UNIT_TESTS = REPO / "tests" / "alerts" / "hotload-rules.test.yaml"
 DASHBOARD = CHART / "files" / "grafana-dashboard.json"

@@ -21,8 +21,8 @@ import yaml
 from hotload.api import crds, names
 from hotload.api.models import HotLoadDeployment, Snapshot
 from hotload.cli.main import run
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 MODELS: dict[str, type[pydantic.BaseModel]] = {
     names.DEPLOYMENT_KIND: HotLoadDeployment,
     names.SNAPSHOT_KIND: Snapshot,

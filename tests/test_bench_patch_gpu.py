@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:

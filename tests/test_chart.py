@@ -19,8 +19,8 @@ from hotload_operator.builders import build_children, build_loader_rbac
 from hotload_operator.meta import LOADER_PORT
 from hotload_operator.policy import build_loader_admission_policy
 from support.kubetools import Helm, helm
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "hotload"
 RELEASE = "hl"
 NAMESPACE = "hotload-system"

@@ -24,9 +24,8 @@ from support.operator import (
     loaders_follow_the_ledger,
     running_operator,
 )
+from support.paths import REPO
 from support.snapshots import delta, full, nudged, weights
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.asyncio

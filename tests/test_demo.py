@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from support.paths import REPO
 
 pytestmark = pytest.mark.slow
 

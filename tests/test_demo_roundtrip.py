@@ -14,8 +14,7 @@ from rich.console import Console
 
 from hotload.arc import decode, verify
 from hotload.demo.roundtrip import run_roundtrip
-
-REPO = Path(__file__).resolve().parent.parent
+from support.paths import REPO
 
 pytestmark = pytest.mark.slow
 

@@ -24,9 +24,8 @@ from aiohttp import ClientSession
 
 from support.engines import PROMPTS, Result, complete, engine_of, load, serve
 from support.fleet import free_port
+from support.paths import REPO
 from support.tiny_llm import TinyLLM, broken_snapshot, build_tiny_llm
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")

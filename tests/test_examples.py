@@ -66,9 +66,9 @@ from support.operator import (
     hld_path,
     running_operator,
 )
+from support.paths import REPO
 from support.seaweedfs import SeaweedFS
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 K8S_VERSION = "1.37"
 MODELS = {DEPLOYMENT_KIND: HotLoadDeployment, SNAPSHOT_KIND: Snapshot}

@@ -33,8 +33,8 @@ from packaging.utils import canonicalize_name
 from hotload.api.models import HotLoadDeployment
 from hotload_operator.meta import LOADER_PORT, OperatorImages
 from hotload_operator.pods import build_pod_template, engine_command
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 # Dockerfile -> (what it is, what `--help` must print)

@@ -21,8 +21,8 @@ import pytest
 
 from hotload.snapshot import RawTensor
 from hotload.snapshot.safetensors_io import write_safetensors
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 WHEELHOUSE = Path(sys.prefix) / "wheelhouse"
 # What a Dockerfile copies: the distribution's sources.
 SOURCES = ("pyproject.toml", "README.md", "hotload", "hotload_patch", "operator", "sidecar")

@@ -22,8 +22,8 @@ from hotload.api.crds import build_crds
 from support.kubeapi import KubeAPI
 from support.kubetools import Kubectl, kubectl
 from support.operator import hld_path, snapshot_path
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 JSON = dict[str, Any]
 HOTLOAD_KINDS = ("HotLoadDeployment", "Snapshot")
 

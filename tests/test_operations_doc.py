@@ -5,12 +5,11 @@ alerts the guide lists are the chart's: tests/test_alerts.py)."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from hotload.api import names
 from support.metric_names import all_metrics, router_metrics
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 GUIDE = (REPO / "docs" / "operations.md").read_text()
 
 

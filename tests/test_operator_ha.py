@@ -52,7 +52,6 @@ from support.operator_replicas import (
 from support.snapshots import full, upload, weights
 
 JSON = dict[str, Any]
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.asyncio

@@ -32,7 +32,6 @@ from support.kubeapi import KubeAPI
 from support.operator import eventually, hld_path
 
 JSON = dict[str, Any]
-REPO = Path(__file__).resolve().parents[1]
 
 
 def fleet(name: str, bucket: Path) -> JSON:

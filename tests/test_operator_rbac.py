@@ -32,10 +32,10 @@ from support.cluster import install_crds
 from support.kubeapi import KubeAPI
 from support.kubetools import helm, render_chart
 from support.operator import condition, eventually, hld_path, running_operator, snapshot_path
+from support.paths import REPO
 from support.snapshots import full, upload, weights
 
 JSON = dict[str, Any]
-REPO = Path(__file__).resolve().parents[1]
 ROUTER_OBJECTS = [
     ("apps/v1", "deployments"),
     ("v1", "services"),

@@ -51,7 +51,6 @@ from support.seaweedfs import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedFS
 from support.snapshots import full, upload, weights
 
 JSON = dict[str, Any]
-REPO = Path(__file__).resolve().parents[1]
 
 
 def secret(name: str, **data: str) -> JSON:

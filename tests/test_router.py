@@ -19,7 +19,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -34,9 +33,9 @@ from hotload.router.proxy import REPLICA_HEADER, Router, create_router_app
 from support.engines import EngineReplica, new_engine_replica
 from support.fleet import free_port, wait_until
 from support.kubeapi import KubeAPI
+from support.paths import REPO
 from support.tiny_llm import TinyLLM, build_tiny_llm
 
-REPO = Path(__file__).resolve().parent.parent
 POLL = 0.1  # static discovery poll interval in these tests
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO
 
 
 async def hotload(*args: str, env: dict[str, str]) -> tuple[int, str, str]:

@@ -34,8 +34,8 @@ import yaml
 from hotload.api.crds import build_crds
 from hotload.errors import KubeError, KubeNotFoundError
 from hotload.kube import KubeClient, KubeConfig, resource_path
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 E2E_ENV = "HOTLOAD_E2E_KUBECONFIG"
 LANE_ENV = "HOTLOAD_KUBE_LANE"
 CLUSTER_ENV = "HOTLOAD_K8S_CLUSTER_SH"

@@ -17,9 +17,9 @@ from hotload.api.models import HotLoadDeployment
 from hotload.api.names import API_VERSION, DEPLOYMENT_KIND, SNAPSHOT_KIND
 from hotload.bucket.url import GCS_SETTINGS, S3_SETTINGS
 from hotload_operator.builders import build_children
+from support.paths import REPO
 
 JSON = dict[str, Any]
-REPO = Path(__file__).resolve().parents[2]
 EXAMPLES_DIR = REPO / "examples"
 #: The comment line that opens an example's list of needs.
 NEEDS_START = "# Needs from the"

@@ -24,8 +24,7 @@ from typing import Any
 from hotload.arc import encode
 from hotload.ledger import Ledger, LedgerEntry
 from hotload.sdk import publish_folder
-
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO
 
 
 def free_port() -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO
 
 #: One request per admin route, with bodies that would act if they reached the engine.
 #: `{weights}` is replaced by a loadable snapshot folder.

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO
+
 TOOLS_BIN = REPO / ".tools" / "bin"
 CHART = REPO / "charts" / "hotload"
 INSTALL_HINT = (

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from support.paths import REPO
+
 #: Each top-level package of the product and its folder.
 ROOTS = {
     "hotload": REPO / "hotload",
