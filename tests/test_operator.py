@@ -23,6 +23,7 @@ from support.operator import (
     condition,
     create_fleet,
     eventually,
+    get_or_none,
     hld_path,
     play_deployment_controller,
     play_loader,
@@ -88,7 +89,7 @@ async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
             # Owned objects appear, owned by the deployment.
             deployment = await eventually(
                 "the Deployment",
-                lambda: _get(kube, resource_path("apps/v1", "deployments", ns, "fleet")),
+                lambda: get_or_none(kube, resource_path("apps/v1", "deployments", ns, "fleet")),
             )
             owner = deployment["metadata"]["ownerReferences"][0]
             assert owner["kind"] == "HotLoadDeployment" and owner["name"] == "fleet"
@@ -287,7 +288,7 @@ async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
                 hld_path(ns, "fleet"), {"spec": {"router": {"enabled": True}}}, "merge"
             )
             router_path = resource_path("apps/v1", "deployments", ns, "fleet-router")
-            await eventually("the router Deployment", lambda: _get(kube, router_path))
+            await eventually("the router Deployment", lambda: get_or_none(kube, router_path))
 
             async def endpoint() -> str | None:
                 return await _field(kube, hld_path(ns, "fleet"), "status", "routerEndpoint")
@@ -399,7 +400,7 @@ async def test_a_spec_the_api_server_refuses_is_degraded_invalid_spec(
             )
 
             async def degraded() -> JSON | None:
-                obj = await _get(kube, hld_path(ns, "fleet"))
+                obj = await get_or_none(kube, hld_path(ns, "fleet"))
                 return obj if obj and condition(obj, "Degraded").get("status") == "True" else None
 
             obj = await eventually("Degraded=True", degraded)
@@ -429,7 +430,10 @@ async def test_a_spec_the_api_server_refuses_is_degraded_invalid_spec(
             tries = [r for r in caplog.records if "owned objects not applied" in r.message]
             assert len(tries) == 1 == len(await warned())
             assert not [r for r in caplog.records if "failed temporarily" in r.message]
-            assert await _get(kube, resource_path("apps/v1", "deployments", ns, "fleet")) is None
+            assert (
+                await get_or_none(kube, resource_path("apps/v1", "deployments", ns, "fleet"))
+                is None
+            )
 
             # Fixed in the spec: applied, and the status no longer says InvalidSpec.
             await kube.patch(
@@ -439,21 +443,12 @@ async def test_a_spec_the_api_server_refuses_is_degraded_invalid_spec(
             )
 
             async def healthy() -> JSON | None:
-                obj = await _get(kube, hld_path(ns, "fleet"))
+                obj = await get_or_none(kube, hld_path(ns, "fleet"))
                 reason = condition(obj or {}, "Degraded").get("reason")
                 return obj if reason not in (None, "InvalidSpec") else None
 
             await eventually("InvalidSpec cleared", healthy)
-            assert await _get(kube, resource_path("apps/v1", "deployments", ns, "fleet"))
-
-
-async def _get(kube: Any, path: str) -> JSON | None:
-    from hotload.errors import KubeNotFoundError
-
-    try:
-        return dict(await kube.get(path))
-    except KubeNotFoundError:
-        return None
+            assert await get_or_none(kube, resource_path("apps/v1", "deployments", ns, "fleet"))
 
 
 def _owned_by(kube: Any, kind: str, plural: str, ns: str) -> Callable[[], Awaitable[bool]]:
@@ -469,21 +464,21 @@ def _owned_by(kube: Any, kind: str, plural: str, ns: str) -> Callable[[], Awaita
 
 
 async def _gone(kube: Any, path: str) -> bool:
-    return await _get(kube, path) is None
+    return await get_or_none(kube, path) is None
 
 
 async def _status_has(kube: Any, path: str, type_: str) -> JSON | None:
-    obj = await _get(kube, path)
+    obj = await get_or_none(kube, path)
     return obj if obj and condition(obj, type_) else None
 
 
 async def _condition_true(kube: Any, path: str, type_: str) -> JSON | None:
-    obj = await _get(kube, path)
+    obj = await get_or_none(kube, path)
     return obj if obj and condition(obj, type_).get("status") == "True" else None
 
 
 async def _field(kube: Any, path: str, *keys: str) -> Any:
-    obj: Any = await _get(kube, path)
+    obj: Any = await get_or_none(kube, path)
     for k in keys:
         obj = (obj or {}).get(k)
     return obj

@@ -29,7 +29,7 @@ from hotload.kube import KubeClient, resource_path
 from support.cluster import install_crds
 from support.fleet import free_port
 from support.kubeapi import KubeAPI
-from support.operator import eventually, hld_path
+from support.operator import eventually, get_or_none, hld_path
 
 JSON = dict[str, Any]
 
@@ -69,13 +69,6 @@ async def namespaces(kube: KubeClient, *names: str) -> AsyncIterator[None]:
         for name in names:
             with contextlib.suppress(KubeNotFoundError):
                 await kube.delete(f"/api/v1/namespaces/{name}")
-
-
-async def _get(kube: KubeClient, path: str) -> JSON | None:
-    try:
-        return dict(await kube.get(path))
-    except KubeNotFoundError:
-        return None
 
 
 @pytest.mark.asyncio
@@ -174,7 +167,7 @@ async def _check(
 
         async def made(path: str = path) -> JSON | None:
             alive()
-            return await _get(kube, path)
+            return await get_or_none(kube, path)
 
         await eventually(f"the Deployment in {ns}", made, timeout=60)
 

@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 
 from hotload.bucket import open_bucket
-from hotload.errors import KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
 from hotload.ledger import Ledger
 from hotload_operator import reconcile
@@ -31,7 +30,14 @@ from support.chart_rbac import chart_rbac, until_granted
 from support.cluster import install_crds
 from support.kubeapi import KubeAPI
 from support.kubetools import helm, render_chart
-from support.operator import condition, eventually, hld_path, running_operator, snapshot_path
+from support.operator import (
+    condition,
+    eventually,
+    get_or_none,
+    hld_path,
+    running_operator,
+    snapshot_path,
+)
 from support.paths import REPO
 from support.snapshots import full, upload, weights
 
@@ -43,13 +49,6 @@ ROUTER_OBJECTS = [
     ("rbac.authorization.k8s.io/v1", "roles"),
     ("rbac.authorization.k8s.io/v1", "rolebindings"),
 ]
-
-
-async def _get(kube: KubeClient, path: str) -> JSON | None:
-    try:
-        return dict(await kube.get(path))
-    except KubeNotFoundError:
-        return None
 
 
 def fleet(name: str, bucket_dir: Path, secret: str) -> JSON:
@@ -141,16 +140,16 @@ async def _a_fleets_life(kube: KubeClient, ns: str, bucket_dir: Path) -> None:
     for api_version, plural in [*ROUTER_OBJECTS[:3], ("policy/v1", "poddisruptionbudgets")]:
         name = "fleet-hotload-loader" if plural == "serviceaccounts" else "fleet"
         path = resource_path(api_version, plural, ns, name)
-        await eventually(f"{plural}/{name}", lambda path=path: _get(kube, path))
+        await eventually(f"{plural}/{name}", lambda path=path: get_or_none(kube, path))
     for plural in ("roles", "rolebindings"):  # the loader's, created by the operator
         path = resource_path("rbac.authorization.k8s.io/v1", plural, ns, "fleet-hotload-loader")
-        await eventually(f"the loader's {plural}", lambda path=path: _get(kube, path))
+        await eventually(f"the loader's {plural}", lambda path=path: get_or_none(kube, path))
 
     # Admission, with credentials from the Secret the chart lists.
     await kube.create(snapshot_path(ns), snapshot("step-000", "fleet", "step-000"))
 
     async def accepted() -> JSON | None:
-        obj = await _get(kube, snapshot_path(ns, "step-000"))
+        obj = await get_or_none(kube, snapshot_path(ns, "step-000"))
         return obj if obj and condition(obj, "Accepted").get("status") == "True" else None
 
     await eventually("step-000 Accepted", accepted)
@@ -159,10 +158,10 @@ async def _a_fleets_life(kube: KubeClient, ns: str, bucket_dir: Path) -> None:
     await kube.patch(hld_path(ns, "fleet"), {"spec": {"router": {"enabled": True}}}, "merge")
     for api_version, plural in ROUTER_OBJECTS:
         path = resource_path(api_version, plural, ns, "fleet-router")
-        await eventually(f"the router's {plural}", lambda path=path: _get(kube, path))
+        await eventually(f"the router's {plural}", lambda path=path: get_or_none(kube, path))
 
     async def endpoint() -> Any:
-        obj = await _get(kube, hld_path(ns, "fleet"))
+        obj = await get_or_none(kube, hld_path(ns, "fleet"))
         return ((obj or {}).get("status") or {}).get("routerEndpoint")
 
     await eventually("the router endpoint", endpoint)
@@ -171,12 +170,12 @@ async def _a_fleets_life(kube: KubeClient, ns: str, bucket_dir: Path) -> None:
         path = resource_path(api_version, plural, ns, "fleet-router")
 
         async def gone(path: str = path) -> bool:
-            return await _get(kube, path) is None
+            return await get_or_none(kube, path) is None
 
         await eventually(f"the router's {plural} deleted", gone)
 
     async def no_endpoint() -> bool:
-        obj = await _get(kube, hld_path(ns, "fleet"))
+        obj = await get_or_none(kube, hld_path(ns, "fleet"))
         return not ((obj or {}).get("status") or {}).get("routerEndpoint")
 
     await eventually("the router endpoint cleared", no_endpoint)
@@ -185,7 +184,7 @@ async def _a_fleets_life(kube: KubeClient, ns: str, bucket_dir: Path) -> None:
     await kube.patch(hld_path(ns, "fleet"), {"spec": {"pin": "step-000"}}, "merge")
 
     async def pinned() -> JSON | None:
-        obj = await _get(kube, hld_path(ns, "fleet"))
+        obj = await get_or_none(kube, hld_path(ns, "fleet"))
         status = (obj or {}).get("status") or {}
         ok = status.get("mode") == "Pinned" and status.get("targetSnapshot") == "step-000"
         return obj if ok else None
@@ -211,7 +210,7 @@ async def _an_unlisted_secret(kube: KubeClient, ns: str, bucket_dir: Path, relea
     await kube.create(snapshot_path(ns), snapshot("other-step-000", "other", "step-000"))
 
     async def waiting() -> JSON | None:
-        obj = await _get(kube, snapshot_path(ns, "other-step-000"))
+        obj = await get_or_none(kube, snapshot_path(ns, "other-step-000"))
         return obj if obj and condition(obj, "Accepted") else None
 
     obj = await eventually("the unreachable bucket noted", waiting)
@@ -224,7 +223,7 @@ async def _an_unlisted_secret(kube: KubeClient, ns: str, bucket_dir: Path, relea
 
     # The deployment says so too: its ledger was never read, and why (not "no snapshot yet").
     async def forbidden() -> JSON | None:
-        hld = await _get(kube, hld_path(ns, "other"))
+        hld = await get_or_none(kube, hld_path(ns, "other"))
         return (
             hld if condition(hld or {}, "Ready").get("reason") == "BucketSecretForbidden" else None
         )
@@ -243,7 +242,7 @@ async def _an_unlisted_secret(kube: KubeClient, ns: str, bucket_dir: Path, relea
     await kube.replace(role_path, role)
 
     async def admitted() -> JSON | None:
-        obj = await _get(kube, snapshot_path(ns, "other-step-000"))
+        obj = await get_or_none(kube, snapshot_path(ns, "other-step-000"))
         return obj if obj and condition(obj, "Accepted").get("status") == "True" else None
 
     obj = await eventually("admitted once the Secret is listed", admitted, timeout=60)
@@ -286,11 +285,11 @@ async def test_a_pin_is_followed_even_where_the_router_cannot_be_removed(
                 body["spec"]["router"] = {"enabled": True}
                 await kube.create(hld_path(ns), body)
                 router = resource_path("apps/v1", "deployments", ns, "fleet-router")
-                await eventually("the router", lambda: _get(kube, router))
+                await eventually("the router", lambda: get_or_none(kube, router))
                 await kube.create(snapshot_path(ns), snapshot("step-000", "fleet", "step-000"))
 
                 async def accepted() -> JSON | None:
-                    obj = await _get(kube, snapshot_path(ns, "step-000"))
+                    obj = await get_or_none(kube, snapshot_path(ns, "step-000"))
                     ok = obj and condition(obj, "Accepted").get("status") == "True"
                     return obj if ok else None
 
@@ -303,7 +302,7 @@ async def test_a_pin_is_followed_even_where_the_router_cannot_be_removed(
                 )
 
                 async def pinned() -> JSON | None:
-                    obj = await _get(kube, hld_path(ns, "fleet"))
+                    obj = await get_or_none(kube, hld_path(ns, "fleet"))
                     status = (obj or {}).get("status") or {}
                     return obj if status.get("mode") == "Pinned" else None
 
@@ -322,7 +321,7 @@ async def test_a_pin_is_followed_even_where_the_router_cannot_be_removed(
 
                 (message, *_) = await eventually("the failed removal logged", said_so)
                 assert 'cannot delete resource "deployments"' in message, message
-                assert await _get(kube, router) is not None
+                assert await get_or_none(kube, router) is not None
 
 
 @pytest.mark.asyncio
