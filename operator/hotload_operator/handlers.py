@@ -75,6 +75,8 @@ async def login_fenced(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo | kopf.
         # kopf's product first, then the replica (the audit log tells whose kopf wrote).
         headers={**info.as_http_headers(), "User-Agent": f"kopf/{_KOPF} ({ctx.kube.user_agent})"},
         request_class=fenced_request_class(ctx.fence),
+        proxy=info.proxy_url,
+        trust_env=info.trust_env,
     )
     ctx.kopf_sessions.append(session)
     return kopf.AiohttpSession(
