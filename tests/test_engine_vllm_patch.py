@@ -33,8 +33,7 @@ from hotload_sidecar.engines import (
 )
 from hotload_sidecar.loader import Loader
 from hotload_sidecar.status import EventType, ReplicaStatus
-from support.fleet import Trainer
-from support.operator import eventually
+from support.fleet import Trainer, wait_until
 from support.patches import flip_first_difference, rewrite_patch
 from support.tiny_llm import sparse_steps
 from support.vllm_server import INSTALL_HINT, VLLMServer, vllm_python, write_tiny_llama
@@ -284,10 +283,8 @@ class _Recorder:
 
 
 async def _until(what: str, check: Callable[[], Any], timeout: float = 240.0) -> Any:
-    async def poll() -> Any:
-        return check()
-
-    return await eventually(what, poll, timeout, interval=0.05)
+    """`wait_until` with four minutes' patience (a vLLM on the CPU is slow)."""
+    return await wait_until(what, check, timeout, interval=0.05)
 
 
 async def _completions_done(url: str) -> float:

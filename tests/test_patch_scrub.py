@@ -28,6 +28,7 @@ from hotload_patch.scrub import Scrubber
 from hotload_patch.served import Meter, device_partial, region_partial, served_sums
 from hotload_patch.session import Patcher
 from hotload_patch.sums import MOD, Region, combine
+from support.fleet import wait_for
 from support.patch_models import CFG, checkpoint_weights, read_checkpoint, same_bits
 from support.patches import Chain, build_chain
 from support.snapshots import CONFIG
@@ -48,13 +49,8 @@ def _f16_chain(root: Path) -> Chain:
 
 
 def _wait(what: str, check: Callable[[], object], timeout: float = 30.0) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+    """`wait_for`, polling every 10 ms (a scrub pass takes milliseconds)."""
+    return wait_for(what, check, timeout, interval=0.01)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ would.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from hotload_sidecar.engines import make_adapter
 from hotload_sidecar.loader import Loader
 from hotload_sidecar.status import LocalReporter, ReplicaStatus
 from support.engines import engine_of, serve
-from support.fleet import Trainer
+from support.fleet import Trainer, wait_until
 from support.tiny_llm import build_tiny_llm, sparse_steps
 
 
@@ -43,14 +42,8 @@ class Recorder(LocalReporter):
 
 
 async def until(what: str, check: Callable[[], Any], timeout: float = 120.0) -> Any:
-    """Poll `check` until it is truthy (the loader runs in the same loop)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    """`wait_until` with two minutes' patience (the loader runs in the same loop)."""
+    return await wait_until(what, check, timeout, interval=0.05)
 
 
 @pytest.mark.asyncio

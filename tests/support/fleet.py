@@ -401,11 +401,14 @@ def tokens(replica: Replica, max_tokens: int = 8) -> tuple[str, list[int]]:
     return body["model"], list(body["choices"][0]["token_ids"])
 
 
-async def wait_until(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:
-    """`wait_for` in an event loop: await until `check()` holds (polled every 20 ms), else
-    fail naming `what`."""
+async def wait_until(
+    what: str, check: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02
+) -> Any:
+    """`wait_for` in an event loop (what runs in the loop goes on meanwhile): await until
+    `check()` returns something truthy and return it, else fail naming `what`."""
     deadline = time.monotonic() + timeout
-    while not check():
+    while not (got := check()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(interval)
+    return got
