@@ -58,6 +58,17 @@ async def until(check: Callable[[], bool]) -> None:
     await wait_until(what, check, 60.0)
 
 
+async def step_2_while_the_engine_takes_step_1(
+    trainer: Trainer, adapter: GatedAdapter, reporter: LocalReporter
+) -> None:
+    """Once the loader serves step-000: publish step-001, wait until its patch waits at the
+    adapter's gate, and publish step-002 meanwhile."""
+    await until(lambda: reporter.status.identity == "step-000")
+    await asyncio.to_thread(trainer.publish, 1)
+    await until(lambda: adapter.asked == ["step-001"])
+    await asyncio.to_thread(trainer.publish, 2)
+
+
 async def step_0_published(fulls: list[Path], tmp_path: Path) -> tuple[Trainer, Path]:
     """A trainer of `fulls` on a folder bucket in `tmp_path`, step-000 published; and the
     folder where the loader writes patch files."""
@@ -121,13 +132,9 @@ async def test_the_next_patch_is_prepared_while_the_engine_takes_one(
         stop = asyncio.Event()
         running = asyncio.create_task(loader.run(stop))
         try:
-            await until(lambda: reporter.status.identity == "step-000")
-
-            # Step 1's patch goes to the engine, which does not answer yet.
-            await asyncio.to_thread(trainer.publish, 1)
-            await until(lambda: adapter.asked == ["step-001"])
-            # Step 2 lands meanwhile: its patch is written while the engine is busy.
-            await asyncio.to_thread(trainer.publish, 2)
+            # Step 1's patch goes to the engine, which does not answer yet; step 2 lands
+            # meanwhile: its patch is written while the engine is busy.
+            await step_2_while_the_engine_takes_step_1(trainer, adapter, reporter)
             await until((staging / "step-002.patch").exists)
             assert engine.served.identity == "step-000"
             assert (tmp_path / "weights" / "deltas" / "step-002").is_dir()
@@ -178,10 +185,7 @@ async def test_a_loader_stopped_mid_patch_leaves_no_patch_prepared_ahead(
         loader, adapter, reporter = gated_loader(client, trainer, tmp_path)
         running = asyncio.create_task(loader.run(asyncio.Event()))
         try:
-            await until(lambda: reporter.status.identity == "step-000")
-            await asyncio.to_thread(trainer.publish, 1)
-            await until(lambda: adapter.asked == ["step-001"])
-            await asyncio.to_thread(trainer.publish, 2)
+            await step_2_while_the_engine_takes_step_1(trainer, adapter, reporter)
             await until(lambda: loader._ahead is not None)
             running.cancel()  # the engine has not answered; the next patch is being written
             with pytest.raises(asyncio.CancelledError):
@@ -261,10 +265,7 @@ async def test_a_patch_prepared_ahead_that_no_longer_fits_is_deleted_unsent(
         assert isinstance(adapter, RefusingAdapter)
         running = asyncio.create_task(loader.run(asyncio.Event()))
         try:
-            await until(lambda: reporter.status.identity == "step-000")
-            await asyncio.to_thread(trainer.publish, 1)
-            await until(lambda: adapter.asked == ["step-001"])
-            await asyncio.to_thread(trainer.publish, 2)
+            await step_2_while_the_engine_takes_step_1(trainer, adapter, reporter)
             await until((staging / "step-002.patch").exists)
             adapter.gate.set()
             await until(lambda: reporter.status.identity == "step-002")
