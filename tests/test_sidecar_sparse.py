@@ -20,6 +20,7 @@ from hotload.arc.patch import prepare_patch
 from hotload.bucket import open_bucket
 from hotload.engine.server import create_app
 from hotload.ledger import Ledger
+from hotload.snapshot import Snapshot
 from hotload_sidecar.engines import LoadRequest, PatchRefusedError, ReferenceAdapter
 from support.engines import engine_of, serve
 from support.fleet import PROMPT_IDS, Replica, Trainer, free_port, http_json, tokens, wait_for
@@ -90,11 +91,14 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
     r.start()
     r.wait_serving("step-000", timeout=180)
     model_bytes = sum(p.stat().st_size for p in steps[0].glob("*.safetensors"))
-    # The engine read its weights once, for their checksums, after its start.
-    read = wait_for(
+    # The engine reads its weights once, for their checksums, after its start: every tensor's
+    # bytes. That read runs in a background thread of low priority and counts as it goes, so
+    # the counter is awaited at its full value (under CPU load, its first value was a part).
+    read = Snapshot(steps[0]).full_bytes
+    wait_for(
         "the engine's checksums of step-000",
-        lambda: _engine_status(r)["counters"]["checksum_bytes"],
-        60,
+        lambda: _engine_status(r)["counters"]["checksum_bytes"] == read,
+        120,
     )
 
     # 1. A 1% delta of the served snapshot: a patch. The volume keeps the delta after the

@@ -253,10 +253,13 @@ class SparseLoads:
                     return self._refused(target, "delta_not_verified", got)
                 if isinstance(got, BaseException):
                     raise got
-                folder, nbytes, new = got
+                folder, nbytes, new, earlier = got
                 folders.append(folder)
                 fetched += nbytes
-                wrote += self._wrote(new)
+                # Bytes an early fetch wrote were counted in the metric when they arrived; the
+                # update still wrote them, so its report includes them (whichever path won the
+                # race to the delta, the update reports the same bytes).
+                wrote += self._wrote(new) + earlier
             fetch_seconds = time.perf_counter() - t0
             t1 = time.perf_counter()
             # Deltas that together change too much for one patch: the longest run of them that
@@ -385,14 +388,15 @@ class SparseLoads:
             count += 1
         return count
 
-    async def _delta(self, entry: LedgerEntry) -> tuple[Path, int, int]:
-        """The delta `entry` on the volume: (its folder, bytes fetched, bytes written). One
+    async def _delta(self, entry: LedgerEntry) -> tuple[Path, int, int, int]:
+        """The delta `entry` on the volume: (its folder, bytes fetched, bytes written, bytes
+        written before, by an early fetch or an earlier try, and counted then). One
         already there is used as it is (checked when it arrived, and at
         start-up); else it is fetched, refused when too dense (`PatchTooDenseError`: the full
         path takes it, and its files, see `hand_over`), its manifests and chunks checked, and
         committed."""
         if self.weights.has_delta(entry.identity):
-            return self.weights.delta_path(entry.identity), 0, 0
+            return self.weights.delta_path(entry.identity), 0, 0, 0
         folder = self.weights.download(entry.identity)
         try:
             crash_point("fetch")
@@ -416,8 +420,9 @@ class SparseLoads:
             await asyncio.to_thread(check_delta_files, folder, entry.previous)
             # Bytes fetched early were counted (fetched, written) when they arrived.
             new = written_bytes(folder) if early is None else 0
+            earlier = written_bytes(folder) if early is not None else 0
             crash_point("commit")
-            return self.weights.commit_delta(folder, entry.identity), fetched, new
+            return self.weights.commit_delta(folder, entry.identity), fetched, new, earlier
         except BaseException:
             remove_tree(folder)
             raise
