@@ -55,13 +55,19 @@ def model_config(work: Path, scale: float) -> tuple[Any, Path]:
         num_attention_heads=12,
         num_key_value_heads=4,
     )
+    return config, side_folder(work, config)
+
+
+def side_folder(work: Path, config: Any) -> Path:
+    """`work/_side`, holding `config` and the tokenizer files (what a snapshot copies beside
+    its weights)."""
     side = work / "_side"
     side.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(side)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir() / name).is_file():
             shutil.copyfile(tokenizer_dir() / name, side / name)
-    return config, side
+    return side
 
 
 def build_model(work: Path, scale: float) -> tuple[list[Path], int, int]:

@@ -19,8 +19,9 @@ vLLM server serves both of its phases (a second start would add minutes, not inf
     .venv/bin/python benchmarks/bench_sparse_load.py --engines reference  # one engine
     .venv/bin/python benchmarks/bench_sparse_load.py --mode issue26       # scaling + cadence
 
-`--mode scaling` and `--mode cadence` (both: `--mode issue26`) measure what issue 26 asks:
-per-update cost at two model sizes (and on the larger with the change on the smaller's tensors),
+`--mode scaling` and `--mode cadence` (both: `--mode issue26`) measure what issues 26 and 38
+ask: per-update cost at two model sizes (and on the larger with the change on the smaller's
+tensors), and on a pair with the same tensors and files and 3x the bytes (`--sizes`),
 and a trainer publishing deltas back to back
 (`sparse_modes.py`, `sparse_runs.py`); their sections of the results file are rewritten, the
 others kept.
@@ -44,50 +45,21 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from bench_sidecar import append, model_config, proc_status_bytes, vm_hwm
+from bench_sidecar import append, proc_status_bytes, vm_hwm
+from sparse_common import build_model, upload
 
 from hotload.arc.patch import prepare_patch
-from hotload.bucket import open_bucket, upload_snapshot
+from hotload.bucket import open_bucket
 from hotload.ledger import Ledger
-from hotload.snapshot import describe_snapshot, write_snapshot
+from hotload.snapshot import describe_snapshot
 from support.fleet import Replica, free_port, http_json, wait_for
 from support.seaweedfs import SeaweedFS
-from support.tiny_llm import sparse_steps
 from support.vllm_server import INSTALL_HINT, VLLMServer, vllm_python
 
 HERE = Path(__file__).resolve().parent
 DELTAS = ("step-1", "step-2")
 FULL = "step-3"
 ANALYSIS = "## What the numbers say"
-
-
-def build_model(work: Path, scale: float, fraction: float) -> tuple[list[Path], list[Path], int]:
-    """Steps 0..3 of a bf16 Llama (random weights, ~1 GiB at scale 1) and their deltas."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    config, side = model_config(work, scale)
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()}
-    gen = torch.Generator().manual_seed(0)
-
-    def tensors() -> Any:
-        for name, shape in shapes.items():
-            yield name, (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-
-    base = write_snapshot(work / "base", tensors(), side_files_from=side, overwrite=True).path
-    fulls, deltas = sparse_steps(base, work, 3, fraction=fraction, seed=1)
-    return fulls, deltas, describe_snapshot(fulls[0]).full_bytes
-
-
-def upload(ledger: Ledger, folder: Path, identity: str) -> float:
-    """Upload a snapshot folder under `identity`; return the seconds it took."""
-    desc = describe_snapshot(folder)
-    t0 = time.perf_counter()
-    upload_snapshot(
-        folder, ledger.bucket, identity, files=desc.files, manifest_files=desc.manifest_files
-    )
-    return time.perf_counter() - t0
 
 
 def reset_hwm(pid: int) -> None:
@@ -313,6 +285,14 @@ def main() -> None:
         "--large-scale", type=float, default=3.5, help="scaling: the larger model (3.5: ~3x)"
     )
     parser.add_argument("--fraction", type=float, default=0.015, help="elements moved per step")
+    parser.add_argument(
+        "--sizes",
+        default="small,large,local,narrow,wide",
+        help="scaling: the models, comma-separated, each after its baseline: small (the ~1 GiB "
+        "model), large (3x its layers) and local (large, the change on small's tensors) against "
+        "small; narrow (2 layers, hidden 1024) and wide (hidden 2304: the same tensors and "
+        "files, 3x the bytes) against narrow",
+    )
     parser.add_argument("--cadence-deltas", type=int, default=30)
     parser.add_argument("--engines", default="reference,vllm", help="comma-separated")
     parser.add_argument(
@@ -325,6 +305,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the temporary work folder")
     parser.add_argument("--out", type=Path, default=HERE / "RESULTS-sparse-load.md")
     args = parser.parse_args()
+    args.sizes = [z.strip() for z in args.sizes.split(",") if z.strip()]
+    if not args.sizes or set(args.sizes) - {"small", "large", "local", "narrow", "wide"}:
+        parser.error(f"--sizes: small, large, local, narrow and/or wide, not {args.sizes}")
     kinds = [k.strip() for k in args.engines.split(",") if k.strip()]
     unknown = set(kinds) - {"reference", "vllm"}
     if unknown or not kinds:

@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 from bench_sidecar import append
-from bench_sparse_load import upload
+from sparse_common import upload
 
 from hotload.arc import encode
 from hotload.bucket import open_bucket
 from hotload.ledger import Ledger
-from hotload.snapshot import RawTensor, write_snapshot
+from hotload.snapshot import RawTensor, Snapshot, write_snapshot
 from hotload.snapshot.safetensors_io import iter_file
 from support.fleet import Replica, http_json, wait_for
 from support.seaweedfs import SeaweedFS
@@ -197,10 +197,12 @@ def scaling_size(
         append(ledger, fulls[0], "step-0")
         engine.start(replica)
         replica.wait_serving("step-0", timeout=900)
-        # The engine's first read of its weights (after the start) is not an update's.
+        # The engine's first read of its weights (after the start) is not an update's: it
+        # counts as it goes (a background thread of low priority), so wait for all of it.
+        tensor_bytes = Snapshot(fulls[0]).full_bytes
         wait_for(
             "the engine's checksums of step-0",
-            lambda: engine_counters(engine, replica).get("checksum_bytes", 0) > 0,
+            lambda: engine_counters(engine, replica).get("checksum_bytes", 0) >= tensor_bytes,
             900,
         )
         # Every process of the replica: the loader, the engine (vLLM: its server and the

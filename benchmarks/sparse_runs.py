@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_sidecar import layers_at
-from bench_sparse_load import build_model
+from sparse_common import NARROW_HIDDEN, WIDE_HIDDEN, build_model
 from sparse_modes import cadence, rolling_steps, scaling_size
 
 from hotload.arc.patch import prepare_patch
@@ -54,35 +54,40 @@ def run_scaling(
     engines: dict[str, Any],
     server: SeaweedFS,
 ) -> dict[str, Any]:
-    """Both sizes, the same number of changed elements per step, both engines."""
+    """Each size of `args.sizes`, the same number of changed elements per step as its baseline
+    (`BASELINE`), every engine."""
     sizes: dict[str, Any] = {}
-    small_numel: int | None = None
-    for label, scale in (
-        ("small", args.scale),
-        ("large", args.large_scale),
-        ("local", args.large_scale),
-    ):
+    for label in args.sizes:
         root = work / f"model-{label}"
-        # The same changed elements per step: the larger model moves a smaller fraction
-        # (spread over all its tensors), or the small one's (on the small one's tensors).
+        # The same changed elements per step as the baseline: the larger model moves a smaller
+        # fraction (spread over all its tensors), or the small one's (on the small one's
+        # tensors).
+        base_label = BASELINE.get(label)
         fraction = args.fraction
-        if label == "large" and small_numel is not None:
-            fraction = args.fraction * small_numel / _numel_at(scale)
-        print(f"scaling: building the {label} model (scale {scale}) ...", flush=True)
+        scale = args.large_scale if label in ("large", "local") else args.scale
+        hidden = {"narrow": NARROW_HIDDEN, "wide": WIDE_HIDDEN}.get(label)
+        print(f"scaling: building the {label} model ...", flush=True)
         t0 = time.perf_counter()
         if label == "local":
             base = work / "model-large" / "base"
+            if not base.is_dir():
+                raise SystemExit("--sizes: local needs large (its model) before it")
             fulls, deltas = sparse_steps(
                 base, root, 3, fraction=fraction, seed=1, only=within_layers(args.scale)
             )
             full_bytes = describe_snapshot(fulls[0]).full_bytes
         else:
-            fulls, deltas, full_bytes = build_model(root, scale, fraction)
+            if base_label is not None:
+                if base_label not in sizes:
+                    raise SystemExit(f"--sizes: {label} needs {base_label} before it")
+                fraction = args.fraction * sizes[base_label]["elements"] / _numel_of(label, args)
+            fulls, deltas, full_bytes = build_model(root, scale, fraction, hidden=hidden)
         numel = _numel(fulls[0])
-        small_numel = small_numel or numel
         patch = prepare_patch(None, deltas[1], root / "step-1.patch")
         sizes[label] = {
             "scale": scale,
+            "hidden": hidden,
+            "baseline": base_label,
             "full_bytes": full_bytes,
             "elements": numel,
             "fraction": fraction,
@@ -110,6 +115,14 @@ def run_scaling(
         for k in range(len(fulls)):
             _rm(fulls[k])
     return sizes
+
+
+#: The model each size's growth is measured against (a baseline has none): large and local
+#: against small (issue 26: 3x the layers), wide against narrow (issue 38: the same tensors
+#: and files, 3x the bytes).
+BASELINE = {"large": "small", "local": "small", "wide": "narrow"}
+#: Every size `--sizes` may name, in the order they are built.
+SIZES = ("small", "large", "local", "narrow", "wide")
 
 
 def within_layers(scale: float) -> Callable[[str], bool]:
@@ -161,21 +174,26 @@ def run_cadence(
 
 def scaling_report(args: argparse.Namespace, sizes: dict[str, Any]) -> list[str]:
     """The scaling section."""
-    small = sizes["small"]
-    labels = [label for label in ("small", "large", "local") if label in sizes]
+    labels = [label for label in SIZES if label in sizes]
+    kinds = list(sizes[labels[0]]["engines"])
     lines = [
-        "## Scaling: the same change on a 3x larger model (issue 26)",
+        "### Scaling: the same change on a 3x larger model (issues 26 and 38)",
         "",
-        f"Command: `nice -n 10 python benchmarks/bench_sparse_load.py --mode {args.mode}`  ",
+        f"Command: `nice -n 10 python benchmarks/bench_sparse_load.py --mode {args.mode} "
+        f"--sizes {','.join(labels)} --engines {','.join(kinds)}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}, {time.strftime('%Y-%m-%d')}. Shared and noisy: compare "
-        "ratios within this run.",
+        f"{platform.python_version()}, {time.strftime('%Y-%m-%d')}, commit {_commit()}. Shared "
+        "with other work (four other engineers' tests ran beside it) and noisy: compare ratios "
+        "within this run.",
         "",
-        "The same number of changed elements per step on three models: small; large (3x the "
-        "elements, the change spread over all of its tensors, as an RL step spreads it); local "
+        "The same number of changed elements per step on each model and its baseline: small "
+        "(bench_sidecar's ~1 GiB model at the given scale); large (3x the elements in 3x the "
+        "layers, the change spread over all of its tensors, as an RL step spreads it); local "
         "(the large model again, the change on the tensors the small model has: its first "
         f"{layers_at(args.scale)} layers, the embeddings, the norm and the head, so "
-        "that it touches as many tensors, files and pages as on the small model).",
+        "that it touches as many tensors, files and pages as on the small model); narrow (two "
+        f"layers, hidden {NARROW_HIDDEN}) and wide (two layers, hidden {WIDE_HIDDEN}): the same "
+        "tensors and files, 3x the bytes, the same changes (issue 38's wider pair).",
         "",
         "| model | elements | bf16 | moved per step | changed | tensors changed | delta files "
         "| delta | patch |",
@@ -183,8 +201,9 @@ def scaling_report(args: argparse.Namespace, sizes: dict[str, Any]) -> list[str]
     ]
     for label in labels:
         z = sizes[label]
+        shape = f"hidden {z['hidden']}" if z.get("hidden") else f"scale {z['scale']}"
         lines.append(
-            f"| {label} (scale {z['scale']}) | {z['elements'] / 1e6:.0f} M | "
+            f"| {label} ({shape}) | {z['elements'] / 1e6:.0f} M | "
             f"{z['full_bytes'] / 2**30:.2f} GiB | {z['fraction']:.3%} | {z['changed']:,} | "
             f"{z.get('tensors_changed', '-')} of {z.get('tensors', '-')} | "
             f"{z.get('delta_files', '-')} | {z['delta_bytes'][0] / MIB:.1f} MiB | "
@@ -204,7 +223,7 @@ def scaling_report(args: argparse.Namespace, sizes: dict[str, Any]) -> list[str]
         "bytes read for checksums | publish -> serving s | fetch | prepare | engine | pause |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for kind in small["engines"]:
+    for kind in kinds:
         for label in labels:
             for r in sizes[label]["engines"][kind]:
                 lines.append(
@@ -214,13 +233,16 @@ def scaling_report(args: argparse.Namespace, sizes: dict[str, Any]) -> list[str]
                     f"{r.get('fetch_s', 0):.2f} | {r.get('prepare_s', 0):.2f} | "
                     f"{r.get('engine_s', 0):.2f} | {r.get('pause_s', 0) * 1000:.0f} ms |"
                 )
-    for label in labels[1:]:
+    for label in labels:
+        base = sizes[label].get("baseline")
+        if base not in sizes:
+            continue
         lines += [
             "",
-            f"Growth, {label} against small (median of the three deltas; goal <= 1.25x):",
+            f"Growth, {label} against {base} (median of the three deltas; goal <= 1.25x):",
             "",
         ]
-        for kind in small["engines"]:
+        for kind in kinds:
             for key, what in (
                 ("net_cpu_s", "net CPU seconds"),
                 ("cpu_s", "CPU seconds"),
@@ -228,12 +250,27 @@ def scaling_report(args: argparse.Namespace, sizes: dict[str, Any]) -> list[str]
                 ("checksum_bytes_read", "bytes read for checksums"),
                 ("publish_to_serving_s", "publish -> serving"),
             ):
-                a = _mean(small["engines"][kind], key)
+                a = _mean(sizes[base]["engines"][kind], key)
                 b = _mean(sizes[label]["engines"][kind], key)
                 lines.append(f"- {kind}: {what}: {_fmt(a)} -> {_fmt(b)}: **{_growth(a, b)}**")
     lines += engine_steps_table(sizes, labels)
     lines += ["", "```json", json.dumps(sizes, indent=2), "```"]
     return lines
+
+
+def _commit() -> str:
+    """The checkout's commit (short), with `+` when the tree has changes."""
+    import subprocess
+
+    def git(*argv: str) -> str:
+        return subprocess.run(
+            ["git", *argv], capture_output=True, text=True, check=False, cwd=Path(__file__).parent
+        ).stdout.strip()
+
+    dirty = git(
+        "status", "--porcelain", "--untracked-files=no", "--", "hotload", "hotload_patch", "sidecar"
+    )
+    return git("rev-parse", "--short", "HEAD") + ("+" if dirty else "")
 
 
 def engine_steps_table(sizes: dict[str, Any], labels: list[str]) -> list[str]:
@@ -246,7 +283,7 @@ def engine_steps_table(sizes: dict[str, Any], labels: list[str]) -> list[str]:
         "| engine | step | " + " | ".join(labels) + " |",
         "|---|---|" + "---|" * len(labels),
     ]
-    for kind in sizes["small"]["engines"]:
+    for kind in sizes[labels[0]]["engines"]:
         names: list[str] = []
         for label in labels:
             for r in sizes[label]["engines"][kind]:
@@ -341,12 +378,15 @@ def _numel(folder: Path) -> int:
     return describe_snapshot(folder).full_bytes // 2
 
 
-def _numel_at(scale: float) -> int:
-    """Elements of bench_sidecar's model at `scale`."""
-    layers = layers_at(scale)
-    hidden, inter, kv, vocab = 1536, 4096, 512, _vocab()
+def _numel_of(label: str, args: argparse.Namespace) -> int:
+    """Elements of the model of size `label` (from its config, before it is built)."""
+    if label == "large":
+        layers, hidden, inter, kv = layers_at(args.large_scale), 1536, 4096, 512
+    else:
+        hidden = WIDE_HIDDEN if label == "wide" else NARROW_HIDDEN
+        layers, inter, kv = 2, hidden * 11 // 4, 2 * 128
     per_layer = 2 * hidden * hidden + 2 * kv * hidden + 3 * inter * hidden + 2 * hidden
-    return layers * per_layer + 2 * vocab * hidden + hidden
+    return layers * per_layer + 2 * _vocab() * hidden + hidden
 
 
 def _vocab() -> int:
