@@ -239,3 +239,27 @@ async def test_a_burst_is_one_status_write_and_nothing_unchanged_is_written_agai
 
 async def _more(queue: Any, runs: int) -> bool:
     return bool(queue.runs >= runs)
+
+
+@pytest.mark.asyncio
+async def test_a_work_queue_stops_when_cancelled_as_work_arrives() -> None:
+    """A replica that lost the Lease cancels its work queues; a request that wakes a queue in
+    the same loop turn must not swallow the cancellation (Python 3.11's `asyncio.wait_for`
+    does), or the replica never exits."""
+    from hotload_operator.workqueue import WorkQueue
+
+    done: list[str] = []
+
+    async def work(key: str) -> None:
+        done.append(key)
+
+    queue: WorkQueue[str] = WorkQueue(work, window=0, name="test")
+    queue.request("later", 3600)  # the queue waits with a timeout (the next key's time)
+    for attempt in range(20):
+        running = asyncio.create_task(queue.run())
+        await asyncio.sleep(0)  # the queue waits for work
+        queue.request(f"key-{attempt}", 0)  # wakes it ...
+        running.cancel()  # ... in the turn it is cancelled
+        finished, _ = await asyncio.wait({running}, timeout=2)
+        assert running in finished, f"the queue kept running after cancel (attempt {attempt})"
+        assert running.cancelled()

@@ -25,6 +25,7 @@ from typing import Any
 
 from hotload.errors import KubeConflictError, KubeError, KubeForbiddenError, KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
+from hotload_operator.workqueue import wait_for_cancellable
 
 log = logging.getLogger("hotload_operator.leader")
 JSON = dict[str, Any]
@@ -130,7 +131,7 @@ class LeaderElector:
                     announced = holder
                 self._changed.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), self._wait_seconds())
+                    await wait_for_cancellable(self._changed.wait(), self._wait_seconds())
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -145,7 +146,7 @@ class LeaderElector:
             # keep this replica waiting on a request instead of stepping down.
             left = max(0.1, (self._renewed_at or 0.0) + self.settings.renew_deadline - self.clock())
             try:
-                renewed = await asyncio.wait_for(self._try(), left)
+                renewed = await wait_for_cancellable(self._try(), left)
             except (KubeError, TimeoutError) as err:
                 log.warning("cannot renew lease %s: %s", self.settings.name, err or "timed out")
                 renewed = False
@@ -177,7 +178,7 @@ class LeaderElector:
     async def _attempt(self) -> bool:
         """One try at taking the Lease, bounded by two retry periods (False on failure)."""
         try:
-            return await asyncio.wait_for(self._try(), 2 * self.settings.retry)
+            return await wait_for_cancellable(self._try(), 2 * self.settings.retry)
         except (KubeError, TimeoutError) as err:
             log.warning("cannot take lease %s: %s", self.settings.name, err or "timed out")
             return False

@@ -19,6 +19,7 @@ from typing import Generic, TypeVar
 log = logging.getLogger("hotload_operator.workqueue")
 
 K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 
 @dataclass
@@ -95,7 +96,7 @@ class WorkQueue(Generic[K]):
                 self._wake.clear()
                 timeout = self._heap[0][0] - now if self._heap else None
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout)
+                    await wait_for_cancellable(self._wake.wait(), timeout)
         finally:
             for task in tasks:
                 task.cancel()
@@ -117,3 +118,15 @@ class WorkQueue(Generic[K]):
             elif not self.pending():
                 self._idle.set()
             self._wake.set()
+
+
+async def wait_for_cancellable(awaitable: Awaitable[T], timeout: float | None) -> T:
+    """`asyncio.wait_for` that never swallows a cancellation: Python 3.11's returns the result
+    when it is ready as the cancellation arrives, and a loop around it then never ends (a
+    replica that lost the Lease hung on its way out, its work queues not stopping)."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout)
+    finally:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError
