@@ -59,7 +59,15 @@ def test_a_loader_killed_at_each_stage_resumes_without_a_download(
     bucket = tmp_path / "bucket"
     trainer = Trainer(Ledger(open_bucket(str(bucket)), "policy"), steps, tmp_path / "t", 100)
     trainer.publish(0)
-    r = Replica("r0", tmp_path / "r0", f"{bucket}/policy", env, admin_port=free_port())
+    # A scrub pass every 5 s (the default rests an hour) so the last check below sees one.
+    r = Replica(
+        "r0",
+        tmp_path / "r0",
+        f"{bucket}/policy",
+        env,
+        admin_port=free_port(),
+        engine_args=["--scrub-period", "5"],
+    )
     replicas.append(r)
     r.start()
     r.wait_serving("step-000", timeout=180)
@@ -92,4 +100,5 @@ def test_a_loader_killed_at_each_stage_resumes_without_a_download(
     # Every delta is still there (nothing folded them: the folding was killed), on step-000.
     assert os.readlink(r.weights / "current") == "snapshots/step-000"
     assert len(list((r.weights / "deltas").iterdir())) == len(STAGES)
-    wait_for("a clean scrub", lambda: (r.status().get("last_scrub") or {}).get("result"), 60)
+    scrub = wait_for("a scrub pass", lambda: r.status().get("last_scrub"), 60)
+    assert scrub["result"] == "ok", scrub
