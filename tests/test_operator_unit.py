@@ -7,6 +7,7 @@ return is validated offline with kubernetes-validate (strict).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -937,3 +938,34 @@ def test_loader_pull_policy_from_the_operator_settings() -> None:
     assert loader["imagePullPolicy"] == "Always"
     default = next(o for o in build_children(deployment()) if o["kind"] == "Deployment")
     assert "imagePullPolicy" not in default["spec"]["template"]["spec"]["initContainers"][0]
+
+
+@pytest.mark.parametrize(
+    ("reasons", "says", "omits"),
+    [
+        (["ScrubMismatch"], ["ECC"], ["1-token probe"]),
+        (["ProbeFailed"], ["1-token probe", "engine container's log"], ["ECC"]),
+        (["ScrubMismatch", "ProbeFailed"], ["ECC", "1-token probe"], []),
+        ([""], ["ECC", "1-token probe"], []),  # a loader that did not say which check
+    ],
+)
+def test_a_degraded_replica_gets_the_fix_of_the_check_that_found_it(
+    reasons: list[str], says: list[str], omits: list[str]
+) -> None:
+    es = entries(1)
+    pods = []
+    for i, reason in enumerate(reasons):
+        report = dataclasses.replace(
+            serving("step-000", 1),
+            degraded=f"{reason or 'some check'}: what the loader saw",
+            degraded_reason=reason,
+        )
+        pods.append(pod(f"p{i}", report))
+    status = rollup_deployment(deployment(replicas=len(pods)), pods, es[-1], es, now=NOW)
+    problem = next(p for p in status["problems"] if p["reason"] == "WeightsDegraded")
+    for i, reason in enumerate(reasons):
+        assert f"pod p{i}: {reason or 'some check'}: what the loader saw" in problem["message"]
+    for text in says:
+        assert text in problem["fix"], (text, problem["fix"])
+    for text in omits:
+        assert text not in problem["fix"], (text, problem["fix"])

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotload.api.models import HotLoadDeployment
-from hotload.api.names import ANNOTATION_SNAPSHOT, DeploymentReasons
+from hotload.api.names import ANNOTATION_SNAPSHOT, DegradedReasons, DeploymentReasons
 from hotload_operator.causes import LOAD_FIXES, Cause, load_failure_reason, pod_problem
 from hotload_operator.conditions import is_true
 
@@ -46,8 +46,10 @@ class PodReport:
     problem: Cause | None = None
     #: Why the loader's last load failed (`LoadFailureReasons`), when `state` is failed.
     failure_reason: str = ""
-    #: Why the loader took the replica out of service after a scrub mismatch ("" when not).
+    #: Why the loader took the replica out of service ("" when it did not): its message.
     degraded: str = ""
+    #: Which check found it (`DegradedReasons`; "" when the loader did not say).
+    degraded_reason: str = ""
     #: The loader's last error as it reports it ("" when none), whatever its state now.
     last_error: str = ""
 
@@ -86,6 +88,7 @@ def read_pod(pod: JSON) -> PodReport:
         if note.get("state") == "failed"
         else "",
         degraded=str(note.get("degraded") or "")[:1024],
+        degraded_reason=str(note.get("degradedReason") or "")[:64],
         last_error=str(note.get("lastError") or ""),
     )
 
@@ -143,9 +146,7 @@ def replica_causes(reports: Sequence[PodReport], hld: HotLoadDeployment) -> list
             Cause(
                 d.WEIGHTS_DEGRADED,
                 _joined([f"pod {r.pod}: {r.degraded}" for r in degraded]),
-                "none needed: the loader reloads the served snapshot in full and the replica "
-                "returns by itself; if it recurs on one node, suspect its memory (ECC) and "
-                "drain it",
+                degraded_fix({r.degraded_reason for r in degraded}),
                 tuple(r.pod for r in degraded),
             )
         )
@@ -162,6 +163,27 @@ def replica_causes(reports: Sequence[PodReport], hld: HotLoadDeployment) -> list
             )
         )
     return out
+
+
+#: What to do when a replica is Degraded, by the check that found it (`DegradedReasons`).
+DEGRADED_FIXES: dict[str, str] = {
+    DegradedReasons.SCRUB_MISMATCH: "if a scrub mismatch recurs on one node, suspect its memory "
+    "(ECC) and drain it",
+    DegradedReasons.PROBE_FAILED: "if the engine keeps failing its 1-token probe after patches, "
+    "read the engine container's log (a worker that died or hangs)",
+}
+
+
+def degraded_fix(reasons: set[str]) -> str:
+    """The fix of a `WeightsDegraded` cause for the checks that found the replicas degraded
+    (both known fixes when a loader did not say which check it was)."""
+    known = [DEGRADED_FIXES[r] for r in sorted(reasons) if r in DEGRADED_FIXES]
+    if not known or len(known) < len(reasons):
+        known = list(DEGRADED_FIXES.values())
+    return (
+        "none needed: the loader reloads the served snapshot in full and the replica returns "
+        "by itself; " + "; ".join(known)
+    )
 
 
 def _joined(messages: list[str], limit: int = 5) -> str:
