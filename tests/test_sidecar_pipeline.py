@@ -135,7 +135,7 @@ async def test_the_next_patch_is_prepared_while_the_engine_takes_one(
             # Step 1's patch goes to the engine, which does not answer yet; step 2 lands
             # meanwhile: its patch is written while the engine is busy.
             await step_2_while_the_engine_takes_step_1(trainer, adapter, reporter)
-            await until((staging / "step-002.patch").exists)
+            await until(lambda: any(staging.glob("step-002.*.patch")))
             assert engine.served.identity == "step-000"
             assert (tmp_path / "weights" / "deltas" / "step-002").is_dir()
 
@@ -248,13 +248,14 @@ async def test_a_patch_prepared_ahead_that_no_longer_fits_is_deleted_unsent(
     """The real `_take_ahead`: step-002's patch is written ahead from step-001 while the engine
     takes step-001, which it then refuses (as a patch and in full): the engine still serves
     step-000, so the next update needs step-001 and step-002 in one patch from step-000. The
-    patch written ahead does not begin those deltas: it is deleted without being sent (the
-    patch from step-000 has the same file name, so the deletions are watched, not the name)."""
-    discarded: list[tuple[str, str]] = []
+    patch written ahead does not begin those deltas: it is deleted without being sent, and
+    the patch from step-000 to the same target is a file of its own (named by its first
+    delta), which the deletion of the one written ahead never touches."""
+    discarded: list[tuple[str, str, str]] = []
     discard = Prepared.discard
 
     def watched(self: Prepared) -> None:
-        discarded.append((self.parent, self.steps[-1].identity))
+        discarded.append((self.parent, self.steps[-1].identity, self.patch.name))
         discard(self)
 
     monkeypatch.setattr(Prepared, "discard", watched)
@@ -266,7 +267,7 @@ async def test_a_patch_prepared_ahead_that_no_longer_fits_is_deleted_unsent(
         running = asyncio.create_task(loader.run(asyncio.Event()))
         try:
             await step_2_while_the_engine_takes_step_1(trainer, adapter, reporter)
-            await until((staging / "step-002.patch").exists)
+            await until(lambda: any(staging.glob("step-002.*.patch")))
             adapter.gate.set()
             await until(lambda: reporter.status.identity == "step-002")
         finally:
@@ -281,6 +282,10 @@ async def test_a_patch_prepared_ahead_that_no_longer_fits_is_deleted_unsent(
         ("step-001", "step-000"),
         ("step-002", "step-000"),
     ]
-    assert ("step-001", "step-002") in discarded
+    ahead = [
+        name for parent, target, name in discarded if (parent, target) == ("step-001", "step-002")
+    ]
+    assert ahead, discarded
+    assert not set(ahead) & {name for _, _, name in adapter.sent}, (ahead, adapter.sent)
     assert list(staging.glob("*.patch*")) == []
     assert scraped(loader.metrics)[("hotload_loader_patches_prepared_ahead_total", ())] == 0

@@ -229,13 +229,19 @@ class SparseLoads:
         with parse_once():
             return await self._prepare(steps, nice, threads or self.threads)
 
+    def _patch_file(self, steps: list[LedgerEntry]) -> Path:
+        """Where the patch of `steps` is written: named by its target and its first delta's
+        sequence, so that a patch prepared ahead from another first delta and left to finish
+        (`chained._take_ahead`) never writes or removes the file an update is sending."""
+        return self.weights.staging_root / f"{steps[-1].identity}.{steps[0].sequence}.patch"
+
     async def _prepare(
         self, steps: list[LedgerEntry], nice: int, threads: int | None
     ) -> Prepared | Outcome:
         target, parent = steps[-1], steps[0].previous
         assert parent is not None
         t0 = time.perf_counter()
-        patch = self.weights.staging_root / f"{target.identity}.patch"
+        patch = self._patch_file(steps)
         folders: list[Path] = []
         fetched = wrote = 0
         self._drop_stale(steps)
@@ -274,7 +280,7 @@ class SparseLoads:
                 )
                 steps, folders = steps[:keep], folders[:keep]
                 target = steps[-1]
-                patch = self.weights.staging_root / f"{target.identity}.patch"
+                patch = self._patch_file(steps)
             crash_point("patch")
             full_parent = self.weights.path(parent) if self.weights.has(parent) else None
             try:
