@@ -130,14 +130,17 @@ async def test_the_standby_takes_over_when_the_leader_is_killed_mid_burst(
             first_b = audit.seconds(by_b[0])
             assert max(audit.seconds(e, "stageTimestamp") for e in by_a) < first_b
             assert not [e for e in by_a if audit.seconds(e) > killed_at]
-            # op-b took the Lease once it expired: not before, and within its duration (and a
-            # retry) of the death.
+            # op-b took the Lease once it expired: not before, and within its duration of the
+            # expiry. The standby counts the lease from when it saw the last renewal and then
+            # retries every RETRY s, both late on a loaded machine (11-14 s seen at load 7 for
+            # an 8 s lease + 1 s retry): a bound for the mechanism, not a timing (takeover
+            # times are measured in benchmarks/bench_operator.py).
             taken = [
                 e for e in events if audit.kind(e) == "update leases" and audit.sender(e) == "op-b"
             ]
             assert taken
             takeover = audit.seconds(taken[0]) - killed_at
-            assert takeover <= LEASE_SECONDS + RETRY + 1.0, takeover
+            assert takeover <= 2 * LEASE_SECONDS + RETRY, takeover
             assert first_b > audit.seconds(taken[0])
             # What op-a applied is in place: op-b applied no Deployment again.
             assert not [
