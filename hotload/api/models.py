@@ -55,6 +55,7 @@ __all__ = [
     "ReplicaLoad",
     "ReplicaStatus",
     "ResourceRequirements",
+    "RetentionSpec",
     "RouterSpec",
     "ServiceAccountSpec",
     "Snapshot",
@@ -216,6 +217,30 @@ class AdaptersSpec(ApiModel):
     )
 
 
+#: A duration as `hotload ledger gc --orphan-age` reads it: a number and s, m, h, d or w.
+DURATION_PATTERN = r"^[0-9]+(\.[0-9]+)?[smhdw]$"
+
+
+class RetentionSpec(ApiModel):
+    """Retention: the operator's leader deletes the snapshot folders nothing can need any more
+    (`hotload ledger gc --apply`, run for the ledger)."""
+
+    keep: int = Field(
+        ge=1,
+        le=100000,
+        description="Ledger entries always kept, the newest ones (besides the chain from the "
+        "latest full snapshot, pins, and every snapshot a replica of any deployment on this "
+        "ledger serves or targets).",
+    )
+    orphan_age: str = Field(
+        default="24h",
+        pattern=DURATION_PATTERN,
+        max_length=32,
+        description="Folders no ledger names (failed or in-flight uploads) go once older than "
+        "this: a number and a unit s, m, h, d or w (e.g. 90m, 24h, 7d).",
+    )
+
+
 class HotLoadDeploymentSpec(ApiModel):
     """What a platform team declares: a fleet of replicas following one ledger."""
 
@@ -271,6 +296,12 @@ class HotLoadDeploymentSpec(ApiModel):
         description="Serve exactly this snapshot instead of following the ledger head (a "
         "reference-policy fleet, or a rollback to an earlier snapshot, rebuilt from the ledger's "
         "history); clear it to follow the ledger again.",
+    )
+    retention: RetentionSpec | None = Field(
+        default=None,
+        description="Delete the snapshot folders nothing needs any more, after admissions and "
+        "periodically (absent: never; deployments that share a ledger keep what any of them "
+        "needs, with the largest keep and longest orphanAge among them).",
     )
     pod_template: PodTemplateOverlay | None = Field(
         default=None,
