@@ -129,6 +129,8 @@ class DeploymentReasons:
     ADAPTER_FAILURES: Final = "AdapterLoadFailures"  # a LoRA adapter failed to load
     WEIGHTS_DEGRADED: Final = "WeightsDegraded"  # a scrub found served weights off their sums
     REPLICAS_UNAVAILABLE: Final = "ReplicasUnavailable"  # pods not ready, no cause known yet
+    # ... the operator's own upkeep (never holds the roll-out back)
+    RETENTION_FAILED: Final = "RetentionFailed"  # spec.retention's gc of the ledger failed
 
 
 class LoadFailureReasons:

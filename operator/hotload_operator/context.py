@@ -29,6 +29,7 @@ from hotload_operator.causes import (
 from hotload_operator.fence import FencedBucket, WriteFence
 from hotload_operator.ledgers import LedgerCache
 from hotload_operator.meta import OperatorImages, namespace_of
+from hotload_operator.retention import RetentionState
 from hotload_operator.workqueue import WorkQueue
 from hotload_operator.writes import StatusWriter
 
@@ -122,6 +123,8 @@ class Context:
     polls: WorkQueue[Key] = field(default_factory=lambda: WorkQueue(_unset, name="poll"))
     #: Snapshot admissions by Snapshot key (undecided Snapshots, retried with delays).
     admissions: WorkQueue[Key] = field(default_factory=lambda: WorkQueue(_unset, name="admission"))
+    #: `spec.retention`: the gc queue (one key per ledger), its interval and failures.
+    retention: RetentionState = field(default_factory=RetentionState)
     #: Applies a deployment's spec again (set by the handlers, for the poll's apply retry).
     respec: Callable[[JSON], Awaitable[None]] | None = None
     #: Seconds between ledger polls of each deployment, and the oldest ledger copy a roll-up

@@ -104,6 +104,7 @@ async def admit_queued(ctx: Context, namespace: str, name: str) -> None:
         owner = ctx.fleet().deployment(deployment)
         if owner is not None:  # its ledger moved: read it before the roll-up
             await ctx.ledgers.refresh(owner.hld)
+            ctx.retention.schedule(owner.hld)
         ctx.rollups.request(deployment, 0)
     else:
         involved = involved_object(
@@ -247,6 +248,9 @@ async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
         problem = ctx._problems.get(key)
         if problem is not None:
             causes.insert(0, Cause(problem.reason, problem.message, problem.fix))
+        gc_problem = ctx.retention.problem(hld)
+        if gc_problem is not None:
+            causes.append(gc_problem)
         ledger = LedgerRead(
             url=ledger_url(hld),
             known=document is not None,
@@ -309,13 +313,15 @@ RESYNC_SECONDS = 300.0
 
 async def poll(ctx: Context, namespace: str, name: str) -> None:
     """The periodic check of one deployment: one conditional GET of its ledger (a roll-up when
-    the head moved), the apply retried while another field manager holds a field, and a roll-up
-    every `RESYNC_SECONDS`; then the next check is scheduled."""
+    the head moved), the apply retried while another field manager holds a field, a roll-up
+    every `RESYNC_SECONDS` and the ledger's gc when `spec.retention` is set and it is due; then
+    the next check is scheduled."""
     key = (namespace, name)
     record = ctx.fleet().deployment(key)
     if record is None:
         return
     ctx.polls.request(key, ctx.poll_interval)
+    ctx.retention.schedule(record.hld)  # the periodic gc (no more often than its interval)
     if apply.apply_retry_due(ctx, namespace, name) and ctx.respec is not None:
         await ctx.respec(record.body)
         return

@@ -55,6 +55,7 @@ _NOT_BLOCKING = frozenset(
         DeploymentReasons.ADAPTER_FAILURES,
         DeploymentReasons.WEIGHTS_DEGRADED,
         DeploymentReasons.REPLICAS_UNAVAILABLE,
+        DeploymentReasons.RETENTION_FAILED,
     }
 )
 
@@ -97,7 +98,9 @@ def rollup_deployment(
     )
     unready = [r for r in reports if not r.ready]
     available = len(reports) - len(unready)
-    if not problems and available < hld.spec.replicas - hld.spec.max_unavailable:
+    # A failed gc says nothing about the pods: it must not hide why they are not ready.
+    upkeep = [c for c in problems if c.reason == d.RETENTION_FAILED]
+    if len(upkeep) == len(problems) and available < hld.spec.replicas - hld.spec.max_unavailable:
         problems = [
             Cause(
                 d.REPLICAS_UNAVAILABLE,
@@ -105,7 +108,8 @@ def rollup_deployment(
                 + (f" ({len(reports)} pods exist)" if len(reports) < hld.spec.replicas else ""),
                 "kubectl describe pod shows why the others are not ready",
                 tuple(r.pod for r in unready),
-            )
+            ),
+            *upkeep,
         ]
     # What holds the roll-out back: the first cause about the replicas themselves (a ledger read
     # that failed after a copy was read leaves the fleet following that copy).

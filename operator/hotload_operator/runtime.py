@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 from hotload.api.names import DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
 from hotload.kube import KubeClient, KubeConfig
-from hotload_operator import reconcile
+from hotload_operator import collect, reconcile, retention
 from hotload_operator.causes import WorkloadStatus
 from hotload_operator.context import Context, Key
 from hotload_operator.fence import fenced_request_class
@@ -93,6 +93,11 @@ class Settings:
     rollup_interval: float = field(
         default_factory=lambda: _env_seconds("HOTLOAD_ROLLUP_INTERVAL", ROLLUP_INTERVAL)
     )
+    #: Seconds between two gcs of one ledger whose deployments set spec.retention
+    #: [HOTLOAD_GC_INTERVAL].
+    gc_interval: float = field(
+        default_factory=lambda: _env_seconds("HOTLOAD_GC_INTERVAL", retention.GC_INTERVAL)
+    )
     kubeconfig: str | None = None
 
 
@@ -147,6 +152,14 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
     ctx.polls = WorkQueue(
         lambda key: reconcile.guarded("poll", lambda: reconcile.poll(ctx, *key)), name="poll"
     )
+    # One key per ledger: never two gcs of one ledger at once.
+    ctx.retention.queue = WorkQueue(
+        lambda key: reconcile.guarded("gc", lambda: collect.collect(ctx, key)),
+        window=0,
+        concurrency=2,
+        name="gc",
+    )
+    ctx.retention.interval = settings.gc_interval
     ctx.admissions = WorkQueue(
         lambda key: reconcile.guarded("admission", lambda: reconcile.admit_queued(ctx, *key)),
         window=0,
@@ -156,6 +169,8 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
     def on_deployment(key: Key, old: DeploymentRecord | None, new: DeploymentRecord | None) -> None:
         if new is None:
             ctx.rollups.cancel(key)
+            if old is not None and old.hld.spec.retention is not None:
+                ctx.retention.schedule(old.hld)  # its setting no longer counts: re-merge
             ctx.polls.cancel(key)
             ctx.writer.forget(DEPLOYMENT_PLURAL, key)
             if old is not None:
@@ -260,6 +275,7 @@ async def run(
             asyncio.create_task(op.ctx.rollups.run(), name="roll-ups"),
             asyncio.create_task(op.ctx.polls.run(), name="polls"),
             asyncio.create_task(op.ctx.admissions.run(), name="admissions"),
+            asyncio.create_task(op.ctx.retention.queue.run(), name="gcs"),
         ]
         for record in op.cache.all_deployments():  # level-triggered: look at everything once
             key = (str(record.hld.metadata.get("namespace")), str(record.hld.metadata.get("name")))
