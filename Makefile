@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 WHEELHOUSE := $(VENV)/wheelhouse
 LOCKVENV := .venv-lock
 
-.PHONY: demo test lint typecheck pytest bench clean venv vllm kubetools prometheus envoy lock
+.PHONY: demo test lint typecheck pytest bench clean venv vllm kubetools prometheus envoy lock mutate
 
 venv: $(STAMP) $(WHEELHOUSE)/core.txt
 
@@ -76,6 +76,17 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_arc.py
+
+# Mutation testing (scripts/mutate.py; tests/README.md "Mutation testing"), never part of `make
+# test`: each module in a work tree extracted from HEAD under $(MUTATE_WORK), never this one.
+# MODULES=ledger-model,rollup picks a subset; MUTATE_LIMIT is each module's wall-clock budget;
+# MUTATE_SAMPLE=05 checks only the mutants numbered ...0 and ...5 (a fifth).
+MODULES ?=
+MUTATE_LIMIT ?= 900
+MUTATE_SAMPLE ?=
+MUTATE_WORK ?= /tmp/hotload-mutate
+mutate: $(STAMP)
+	$(BIN)/python scripts/mutate.py --modules "$(MODULES)" --limit $(MUTATE_LIMIT) --work $(MUTATE_WORK) --sample "$(MUTATE_SAMPLE)"
 
 clean:
 	rm -rf $(VENV) $(LOCKVENV) build *.egg-info

@@ -1,0 +1,249 @@
+"""Mutation testing (`make mutate`) of the modules where a silent bug costs users most.
+
+Each module is mutated by mutmut 3 in a work tree of its own, extracted from the repository's
+HEAD (`git archive`), never in the working tree: other people run tests there, and a score
+belongs to a commit. The operator's and the loader's packages are copied to the work tree's
+root, beside `hotload/`, so that mutmut names each mutant by the module the tests import.
+Each module runs only the tests that exercise it, under a wall-clock limit; mutants left
+unchecked when the limit ends the run are counted and reported, never silently dropped.
+
+    usage: .venv/bin/python scripts/mutate.py [--modules NAME,NAME] [--limit SECONDS]
+                                              [--work DIR] [--jobs N]
+    make mutate [MODULES=ledger-model,rollup] [MUTATE_LIMIT=900]
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Where each package lives in the repository, and where it goes in the work tree.
+PACKAGES = {
+    "hotload": "hotload",
+    "hotload_patch": "hotload_patch",
+    "operator/hotload_operator": "hotload_operator",
+    "sidecar/hotload_sidecar": "hotload_sidecar",
+}
+
+
+@dataclass(frozen=True)
+class Module:
+    """One mutated module: its file in the work tree and the tests that exercise it."""
+
+    name: str
+    path: str
+    tests: tuple[str, ...]
+
+
+MODULES: tuple[Module, ...] = (
+    Module("ledger-model", "hotload/ledger/model.py", ("tests/test_ledger.py",)),
+    Module(
+        "rollup",
+        "hotload_operator/rollup.py",
+        ("tests/test_operator_unit.py", "tests/test_operator_causes.py"),
+    ),
+    Module("causes", "hotload_operator/causes.py", ("tests/test_operator_causes.py",)),
+    Module(
+        "volume",
+        "hotload_sidecar/volume.py",
+        ("tests/test_sidecar_materialize.py", "tests/test_sidecar_sparse.py"),
+    ),
+    Module("chained", "hotload_sidecar/chained.py", ("tests/test_sidecar_sparse.py",)),
+    Module("patch-format", "hotload_patch/format.py", ("tests/test_patch_core.py",)),
+    Module("patch-sums", "hotload_patch/sums.py", ("tests/test_patch_core.py",)),
+    Module("patch-staging", "hotload_patch/staging.py", ("tests/test_patch_core.py",)),
+    Module("arc-decoder", "hotload/arc/decoder.py", ("tests/test_arc_codec.py",)),
+    Module("arc-chunk", "hotload/arc/chunk.py", ("tests/test_arc_codec.py",)),
+)
+
+# mutmut's exit codes, grouped as the report counts them (mutmut.stats.status_by_exit_code).
+KILLED = {1, 3, 37}
+SURVIVED = {0}
+TIMEOUT = {36, 24, -24, 152, 255}
+NO_TESTS = {5, 33}
+
+
+def prepare(module: Module, work: Path) -> str:
+    """Extract HEAD into `work` with the packages at its root and write mutmut's config; return
+    the commit."""
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", commit],
+        check=True,
+        capture_output=True,
+    ).stdout
+    tree = work / "tree"
+    tree.mkdir()
+    tar = work / "head.tar"
+    tar.write_bytes(archive)
+    with tarfile.open(tar) as archived:
+        archived.extractall(tree, filter="data")
+    tar.unlink()
+    for source, target in PACKAGES.items():
+        if source != target:
+            shutil.copytree(tree / source, tree / target)
+    sources = "\n    ".join(PACKAGES.values())
+    tests = "\n    ".join(module.tests)
+    (tree / "setup.cfg").write_text(
+        "[mutmut]\n"
+        f"source_paths =\n    {sources}\n"
+        f"only_mutate =\n    {module.path}\n"
+        f"pytest_add_cli_args_test_selection =\n    {tests}\n"
+        "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -q\n"
+        "use_git_change_detection = false\n"
+    )
+    return commit
+
+
+def sample_pattern(sample: str) -> str:
+    """The mutmut name pattern of the mutants whose number ends in one of `sample`'s digits
+    (every mutant when empty): a sample spread over every function, not the first ones."""
+    return f"*__mutmut_*[{sample}]" if sample else "*"
+
+
+def run_mutmut(tree: Path, limit: float, jobs: int, sample: str) -> int | None:
+    """Run `mutmut run` in `tree` for at most `limit` seconds; return its exit status, None
+    when the limit stopped it."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("PYTHONPATH", None)  # the work tree's mutants/ must be what the tests import
+    log = (tree / "mutmut-run.log").open("a")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)]
+        + ([sample_pattern(sample)] if sample else []),
+        cwd=tree,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        return proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        # mutmut saves each mutant's result as it comes, so what ran before the limit counts.
+        # Not a process group of its own: mutmut's timeout watchdog can signal its own group.
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return None
+    finally:
+        log.close()
+
+
+def tally(tree: Path, module: Module, sample: str) -> tuple[Counter[str], list[str]]:
+    """Count the module's sampled mutants by outcome from mutmut's results; return them and
+    the survivors' names."""
+    meta = tree / "mutants" / (module.path + ".meta")
+    if not meta.is_file():
+        raise SystemExit(f"mutate: {module.name}: no results in {meta}: see {tree}/mutmut-run.log")
+    codes: dict[str, int | None] = json.loads(meta.read_text())["exit_code_by_key"]
+    counts: Counter[str] = Counter()
+    survivors = []
+    counts["generated"] = len(codes)
+    for name, code in sorted(codes.items()):
+        if not fnmatch.fnmatch(name, sample_pattern(sample)):
+            continue
+        if code in KILLED:
+            counts["killed"] += 1
+        elif code in SURVIVED:
+            counts["survived"] += 1
+            survivors.append(name)
+        elif code in TIMEOUT:
+            counts["timeout"] += 1
+        elif code in NO_TESTS:
+            counts["no tests"] += 1
+            survivors.append(name)
+        elif code is None:
+            counts["not checked"] += 1
+        else:
+            counts[f"other ({code})"] += 1
+        counts["mutants"] += 1
+    return counts, survivors
+
+
+def main() -> int:
+    """Mutate the chosen modules one after the other and print each one's score."""
+    names = [m.name for m in MODULES]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modules", default="", help=f"comma-separated, of: {', '.join(names)}")
+    parser.add_argument("--limit", type=float, default=900, help="seconds per module")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/hotload-mutate"))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    parser.add_argument(
+        "--sample",
+        default="",
+        help="digits: only the mutants whose number ends in one of them (05: a fifth)",
+    )
+    args = parser.parse_args()
+    if not args.sample.isdigit() and args.sample:
+        parser.error(f"--sample: digits expected, got {args.sample!r}")
+    chosen = [n.strip() for n in args.modules.split(",") if n.strip()] or names
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        parser.error(f"--modules: unknown {unknown}; known: {', '.join(names)}")
+    try:
+        import mutmut  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            "mutate: mutmut is not installed: run `make venv` (requirements/dev.txt)"
+        ) from None
+    for module in (m for m in MODULES if m.name in chosen):
+        work = args.work / module.name
+        commit = prepare(module, work)
+        started = time.monotonic()
+        deadline = started + args.limit
+        while True:
+            status = run_mutmut(work / "tree", deadline - time.monotonic(), args.jobs, args.sample)
+            counts, survivors = tally(work / "tree", module, args.sample)
+            finished = status is not None
+            if finished and counts["not checked"] == counts["mutants"]:
+                raise SystemExit(
+                    f"mutate: {module.name}: mutmut exited ({status}) before checking any "
+                    f"mutant (the clean test run failed?): see {work}/tree/mutmut-run.log"
+                )
+            if not counts["not checked"] or not finished or deadline - time.monotonic() < 30:
+                break
+            # Seen on a loaded machine: mutmut's main process ends early, once, right after its
+            # first mutants; a rerun resumes from the results it saved.
+            print(
+                f"mutate: {module.name}: mutmut exited ({status}) with "
+                f"{counts['not checked']} mutants unchecked: resuming",
+                file=sys.stderr,
+            )
+        checked = counts["killed"] + counts["survived"] + counts["no tests"]
+        score = 100 * counts["killed"] / checked if checked else 0.0
+        print(
+            f"{module.path}: {score:.1f}% killed of {checked} checked; "
+            + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            + f"; {time.monotonic() - started:.0f} s; commit {commit[:12]}; "
+            + f"{datetime.now(UTC):%Y-%m-%d}"
+            + (f"; sample *[{args.sample}]" if args.sample else "")
+            + ("" if finished else f"; stopped at the {args.limit:.0f} s limit")
+        )
+        for name in survivors:
+            print(f"    survived: {name}")
+    print(f"mutate: the diffs: cd {args.work}/<module>/tree && mutmut show <mutant>")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
