@@ -40,9 +40,11 @@ from hotload_operator.causes import (
     CredentialsIncompleteError,
     CredentialsUnreadableError,
     bucket_cause,
+    load_failure_reason,
     missing_keys,
     pod_problem,
     refusal_fix,
+    scheduling_fix,
     workload_causes,
     workload_status,
 )
@@ -572,3 +574,68 @@ def test_a_loaders_failure_is_classified_from_its_error() -> None:
     assert failure_reason("rebuild", ChecksumMismatchError("tensor w")) == F.CHECKSUM_MISMATCH
     assert failure_reason("engine", RuntimeError("422")) == F.ENGINE_REFUSED
     assert failure_reason("rebuild", RuntimeError("?")) == F.LOAD_FAILED
+
+
+# --- found by mutation testing (tests/README.md "Mutation testing") ------------------------------
+
+
+def _deployment_obj(*conditions: dict[str, str], replicas: int = 2) -> dict[str, Any]:
+    """An owned Deployment as the API server returns it, with the controllers' conditions."""
+    return {
+        "metadata": {
+            "name": "fleet-replicas",
+            "namespace": "ml",
+            "labels": {"hotload.dev/deployment": "fleet"},
+        },
+        "status": {"replicas": replicas, "conditions": list(conditions)},
+    }
+
+
+def test_workload_status_reads_only_a_progressing_false_deadline() -> None:
+    deadline = {
+        "type": "Progressing",
+        "status": "False",
+        "reason": "ProgressDeadlineExceeded",
+        "message": 'ReplicaSet "fleet-replicas-1" has timed out progressing.',
+    }
+    status = workload_status(_deployment_obj(deadline, replicas=3))
+    assert status.deadline_exceeded == deadline["message"]
+    assert (status.namespace, status.deployment, status.name) == (
+        "ml",
+        "fleet",
+        "ml/fleet-replicas",
+    )
+    assert status.replicas == 3 and status.replica_failure is None
+    # The same reason on another condition or status, or another reason, is no deadline.
+    for other in (
+        {**deadline, "status": "True"},
+        {**deadline, "type": "Available"},
+        {**deadline, "reason": "NewReplicaSetAvailable"},
+    ):
+        assert workload_status(_deployment_obj(other)).deadline_exceeded is None
+    failure = {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": "m"}
+    assert workload_status(_deployment_obj(failure)).replica_failure == ("FailedCreate", "m")
+
+
+def test_a_problems_message_is_cut_at_the_crds_bound() -> None:
+    # The CRD caps status.problems[].message at 4096 characters, fix at 1024, pods at 64.
+    cause = Cause("R", "m" * 5000, "f" * 2000, tuple(f"p{i}" for i in range(100)))
+    entry = cause.to_json()
+    assert len(entry["message"]) == 4096 and len(entry["fix"]) == 1024
+    assert entry["pods"] == [f"p{i}" for i in range(64)]
+
+
+def test_load_failure_reason_passes_only_known_reasons() -> None:
+    assert load_failure_reason(F.CHECKSUM_MISMATCH) == F.CHECKSUM_MISMATCH
+    for raw in ("SomethingNew", None, 7):
+        assert load_failure_reason(raw) == F.LOAD_FAILED
+
+
+def test_scheduling_fix_follows_the_schedulers_words() -> None:
+    taint = "0/3 nodes are available: 3 node(s) had untolerated taint {gpu: true}."
+    assert "spec.tolerations" in scheduling_fix(taint)
+    selector = "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector."
+    assert "spec.nodeSelector" in scheduling_fix(selector)
+    assert "resources" in scheduling_fix("0/3 nodes are available: 3 Insufficient memory.")
+    assert "GPU" in scheduling_fix("0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
+    assert "spec.tolerations" not in scheduling_fix("0/1 nodes are available: 1 Too many pods.")

@@ -24,7 +24,7 @@ from hotload_operator.builders import build_children
 from hotload_operator.pods import engine_command
 from hotload_operator.policy import build_loader_admission_policy
 from hotload_operator.reports import PodReport, read_pod
-from hotload_operator.rollup import rollup_deployment, rollup_snapshot
+from hotload_operator.rollup import rollup_deployment, rollup_snapshot, snapshot_settled
 from hotload_sidecar.kube_report import build_pod_metadata_patch
 from support.operator import ledger_entries, serving
 from support.operator import status_condition as cond
@@ -969,3 +969,76 @@ def test_a_degraded_replica_gets_the_fix_of_the_check_that_found_it(
         assert text in problem["fix"], (text, problem["fix"])
     for text in omits:
         assert text not in problem["fix"], (text, problem["fix"])
+
+
+def test_snapshot_rollup_lists_each_load_and_each_failure_of_its_own() -> None:
+    # Mutation testing (tests/README.md): the loads' keys, which failures count, the Failed
+    # condition's status and message.
+    es = entries(3)
+    hld = deployment(replicas=3)
+    pods = [
+        pod("a", serving("step-001", 2)),
+        pod("b", serving("step-000", 1, target="step-001", state="failed", error="bad sum")),
+        # Failed, but on another snapshot; and moving to this one without a failure.
+        pod("c", serving("step-000", 1, target="step-002", state="failed", error="other")),
+        pod("d", serving("step-000", 1, target="step-001", state="loading")),
+    ]
+    update = rollup_snapshot(snapshot_obj("step-001", 2), hld, pods, es[1], now=NOW)
+    assert update is not None
+    timings = serving("step-001", 2).last_load
+    assert timings is not None
+    assert update["loads"] == [
+        {"pod": "a", "totalSeconds": timings.total_seconds, "loadSeconds": timings.load_seconds}
+    ]
+    assert update["failures"] == [{"pod": "b", "message": "bad sum"}]
+    ready = cond(update, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "LoadFailed")
+    assert ready["message"] == "b: bad sum"
+
+
+def test_snapshot_rollup_not_ready_says_why_with_status_false() -> None:
+    es = entries(3)
+    hld = deployment(replicas=2)
+    one = [pod("a", serving("step-001", 2)), pod("b", serving("step-000", 1))]
+    # With no ledger head known, it is loading, never superseded.
+    loading = rollup_snapshot(snapshot_obj("step-001", 2), hld, one, None, now=NOW)
+    assert loading is not None
+    ready = cond(loading, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "Loading")
+    assert ready["message"] == "1/2 replicas serve it"
+    lonely = [pod("a", serving("step-000", 1)), pod("b", serving("step-000", 1))]
+    old = rollup_snapshot(snapshot_obj("step-001", 2), hld, lonely, es[2], now=NOW)
+    assert old is not None
+    ready = cond(old, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "Superseded")
+    assert ready["message"] == "step-002 (sequence 3) replaced it first"
+    pinned = deployment(replicas=2, pin="step-000")
+    elsewhere = rollup_snapshot(snapshot_obj("step-001", 2), pinned, lonely, es[1], now=NOW)
+    assert elsewhere is not None
+    ready = cond(elsewhere, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "DeploymentPinned")
+    assert "pinned to step-000" in ready["message"] and "spec.pin" in ready["message"]
+
+
+@pytest.mark.parametrize(
+    ("reason", "loaded", "failures", "settled"),
+    [
+        ("Superseded", 0, [], True),
+        ("Superseded", 1, [], False),  # a replica still serves it
+        ("Superseded", 0, [{"pod": "a", "message": "m"}], False),
+        ("Loaded", 0, [], False),
+        ("Loading", 0, [], False),
+    ],
+)
+def test_snapshot_settled_only_when_superseded_and_unserved(
+    reason: str, loaded: int, failures: list[JSON], settled: bool
+) -> None:
+    accepted = {"type": "Accepted", "status": "True", "reason": "Admitted"}
+    ready = {"type": "Ready", "status": "False", "reason": reason}
+    status: JSON = {"conditions": [accepted, ready], "replicasLoaded": loaded, "failures": failures}
+    assert snapshot_settled(status) is settled
+    # Not accepted (refused, or not decided yet): settled whatever else it says.
+    refused = {"type": "Accepted", "status": "False", "reason": "InvalidSnapshot"}
+    assert snapshot_settled({**status, "conditions": [refused, ready]}) is True
+    # Accepted with no Ready condition yet: the roll-up has not spoken.
+    assert snapshot_settled({**status, "conditions": [accepted]}) is False
