@@ -57,12 +57,13 @@ MODULES: tuple[Module, ...] = (
         ("tests/test_operator_unit.py", "tests/test_operator_causes.py"),
     ),
     Module("causes", "hotload_operator/causes.py", ("tests/test_operator_causes.py",)),
+    # In-process loaders only: a loader in a process of its own imports the unmutated code.
     Module(
         "volume",
         "hotload_sidecar/volume.py",
-        ("tests/test_sidecar_materialize.py", "tests/test_sidecar_sparse.py"),
+        ("tests/test_sidecar_pipeline.py", "tests/test_sidecar_scrub.py"),
     ),
-    Module("chained", "hotload_sidecar/chained.py", ("tests/test_sidecar_sparse.py",)),
+    Module("chained", "hotload_sidecar/chained.py", ("tests/test_sidecar_pipeline.py",)),
     Module("patch-format", "hotload_patch/format.py", ("tests/test_patch_core.py",)),
     Module("patch-sums", "hotload_patch/sums.py", ("tests/test_patch_core.py",)),
     Module("patch-staging", "hotload_patch/staging.py", ("tests/test_patch_core.py",)),
