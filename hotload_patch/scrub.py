@@ -32,19 +32,12 @@ from hotload_patch.checkpoint import Specs
 from hotload_patch.dtypes import ELEMENT_SIZE
 from hotload_patch.errors import PatchError
 from hotload_patch.placement import Host, Slot
+from hotload_patch.scrub_defaults import DEFAULT_SCRUB_PERIOD, DEFAULT_SCRUB_RATE
 from hotload_patch.served import Counters, Meter, ReadStoppedError, slot_sum
 from hotload_patch.sums import Region
 
 log = logging.getLogger("hotload_patch.scrub")
 
-#: The most bytes per second a scrub reads when nobody says otherwise: a pass over 140 GB (a
-#: 70B model in bfloat16, over all ranks) takes under 40 min; on a CPU about a twentieth of one
-#: core while it reads.
-DEFAULT_SCRUB_RATE = 64 << 20
-#: Seconds from one pass's start to the next's when nobody says otherwise: rot in the served
-#: weights is found within about an hour, and a small model costs one short read an hour
-#: (the old constant rate re-read a 168 MiB model every 2.6 s, ~20% of a core forever).
-DEFAULT_SCRUB_PERIOD = 3600.0
 #: Skipped regions a pass names (the count covers them all).
 MAX_SKIPPED_NAMED = 16
 

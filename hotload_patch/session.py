@@ -21,12 +21,8 @@ from typing import Any
 from hotload_patch.checkpoint import Specs
 from hotload_patch.errors import PatchError
 from hotload_patch.placement import Host
-from hotload_patch.scrub import (
-    DEFAULT_SCRUB_PERIOD,
-    DEFAULT_SCRUB_RATE,
-    Scrubber,
-    mismatch_error,
-)
+from hotload_patch.scrub import Scrubber, mismatch_error
+from hotload_patch.scrub_defaults import DEFAULT_SCRUB_PERIOD, DEFAULT_SCRUB_RATE
 from hotload_patch.served import Counters, Meter, served_sums
 from hotload_patch.staging import Staged, apply, stage, undo
 from hotload_patch.sums import MOD, Region, RegionSum

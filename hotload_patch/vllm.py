@@ -45,7 +45,7 @@ from hotload_patch import PROTOCOL
 from hotload_patch.checkpoint import Specs, checkpoint_specs
 from hotload_patch.errors import PatchError
 from hotload_patch.placement import LoaderHost
-from hotload_patch.scrub import DEFAULT_SCRUB_PERIOD, DEFAULT_SCRUB_RATE
+from hotload_patch.scrub_defaults import DEFAULT_SCRUB_PERIOD, DEFAULT_SCRUB_RATE
 from hotload_patch.session import Patcher
 from hotload_patch.staging import parameter_checksums
 

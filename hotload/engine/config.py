@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hotload_patch.scrub import DEFAULT_SCRUB_PERIOD, DEFAULT_SCRUB_RATE
+from hotload_patch.scrub_defaults import DEFAULT_SCRUB_PERIOD, DEFAULT_SCRUB_RATE
 
 if TYPE_CHECKING:  # model.py imports torch, which only the 'engine' extra installs
     from hotload.engine.model import Numerics

@@ -27,7 +27,7 @@ from typing import Any
 from hotload.engine.model import ModelRunner
 from hotload_patch.checkpoint import checkpoint_specs
 from hotload_patch.placement import IdentityHost
-from hotload_patch.scrub import DEFAULT_SCRUB_PERIOD, DEFAULT_SCRUB_RATE
+from hotload_patch.scrub_defaults import DEFAULT_SCRUB_PERIOD, DEFAULT_SCRUB_RATE
 from hotload_patch.session import Patcher
 from hotload_patch.staging import Staged, parameter_checksums
 from hotload_patch.verify import verify
