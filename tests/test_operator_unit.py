@@ -23,7 +23,7 @@ from hotload_operator.admission import admit
 from hotload_operator.builders import build_children
 from hotload_operator.pods import engine_command
 from hotload_operator.policy import build_loader_admission_policy
-from hotload_operator.reports import PodReport, read_pod
+from hotload_operator.reports import AdapterReport, PodReport, read_pod
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot, snapshot_settled
 from hotload_sidecar.kube_report import build_pod_metadata_patch
 from support.operator import ledger_entries, serving
@@ -1042,3 +1042,49 @@ def test_snapshot_settled_only_when_superseded_and_unserved(
     assert snapshot_settled({**status, "conditions": [refused, ready]}) is True
     # Accepted with no Ready condition yet: the roll-up has not spoken.
     assert snapshot_settled({**status, "conditions": [accepted]}) is False
+
+
+def test_lora_snapshot_rollup_counts_the_adapter_on_each_replica() -> None:
+    # Mutation testing (tests/README.md): an adapter's own loads and failures, and how many
+    # newer adapters superseded it.
+    def replica(name: str, *adapters: AdapterReport) -> PodReport:
+        return PodReport(
+            pod=name, ready=True, identity="step-000", sequence=1, state="idle",
+            target="step-000", message="base weights fine", total_seconds=9.0,
+            load_seconds=8.0, adapters=adapters,
+        )  # fmt: skip
+
+    pods = [
+        replica("a", AdapterReport("lora-1", "loaded", 0.25, "")),
+        replica("b", AdapterReport("lora-1", "failed", None, "rank too large")),
+        replica("c", AdapterReport("lora-2", "failed", None, "another adapter")),
+        replica("d", AdapterReport("lora-1", "loading", None, "")),
+    ]
+    snap = Snapshot.model_validate(
+        {
+            "metadata": {"name": "lora-1"},
+            "spec": {"deployment": "fleet", "identity": "lora-1", "kind": "lora"},
+            "status": {
+                "conditions": [
+                    {
+                        "type": "Accepted",
+                        "status": "True",
+                        "reason": "Admitted",
+                        "lastTransitionTime": "t",
+                    }
+                ],
+                "sequence": 2,
+            },
+        }
+    )
+    hld = deployment(replicas=4)
+    update = rollup_snapshot(snap, hld, pods, None, now=NOW, adapters=["lora-1"])
+    assert update is not None
+    assert update["replicasLoaded"] == 1
+    assert update["loads"] == [{"pod": "a", "totalSeconds": 0.25}]
+    assert update["failures"] == [{"pod": "b", "message": "rank too large"}]
+    later = rollup_snapshot(snap, hld, pods, None, now=NOW, adapters=["lora-4", "lora-3", "lora-2"])
+    assert later is not None
+    ready = cond(later, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "Superseded")
+    assert ready["message"] == "lora-4 and 2 newer adapter(s) replaced it first"
