@@ -29,6 +29,7 @@ from hotload.errors import (
     AccessDeniedError,
     BucketUnreachableError,
     ChecksumMismatchError,
+    InvalidBucketURLError,
     KubeForbiddenError,
     KubeNotFoundError,
     LedgerError,
@@ -639,3 +640,26 @@ def test_scheduling_fix_follows_the_schedulers_words() -> None:
     assert "resources" in scheduling_fix("0/3 nodes are available: 3 Insufficient memory.")
     assert "GPU" in scheduling_fix("0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
     assert "spec.tolerations" not in scheduling_fix("0/1 nodes are available: 1 Too many pods.")
+
+
+def test_the_rarer_ledger_read_failures_name_their_cause_and_fix() -> None:
+    url = "s3://bucket/rl"
+    no_secret = deployment(bucket={"url": url})
+    invalid = InvalidBucketURLError("no bucket name", url=url)
+    bad_url = bucket_cause(invalid, no_secret, LEDGER)
+    assert bad_url.reason == R.BUCKET_URL_INVALID
+    assert bad_url.message == f"spec.bucket.url {url!r}: {invalid}"
+    assert bad_url.fix == "fix spec.bucket.url"
+    # With no credentials Secret, the pod's own identity is what the bucket refused.
+    denied = bucket_cause(AccessDeniedError("AccessDenied", url=url), no_secret, LEDGER)
+    assert denied.fix == f"grant the credentials of the operator's identity read and write on {url}"
+    # Anything else: unreachable, naming the error's kind.
+    other = bucket_cause(RuntimeError("boom"), no_secret, LEDGER)
+    assert other.reason == R.BUCKET_UNREACHABLE
+    assert other.message == f"reading ledger {LEDGER} failed (RuntimeError): boom"
+    assert "spec.bucket.url" in other.fix
+
+
+def test_a_google_secret_with_settings_but_no_credentials_lacks_nothing() -> None:
+    # An endpoint setting alone: the credentials come from the pod's identity, as for S3.
+    assert missing_keys("gs://b/p", ["GOOGLE_BASE_URL"]) == []
