@@ -15,6 +15,7 @@ unchecked when the limit ends the run are counted and reported, never silently d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import json
 import os
@@ -133,12 +134,14 @@ def run_mutmut(tree: Path, limit: float, jobs: int, sample: str) -> int | None:
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
+        # A group of its own, so that the mutants' workers (and the servers their tests
+        # started) end with it: an interrupted mutmut leaves its workers running.
+        start_new_session=True,
     )
     try:
         return proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:
         # mutmut saves each mutant's result as it comes, so what ran before the limit counts.
-        # Not a process group of its own: mutmut's timeout watchdog can signal its own group.
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=30)
@@ -147,6 +150,8 @@ def run_mutmut(tree: Path, limit: float, jobs: int, sample: str) -> int | None:
             proc.wait()
         return None
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         log.close()
 
 
@@ -223,8 +228,8 @@ def main() -> int:
                 )
             if not counts["not checked"] or not finished or deadline - time.monotonic() < 30:
                 break
-            # Seen on a loaded machine: mutmut's main process ends early, once, right after its
-            # first mutants; a rerun resumes from the results it saved.
+            # Seen when the shell that started it went away: mutmut's main process ends early;
+            # a rerun resumes from the results it saved.
             print(
                 f"mutate: {module.name}: mutmut exited ({status}) with "
                 f"{counts['not checked']} mutants unchecked: resuming",
