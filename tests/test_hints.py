@@ -29,6 +29,7 @@ from hotload.ledger.model import utc_now
 from hotload.sdk import publish_folder_async, upload_hinted_async
 from hotload.snapshot import describe_snapshot
 from hotload_operator.fireworks import PATH, create_app
+from hotload_operator.fleet import FleetCache
 from support.cluster import install_crds
 from support.fleet import Replica, Trainer, http_json, wait_for
 from support.kubeapi import KubeAPI
@@ -178,7 +179,10 @@ async def test_fireworks_hint_endpoint_writes_the_hint(kube_api: KubeAPI, tmp_pa
                 },
             },
         )
-        server = TestServer(create_app(kube, namespace=ns, token="t"), host="127.0.0.1")
+        # The hint names a deployment the (unstarted) caches have not seen: the API looks it
+        # up with one GET, as it does for one created a moment before.
+        app = create_app(kube, cache=FleetCache(kube, [ns]), namespace=ns, token="t")
+        server = TestServer(app, host="127.0.0.1")
         await server.start_server()
         headers = {"Authorization": "Bearer t", "fireworks-deployment": "fleet"}
         body = {
