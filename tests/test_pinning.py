@@ -44,6 +44,7 @@ from support.kubeapi import KubeAPI
 from support.operator import (
     condition,
     eventually,
+    get_or_none,
     hld_path,
     play_deployment_controller,
     play_loader,
@@ -399,7 +400,11 @@ async def test_the_operator_pins_and_unpins_a_fleet(
             uid = following["metadata"]["uid"]
             key = pin_key(ns, "fleet", uid)
             deployment_path = f"/apis/apps/v1/namespaces/{ns}/deployments/fleet"
-            template = (await kube.get(deployment_path))["spec"]["template"]
+            # The roll-up may write the status before the apply reaches the Deployment.
+            workload = await eventually(
+                "the operator's Deployment", lambda: get_or_none(kube, deployment_path)
+            )
+            template = workload["spec"]["template"]
             env = {e["name"]: e.get("value") for e in template["spec"]["initContainers"][0]["env"]}
             assert env["HOTLOAD_PIN_OBJECT"] == key
             pods = await play_deployment_controller(kube, ns, "fleet")
