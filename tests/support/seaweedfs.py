@@ -96,6 +96,8 @@ class SeaweedFS:
     data_dir: Path
     ports: dict[str, int]
     process: subprocess.Popen[bytes] | None = None
+    #: More `weed mini` flags (a regional cache's -*.allowUntrustedRemoteEndpoints).
+    extra_args: tuple[str, ...] = ()
     log_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -122,8 +124,9 @@ class SeaweedFS:
         return f"s3://{BUCKET}/{prefix}".rstrip("/")
 
     @classmethod
-    def start(cls, data_dir: Path) -> SeaweedFS:
-        """Start a fresh server storing its data in `data_dir`; fail loudly if it cannot."""
+    def start(cls, data_dir: Path, extra_args: tuple[str, ...] = ()) -> SeaweedFS:
+        """Start a fresh server storing its data in `data_dir` (with more `weed mini` flags
+        `extra_args`); fail loudly if it cannot."""
         binary = find_weed()
         if binary is None:
             raise RuntimeError(INSTALL_HINT)
@@ -131,7 +134,8 @@ class SeaweedFS:
         last: Exception | None = None
         for _ in range(3):  # a port taken between choosing and binding: choose again
             names = ("master", "volume", "filer", "s3", "admin")
-            server = cls(binary, data_dir, dict(zip(names, _free_ports(len(names)), strict=True)))
+            ports = dict(zip(names, _free_ports(len(names)), strict=True))
+            server = cls(binary, data_dir, ports, extra_args=extra_args)
             try:
                 server._launch()
                 return server
@@ -159,6 +163,7 @@ class SeaweedFS:
             "-s3.port.lance=0",
             "-master.telemetry=false",
             f"-bucket={BUCKET}",
+            *self.extra_args,
         ]
         env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
         log = self.log_path.open("ab")
