@@ -47,6 +47,7 @@ __all__ = [
     "Identity",
     "LoaderSpec",
     "LocalObjectReference",
+    "MirrorSpec",
     "ObjectMetaOverlay",
     "PodTemplateOverlay",
     "PromptCachePolicy",
@@ -84,6 +85,37 @@ class BucketSpec(ApiModel):
         description="Secret in the same namespace with files named like the variables they "
         "replace (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION, "
         "GOOGLE_SERVICE_ACCOUNT ...); mounted read-only into the loader.",
+    )
+
+
+#: A mirror's URL: an S3-compatible bucket (its endpoint comes from its Secret's
+#: AWS_ENDPOINT_URL, as the origin's does); `s3://BUCKET[/PREFIX]`, no `.` or `..` segments.
+MIRROR_URL_PATTERN = (
+    r"^s3://[A-Za-z0-9][A-Za-z0-9._-]*"
+    r"(/([^./\s?#][^/\s?#]*|\.[^./\s?#][^/\s?#]*|\.\.[^/\s?#]+))*/?$"
+)
+#: A region name: a DNS label (it becomes a metric label and a pod-report field).
+REGION_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class MirrorSpec(ApiModel):
+    """A copy of the bucket nearer the replicas (a regional read-through cache) that serves
+    the snapshots' immutable files; the ledger and everything mutable still come from the
+    origin, and every file is verified against the origin's manifest."""
+
+    url: str = Field(
+        pattern=MIRROR_URL_PATTERN,
+        max_length=1024,
+        description="S3-compatible bucket URL with the same key layout as spec.bucket.url, "
+        "prefix included: s3://bucket/prefix (its endpoint: AWS_ENDPOINT_URL in its Secret).",
+    )
+    credentials_secret: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="Secret in the same namespace with the same keys as "
+        "spec.bucket.credentialsSecret (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...); mounted "
+        "read-only into the loader.",
     )
 
 
@@ -302,6 +334,21 @@ class HotLoadDeploymentSpec(ApiModel):
         description="Delete the snapshot folders nothing needs any more, after admissions and "
         "periodically (absent: never; deployments that share a ledger keep what any of them "
         "needs, with the largest keep and longest orphanAge among them).",
+    )
+    mirrors: list[MirrorSpec] = Field(
+        default_factory=list,
+        max_length=8,
+        description="Mirrors of the bucket in order of preference, the origin (spec.bucket) "
+        "always last: snapshot files are read from the first that has them and verified "
+        "against the origin's manifest; the ledger, pins and hints always come from the "
+        "origin. A change rolls the replicas (it is part of the pod template).",
+    )
+    region: str | None = Field(
+        default=None,
+        max_length=63,
+        pattern=REGION_PATTERN,
+        description="The replicas' region (a DNS label, e.g. eu-west): passed to the loader, "
+        "which reports it and labels its metrics with it (the per-region fan-out alert).",
     )
     pod_template: PodTemplateOverlay | None = Field(
         default=None,

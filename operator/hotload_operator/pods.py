@@ -4,6 +4,7 @@ the readiness gate, secure defaults, and `spec.podTemplate` laid under it (pure:
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from hotload.api.models import HotLoadDeployment
@@ -24,6 +25,9 @@ from hotload_operator.meta import (
 )
 
 JSON = dict[str, Any]
+
+#: Mirror i's Secret is mounted at MIRRORS_MOUNT/i (the loader's `HOTLOAD_MIRRORS` names it).
+MIRRORS_MOUNT = "/var/run/hotload/mirrors"
 
 
 def engine_loopback_port(hld: HotLoadDeployment) -> int:
@@ -133,9 +137,42 @@ def loader_env(hld: HotLoadDeployment, log_format: str = "text") -> list[JSON]:
     ]
     if spec.bucket.credentials_secret:
         env.append({"name": "HOTLOAD_BUCKET_CREDENTIALS_DIR", "value": CREDENTIALS_MOUNT})
+    if spec.mirrors:
+        env.append({"name": "HOTLOAD_MIRRORS", "value": mirrors_json(hld)})
+    if spec.region:
+        env.append({"name": "HOTLOAD_REGION", "value": spec.region})
     if log_format != "text":
         env.append({"name": "HOTLOAD_LOG_FORMAT", "value": log_format})
     return env
+
+
+def mirrors_json(hld: HotLoadDeployment) -> str:
+    """`spec.mirrors` as the loader's `HOTLOAD_MIRRORS`: a JSON array of `{url,
+    credentialsDir}` in order of preference (credentialsDir only where a Secret is named)."""
+    entries: list[JSON] = []
+    for i, mirror in enumerate(hld.spec.mirrors):
+        entry: JSON = {"url": mirror.url}
+        if mirror.credentials_secret:
+            entry["credentialsDir"] = f"{MIRRORS_MOUNT}/{i}"
+        entries.append(entry)
+    return json.dumps(entries, separators=(",", ":"))
+
+
+def mirror_volumes(hld: HotLoadDeployment) -> list[tuple[JSON, JSON]]:
+    """Each mirror's Secret as a (volume, loader mount) pair: read-only, files mode 0400, at
+    `MIRRORS_MOUNT/<i>` where i is the mirror's index in `spec.mirrors`."""
+    pairs: list[tuple[JSON, JSON]] = []
+    for i, mirror in enumerate(hld.spec.mirrors):
+        if not mirror.credentials_secret:
+            continue
+        name = f"mirror-credentials-{i}"
+        volume = {
+            "name": name,
+            "secret": {"secretName": mirror.credentials_secret, "defaultMode": 0o400},
+        }
+        mount = {"name": name, "mountPath": f"{MIRRORS_MOUNT}/{i}", "readOnly": True}
+        pairs.append((volume, mount))
+    return pairs
 
 
 def probe(path: str, port: int | str, *, period: int, failures: int) -> JSON:
@@ -294,6 +331,9 @@ def _owned_template(hld: HotLoadDeployment, images: OperatorImages, user: JSON) 
         loader_mounts.append(
             {"name": "bucket-credentials", "mountPath": CREDENTIALS_MOUNT, "readOnly": True}
         )
+    for volume, mount in mirror_volumes(hld):
+        volumes.append(volume)
+        loader_mounts.append(mount)
     loader: JSON = {
         "name": "loader",
         "image": spec.loader.image or images.loader,
