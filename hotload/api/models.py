@@ -392,6 +392,29 @@ class ReplicaStatus(ApiModel):
     last_load_seconds: float | None = Field(
         default=None, ge=0, description="End-to-end seconds of its last update."
     )
+    region: str | None = Field(
+        default=None,
+        max_length=63,
+        description="The region its loader reports (its deployment's spec.region).",
+    )
+    bytes_from_origin: int | None = Field(
+        default=None, ge=0, description="Bytes of its last update read from the origin bucket."
+    )
+    bytes_from_mirrors: int | None = Field(
+        default=None, ge=0, description="Bytes of its last update read from mirrors."
+    )
+    requests_to_origin: int | None = Field(
+        default=None, ge=0, description="Requests its last update sent to the origin bucket."
+    )
+    requests_to_mirrors: int | None = Field(
+        default=None, ge=0, description="Requests its last update sent to mirrors."
+    )
+    mirror_rejected: int | None = Field(
+        default=None,
+        ge=0,
+        description="Objects of its last update a mirror served that failed verification "
+        "(read again from the origin).",
+    )
     message: str = Field(default="", max_length=4096, description="Last failure, if any.")
     reason: str | None = Field(
         default=None,

@@ -52,6 +52,11 @@ class PodReport:
     degraded_reason: str = ""
     #: The loader's last error as it reports it ("" when none), whatever its state now.
     last_error: str = ""
+    #: The region the loader says it runs in (its deployment's spec.region; None: unset).
+    region: str | None = None
+    #: Where the bytes of its last update came from (`SOURCE_FIELDS` of its lastLoad; a field
+    #: the loader did not report is absent).
+    sources: tuple[tuple[str, int], ...] = ()
 
     def adapter(self, identity: str) -> AdapterReport | None:
         """This replica's report of adapter `identity`, if it has one."""
@@ -90,6 +95,35 @@ def read_pod(pod: JSON) -> PodReport:
         degraded=str(note.get("degraded") or "")[:1024],
         degraded_reason=str(note.get("degradedReason") or "")[:64],
         last_error=str(note.get("lastError") or ""),
+        region=_region(note.get("region")),
+        sources=_sources(last),
+    )
+
+
+#: The lastLoad fields that say where an update's bytes came from, copied per replica into
+#: `status.replicaStatuses[]` under the same names.
+SOURCE_FIELDS = (
+    "bytesFromOrigin",
+    "bytesFromMirrors",
+    "requestsToOrigin",
+    "requestsToMirrors",
+    "mirrorRejected",
+)
+
+
+def _region(raw: Any) -> str | None:
+    """The reported region, bounded as the CRD bounds it (None when absent or not a string)."""
+    return raw[:63] if isinstance(raw, str) and raw else None
+
+
+def _sources(last: JSON | None) -> tuple[tuple[str, int], ...]:
+    """The non-negative integer `SOURCE_FIELDS` of a lastLoad report, in their order."""
+    if last is None:
+        return ()
+    return tuple(
+        (name, value)
+        for name in SOURCE_FIELDS
+        if isinstance(value := last.get(name), int) and not isinstance(value, bool) and value >= 0
     )
 
 

@@ -25,7 +25,7 @@ from hotload.ledger import LedgerDocument, LedgerEntry, Target, pin_target
 from hotload_operator.causes import Cause, ordered
 from hotload_operator.conditions import format_time, get_condition, is_true, set_condition
 from hotload_operator.meta import generation_of
-from hotload_operator.reports import PodReport, replica_causes
+from hotload_operator.reports import SOURCE_FIELDS, PodReport, replica_causes
 
 JSON = dict[str, Any]
 
@@ -224,6 +224,8 @@ def rollup_deployment(
                 "ready": r.ready,
                 "state": r.state,
                 "lastLoadSeconds": r.total_seconds,
+                "region": r.region,
+                **{name: dict(r.sources).get(name) for name in SOURCE_FIELDS},
                 "reason": _replica_reason(r, failures),
                 "message": (
                     r.problem.message

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -38,6 +39,8 @@ log = logging.getLogger("hotload_sidecar.report")
 
 #: The component named on Events and in `reportingComponent`.
 REPORTING_COMPONENT = "hotload-loader"
+#: The environment variable the operator sets from the deployment's spec.region.
+REGION_ENV = "HOTLOAD_REGION"
 #: Event reasons kept off the API server: a load that went as planned (the pod's annotation and
 #: the Snapshot's status record it; the loader's /status endpoint lists these Events too).
 ROUTINE_REASONS = frozenset({"SnapshotLoaded", "AdapterLoaded"})
@@ -116,8 +119,11 @@ class KubernetesReporter:
         *,
         clock: Callable[[], datetime] | None = None,
         keep_events: int = 32,
+        region: str | None = None,
     ) -> None:
         self._client = client
+        #: Said in every report (default: env HOTLOAD_REGION; unset or empty: no region).
+        self.region = region if region is not None else os.environ.get(REGION_ENV) or None
         self.namespace = namespace
         self.pod = pod
         self._clock = clock or (lambda: datetime.now(UTC))
@@ -135,6 +141,8 @@ class KubernetesReporter:
         failures (the next report tries again)."""
         if not self._condition_known and not await self._read_condition():
             return
+        if self.region and status.region is None:
+            status = status.evolve(region=self.region)
         patch = build_report_patch(status, self._clock(), self._condition)
         if patch == self._written:
             return

@@ -151,6 +151,8 @@ class ReplicaStatus:
     last_scrub: dict[str, Any] | None = None
     #: The engine's cumulative counters of what checksums read and patches wrote.
     engine_counters: dict[str, int] = field(default_factory=dict)
+    #: The region its deployment runs in (spec.region, env HOTLOAD_REGION); None when unset.
+    region: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -212,6 +214,7 @@ class ReplicaStatus:
             "degradedReason": self.degraded_reason or None,
             "lastScrub": self.last_scrub,
             "lastProbe": self.last_probe,
+            "region": self.region,
         }
 
     def to_json(self) -> dict[str, Any]:
