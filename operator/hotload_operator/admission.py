@@ -4,7 +4,10 @@ check its parent is the ledger head, append it with compare-and-swap.
 `admit` returns an `Admission` (plain data) for every outcome; only an unreachable bucket
 raises (`BucketError`), so the caller retries later. Re-running `admit` after a crash is safe:
 the ledger is read first, and a snapshot it already holds with the same manifests is reported
-as accepted again without being validated again, never appended twice.
+as accepted again without being validated again, never appended twice. The same holds across
+clusters: operators of several clusters following one ledger each admit their own Snapshot
+object of a snapshot, and whichever appends second finds the entry (`_readmitted`, or the
+append's retry after a lost compare-and-swap) and accepts it too.
 """
 
 from __future__ import annotations
@@ -106,10 +109,21 @@ async def admit(
         reason = Reasons.WRONG_PARENT if new.kind == "incremental" else Reasons.LEDGER_REJECTED
         return refused(reason, str(err))
     try:
+        # Another writer may append the same snapshot first (the operator of another cluster
+        # following this ledger, admitting its own Snapshot object): the retry then finds the
+        # identical entry and returns it, so both clusters accept it and it is appended once.
         entry = await ledger.append_retrying_async(new)
     except LedgerRejectedError as err:
+        raced = (await ledger.read_async()).document.find(identity)
+        if raced is not None and raced.manifest_digest != new.manifest_digest:
+            return refused(
+                Reasons.LEDGER_REJECTED,
+                f"{identity!r} was appended to ledger {ledger.name!r} (sequence "
+                f"{raced.sequence}) by another writer, with other manifests, while this "
+                "Snapshot was validated; publish under a new identity",
+            )
         return refused(Reasons.LEDGER_REJECTED, str(err))
-    return _accepted(entry, f"appended to ledger {ledger.name!r} as sequence {entry.sequence}")
+    return _accepted(entry, f"in ledger {ledger.name!r} as sequence {entry.sequence}")
 
 
 def _readmitted(existing: LedgerEntry, folder: Path, ledger: Ledger) -> Admission:
