@@ -27,8 +27,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "2 bad usage.",
     )
     p.add_argument("name", nargs="?", help="one HotLoadDeployment, in detail")
-    p.add_argument("--namespace", "-n", default="default", help="namespace (default: default)")
+    p.add_argument(
+        "--namespace",
+        "-n",
+        help="namespace (default: the kubeconfig context's namespace, else default)",
+    )
     p.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig (default: $KUBECONFIG)")
+    p.add_argument(
+        "--context",
+        action="append",
+        metavar="NAME",
+        help="a kubeconfig context (repeat for several clusters following one ledger): every "
+        "cluster is shown, one row per cluster, deployment and region; --check and --why "
+        "cover them all (default: the current context)",
+    )
     p.add_argument(
         "--ledger", metavar="BUCKET_URL/NAME", help="no cluster: the ledger to compare against"
     )
@@ -60,9 +72,28 @@ def _status(args: argparse.Namespace) -> int:
             print_json(doc)
         else:
             _print_local(doc)
+    elif args.context:
+        from hotload.cli.status_clusters import clusters, print_clusters, problem_lines
+
+        docs = run_sync(clusters(args.kubeconfig, args.context, args.namespace, args.name))
+        ok = all(is_ready(d) for c in docs for d in c.get("deployments") or [])
+        ok = ok and not any(c.get("error") for c in docs)
+        if args.why:
+            lines = problem_lines(docs)
+            if args.output == "json":
+                print_json({"clusters": docs, "problems": lines})
+            else:
+                print("\n".join(lines) if lines else "nothing wrong in any cluster")
+            return 1 if lines else 0
+        if args.output == "json":
+            print_json({"clusters": docs})
+        else:
+            print_clusters(docs, detail=args.name is not None)
     else:
-        doc = run_sync(_cluster(args))
-        ok = all(_ready(d) for d in doc["deployments"])
+        doc = run_sync(
+            cluster_doc(args.kubeconfig, None, args.namespace, args.name),
+        )
+        ok = all(is_ready(d) for d in doc["deployments"])
         if args.why:
             lines = why_lines(doc["deployments"])
             if args.output == "json":
@@ -73,7 +104,7 @@ def _status(args: argparse.Namespace) -> int:
         if args.output == "json":
             print_json(doc)
         else:
-            _print_cluster(doc, detail=args.name is not None)
+            print_cluster(doc, detail=args.name is not None)
     return 0 if ok or not args.check else 1
 
 
@@ -99,32 +130,39 @@ def _problems(doc: JSON) -> list[JSON]:
     ]
 
 
-async def _cluster(args: argparse.Namespace) -> JSON:
+async def cluster_doc(
+    kubeconfig: str | None, context: str | None, namespace: str | None, name: str | None
+) -> JSON:
+    """The HotLoadDeployments of `namespace` (default: the context's) in the cluster of
+    kubeconfig `context` (default: the current one), or deployment `name` with its latest
+    Snapshots."""
     from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
     from hotload.errors import KubeNotFoundError
     from hotload.kube import KubeClient, KubeConfig, resource_path
 
-    async with KubeClient(KubeConfig.auto(args.kubeconfig)) as kube:
-        path = resource_path(API_VERSION, DEPLOYMENT_PLURAL, args.namespace, args.name)
+    config = KubeConfig.auto(kubeconfig, context)
+    ns = namespace or config.namespace
+    async with KubeClient(config) as kube:
+        path = resource_path(API_VERSION, DEPLOYMENT_PLURAL, ns, name)
         try:
-            found = await kube.get(path) if args.name else await kube.list(path)
+            found = await kube.get(path) if name else await kube.list(path)
         except KubeNotFoundError:
             raise HotloadError(
-                f"HotLoadDeployment {args.namespace}/{args.name} not found"
-                if args.name
+                f"HotLoadDeployment {ns}/{name} not found"
+                if name
                 else f"no HotLoadDeployment API: are the hotload CRDs installed? ({path})"
             ) from None
-        deployments = [found] if args.name else list(found.get("items") or [])
+        deployments = [found] if name else list(found.get("items") or [])
         snapshots: list[JSON] = []
-        if args.name:
-            listed = await kube.list(resource_path(API_VERSION, SNAPSHOT_PLURAL, args.namespace))
+        if name:
+            listed = await kube.list(resource_path(API_VERSION, SNAPSHOT_PLURAL, ns))
             snapshots = [
                 s
                 for s in listed.get("items") or []
-                if (s.get("spec") or {}).get("deployment") == args.name
+                if (s.get("spec") or {}).get("deployment") == name
             ]
             snapshots.sort(key=lambda s: (s.get("status") or {}).get("sequence") or 0)
-    return {"namespace": args.namespace, "deployments": deployments, "snapshots": snapshots[-10:]}
+    return {"namespace": ns, "deployments": deployments, "snapshots": snapshots[-10:]}
 
 
 async def _local(args: argparse.Namespace) -> JSON:
@@ -153,21 +191,25 @@ async def _local(args: argparse.Namespace) -> JSON:
     return {"ledger": args.ledger, "head": head, "sequence": sequence, "replicas": replicas}
 
 
-def _ready(hld: JSON) -> bool:
+def is_ready(hld: JSON) -> bool:
+    """Whether a HotLoadDeployment's Ready condition is True."""
     return any(
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in (hld.get("status") or {}).get("conditions") or []
     )
 
 
-def _reason(obj: JSON, type_: str = "Ready") -> str:
+def condition_text(obj: JSON, type_: str = "Ready") -> str:
+    """Condition `type_` of an object as `status/reason` ("-" when absent)."""
     for c in (obj.get("status") or {}).get("conditions") or []:
         if c.get("type") == type_:
             return f"{c.get('status')}/{c.get('reason')}"
     return "-"
 
 
-def _print_cluster(doc: JSON, *, detail: bool) -> None:
+def print_cluster(doc: JSON, *, detail: bool) -> None:
+    """The deployments of one cluster as a table and their problems; with `detail`, the first
+    one's replicas (with their regions and bytes' sources, when reported) and Snapshots."""
     from rich.console import Console
     from rich.table import Table
 
@@ -184,7 +226,7 @@ def _print_cluster(doc: JSON, *, detail: bool) -> None:
             f"{st.get('currentSnapshot') or '-'} ({st.get('currentSequence') or '-'})",
             f"{st.get('targetSnapshot') or '-'} ({st.get('targetSequence') or '-'})"
             + (" pinned" if st.get("mode") == "Pinned" else ""),
-            _reason(d),
+            condition_text(d),
         )
     console.print(table)
     # The cause first: what is wrong, and the fix, before the detail.
@@ -194,11 +236,16 @@ def _print_cluster(doc: JSON, *, detail: bool) -> None:
         return
     st = doc["deployments"][0].get("status") or {}
     replicas = Table(title="replicas", title_justify="left")
-    with_adapters = any(r.get("adapters") for r in st.get("replicaStatuses") or [])
+    rows = st.get("replicaStatuses") or []
+    with_adapters = any(r.get("adapters") for r in rows)
+    with_regions = any(r.get("region") for r in rows)
+    with_sources = any(r.get(k) is not None for r in rows for k in SOURCE_FIELDS)
     columns = ["POD", "SERVES", "SEQ", "LOADED", "READY", "STATE", "LAST LOAD", "MESSAGE"]
-    for col in columns[:7] + (["ADAPTERS"] if with_adapters else []) + columns[7:]:
+    extra = (["REGION"] if with_regions else []) + (["BYTES FROM"] if with_sources else [])
+    extra += ["ADAPTERS"] if with_adapters else []
+    for col in columns[:7] + extra + columns[7:]:
         replicas.add_column(col)
-    for r in st.get("replicaStatuses") or []:
+    for r in rows:
         seconds = r.get("lastLoadSeconds")
         cells = [
             r.get("pod", ""),
@@ -209,6 +256,10 @@ def _print_cluster(doc: JSON, *, detail: bool) -> None:
             r.get("state") or "-",
             f"{seconds:.2f}s" if isinstance(seconds, int | float) else "-",
         ]
+        if with_regions:
+            cells.append(r.get("region") or "-")
+        if with_sources:
+            cells.append(sources_text(r))
         if with_adapters:
             cells.append(_adapters(r.get("adapters") or []))
         replicas.add_row(*cells, r.get("message") or "")
@@ -228,8 +279,8 @@ def _print_cluster(doc: JSON, *, detail: bool) -> None:
                 s["spec"]["identity"],
                 str(sst.get("sequence") or "-"),
                 sst.get("kind") or "-",
-                _reason(s, "Accepted"),
-                _reason(s),
+                condition_text(s, "Accepted"),
+                condition_text(s),
                 f"{sst.get('replicasLoaded', 0)}/{sst.get('replicas', 0)}",
             )
         console.print(snaps)
@@ -262,6 +313,36 @@ def _print_local(doc: JSON) -> None:
             cells.append(_adapters(r.get("adapters") or []))
         table.add_row(*cells, r.get("error") or r.get("last_error") or "")
     console.print(table)
+
+
+#: A replica status's fields that say where its last update's bytes came from.
+SOURCE_FIELDS = (
+    "bytesFromOrigin",
+    "bytesFromMirrors",
+    "requestsToOrigin",
+    "requestsToMirrors",
+    "mirrorRejected",
+)
+
+
+def sources_text(replica: JSON) -> str:
+    """Where a replica's last update came from: `origin N MiB/R req, mirrors ...` ("-" when
+    its loader did not say), with the mirror objects that failed verification."""
+    if all(replica.get(k) is None for k in SOURCE_FIELDS):
+        return "-"
+    mib = 1024 * 1024
+
+    def part(label: str, size: str, requests: str) -> str:
+        return f"{label} {(replica.get(size) or 0) / mib:.1f} MiB/{replica.get(requests) or 0} req"
+
+    text = ", ".join(
+        (
+            part("origin", "bytesFromOrigin", "requestsToOrigin"),
+            part("mirrors", "bytesFromMirrors", "requestsToMirrors"),
+        )
+    )
+    rejected = replica.get("mirrorRejected") or 0
+    return text + (f", {rejected} rejected" if rejected else "")
 
 
 def _adapters(items: list[JSON]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -27,19 +28,38 @@ _HOPELESS = (
 
 
 class Cluster:
-    """HotLoadDeployment `namespace/deployment`, reached with `kubeconfig` (or the defaults)."""
+    """HotLoadDeployment `namespace/deployment`, reached with `kubeconfig` (or the defaults)
+    and its kubeconfig `context` (default: the current one); `namespace` None is the
+    context's namespace."""
 
-    def __init__(self, deployment: str, namespace: str, kubeconfig: str | Path | None) -> None:
+    def __init__(
+        self,
+        deployment: str,
+        namespace: str | None,
+        kubeconfig: str | Path | None,
+        context: str | None = None,
+    ) -> None:
         self.deployment = deployment
-        self.namespace = namespace
         self.kubeconfig = kubeconfig
+        self.context = context
         # Read once: a credential plugin's token then serves every call until it expires
         # (read per call, each publish or wait would run a cloud CLI).
         self._config: KubeConfig | None = None
+        if namespace is None:
+            self._config = kube_config(kubeconfig, context)
+        self.namespace = namespace if namespace is not None else self._config_namespace()
+
+    def _config_namespace(self) -> str:
+        assert self._config is not None
+        return self._config.namespace
+
+    def _where(self) -> str:
+        """The prefix of this cluster's errors: its context, when one was named."""
+        return f"in context {self.context!r}: " if self.context else ""
 
     def _client(self) -> KubeClient:
         if self._config is None:
-            self._config = kube_config(self.kubeconfig)
+            self._config = kube_config(self.kubeconfig, self.context)
         return KubeClient(self._config)
 
     def _path(self, identity: str) -> str:
@@ -120,7 +140,9 @@ class Cluster:
         conditions = {c["type"]: c for c in status.get("conditions") or []}
         accepted = conditions.get("Accepted")
         if accepted is not None and accepted.get("status") == "False":
-            raise SnapshotRejectedError(identity, accepted["reason"], accepted.get("message", ""))
+            raise SnapshotRejectedError(
+                identity, accepted["reason"], self._where() + accepted.get("message", "")
+            )
         replicas = int(status.get("replicas") or 0)
         loaded = int(status.get("replicasLoaded") or 0)
         failures = list(status.get("failures") or [])
@@ -137,12 +159,54 @@ class Cluster:
                 f"{f.get('pod')}: {f.get('message')}" for f in failures[:5]
             )
             raise NotReadyError(
-                f"snapshot {identity!r} will not become ready ({reason}, {loaded}/{replicas} "
-                f"replicas serve it): {detail}",
+                f"{self._where()}snapshot {identity!r} will not become ready ({reason}, "
+                f"{loaded}/{replicas} replicas serve it): {detail}",
                 failures,
                 reason,
             )
         return None
+
+    async def serves(
+        self, identity: str, min_fraction: float | None, last: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """`ready_status`, or, in a cluster with no Snapshot object of `identity` (it was
+        created in another cluster following the same ledger), whether the deployment's
+        replicas serve it: its ready share (spec.readyPercent, or `min_fraction`) of
+        `status.replicaStatuses` name it."""
+        try:
+            return await self.ready_status(identity, min_fraction, last)
+        except KubeNotFoundError:
+            pass
+        except KubeError as err:
+            raise PublishError(f"{self._where()}cannot read the Snapshot: {err}") from err
+        try:
+            async with self._client() as kube:
+                hld = await get_deployment(kube, self.namespace, self.deployment)
+        except KubeError as err:
+            raise PublishError(f"{self._where()}cannot read the deployment: {err}") from err
+        except PublishError as err:
+            raise PublishError(f"{self._where()}{err}") from err
+        spec, status = hld.get("spec") or {}, hld.get("status") or {}
+        replicas = int(spec.get("replicas") or 0)
+        rows = [r for r in status.get("replicaStatuses") or [] if isinstance(r, dict)]
+        serving = [r for r in rows if r.get("snapshot") == identity]
+        failures = [
+            {"pod": r.get("pod"), "message": r.get("message") or ""}
+            for r in rows
+            if r.get("state") == "failed"
+        ]
+        last.update(replicas=replicas, loaded=len(serving), failures=failures)
+        fraction = (
+            min_fraction if min_fraction is not None else int(spec.get("readyPercent", 100)) / 100
+        )
+        if not replicas or len(serving) < max(1, math.ceil(replicas * fraction - 1e-9)):
+            return None
+        loads = [
+            {"pod": r.get("pod"), "totalSeconds": r["lastLoadSeconds"]}
+            for r in serving
+            if r.get("lastLoadSeconds") is not None
+        ]
+        return {"replicas": replicas, "loaded": len(serving), "loads": loads}
 
 
 def object_name(identity: str) -> str:
@@ -156,14 +220,15 @@ def kube_client(kubeconfig: str | Path | None) -> KubeClient:
     return KubeClient(kube_config(kubeconfig))
 
 
-def kube_config(kubeconfig: str | Path | None) -> KubeConfig:
-    """The `KubeConfig` of `kubeconfig` (or the defaults), or a `PublishError` that says how to
-    give credentials."""
+def kube_config(kubeconfig: str | Path | None, context: str | None = None) -> KubeConfig:
+    """The `KubeConfig` of `kubeconfig` (or the defaults) and its `context` (default: the
+    current one), or a `PublishError` that says how to give credentials."""
     try:
-        return KubeConfig.auto(kubeconfig)
+        return KubeConfig.auto(kubeconfig, context)
     except KubeError as err:
+        where = f" (context {context!r})" if context else ""
         raise PublishError(
-            f"no Kubernetes credentials: {err}. Pass kubeconfig=... (--kubeconfig), set "
+            f"no Kubernetes credentials{where}: {err}. Pass kubeconfig=... (--kubeconfig), set "
             "KUBECONFIG, or publish without a deployment (ledger=..., --ledger) to append to the "
             "ledger directly"
         ) from err

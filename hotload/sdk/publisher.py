@@ -33,7 +33,7 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ from hotload.ledger import LedgerDocument, LedgerEntry, PromptCachePolicy
 from hotload.ledger.hints import prune_hints_async
 from hotload.ledger.retention import DEFAULT_ORPHAN_AGE
 from hotload.sdk.checkpoint import checkpoint_names
-from hotload.sdk.cluster import deployment_bucket
+from hotload.sdk.cluster import Cluster, deployment_bucket
 from hotload.sdk.core import PublisherCore
 from hotload.sdk.loaders import loaders_ready
 from hotload.sdk.outcomes import (
@@ -92,11 +92,12 @@ class Publisher(PublisherCore):
         bucket_url: str,
         *,
         deployment: str | None = None,
-        namespace: str = "default",
+        namespace: str | None = None,
         ledger: str | None = None,
         full_every: int = 25,
         workdir: str | Path | None = None,
         kubeconfig: str | Path | None = None,
+        contexts: Sequence[str] | None = None,
         credentials_dir: str | Path | None = None,
         cast: str | None = None,
         side_files_from: str | Path | None = None,
@@ -114,7 +115,7 @@ class Publisher(PublisherCore):
         super().__init__(
             bucket_url,
             deployment=deployment,
-            namespace=namespace,
+            namespace=namespace or "default",
             ledger=ledger,
             full_every=full_every,
             workdir=workdir,
@@ -134,6 +135,12 @@ class Publisher(PublisherCore):
         self.replicas = list(replicas or [])
         self.progress = progress
         self.rebuild_parent = rebuild_parent
+        #: The clusters `wait_ready` waits for, one kubeconfig context each (several clusters
+        #: following one ledger); each looks `deployment` up in `namespace`, else in its
+        #: context's namespace. Empty: the cluster Snapshots are created in.
+        self.contexts = list(contexts or [])
+        self._explicit_namespace = namespace
+        self._clusters: dict[str, Cluster] = {}
         #: The last published snapshot and its full copy on local disk (the next delta's parent).
         self._parent: tuple[str, Path] | None = None
 
@@ -420,27 +427,49 @@ class Publisher(PublisherCore):
     # --- waiting -------------------------------------------------------------------------------
 
     def wait_ready(
-        self, identity: str, *, timeout: float = 600.0, min_fraction: float | None = None
+        self,
+        identity: str,
+        *,
+        timeout: float = 600.0,
+        min_fraction: float | None = None,
+        contexts: Sequence[str] | None = None,
     ) -> ReadyReport:
         """Block until the snapshot is served (Ready, or `min_fraction` of replicas serve it);
         the report has each replica's timings (`loads`: pod, totalSeconds, loadSeconds).
+
+        With `contexts` (default: the publisher's), it returns only once the deployment of
+        every context's cluster serves it (each cluster's Snapshot object, or, where the
+        Snapshot was created in another cluster, its deployment's replicas); the report adds
+        up their replicas, each load names its `context`, and every error names the context.
 
         Raises `NotReadyError` with the replicas' reasons as soon as the snapshot cannot become
         ready (its Snapshot's Ready is False with reason LoadFailed, Superseded,
         DeploymentPinned or NotAccepted) or after `timeout`; after LoadFailed the next publish
         is a full snapshot. `SnapshotRejectedError` if the operator refused it."""
-        return run_sync(self.wait_ready_async(identity, timeout=timeout, min_fraction=min_fraction))
+        return run_sync(
+            self.wait_ready_async(
+                identity, timeout=timeout, min_fraction=min_fraction, contexts=contexts
+            )
+        )
 
     async def wait_ready_async(
-        self, identity: str, *, timeout: float = 600.0, min_fraction: float | None = None
+        self,
+        identity: str,
+        *,
+        timeout: float = 600.0,
+        min_fraction: float | None = None,
+        contexts: Sequence[str] | None = None,
     ) -> ReadyReport:
         """`wait_ready`, awaitable. Without a cluster it polls the `replicas` loader URLs."""
         started = time.monotonic()
         deadline = started + timeout
         last: dict[str, Any] = {}
+        names = list(contexts if contexts is not None else self.contexts)
         while True:
             report = await (
-                self._check_cluster(identity, min_fraction, last)
+                self._check_contexts(names, identity, min_fraction, last)
+                if names
+                else self._check_cluster(identity, min_fraction, last)
                 if self.cluster is not None
                 else loaders_ready(self.replicas, identity, min_fraction, last)
             )
@@ -458,17 +487,63 @@ class Publisher(PublisherCore):
                 raise NotReadyError(
                     f"snapshot {identity!r} not ready after {timeout:g}s "
                     f"({last.get('loaded', 0)}/{last.get('replicas', '?')} replicas serve it)"
-                    + (f": {detail}" if detail else ""),
+                    + (f": {detail}" if detail else "")
+                    + (
+                        f"; still waiting for context(s) {', '.join(last['waiting'])}"
+                        if last.get("waiting")
+                        else ""
+                    ),
                     failures,
                 )
             await asyncio.sleep(0.5)
+
+    async def _check_contexts(
+        self, names: list[str], identity: str, min_fraction: float | None, last: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """The combined report once every context's deployment serves `identity`, else None
+        (`last` then sums what each cluster showed); errors name their context."""
+        if self.deployment is None:
+            raise PublishError("wait_ready with contexts needs a deployment")
+        reports: list[tuple[str, dict[str, Any]]] = []
+        seen: dict[str, dict[str, Any]] = {}
+        for name in dict.fromkeys(names):
+            cluster = self._clusters.get(name)
+            if cluster is None:
+                cluster = Cluster(self.deployment, self._explicit_namespace, self.kubeconfig, name)
+                self._clusters[name] = cluster
+            seen[name] = {}
+            # The cluster's errors name its context.
+            report = await self._settle(cluster.serves(identity, min_fraction, seen[name]))
+            if report is not None:
+                reports.append((name, report))
+        last.update(
+            replicas=sum(int(v.get("replicas") or 0) for v in seen.values()),
+            loaded=sum(int(v.get("loaded") or 0) for v in seen.values()),
+            failures=[
+                {**f, "pod": f"{name}/{f.get('pod')}"}
+                for name, v in seen.items()
+                for f in v.get("failures") or []
+            ],
+            waiting=[name for name in seen if name not in dict(reports)],
+        )
+        if len(reports) < len(seen):
+            return None
+        return {
+            "replicas": sum(r["replicas"] for _, r in reports),
+            "loaded": sum(r["loaded"] for _, r in reports),
+            "loads": [{**load, "context": name} for name, r in reports for load in r["loads"]],
+        }
 
     async def _check_cluster(
         self, identity: str, min_fraction: float | None, last: dict[str, Any]
     ) -> dict[str, Any] | None:
         assert self.cluster is not None
+        return await self._settle(self.cluster.ready_status(identity, min_fraction, last))
+
+    async def _settle(self, check: Awaitable[dict[str, Any] | None]) -> dict[str, Any] | None:
+        """`check`'s answer; a refusal or failed roll-out makes the next publish full."""
         try:
-            return await self.cluster.ready_status(identity, min_fraction, last)
+            return await check
         except SnapshotRejectedError:
             self._force_full = True  # the next publish cannot be a delta on this one
             raise
