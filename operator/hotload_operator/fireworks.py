@@ -3,12 +3,14 @@
 Trainers written against Fireworks' hot-load API work unchanged when their base URL points
 here: `POST /hot_load/v1/models/hot_load` asks the fleet to load a snapshot that is already in
 the deployment's bucket (we create the `Snapshot` object and wait for the operator's admission),
-`GET` on the same path reports every replica, and `POST .../hint` announces a snapshot while it
-uploads: it writes the deployment's hint object (`hotload.ledger.hints`) listing the files
-already in the bucket, so loaders fetch and rebuild early; a trainer may repeat it as more
-files land. A hint never makes a replica serve anything. The `fireworks-deployment` header names the
-HotLoadDeployment (`NAME` in the gateway's namespace, or `NAMESPACE/NAME`); requests carry
-`Authorization: Bearer <token>` with the token from a mounted Secret.
+`GET` on the same path reports every replica (also those of other clusters following the same
+ledger, `remote_replicas`, when the operator is given their kubeconfig contexts), and
+`POST .../hint` announces a snapshot while it uploads: it writes the deployment's hint object
+(`hotload.ledger.hints`) listing the files already in the bucket, so loaders fetch and rebuild
+early; a trainer may repeat it as more files land. A hint never makes a replica serve anything.
+The `fireworks-deployment` header names the HotLoadDeployment (`NAME` in the gateway's
+namespace, or `NAMESPACE/NAME`); requests carry `Authorization: Bearer <token>` with the token
+from a mounted Secret.
 
 Every operator replica serves it, from its watch-fed caches (a GET sends no request to the API
 server). Its writes (the Snapshot, the hint) are the leader's only (`fence`): a standby answers
@@ -50,6 +52,8 @@ from hotload.snapshot.reader import digest_of_manifests
 from hotload_operator.fence import NotLeadingError, WriteFence
 from hotload_operator.fleet import FleetCache
 from hotload_operator.meta import parse_deployment
+from hotload_operator.remote_replicas import RemoteCluster, remote_reports
+from hotload_operator.reports import PodReport
 
 PATH = "/hot_load/v1/models/hot_load"
 KUBE: web.AppKey[KubeClient] = web.AppKey("kube", KubeClient)
@@ -58,6 +62,7 @@ BucketOpener = Callable[[HotLoadDeployment], Awaitable[Bucket]]
 BUCKETS: web.AppKey[BucketOpener] = web.AppKey("buckets")
 CACHE: web.AppKey[FleetCache] = web.AppKey("cache", FleetCache)
 FENCE: web.AppKey[WriteFence] = web.AppKey("fence", WriteFence)
+REMOTES: web.AppKey[tuple[RemoteCluster, ...]] = web.AppKey("remotes")
 #: Seconds a client refused by a standby waits before it sends the POST again.
 STANDBY_RETRY_AFTER = 1
 
@@ -84,11 +89,14 @@ def create_app(
     accept_timeout: float = 60.0,
     buckets: BucketOpener | None = None,
     fence: WriteFence | None = None,
+    remotes: tuple[RemoteCluster, ...] = (),
 ) -> web.Application:
     """The gateway application (routes: POST and GET on the hot-load path, POST on its `/hint`,
     `/healthz`). It reads the operator's `cache`; it writes with `kube` and the buckets
-    `buckets` opens (default: its URL, ambient credentials), only while `fence` allows."""
+    `buckets` opens (default: its URL, ambient credentials), only while `fence` allows. The GET
+    also lists the replicas of `remotes` (other clusters following the same ledger)."""
     app = web.Application()
+    app[REMOTES] = tuple(remotes)
     app[KUBE] = kube
     app[CACHE] = cache
     app[FENCE] = fence or WriteFence()
@@ -348,22 +356,42 @@ async def _get(request: web.Request) -> web.Response:
     record = cache.deployment((ns, name))
     if record is None:
         return _error(404, f"HotLoadDeployment {ns}/{name} not found", "NOT_FOUND")
-    replicas = [
-        {
-            "name": report.pod,
-            "readiness": report.ready,
-            "current_snapshot_identity": report.identity,
-            "loading_state": _LOADING_STATES.get(str(report.state), "UNKNOWN"),
-            "target_snapshot_identity": report.target,
-            "error": report.last_error or None,
-        }
-        for report in cache.pods_of((ns, name))
-    ]
-    return _ok(
-        {
-            "deployment": name,
-            "current_snapshot_identity": record.status.get("currentSnapshot"),
-            "target_snapshot_identity": record.status.get("targetSnapshot"),
-            "replicas": replicas,
-        }
+    replicas = [_replica(report, None, None) for report in cache.pods_of((ns, name))]
+    errors: list[dict[str, str]] = []
+    remotes = request.app[REMOTES]
+    answers = await asyncio.gather(
+        *(remote_reports(r, record.hld) for r in remotes), return_exceptions=True
     )
+    for remote, answer in zip(remotes, answers, strict=True):
+        if isinstance(answer, KubeError | TimeoutError):
+            why = str(answer) or "no answer within the time limit"
+            errors.append({"cluster": remote.context, "message": why})
+        elif isinstance(answer, BaseException):
+            raise answer
+        else:
+            replicas.extend(_replica(r, remote.context, deployment) for deployment, r in answer)
+    doc: dict[str, Any] = {
+        "deployment": name,
+        "current_snapshot_identity": record.status.get("currentSnapshot"),
+        "target_snapshot_identity": record.status.get("targetSnapshot"),
+        "replicas": replicas,
+    }
+    if errors:
+        doc["errors"] = errors
+    return _ok(doc)
+
+
+def _replica(report: PodReport, cluster: str | None, deployment: str | None) -> dict[str, Any]:
+    """One replica in the GET's answer; `cluster` (a kubeconfig context) and `deployment` name
+    where it runs when that is another cluster (None: this operator's own)."""
+    return {
+        "name": report.pod,
+        "readiness": report.ready,
+        "current_snapshot_identity": report.identity,
+        "loading_state": _LOADING_STATES.get(str(report.state), "UNKNOWN"),
+        "target_snapshot_identity": report.target,
+        "error": report.last_error or None,
+        "region": report.region,
+        "cluster": cluster,
+        "cluster_deployment": deployment,
+    }

@@ -85,6 +85,17 @@ class Settings:
     fireworks_namespace: str = field(
         default_factory=lambda: os.environ.get("HOTLOAD_FIREWORKS_NAMESPACE", "default")
     )
+    #: Other clusters following the same ledgers, whose replicas its GET lists too: kubeconfig
+    #: contexts [HOTLOAD_FIREWORKS_CONTEXTS, comma-separated] of the file
+    #: [HOTLOAD_FIREWORKS_KUBECONFIG] (default: $KUBECONFIG), read-only.
+    fireworks_contexts: tuple[str, ...] = field(
+        default_factory=lambda: tuple(
+            c for c in os.environ.get("HOTLOAD_FIREWORKS_CONTEXTS", "").split(",") if c.strip()
+        )
+    )
+    fireworks_kubeconfig: str = field(
+        default_factory=lambda: os.environ.get("HOTLOAD_FIREWORKS_KUBECONFIG", "")
+    )
     #: Seconds a first report waits for the others of a burst [HOTLOAD_ROLLUP_WINDOW].
     rollup_window: float = field(
         default_factory=lambda: _env_seconds("HOTLOAD_ROLLUP_WINDOW", ROLLUP_WINDOW)
@@ -417,6 +428,7 @@ async def _serve_endpoints(settings: Settings, op: Operator) -> list[Any]:
         runners.append(runner)
     if settings.fireworks_port is not None:
         from hotload_operator.fireworks import create_app
+        from hotload_operator.remote_replicas import remote_clusters
 
         token = (
             Path(settings.fireworks_token_file).read_text().strip()
@@ -436,6 +448,12 @@ async def _serve_endpoints(settings: Settings, op: Operator) -> list[Any]:
             token=token,
             buckets=op.ctx.bucket,
             fence=op.ctx.fence,
+            remotes=tuple(
+                remote_clusters(
+                    settings.fireworks_kubeconfig or None,
+                    [c.strip() for c in settings.fireworks_contexts],
+                )
+            ),
         )
         runner = web.AppRunner(app)
         await runner.setup()
