@@ -66,3 +66,14 @@ severity: {{ index . 1 }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
+
+{{/* Labels of the regional cache's objects (hotload.labels with its own component). */}}
+{{- define "hotload.regionalCacheLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "hotload.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: regional-cache
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: hotload
+{{- end }}
