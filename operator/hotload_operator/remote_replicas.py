@@ -4,7 +4,8 @@ An operator sees only its own cluster. With `HOTLOAD_FIREWORKS_CONTEXTS` (kubeco
 in `HOTLOAD_FIREWORKS_KUBECONFIG`, default $KUBECONFIG) the GET also lists the replicas of each
 of those clusters: in each context's namespace, the HotLoadDeployments on the same bucket URL and
 ledger name, and their engine pods' loader reports. Read-only (list `hotloaddeployments` and
-`pods` there), two requests per cluster per GET; a cluster that does not answer is named in the
+`pods` there): per cluster and GET one list of deployments and one of pods per deployment
+that follows the ledger; a cluster that does not answer is named in the
 answer's `errors`, its replicas left out, the others still listed."""
 
 from __future__ import annotations
