@@ -6,6 +6,7 @@ writes; `upload_snapshot`/`download_snapshot` move whole snapshot folders in pub
 
 from hotload.bucket.core import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, Bucket
 from hotload.bucket.local import local_etag
+from hotload.bucket.mirrors import MirroredBucket, MirrorStats, open_mirrored
 from hotload.bucket.objects import (
     NotModified,
     ObjectData,
@@ -48,6 +49,8 @@ __all__ = [
     "MANIFEST_NAMES",
     "Bucket",
     "BucketURL",
+    "MirrorStats",
+    "MirroredBucket",
     "NotModified",
     "ObjectData",
     "ObjectInfo",
@@ -66,6 +69,7 @@ __all__ = [
     "local_etag",
     "manifest_order",
     "open_bucket",
+    "open_mirrored",
     "parse_bucket_url",
     "run_sync",
     "s3_config",

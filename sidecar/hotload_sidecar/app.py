@@ -9,7 +9,7 @@ import signal
 
 from aiohttp import web
 
-from hotload.bucket import open_bucket
+from hotload.bucket import open_bucket, open_mirrored
 from hotload.bucket.url import split_ledger_url
 from hotload.errors import HotloadError
 from hotload.ledger import Ledger
@@ -62,7 +62,12 @@ async def _reporter(settings: Settings, local: LocalReporter) -> Reporter:
 def build_loader(settings: Settings, reporter: Reporter) -> Loader:
     """A `Loader` for `settings` reporting to `reporter`."""
     bucket_url, name = split_ledger_url(settings.ledger_url)
-    bucket = open_bucket(bucket_url, credentials_dir=settings.credentials_dir)
+    origin = open_bucket(bucket_url, credentials_dir=settings.credentials_dir)
+    # Snapshot files may come from mirrors (a regional cache); everything mutable, the origin.
+    bucket = open_mirrored(
+        origin,
+        [(m.url, str(m.credentials_dir) if m.credentials_dir else None) for m in settings.mirrors],
+    )
     adapter = make_adapter(
         settings.engine_kind,
         settings.engine_url,

@@ -7,13 +7,15 @@ Flags win over the environment, the environment over the defaults. `python -m ho
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from hotload.errors import HotloadError, InvalidIdentityError
+from hotload.bucket.url import parse_bucket_url
+from hotload.errors import HotloadError, InvalidBucketURLError, InvalidIdentityError
 from hotload.logs import LOG_FORMATS
 from hotload.snapshot.layout import validate_identity
 from hotload_sidecar.engines import CACHE_POLICIES, ENGINE_KINDS, MODES, CachePolicy, Mode
@@ -25,6 +27,20 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 class ConfigError(HotloadError):
     """A loader setting is missing or invalid; the message names the flag and variable."""
+
+
+#: The environment variable the operator sets from spec.mirrors (a JSON array).
+MIRRORS_ENV = "HOTLOAD_MIRRORS"
+#: At most this many mirrors (spec.mirrors has the same cap).
+MAX_MIRRORS = 8
+
+
+@dataclass(frozen=True)
+class MirrorSetting:
+    """One mirror of the bucket: its URL (the origin's key layout) and its credentials folder."""
+
+    url: str
+    credentials_dir: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,8 @@ class Settings:
     log_format: str = "text"
     pin: str | None = None
     pin_object: str | None = None
+    #: Mirrors that snapshot files are read from first, in order (the origin is always last).
+    mirrors: tuple[MirrorSetting, ...] = ()
 
     @property
     def listen_host(self) -> str:
@@ -275,6 +293,20 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, env, _type, default, text in _OPTIONS:
         shown = f" (default: {default})" if default is not None else ""
         parser.add_argument(flag, default=None, metavar=env, help=f"{text}{shown} [{env}]")
+    parser.add_argument(
+        "--mirror",
+        action="append",
+        default=None,
+        metavar="URL[,credentials=DIR]",
+        help="a mirror of the bucket (same key layout as the ledger's bucket URL, prefix "
+        "included) that snapshot files are read from before the origin; repeat it, in order of "
+        f"preference, at most {MAX_MIRRORS}; DIR: its credentials, files named like "
+        "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID ... A miss, error or timeout falls back to the next "
+        "source and skips that mirror for a while; a copy that fails verification is never "
+        "loaded and is read again from the origin; the ledger, pins and everything under "
+        f".hotload/ always come from the origin [{MIRRORS_ENV}: a JSON array of "
+        '{"url": ..., "credentialsDir": ...}]',
+    )
     return parser
 
 
@@ -348,7 +380,54 @@ def load_settings(
             raise ConfigError(f"--pin: {err}") from None
     values["engine_kind"] = values.pop("engine")
     values["credentials_dir"] = values["credentials_dir"] or None
+    values["mirrors"] = parse_mirrors(args.get("mirror"), env.get(MIRRORS_ENV))
     return Settings(**values)
+
+
+def parse_mirrors(flags: Sequence[str] | None, variable: str | None) -> tuple[MirrorSetting, ...]:
+    """The mirrors from `--mirror URL[,credentials=DIR]` flags (they win) or the JSON array in
+    HOTLOAD_MIRRORS; raise `ConfigError` naming the flag or the array item that is wrong."""
+    mirrors: list[MirrorSetting] = []
+    if flags:
+        for text in flags:
+            url, _, rest = text.partition(",")
+            where = f"--mirror {text!r}"
+            credentials: Path | None = None
+            if rest:
+                name, sep, value = rest.partition("=")
+                if name.strip() != "credentials" or not sep or not value.strip():
+                    raise ConfigError(f"{where}: expected URL or URL,credentials=DIR")
+                credentials = Path(value.strip())
+            mirrors.append(_mirror(url.strip(), credentials, where))
+    elif variable and variable.strip():
+        try:
+            items = json.loads(variable)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{MIRRORS_ENV}: not valid JSON ({err})") from None
+        if not isinstance(items, list):
+            raise ConfigError(f"{MIRRORS_ENV}: expected a JSON array of mirrors")
+        for i, item in enumerate(items):
+            where = f"{MIRRORS_ENV}[{i}]"
+            if not isinstance(item, dict) or not isinstance(item.get("url"), str):
+                raise ConfigError(f'{where}: expected {{"url": "...", "credentialsDir": "..."}}')
+            unknown = sorted(set(item) - {"url", "credentialsDir"})
+            if unknown:
+                raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+            folder = item.get("credentialsDir")
+            if folder is not None and (not isinstance(folder, str) or not folder):
+                raise ConfigError(f"{where}.credentialsDir: expected a folder path")
+            mirrors.append(_mirror(item["url"], Path(folder) if folder else None, f"{where}.url"))
+    if len(mirrors) > MAX_MIRRORS:
+        raise ConfigError(f"--mirror: at most {MAX_MIRRORS} mirrors, not {len(mirrors)}")
+    return tuple(mirrors)
+
+
+def _mirror(url: str, credentials: Path | None, where: str) -> MirrorSetting:
+    try:
+        parse_bucket_url(url)
+    except InvalidBucketURLError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    return MirrorSetting(url, credentials)
 
 
 def _choice(values: dict[str, Any], key: str, choices: Sequence[str], flag: str) -> None:

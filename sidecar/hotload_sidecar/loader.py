@@ -48,7 +48,7 @@ from hotload_sidecar.chained import ChainedUpdates
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadRequest, ServedSnapshot
 from hotload_sidecar.materialize import MaterializeError, Materializer
-from hotload_sidecar.metrics import LoaderMetrics
+from hotload_sidecar.metrics import LoaderMetrics, SourceTally
 from hotload_sidecar.pacing import Backoff, jittered, sleep_or_stop
 from hotload_sidecar.pinning import Pins
 from hotload_sidecar.prefetch import Prefetcher
@@ -83,6 +83,8 @@ class Loader(ChainedUpdates):
         self.adapter = adapter
         self.reporter = reporter
         self.metrics = metrics or LoaderMetrics()
+        #: Where each update's bytes came from (origin, mirrors), for lastLoad and /metrics.
+        self.sources = SourceTally(ledger.bucket, self.metrics)
         self.weights = WeightsFolder(settings.weights_dir)
         #: Early fetch from hints (None when `--hint-ttl-seconds 0` turned it off).
         self.prefetcher = (
@@ -392,6 +394,8 @@ class Loader(ChainedUpdates):
         await self.board.record_build(built)
         if built.fallback:
             await self.reporter.event("Warning", "FellBackToFull", built.fallback_reason)
+        for rejected in built.mirror_rejected:
+            await self.reporter.event("Warning", "MirrorCopyRejected", rejected)
         timings = replace(built.timings, sparse_fallback=fallback)
         ok = await self._load(target, built.path, policy, timings)
         if ok:
@@ -454,7 +458,7 @@ class Loader(ChainedUpdates):
             "last_error": "",
         }
         if timings is not None:
-            changes["last_load"] = timings
+            changes["last_load"] = self.sources.stamp(timings)
         await self.board.set(**changes)
         log.info("engine serves %s (sequence %s)", served.identity, sequence)
 

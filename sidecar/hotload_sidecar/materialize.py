@@ -29,7 +29,7 @@ from pathlib import Path
 
 from hotload.arc import decode, verify
 from hotload.arc.chain import decode_chain
-from hotload.bucket import Bucket, download_snapshot_async
+from hotload.bucket import Bucket, MirroredBucket, download_snapshot_async
 from hotload.errors import (
     ArcError,
     BucketError,
@@ -112,6 +112,9 @@ class BuildResult:
     corruptions: int = 0
     #: Found on the volume from an earlier run and verified (checksums) instead of rebuilt.
     resumed: bool = False
+    #: Copies read from a mirror that failed verification (fetched again from the origin),
+    #: one line each for the Event; empty when none did.
+    mirror_rejected: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line for the log: the target, the steps, where they started, the timings."""
@@ -137,6 +140,9 @@ class _Clock:
     bytes: int = 0
     corruptions: int = 0
     written: int = 0
+    rejected: list[str] = field(default_factory=list)
+    #: The snapshot `_apply` works on: the one to blame when a step fails.
+    step: str | None = None
 
 
 class Materializer:
@@ -198,7 +204,7 @@ class Materializer:
         start = max((i for i, e in enumerate(chain) if e.identity in local), default=-1)
         base = chain[start] if start >= 0 else None
         try:
-            applied = await self._apply(base, chain[start + 1 :], clock)
+            applied = await self._apply_trusted(base, chain[start + 1 :], clock)
             fallback, reason = False, ""
         except OSError as err:
             # Our own disk failed us (full, quota, I/O error), not the chain: free the space
@@ -244,9 +250,53 @@ class Materializer:
             reason,
             timings,
             clock.corruptions,
+            mirror_rejected=clock.rejected,
         )
 
     # --- internals -----------------------------------------------------------------------------
+
+    async def _apply_trusted(
+        self, base: LedgerEntry | None, steps: list[LedgerEntry], clock: _Clock
+    ) -> list[str]:
+        """`_apply`, and when its result fails verification with files of the failing snapshot
+        read from a mirror: those copies are rejected (never loaded, counted) and the snapshot
+        is fetched again from the origin only, so the update still completes."""
+        try:
+            return await self._apply(base, steps, clock)
+        except REBUILD_ERRORS as err:
+            rejected = self._reject_mirrored(steps, err, clock)
+            if not rejected:
+                raise
+            clock.corruptions += is_corruption(err)
+            self._drop_partial(steps)
+            return await self._apply(base, steps, clock, distrusted=frozenset(rejected))
+
+    def _reject_mirrored(
+        self, steps: list[LedgerEntry], err: BaseException, clock: _Clock
+    ) -> list[str]:
+        """The snapshots among `steps` whose mirrored copies take the blame for `err` (the one
+        the error names when it names one), rejected at the bucket; [] when no mirror served
+        any of them."""
+        bucket = self.bucket
+        # A missing object is no bad copy: only bytes that failed verification are rejected.
+        if not isinstance(bucket, MirroredBucket) or isinstance(err, ObjectNotFoundError):
+            return []
+        # The step that failed is the one `_apply` was on (a fetch failing early names its own).
+        named = [e.identity for e in steps if e.identity == getattr(err, "identity", None)]
+        named = named or [e.identity for e in steps if e.identity == clock.step]
+        rejected: list[str] = []
+        for identity in named or [e.identity for e in steps]:
+            if not bucket.mirrored(identity):
+                continue
+            labels = sorted(set(bucket.mirrored(identity).values()))
+            count = bucket.reject(identity, err)
+            if count:
+                rejected.append(identity)
+                clock.rejected.append(
+                    f"{count} object(s) of {identity} from mirror(s) {', '.join(labels)} failed "
+                    f"verification ({err}); never loaded, fetched again from the origin"
+                )
+        return rejected
 
     async def check_local(self, entry: LedgerEntry) -> bool:
         """Whether the verified snapshot `entry` on the volume still verifies (checked once per
@@ -376,6 +426,7 @@ class Materializer:
         parent = base
         try:
             for entry in steps:
+                clock.step = entry.identity
                 task = downloads.get(entry.identity)
                 if entry.identity in ready:
                     # Rebuilt on the same parent and verified before admission.

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime
 
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hotload.bucket import Bucket, MirroredBucket, MirrorStats
 from hotload.errors import ChecksumMismatchError, CorruptDeltaError
 from hotload.ledger.fields import utc_now
 from hotload.metrics import MetricSet
 from hotload_sidecar.materialize import BuildResult, MaterializeError
+from hotload_sidecar.status import LoadTimings
 
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 # Publish to serving includes waiting for the poll and any backoff: up to an hour is news.
@@ -235,3 +242,57 @@ def failure_reason(stage: str, err: BaseException) -> str:
         if isinstance(e, BucketError):
             return F.BUCKET_UNREACHABLE
     return F.ENGINE_REFUSED if stage == "engine" else F.LOAD_FAILED
+
+
+class SourceCollector(Collector):
+    """The per-source counters of a `MirroredBucket` as Prometheus counters, read at scrape
+    time: hotload_loader_source_bytes_total, hotload_loader_source_requests_total and
+    hotload_loader_mirror_rejected_total, each by `source` (`origin` or a mirror's label)."""
+
+    def __init__(self, stats: MirrorStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        """One sample per source of each counter."""
+        sources = dict(self.stats.sources)
+        read = CounterMetricFamily(
+            "hotload_loader_source_bytes",
+            "Bytes of object data read from each source: the origin bucket or a mirror",
+            labels=["source"],
+        )
+        asked = CounterMetricFamily(
+            "hotload_loader_source_requests",
+            "Requests sent to each source (the origin's include ledger, pin and hint polls)",
+            labels=["source"],
+        )
+        rejected = CounterMetricFamily(
+            "hotload_loader_mirror_rejected",
+            "Objects read from a mirror that failed verification (never loaded; read again "
+            "from the origin)",
+            labels=["source"],
+        )
+        for label, counts in sources.items():
+            read.add_metric([label], counts.bytes)
+            asked.add_metric([label], counts.requests)
+            if label != "origin":
+                rejected.add_metric([label], counts.rejected)
+        yield from (read, asked, rejected)
+
+
+class SourceTally:
+    """Where each update's snapshot bytes came from: the bucket's per-source counters since the
+    previous update (a `MirroredBucket` only; other buckets are not counted)."""
+
+    def __init__(self, bucket: Bucket, metrics: LoaderMetrics) -> None:
+        self.stats = bucket.stats if isinstance(bucket, MirroredBucket) else None
+        self._mark = self.stats.totals() if self.stats is not None else {}
+        if self.stats is not None:
+            metrics.registry.register(SourceCollector(self.stats))
+
+    def stamp(self, timings: LoadTimings) -> LoadTimings:
+        """`timings` with the sources of the bytes read since the previous stamp."""
+        if self.stats is None:
+            return timings
+        now = self.stats.totals()
+        since, self._mark = MirrorStats.since(self._mark, now), now
+        return replace(timings, sources=since)

@@ -81,6 +81,10 @@ class LoadTimings:
     #: The engine call's steps in order, seconds each, as its adapter timed them (for a vLLM
     #: patch: begin, describe, stage, verify, pause, apply, ...): where `load_seconds` went.
     engine_steps: dict[str, float] = field(default_factory=dict)
+    #: Where this update's snapshot files came from since the previous one: bytesFromOrigin,
+    #: bytesFromMirrors, requestsToOrigin, requestsToMirrors, mirrorRejected (empty: not
+    #: counted, a bucket opened without `open_mirrored`).
+    sources: dict[str, int] = field(default_factory=dict)
 
 
 AdapterState = Literal["loaded", "loading", "failed"]
@@ -191,6 +195,7 @@ class ReplicaStatus:
                 "enginePatchedElements": t.engine_patched_elements,
                 "skipped": t.skipped,
                 "engineSteps": dict(t.engine_steps),
+                **t.sources,
             }
         return {
             "identity": self.identity,

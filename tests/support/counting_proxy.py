@@ -186,23 +186,23 @@ class CountingProxy:
         async with self._session.request(
             request.method, target, headers=headers, data=body or None, allow_redirects=False
         ) as upstream:
+            # Read whole (S3 clients read large objects in ranged parts), then booked before
+            # the client has it: a client that got its answer may look at the count at once.
+            payload = b"" if request.method == "HEAD" else await upstream.read()
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
                 if name.lower() not in _HOP:
                     response.headers.add(name, value)
-            sent = 0
-            await response.prepare(request)
-            if request.method != "HEAD":
-                async for chunk in upstream.content.iter_chunked(1 << 16):
-                    sent += len(chunk)
-                    await response.write(chunk)
-            await response.write_eof()
         parts = urlsplit(request.raw_path)
         _, key = split_path(parts.path)
         with self._lock:
             self._served.append(
-                Served(request.method, key, parts.query, upstream.status, sent, len(body))
+                Served(request.method, key, parts.query, upstream.status, len(payload), len(body))
             )
+        await response.prepare(request)
+        if payload:
+            await response.write(payload)
+        await response.write_eof()
         return response
 
 

@@ -1,0 +1,330 @@
+"""Snapshot bytes from mirrors (issue 35): real SeaweedFS for the origin, a plain mirror and a
+regional read-through cache, every request counted at the doors (`support.counting_proxy`).
+
+The origin is the session's SeaweedFS behind a counting proxy; a second SeaweedFS is a plain
+mirror (objects copied into it, some poisoned or left out); a third is a regional cache that
+remote-mounts the origin through its door. The loader's fetch path (`Materializer` over a
+`MirroredBucket`, the bucket `app.build_loader` opens) and its polls (`Loader.step`) run
+unchanged on top.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hotload.bucket import Bucket, MirroredBucket, open_bucket, open_mirrored
+from hotload.ledger import Ledger
+from hotload.ledger.hints import Hint, write_hint_async
+from hotload.ledger.pins import Pin, pin_key, write_pin_async
+from hotload.snapshot import Snapshot
+from hotload_sidecar.config import Settings
+from hotload_sidecar.engines import make_adapter
+from hotload_sidecar.loader import Loader
+from hotload_sidecar.materialize import Materializer
+from hotload_sidecar.status import LocalReporter
+from hotload_sidecar.weights import WeightsFolder
+from support.counting_proxy import CountingProxy
+from support.fleet import Trainer, free_port
+from support.regional_cache import RegionalCache, write_credentials
+from support.seaweedfs import BUCKET, SeaweedFS
+from support.snapshots import full, nudged, weights
+
+
+@pytest.fixture(scope="module")
+def origin_door(seaweedfs: SeaweedFS) -> Iterator[CountingProxy]:
+    """The counting proxy in front of the origin (the session's SeaweedFS)."""
+    with CountingProxy(seaweedfs.endpoint) as door:
+        yield door
+
+
+@pytest.fixture(scope="module")
+def plain_mirror(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    """A second SeaweedFS whose bucket the tests fill with copies (some poisoned or missing)."""
+    server = SeaweedFS.start(tmp_path_factory.mktemp("mirror") / "data")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def mirror_door(plain_mirror: SeaweedFS) -> Iterator[CountingProxy]:
+    """The counting proxy in front of the plain mirror."""
+    with CountingProxy(plain_mirror.endpoint) as door:
+        yield door
+
+
+@pytest.fixture(scope="module")
+def region(
+    tmp_path_factory: pytest.TempPathFactory, origin_door: CountingProxy
+) -> Iterator[RegionalCache]:
+    """A regional cache reading through to the origin by way of its counting door."""
+    cache = RegionalCache.start(tmp_path_factory.mktemp("region") / "data", origin_door.endpoint)
+    try:
+        yield cache
+    finally:
+        cache.stop()
+
+
+@pytest.fixture
+def origin_env(
+    s3_env: SeaweedFS, origin_door: CountingProxy, monkeypatch: pytest.MonkeyPatch
+) -> CountingProxy:
+    """The AWS_* environment (the origin's settings) points at the origin's door."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", origin_door.endpoint)
+    return origin_door
+
+
+def _trainer(root: Path, prefix: str, steps: int = 2, published: int = 2) -> Trainer:
+    base, fulls = weights(0), []
+    current = base
+    for i in range(steps):
+        current = nudged(current, i) if i else current
+        fulls.append(full(root / "fulls" / f"f{i}", current))
+    ledger = Ledger(open_bucket(f"s3://{BUCKET}/{prefix}"), "policy")
+    trainer = Trainer(ledger, fulls, root / "trainer", full_every=4)
+    for step in range(published):
+        trainer.publish(step)
+    return trainer
+
+
+def _copy_snapshots(src: Bucket, dst: Bucket, identities: list[str]) -> list[str]:
+    keys = []
+    for identity in identities:
+        for info in src.list(identity):
+            dst.put(info.key, src.get(info.key).data)
+            keys.append(info.key)
+    return keys
+
+
+def _mirror_creds(server: CountingProxy, tmp: Path, name: str) -> Path:
+    settings = {
+        "AWS_ENDPOINT_URL": server.endpoint,
+        "AWS_ACCESS_KEY_ID": "hotload-test-key",
+        "AWS_SECRET_ACCESS_KEY": "hotload-test-secret",
+        "AWS_REGION": "us-east-1",
+        "AWS_ALLOW_HTTP": "true",
+    }
+    return write_credentials(tmp / name, settings)
+
+
+def _label(door: CountingProxy) -> str:
+    return f"127.0.0.1:{door.port}/{BUCKET}"
+
+
+def _tensors(path: Path) -> dict[str, bytes]:
+    snap = Snapshot(path)
+    out: dict[str, bytes] = {}
+    for shard in snap.shard_files:
+        with snap.open_shard(shard) as f:
+            for name in f.tensors:
+                out[name] = bytes(f.raw(name))
+    return out
+
+
+def _build(bucket: MirroredBucket, trainer: Trainer, weights_dir: Path):  # type: ignore[no-untyped-def]
+    folder = WeightsFolder(weights_dir)
+    folder.prepare()
+    doc = trainer.ledger.read().document
+    return asyncio.run(Materializer(bucket, folder, threads=1).build(doc))
+
+
+def test_a_poisoned_mirror_object_is_never_served_and_the_update_completes_from_the_origin(
+    origin_env: CountingProxy,
+    plain_mirror: SeaweedFS,
+    mirror_door: CountingProxy,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    trainer = _trainer(tmp_path, prefix)
+    creds = _mirror_creds(mirror_door, tmp_path, "mirror")
+    mirror = open_bucket(f"s3://{BUCKET}/{prefix}", credentials_dir=creds)
+    keys = _copy_snapshots(trainer.ledger.bucket, mirror, ["step-000", "step-001"])
+    # One shard of the full snapshot flipped at the mirror: same size, wrong bytes.
+    poisoned = next(k for k in keys if k.startswith("step-000/") and k.endswith(".safetensors"))
+    data = bytearray(mirror.get(poisoned).data)
+    data[-3] ^= 0xFF
+    mirror.put(poisoned, bytes(data))
+    origin_env.reset()
+
+    bucket = open_mirrored(
+        open_bucket(f"s3://{BUCKET}/{prefix}"), [(f"s3://{BUCKET}/{prefix}", str(creds))]
+    )
+    with caplog.at_level(logging.WARNING):
+        built = _build(bucket, trainer, tmp_path / "w")
+
+    # The update completed, with the origin's bytes: exactly the published weights.
+    assert built.identity == "step-001"
+    assert _tensors(built.path) == _tensors(trainer.fulls[1])
+    assert _tensors(tmp_path / "w" / "snapshots" / "step-000") == _tensors(trainer.fulls[0])
+    # The poisoned object was read again from the origin, and counted against its mirror.
+    assert origin_env.requests(method="GET", key_prefix=f"{prefix}/{poisoned}") >= 1
+    label = _label(mirror_door)
+    assert bucket.stats.sources[label].rejected >= 1
+    assert bucket.stats.totals()["mirrorRejected"] >= 1
+    assert built.mirror_rejected and label in built.mirror_rejected[0]
+    assert any("failed verification" in r.getMessage() for r in caplog.records)
+    # The delta still came from the mirror: only the bad snapshot went back to the origin.
+    assert mirror_door.requests(method="GET", key_prefix=f"{prefix}/step-001/") >= 1
+    assert origin_env.requests(method="GET", key_prefix=f"{prefix}/step-001/") == 0
+
+
+def test_a_mirror_that_is_down_or_lacks_an_object_costs_no_update(
+    origin_env: CountingProxy,
+    plain_mirror: SeaweedFS,
+    mirror_door: CountingProxy,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    trainer = _trainer(tmp_path, prefix)
+    url = f"s3://{BUCKET}/{prefix}"
+    creds = _mirror_creds(mirror_door, tmp_path, "mirror")
+    keys = _copy_snapshots(
+        trainer.ledger.bucket, open_bucket(url, credentials_dir=creds), ["step-000", "step-001"]
+    )
+    lacking = next(k for k in keys if k.startswith("step-001/"))
+    open_bucket(url, credentials_dir=creds).delete(lacking)
+    # First in line, a mirror nobody listens on: it is down.
+    down = write_credentials(
+        tmp_path / "down",
+        {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+            "AWS_ACCESS_KEY_ID": "k",
+            "AWS_SECRET_ACCESS_KEY": "s",
+            "AWS_REGION": "us-east-1",
+            "AWS_ALLOW_HTTP": "true",
+        },
+    )
+    origin_env.reset()
+    mirror_door.reset()
+
+    bucket = open_mirrored(open_bucket(url), [(url, str(down)), (url, str(creds))])
+    with caplog.at_level(logging.WARNING):
+        built = _build(bucket, trainer, tmp_path / "w")
+
+    assert built.identity == "step-001"
+    assert _tensors(built.path) == _tensors(trainer.fulls[1])
+    # The missing object came from the origin, the others from the mirror (or, while the
+    # mirror was backed off after its miss, the origin): each read once, none twice.
+    from_origin = [k for k in origin_env.keys(method="GET") if k.startswith(f"{prefix}/step-")]
+    from_mirror = [
+        s.key for s in mirror_door.served() if s.method == "GET" and s.status in (200, 206)
+    ]
+    assert f"{prefix}/{lacking}" in from_origin
+    assert sorted(from_origin + from_mirror) == sorted(f"{prefix}/{k}" for k in keys)
+    assert from_mirror, "the mirror served nothing"
+    # The down mirror was warned about once and then skipped (backed off), not asked per file.
+    down_label = next(iter(bucket.stats.sources.keys() - {"origin", _label(mirror_door)}))
+    assert bucket.stats.sources[down_label].requests < len(keys)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "hotload.bucket.mirrors"]
+    assert sum(down_label in w for w in warnings) == 1
+    totals = bucket.stats.totals()
+    assert totals["bytesFromMirrors"] > 0 and totals["bytesFromOrigin"] > 0
+    assert totals["mirrorRejected"] == 0
+
+
+def test_the_ledger_pins_and_hints_never_come_from_a_mirror(
+    origin_env: CountingProxy,
+    plain_mirror: SeaweedFS,
+    mirror_door: CountingProxy,
+    tmp_path: Path,
+) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    trainer = _trainer(tmp_path, prefix, steps=3)
+    url = f"s3://{BUCKET}/{prefix}"
+    origin = trainer.ledger.bucket
+    creds = _mirror_creds(mirror_door, tmp_path, "mirror")
+    mirror = open_bucket(url, credentials_dir=creds)
+    _copy_snapshots(origin, mirror, ["step-000", "step-001"])
+    pin = pin_key("ns", "policy", "uid-1")
+    asyncio.run(write_pin_async(origin, pin, Pin("step-001")))
+    asyncio.run(write_hint_async(origin, "policy", Hint("step-002", previous="step-001")))
+    # The mirror holds stale copies of every mutable object: a stale ledger, another pin.
+    for key in (".hotload/ledgers/policy.json", ".hotload/hints/policy/step-002.json"):
+        mirror.put(key, origin.get(key).data)
+    asyncio.run(write_pin_async(mirror, pin, Pin("step-000")))
+    mirror_door.reset()
+
+    bucket = open_mirrored(open_bucket(url), [(url, str(creds))])
+    settings = Settings(
+        ledger_url=f"{url}/policy",
+        weights_dir=tmp_path / "weights",
+        engine_url=f"http://127.0.0.1:{free_port()}",  # the engine is down: polls only
+        pin_object=pin,
+    )
+    loader = Loader(
+        settings,
+        ledger=Ledger(bucket, "policy"),
+        adapter=make_adapter("reference", settings.engine_url),
+        reporter=LocalReporter(),
+    )
+    loader.weights.prepare()
+    trainer.publish(2)  # the origin moves on; the mirror's ledger copy says step-001
+
+    async def poll_twice() -> None:
+        try:
+            await loader.step()
+            await loader.step()
+        finally:
+            await loader.adapter.aclose()
+
+    asyncio.run(poll_twice())
+    assert loader.document is not None and loader.document.head is not None
+    assert loader.document.head.identity == "step-002"
+    assert loader.pin == "step-001"
+    built = _build(bucket, trainer, tmp_path / "w2")
+    assert built.identity == "step-002"
+
+    seen = mirror_door.served()
+    assert seen, "the mirror served nothing: the test did not exercise it"
+    assert {s.key.split("/", 1)[1].split("/", 1)[0] for s in seen} <= {
+        "step-000",
+        "step-001",
+        "step-002",
+    }
+    assert all(not s.key.startswith(f"{prefix}/.hotload") for s in seen)
+    assert all(s.method in ("GET", "HEAD") and s.query == "" for s in seen)  # never a listing
+
+
+def test_replicas_missing_the_same_object_at_once_cost_the_origin_about_one_read(
+    origin_env: CountingProxy, region: RegionalCache, tmp_path: Path
+) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    trainer = _trainer(tmp_path, prefix)
+    url = f"s3://{BUCKET}/{prefix}"
+    published = {
+        i.key: i.size for s in ("step-000", "step-001") for i in trainer.ledger.bucket.list(s)
+    }
+    creds = region.credentials_dir(tmp_path / "region")
+    replicas = [
+        open_mirrored(open_bucket(url), [(region.url(prefix), str(creds))]) for _ in range(4)
+    ]
+    document = trainer.ledger.read().document
+    origin_env.reset()
+
+    async def fleet() -> list[str]:
+        builds = []
+        for i, bucket in enumerate(replicas):
+            folder = WeightsFolder(tmp_path / f"w{i}")
+            folder.prepare()
+            builds.append(Materializer(bucket, folder, threads=1).build(document))
+        return [b.identity for b in await asyncio.gather(*builds)]
+
+    assert asyncio.run(fleet()) == ["step-001"] * 4
+    # Every replica read every snapshot file from the regional cache...
+    for bucket in replicas:
+        totals = bucket.stats.totals()
+        assert totals["bytesFromMirrors"] == sum(published.values())
+        assert totals["bytesFromOrigin"] == 0
+    # ...and the origin served each of them about once (the cache's fills), not four times.
+    served = origin_env.bytes_served(method="GET", key_prefix=f"{prefix}/step-")
+    assert served <= 1.1 * sum(published.values()), (served, sum(published.values()))
+    assert served >= sum(published.values())
