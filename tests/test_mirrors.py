@@ -27,7 +27,8 @@ from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import make_adapter
 from hotload_sidecar.loader import Loader
 from hotload_sidecar.materialize import Materializer
-from hotload_sidecar.status import LocalReporter
+from hotload_sidecar.metrics import LoaderMetrics, SourceTally
+from hotload_sidecar.status import LoadTimings, LocalReporter, ReplicaStatus
 from hotload_sidecar.weights import WeightsFolder
 from support.counting_proxy import CountingProxy
 from support.fleet import Trainer, free_port
@@ -282,6 +283,15 @@ def test_the_ledger_pins_and_hints_never_come_from_a_mirror(
     assert loader.pin == "step-001"
     built = _build(bucket, trainer, tmp_path / "w2")
     assert built.identity == "step-002"
+    # The loader's /metrics count both sources (the origin's include the ledger and pin polls).
+    scraped = loader.metrics.render().decode()
+    mirror_bytes = bucket.stats.sources[_label(mirror_door)].bytes
+    assert mirror_bytes > 0
+    assert (
+        f'hotload_loader_source_bytes_total{{source="{_label(mirror_door)}"}} {float(mirror_bytes)}'
+        in scraped
+    )
+    assert 'hotload_loader_source_requests_total{source="origin"}' in scraped
 
     seen = mirror_door.served()
     assert seen, "the mirror served nothing: the test did not exercise it"
@@ -308,6 +318,7 @@ def test_replicas_missing_the_same_object_at_once_cost_the_origin_about_one_read
         open_mirrored(open_bucket(url), [(region.url(prefix), str(creds))]) for _ in range(4)
     ]
     document = trainer.ledger.read().document
+    tally = SourceTally(replicas[0], LoaderMetrics())
     origin_env.reset()
 
     async def fleet() -> list[str]:
@@ -324,6 +335,11 @@ def test_replicas_missing_the_same_object_at_once_cost_the_origin_about_one_read
         totals = bucket.stats.totals()
         assert totals["bytesFromMirrors"] == sum(published.values())
         assert totals["bytesFromOrigin"] == 0
+    # The loader's lastLoad report says the same (the listings were the origin's requests).
+    last = ReplicaStatus(last_load=tally.stamp(LoadTimings())).to_annotation()["lastLoad"]
+    assert last["bytesFromMirrors"] == sum(published.values())
+    assert last["bytesFromOrigin"] == 0 and last["mirrorRejected"] == 0
+    assert last["requestsToMirrors"] >= len(published) and last["requestsToOrigin"] == 2
     # ...and the origin served each of them about once (the cache's fills), not four times.
     served = origin_env.bytes_served(method="GET", key_prefix=f"{prefix}/step-")
     assert served <= 1.1 * sum(published.values()), (served, sum(published.values()))

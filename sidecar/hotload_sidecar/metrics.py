@@ -158,6 +158,9 @@ class LoaderMetrics(MetricSet):
             "Seconds since the loader first saw a target (the ledger head, or the pin) that the "
             "engine has not served since; 0 while it serves its target, or nothing yet",
         )
+        #: Bytes, requests and rejected copies per source (origin, mirrors): see `SourceTally`.
+        self.sources = SourceCollector()
+        self.registry.register(self.sources)
         for stage in FAILURE_STAGES:
             self.failures.labels(stage)
         for method in LOAD_METHODS:
@@ -249,12 +252,13 @@ class SourceCollector(Collector):
     time: hotload_loader_source_bytes_total, hotload_loader_source_requests_total and
     hotload_loader_mirror_rejected_total, each by `source` (`origin` or a mirror's label)."""
 
-    def __init__(self, stats: MirrorStats) -> None:
+    def __init__(self, stats: MirrorStats | None = None) -> None:
+        #: Set by `SourceTally` once the loader's bucket is known (None: nothing counted yet).
         self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
         """One sample per source of each counter."""
-        sources = dict(self.stats.sources)
+        sources = dict(self.stats.sources) if self.stats is not None else {}
         read = CounterMetricFamily(
             "hotload_loader_source_bytes",
             "Bytes of object data read from each source: the origin bucket or a mirror",
@@ -286,8 +290,7 @@ class SourceTally:
     def __init__(self, bucket: Bucket, metrics: LoaderMetrics) -> None:
         self.stats = bucket.stats if isinstance(bucket, MirroredBucket) else None
         self._mark = self.stats.totals() if self.stats is not None else {}
-        if self.stats is not None:
-            metrics.registry.register(SourceCollector(self.stats))
+        metrics.sources.stats = self.stats
 
     def stamp(self, timings: LoadTimings) -> LoadTimings:
         """`timings` with the sources of the bytes read since the previous stamp."""
