@@ -198,11 +198,18 @@ def test_monitors_give_the_labels_the_alerts_group_by(helm_cli: Helm) -> None:
         {
             "sourceLabels": ["__meta_kubernetes_pod_label_hotload_dev_deployment"],
             "targetLabel": "deployment",
-        }
+        },
+        # spec.region, which HotloadOriginFanout groups by.
+        {
+            "sourceLabels": ["__meta_kubernetes_pod_label_hotload_dev_region"],
+            "targetLabel": "region",
+        },
     ]
     from hotload.api.names import LABEL_DEPLOYMENT
+    from hotload_operator.pods import LABEL_REGION
 
     assert LABEL_DEPLOYMENT == "hotload.dev/deployment"
+    assert LABEL_REGION == "hotload.dev/region"
     # The operator's condition series keep the deployment's namespace.
     (endpoint,) = one(objs, "ServiceMonitor")["spec"]["endpoints"]
     assert endpoint["honorLabels"] is True

@@ -792,7 +792,11 @@ def test_metrics_service_and_monitors(scenarios: dict[str, list[JSON]]) -> None:
                 {
                     "sourceLabels": ["__meta_kubernetes_pod_label_hotload_dev_deployment"],
                     "targetLabel": "deployment",
-                }
+                },
+                {
+                    "sourceLabels": ["__meta_kubernetes_pod_label_hotload_dev_region"],
+                    "targetLabel": "region",
+                },
             ],
         }
     ]

@@ -59,6 +59,8 @@ def test_mirrors_and_region_reach_the_loader_with_their_secrets_mounted() -> Non
         {"url": "s3://backup/rl/prod/", "credentialsDir": "/var/run/hotload/mirrors/2"},
     ]
     assert env["HOTLOAD_REGION"] == "eu-west"
+    # The chart's PodMonitor makes this pod label every loader series' `region`.
+    assert pod["metadata"]["labels"]["hotload.dev/region"] == "eu-west"
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     mounts = {m["mountPath"]: m for m in loader["volumeMounts"]}
     for index, secret in ((0, "eu-cache"), (2, "backup-creds")):
@@ -81,6 +83,7 @@ def test_no_mirrors_and_no_region_set_nothing() -> None:
     pod = template(deployment())
     env = env_of(loader_of(pod))
     assert "HOTLOAD_MIRRORS" not in env and "HOTLOAD_REGION" not in env
+    assert "hotload.dev/region" not in pod["metadata"]["labels"]
     assert not any(
         m["mountPath"].startswith("/var/run/hotload/mirrors")
         for m in loader_of(pod)["volumeMounts"]

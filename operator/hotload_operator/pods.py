@@ -28,6 +28,9 @@ JSON = dict[str, Any]
 
 #: Mirror i's Secret is mounted at MIRRORS_MOUNT/i (the loader's `HOTLOAD_MIRRORS` names it).
 MIRRORS_MOUNT = "/var/run/hotload/mirrors"
+#: The replicas' pod label holding spec.region: the chart's PodMonitor turns it into the
+#: `region` label of every loader series (the per-region origin fan-out alert groups by it).
+LABEL_REGION = "hotload.dev/region"
 
 
 def engine_loopback_port(hld: HotLoadDeployment) -> int:
@@ -369,7 +372,10 @@ def _owned_template(hld: HotLoadDeployment, images: OperatorImages, user: JSON) 
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = [t.to_json() for t in spec.tolerations]
-    return {"metadata": {"labels": labels(hld, "engine")}, "spec": pod_spec}
+    pod_labels = labels(hld, "engine")
+    if spec.region:
+        pod_labels[LABEL_REGION] = spec.region
+    return {"metadata": {"labels": pod_labels}, "spec": pod_spec}
 
 
 #: The variable whose value the operator merges with the user's (vLLM pods).
