@@ -442,6 +442,27 @@ class Problem(ApiModel):
     )
 
 
+class LedgerHead(ApiModel):
+    """The ledger head as the operator last read it at the origin, handed to the loaders (one
+    watcher per cluster: a loader reads the ledger itself only when this moves)."""
+
+    identity: Identity | None = Field(
+        default=None, description="The head's snapshot (absent: nothing admitted yet)."
+    )
+    sequence: int | None = Field(default=None, ge=0, description="Its ledger sequence.")
+    checked_time: str = Field(
+        max_length=64,
+        description="RFC3339: when the operator last read the ledger at the origin (refreshed "
+        "at least every 30 s; a loader polls the origin itself once this is older than 90 s).",
+    )
+    uploading: list[Identity] = Field(
+        default_factory=list,
+        max_length=4,
+        description="Snapshots with an upload hint the ledger has not admitted yet, newest "
+        "last (the loaders fetch them early).",
+    )
+
+
 class HotLoadDeploymentStatus(ApiModel):
     """What SREs read: is the fleet on the latest policy?"""
 
@@ -484,6 +505,10 @@ class HotLoadDeploymentStatus(ApiModel):
     )
     selector: str | None = Field(
         default=None, max_length=1024, description="Label selector of the replicas' pods."
+    )
+    ledger_head: LedgerHead | None = Field(
+        default=None,
+        description="The ledger head the operator read at the origin, for the loaders.",
     )
     problems: list[Problem] = Field(
         default_factory=list,
