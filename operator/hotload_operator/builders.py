@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from hotload.api.models import HotLoadDeployment
+from hotload.api.names import DEPLOYMENT_PLURAL, GROUP
 from hotload_operator.meta import (
     ROUTER_PORT,
     OperatorImages,
@@ -79,8 +80,8 @@ def build_service(hld: HotLoadDeployment) -> JSON:
 
 def build_loader_rbac(hld: HotLoadDeployment) -> list[JSON]:
     """ServiceAccount, Role and RoleBinding of the loader: get pods, patch pods/status (its
-    report, metadata included, is one status patch), create events, in its namespace; nothing
-    more."""
+    report, metadata included, is one status patch), create events, in its namespace, and read
+    (get, list, watch) its own HotLoadDeployment; nothing more."""
     name = loader_service_account(hld)
     account_meta = object_meta(hld, name, "loader")
     if hld.spec.service_account.annotations:
@@ -90,6 +91,13 @@ def build_loader_rbac(hld: HotLoadDeployment) -> list[JSON]:
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+        # Its own deployment only: the head the operator hands over (status.ledgerHead).
+        {
+            "apiGroups": [GROUP],
+            "resources": [DEPLOYMENT_PLURAL],
+            "resourceNames": [name_of(hld)],
+            "verbs": ["get", "list", "watch"],
+        },
     ]
     return [
         {

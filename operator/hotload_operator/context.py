@@ -35,6 +35,7 @@ from hotload_operator.writes import StatusWriter
 
 if TYPE_CHECKING:
     from hotload_operator.fleet import FleetCache
+    from hotload_operator.heads import HeadPoller
 
 JSON = dict[str, Any]
 Key = tuple[str, str]
@@ -130,6 +131,11 @@ class Context:
     #: Seconds between ledger polls of each deployment, and the oldest ledger copy a roll-up
     #: uses (a new head moves no Kubernetes object; pod reports bring a roll-up sooner).
     poll_interval: float = 30.0
+    #: Hands each followed ledger's head to the loaders (None: off; `runtime.build` sets it).
+    heads: HeadPoller | None = None
+    #: A ledger copy younger than this many seconds is fresh enough for the periodic poll:
+    #: the head poller (`heads.py`) keeps every followed ledger that young (0: no head poller).
+    ledger_fresh_seconds: float = 0.0
     #: This replica's name (the Lease holder's identity; `reportingInstance` of its Events).
     identity: str = "hotload-operator"
     #: The gate of every write (`runtime.build` ties it to the Lease and to `kube`'s requests).

@@ -52,21 +52,25 @@ class LedgerCache:
     _views: dict[tuple[str, str, str], LedgerView] = field(default_factory=dict)
 
     @staticmethod
-    def _key(hld: HotLoadDeployment) -> tuple[str, str, str]:
+    def key(hld: HotLoadDeployment) -> tuple[str, str, str]:
+        """Which copy `hld` shares: (namespace, bucket URL, ledger name)."""
         return namespace_of(hld), hld.spec.bucket.url, hld.spec.ledger or name_of(hld)
 
     def view(self, hld: HotLoadDeployment) -> LedgerView:
         """The copy of `hld`'s ledger (empty until first read)."""
-        return self._views.setdefault(self._key(hld), LedgerView())
+        return self._views.setdefault(self.key(hld), LedgerView())
 
     def forget(self, hld: HotLoadDeployment) -> None:
         """Drop the copy of `hld`'s ledger (the deployment is gone)."""
-        self._views.pop(self._key(hld), None)
+        self._views.pop(self.key(hld), None)
 
-    async def refresh(self, hld: HotLoadDeployment) -> bool:
+    async def refresh(self, hld: HotLoadDeployment, *, max_age: float = 0.0) -> bool:
         """Ask the bucket whether the ledger changed (a conditional GET); return whether the
-        copy changed. A failed read keeps the last copy and records why."""
+        copy changed. A failed read keeps the last copy and records why. A copy asked for less
+        than `max_age` seconds ago is kept without asking (False: whoever asked saw the move)."""
         view = self.view(hld)
+        if max_age > 0 and self.clock() - view.asked_at < max_age:
+            return False
         view.asked_at = self.clock()
         try:
             bucket = await self.open_bucket(hld)

@@ -137,6 +137,8 @@ def loader_env(hld: HotLoadDeployment, log_format: str = "text") -> list[JSON]:
         {"name": "HOTLOAD_PIN_OBJECT", "value": pin_object_key(hld)},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        # The loader watches this deployment's status.ledgerHead (the operator's head handoff).
+        {"name": "HOTLOAD_DEPLOYMENT", "value": name_of(hld)},
     ]
     if spec.bucket.credentials_secret:
         env.append({"name": "HOTLOAD_BUCKET_CREDENTIALS_DIR", "value": CREDENTIALS_MOUNT})

@@ -325,7 +325,7 @@ async def poll(ctx: Context, namespace: str, name: str) -> None:
     if apply.apply_retry_due(ctx, namespace, name) and ctx.respec is not None:
         await ctx.respec(record.body)
         return
-    moved = await ctx.ledgers.refresh(record.hld)
+    moved = await ctx.ledgers.refresh(record.hld, max_age=ctx.ledger_fresh_seconds)
     if moved or time.monotonic() - ctx._rolled_at.get(key, 0.0) >= RESYNC_SECONDS:
         ctx.rollups.request(key, 0)
 

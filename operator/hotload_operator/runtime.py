@@ -8,6 +8,7 @@ leader election (`standalone`), the one replica does all of it at once.
 
     flow: pod/Snapshot/HLD watch events -> cache -> roll-up queue (coalesced per deployment)
           -> roll-up (pure, from the cache) -> status write (only what changed, only the leader)
+          every followed ledger, every 2 s -> status.ledgerHead (the loaders watch it: heads.py)
           undecided Snapshot -> admission queue -> admission -> ledger append -> status write
 """
 
@@ -27,7 +28,7 @@ from urllib.parse import urlparse
 
 from hotload.api.names import DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
 from hotload.kube import KubeClient, KubeConfig
-from hotload_operator import collect, reconcile, retention
+from hotload_operator import collect, heads, reconcile, retention
 from hotload_operator.causes import WorkloadStatus
 from hotload_operator.context import Context, Key
 from hotload_operator.fence import fenced_request_class
@@ -109,6 +110,16 @@ class Settings:
     gc_interval: float = field(
         default_factory=lambda: _env_seconds("HOTLOAD_GC_INTERVAL", retention.GC_INTERVAL)
     )
+    #: Seconds between two reads of each followed ledger's head, handed to the loaders as
+    #: status.ledgerHead [HOTLOAD_HEAD_POLL_SECONDS] (0: no handoff; loaders poll the origin).
+    head_poll_seconds: float = field(default_factory=heads.head_poll_seconds)
+    #: Longest time between two writes of an unchanged status.ledgerHead (its checkedTime)
+    #: [HOTLOAD_HEAD_HEARTBEAT_SECONDS]; loaders take one older than 90 s as the operator gone.
+    head_heartbeat_seconds: float = field(
+        default_factory=lambda: _env_seconds(
+            "HOTLOAD_HEAD_HEARTBEAT_SECONDS", heads.HEARTBEAT_SECONDS
+        )
+    )
     kubeconfig: str | None = None
 
 
@@ -157,6 +168,12 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         )
     # Before the client's first request: its connection pool is made with this class.
     kube.request_class = fenced_request_class(ctx.fence)
+    if settings.head_poll_seconds > 0:
+        ctx.heads = heads.HeadPoller(
+            ctx, interval=settings.head_poll_seconds, heartbeat=settings.head_heartbeat_seconds
+        )
+        # The poller reads every followed ledger this often (and a poll may take a while).
+        ctx.ledger_fresh_seconds = 3 * settings.head_poll_seconds
     ctx.rollups = WorkQueue(
         lambda key: _rollup(ctx, key), window=settings.rollup_window, name="roll-up"
     )
@@ -288,6 +305,8 @@ async def run(
             asyncio.create_task(op.ctx.admissions.run(), name="admissions"),
             asyncio.create_task(op.ctx.retention.queue.run(), name="gcs"),
         ]
+        if op.ctx.heads is not None:
+            writers.append(asyncio.create_task(op.ctx.heads.run(), name="ledger heads"))
         for record in op.cache.all_deployments():  # level-triggered: look at everything once
             key = (str(record.hld.metadata.get("namespace")), str(record.hld.metadata.get("name")))
             op.ctx.rollups.request(key, 0)

@@ -1,0 +1,171 @@
+"""One watcher per cluster: the operator reads each ledger's head at the origin and hands it to
+the loaders through the API server (`status.ledgerHead` of every deployment following it).
+
+Every `HOTLOAD_HEAD_POLL_SECONDS` (default 2 s, as fast as a loader polls by itself) each
+distinct ledger the watched deployments follow is asked once: a conditional GET of the ledger
+(the roll-up's own copy, `ledgers.LedgerCache`, so nothing is read twice) and one LIST of its
+upload hints (a hint is read again only when its ETag changed). That is at most one request a
+second per ledger, whatever the number of deployments and replicas following it.
+
+A deployment's `status.ledgerHead` is written when its head or uploading list changes, and
+otherwise at most every `HEARTBEAT_SECONDS` to refresh `checkedTime` (loaders take a stale
+`checkedTime` as the operator being gone and poll the origin themselves). A ledger that cannot
+be read leaves `checkedTime` alone, so the loaders fall back to the origin and say why. Writes
+pass the leader's fence like every other write (`fence.py`); only the leader runs this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import partial
+from typing import Any
+
+from hotload.api.models import HotLoadDeployment
+from hotload.api.names import DEPLOYMENT_PLURAL
+from hotload.errors import BucketError, HotloadError, LedgerError
+from hotload.ledger import LedgerDocument
+from hotload.ledger.fields import format_time
+from hotload.ledger.hints import Hint, expired, hint_key, list_hints_async
+from hotload_operator import reconcile
+from hotload_operator.context import Context, Key
+from hotload_operator.fleet import DeploymentRecord
+from hotload_operator.meta import name_of, namespace_of
+
+log = logging.getLogger("hotload_operator")
+
+#: Seconds between two reads of each ledger's head [HOTLOAD_HEAD_POLL_SECONDS].
+HEAD_POLL_SECONDS = 2.0
+#: Longest time between two writes of an unchanged `status.ledgerHead` (its `checkedTime`).
+HEARTBEAT_SECONDS = 30.0
+#: At most this many uploading identities are handed over (the newest).
+MAX_UPLOADING = 4
+
+LedgerKey = tuple[str, str, str]
+JSON = dict[str, Any]
+
+
+def head_poll_seconds() -> float:
+    """The head poll interval from the environment (`HOTLOAD_HEAD_POLL_SECONDS`)."""
+    value = os.environ.get("HOTLOAD_HEAD_POLL_SECONDS")
+    return float(value) if value else HEAD_POLL_SECONDS
+
+
+@dataclass
+class HeadPoller:
+    """Reads each followed ledger's head and hints and writes `status.ledgerHead`."""
+
+    ctx: Context
+    interval: float = HEAD_POLL_SECONDS
+    heartbeat: float = HEARTBEAT_SECONDS
+    #: Per ledger: each hint's ETag and content as last read (None: unreadable).
+    _hints: dict[LedgerKey, dict[str, tuple[str | None, Hint | None]]] = field(default_factory=dict)
+
+    async def run(self) -> None:
+        """Poll every ledger, then wait the interval; forever (the runtime cancels it)."""
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.interval)
+
+    async def poll_once(self) -> None:
+        """Read each distinct followed ledger once and update its deployments' ledgerHead."""
+        groups: dict[LedgerKey, list[DeploymentRecord]] = {}
+        for record in self.ctx.fleet().all_deployments():
+            groups.setdefault(self.ctx.ledgers.key(record.hld), []).append(record)
+        for gone in [k for k in self._hints if k not in groups]:
+            del self._hints[gone]
+        await asyncio.gather(*(self._poll(key, records) for key, records in groups.items()))
+
+    async def _poll(self, key: LedgerKey, records: Sequence[DeploymentRecord]) -> None:
+        hld = records[0].hld
+        moved = await self.ctx.ledgers.refresh(hld)
+        view = self.ctx.ledgers.view(hld)
+        if view.problem is not None:
+            return  # checkedTime stays old: the loaders poll the origin and report the cause
+        checked = self.ctx.now()
+        uploading = await self._uploading(key, hld, view.document)
+        head = view.document.head if view.document is not None else None
+        wanted: JSON = {
+            "identity": head.identity if head else None,
+            "sequence": head.sequence if head else None,
+            "checkedTime": format_time(checked),
+            "uploading": uploading,
+        }
+        for record in records:
+            dkey: Key = (namespace_of(record.hld), name_of(record.hld))
+            if moved:
+                self.ctx.rollups.request(dkey, 0)
+            if self._due(dkey, record, wanted, checked):
+                await reconcile.guarded("ledger head", partial(self._write, record, wanted))
+
+    def _due(self, key: Key, record: DeploymentRecord, wanted: JSON, now: datetime) -> bool:
+        """Whether `wanted` differs from the deployment's ledgerHead (head or uploading), or
+        its checkedTime is older than the heartbeat."""
+        before = self.ctx.writer.previous(
+            DEPLOYMENT_PLURAL, key, record.status, record.resource_version
+        )
+        held = before.get("ledgerHead") or {}
+        same = (
+            held.get("identity") == wanted["identity"]
+            and held.get("sequence") == wanted["sequence"]
+            and list(held.get("uploading") or []) == wanted["uploading"]
+        )
+        if not same:
+            return True
+        try:
+            checked = datetime.fromisoformat(str(held.get("checkedTime")))
+        except ValueError:
+            return True
+        return (now - checked).total_seconds() >= self.heartbeat
+
+    async def _write(self, record: DeploymentRecord, wanted: JSON) -> None:
+        key: Key = (namespace_of(record.hld), name_of(record.hld))
+        # A merge patch: a head that is gone (None) removes its fields.
+        await self.ctx.writer.write(
+            DEPLOYMENT_PLURAL,
+            key,
+            {"ledgerHead": wanted},
+            record.status,
+            record.resource_version,
+        )
+
+    async def _uploading(
+        self, key: LedgerKey, hld: HotLoadDeployment, document: LedgerDocument | None
+    ) -> list[str]:
+        """The identities with an upload hint the ledger has not admitted (and not abandoned),
+        newest last, at most `MAX_UPLOADING`: one LIST, and a GET per hint whose ETag moved.
+        A failed LIST keeps the last answer (early fetch is an optimisation)."""
+        _, url, ledger = key
+        seen = self._hints.setdefault(key, {})
+        try:
+            bucket = await self.ctx.bucket(hld)
+            listed = await list_hints_async(bucket, ledger)
+        except (BucketError, LedgerError) as err:
+            log.debug("cannot list the hints of %s/%s: %s", url, ledger, err)
+        else:
+            for identity in [i for i in seen if i not in listed]:
+                del seen[identity]
+            for identity, etag in listed.items():
+                if document is not None and document.find(identity) is not None:
+                    continue  # admitted: the head tells the loaders
+                if identity in seen and etag is not None and seen[identity][0] == etag:
+                    continue
+                try:
+                    read = await bucket.get_async(hint_key(ledger, identity))
+                    seen[identity] = (read.etag or etag, Hint.loads(read.data, read.key))
+                except (BucketError, LedgerError, HotloadError) as err:
+                    log.debug("cannot read hint %s of %s/%s: %s", identity, url, ledger, err)
+                    seen[identity] = (etag, None)
+        live = [
+            (hint.updated_time.timestamp() if hint.updated_time else 0.0, identity)
+            for identity, (_, hint) in seen.items()
+            if hint is not None
+            and not expired(hint)
+            and (document is None or document.find(identity) is None)
+        ]
+        live.sort()
+        return [identity for _, identity in live][-MAX_UPLOADING:]
