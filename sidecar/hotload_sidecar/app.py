@@ -16,6 +16,7 @@ from hotload.ledger import Ledger
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import Timeouts, make_adapter
 from hotload_sidecar.extension import prepare_engine_extension
+from hotload_sidecar.head_watch import HeadWatch
 from hotload_sidecar.loader import Loader
 from hotload_sidecar.server import create_app
 from hotload_sidecar.status import LocalReporter, Reporter
@@ -73,7 +74,31 @@ def build_loader(settings: Settings, reporter: Reporter) -> Loader:
         settings.engine_url,
         timeouts=Timeouts(load=settings.load_timeout_seconds),
     )
-    return Loader(settings, ledger=Ledger(bucket, name), adapter=adapter, reporter=reporter)
+    return Loader(
+        settings,
+        ledger=Ledger(bucket, name),
+        adapter=adapter,
+        reporter=reporter,
+        heads=_head_watch(settings),
+    )
+
+
+def _head_watch(settings: Settings) -> HeadWatch | None:
+    """The watch of our deployment's status.ledgerHead (`--deployment`; None without it)."""
+    if not settings.deployment or settings.report != "kubernetes":
+        return None
+    from hotload.kube import KubeClient, KubeConfig
+
+    assert settings.namespace
+    return HeadWatch(
+        KubeClient(KubeConfig.auto(settings.kubeconfig)),
+        settings.namespace,
+        settings.deployment,
+        poll_seconds=settings.poll_seconds,
+        safety_seconds=settings.safety_poll_seconds,
+        stale_seconds=settings.head_stale_seconds,
+        jitter=settings.poll_jitter,
+    )
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:

@@ -75,6 +75,12 @@ class Settings:
     log_format: str = "text"
     pin: str | None = None
     pin_object: str | None = None
+    #: The HotLoadDeployment whose status.ledgerHead this loader watches (None: no handoff).
+    deployment: str | None = None
+    #: With a handoff: the origin safety-net poll (at least `poll_seconds`) and the age of
+    #: the operator's checkedTime past which it runs.
+    safety_poll_seconds: float = 30.0
+    head_stale_seconds: float = 90.0
     #: Mirrors that snapshot files are read from first, in order (the origin is always last).
     mirrors: tuple[MirrorSetting, ...] = ()
 
@@ -248,6 +254,31 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
         "(the operator maintains it from spec.pin)",
     ),
     (
+        "--deployment",
+        "HOTLOAD_DEPLOYMENT",
+        str,
+        None,
+        "the HotLoadDeployment (in --namespace) whose status.ledgerHead the operator keeps: "
+        "the loader watches it and reads the ledger and pin from the origin only when the head "
+        "or spec.pin moves, polling the origin itself only as a safety net (needs --report "
+        "kubernetes; the operator sets it)",
+    ),
+    (
+        "--safety-poll-seconds",
+        "HOTLOAD_SAFETY_POLL_SECONDS",
+        float,
+        30.0,
+        "with --deployment: the origin poll (jittered, never under --poll-seconds) that runs "
+        "only while the watch is down or the operator's checkedTime is stale",
+    ),
+    (
+        "--head-stale-seconds",
+        "HOTLOAD_HEAD_STALE_SECONDS",
+        float,
+        90.0,
+        "with --deployment: a ledgerHead checked longer ago than this means the operator is gone",
+    ),
+    (
         "--log-level",
         "HOTLOAD_LOG_LEVEL",
         str,
@@ -348,7 +379,14 @@ def load_settings(
             raise ConfigError(
                 f"--{key.replace('_', '-')}: must be at least {low}, not {values[key]}"
             )
-    for key in ("poll_seconds", "retry_seconds", "engine_wait_seconds", "load_timeout_seconds"):
+    for key in (
+        "poll_seconds",
+        "retry_seconds",
+        "engine_wait_seconds",
+        "load_timeout_seconds",
+        "safety_poll_seconds",
+        "head_stale_seconds",
+    ):
         if values[key] <= 0:
             raise ConfigError(f"--{key.replace('_', '-')}: must be positive")
     if values["hint_ttl_seconds"] < 0:
@@ -371,6 +409,11 @@ def load_settings(
                 raise ConfigError(
                     f"--report kubernetes needs {flag} (or {var}, from the downward API)"
                 )
+    if values["deployment"] and values["report"] != "kubernetes":
+        raise ConfigError(
+            "--deployment (HOTLOAD_DEPLOYMENT) needs --report kubernetes: the head is read "
+            "from the deployment's status through the API server"
+        )
     if values["pin"] is not None and values["pin_object"] is not None:
         raise ConfigError("--pin and --pin-object exclude each other: a pin is static or polled")
     if values["pin"] is not None:

@@ -47,6 +47,7 @@ from hotload_sidecar.cache_policy import move_cache_policy
 from hotload_sidecar.chained import ChainedUpdates
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadRequest, ServedSnapshot
+from hotload_sidecar.head_watch import EVERYTHING, HeadWatch, OriginReads
 from hotload_sidecar.materialize import MaterializeError, Materializer
 from hotload_sidecar.metrics import LoaderMetrics, SourceTally
 from hotload_sidecar.pacing import Backoff, jittered, sleep_or_stop
@@ -77,8 +78,13 @@ class Loader(ChainedUpdates):
         adapter: EngineAdapter,
         reporter: Reporter,
         metrics: LoaderMetrics | None = None,
+        heads: HeadWatch | None = None,
     ) -> None:
         self.settings = settings
+        #: The operator's head handoff (None: poll the origin every --poll-seconds).
+        self.heads = heads
+        #: What the last poll asked the origin for.
+        self._reads = EVERYTHING
         self.ledger = ledger
         self.adapter = adapter
         self.reporter = reporter
@@ -176,12 +182,19 @@ class Loader(ChainedUpdates):
         """Start up, then follow the ledger until `stop` is set."""
         self.weights.prepare()
         await self.board.publish()
+        if self.heads is not None:
+            self.heads.start()
         await self._startup(stop)
         try:
             while not stop.is_set():
                 await self.step()
-                await sleep_or_stop(stop, self._interval())
+                if self.heads is not None:
+                    await self.heads.wait(stop, self._interval())  # a new head: step at once
+                else:
+                    await sleep_or_stop(stop, self._interval())
         finally:
+            if self.heads is not None:
+                await self.heads.close()
             await self.probes.close()
             await self._drop_ahead()
             if self.prefetcher is not None:
@@ -191,9 +204,15 @@ class Loader(ChainedUpdates):
         """One poll: read the ledger (and pin) if changed, check the engine, move to the target
         (the head, or the pin)."""
         await self._poll()
-        if self.prefetcher is not None and self.pin is None and self.status.ledger_reachable:
+        reads = self._reads
+        if (
+            self.prefetcher is not None
+            and self.pin is None
+            and self.status.ledger_reachable
+            and (reads.ledger or reads.hinted is not None)
+        ):
             # Only a follower moves to new snapshots, so only it prepares them early.
-            await self.prefetcher.poll(self.document)
+            await self.prefetcher.poll(self.document, hinted=reads.hinted)
         await self._check_engine()
         target = self.target()
         await self.pins.note_problem(target)
@@ -271,9 +290,13 @@ class Loader(ChainedUpdates):
                 self.metrics.head_sequence.set(head.sequence)
 
     async def _poll(self) -> None:
+        reads = self._reads = self._plan()
+        if not (reads.ledger or reads.pin):
+            return  # the operator's head says nothing moved: the origin is not asked
         try:
-            await self._read_ledger()
-            pin_state = await self.pins.poll()
+            if reads.ledger:
+                await self._read_ledger()
+            pin_state = await self.pins.poll() if reads.pin else None
         except (BucketError, LedgerError) as err:
             self.metrics.ledger_reachable.set(0)
             self.metrics.failures.labels("ledger").inc()
@@ -482,6 +505,14 @@ class Loader(ChainedUpdates):
     def status_target(self, entry: LedgerEntry) -> LedgerEntry:
         """The entry the status names as target (the head, or the pin, when known)."""
         return self.target().entry or entry
+
+    def _plan(self) -> OriginReads:
+        """What this poll reads from the origin: everything without a handoff, else what the
+        handed head says moved (or the safety net)."""
+        if self.heads is None:
+            return EVERYTHING
+        head = self.document.head if self.document is not None else None
+        return self.heads.plan(head, self.document is not None, self.pin)
 
     def _interval(self) -> float:
         return jittered(self.settings.poll_seconds, self.settings.poll_jitter)

@@ -23,14 +23,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hotload.arc import decode, verify
 from hotload.arc.patch import PatchTooDenseError
-from hotload.bucket import Bucket, snapshot_files_async
-from hotload.errors import BucketError, HotloadError, LedgerError
+from hotload.bucket import Bucket, ObjectData, snapshot_files_async
+from hotload.errors import BucketError, HotloadError, LedgerError, ObjectNotFoundError
 from hotload.ledger import LedgerDocument, LedgerEntry
 from hotload.ledger.hints import (
     Hint,
@@ -111,11 +111,18 @@ class Prefetcher:
         #: The last read of each listed hint with its ETag, so unchanged hints are not re-read.
         self._seen: dict[str, tuple[str | None, Hint]] = {}
 
-    async def poll(self, document: LedgerDocument | None) -> None:
+    async def poll(
+        self, document: LedgerDocument | None, *, hinted: Sequence[str] | None = None
+    ) -> None:
         """Read changed hints and start, feed or drop jobs; bucket errors are only logged, since
-        early fetch is an optimisation and the ledger path does the real work."""
+        early fetch is an optimisation and the ledger path does the real work. `hinted`: the
+        identities the operator says are uploading (their hints are read one by one, each a
+        conditional GET, instead of a LIST of every hint)."""
         try:
-            listed = await list_hints_async(self.bucket, self.ledger)
+            if hinted is None:
+                listed = await list_hints_async(self.bucket, self.ledger)
+            else:
+                listed = await self._read_hinted(hinted)
         except (BucketError, LedgerError) as err:
             log.debug("cannot list hints: %s", err)
             return
@@ -176,6 +183,27 @@ class Prefetcher:
             if identity in self._jobs and expired(held.hint, ttl=self.ttl):
                 # Admitted but never taken (a pinned replica, a skipped step): stop holding it.
                 self._drop(identity, f"unused for over {self.ttl:g}s")
+
+    async def _read_hinted(self, identities: Sequence[str]) -> dict[str, str | None]:
+        """The hints of `identities` that exist, with their ETags (a conditional GET each: an
+        unchanged hint costs a 304 and is not parsed again)."""
+        listed: dict[str, str | None] = {}
+        for identity in identities:
+            seen = self._seen.get(identity)
+            try:
+                read = await self.bucket.get_if_changed_async(
+                    hint_key(self.ledger, identity), seen[0] if seen else None
+                )
+            except ObjectNotFoundError:
+                continue  # admitted and pruned, or abandoned: as if not listed
+            if isinstance(read, ObjectData):
+                try:
+                    self._seen[identity] = (read.etag, Hint.loads(read.data, read.key))
+                except (LedgerError, HotloadError) as err:
+                    log.debug("skipping hint %s: %s", identity, err)
+                    continue
+            listed[identity] = self._seen[identity][0]
+        return listed
 
     async def take(self, entry: LedgerEntry) -> Prefetched | None:
         """The verified staging folder of `entry` if a job rebuilt exactly what the ledger

@@ -1,0 +1,339 @@
+"""One watcher per cluster (issue 35 item 3): the operator reads each ledger's head at the origin
+and hands it to the loaders through `status.ledgerHead`; the loaders read the ledger only when
+the head moved, and poll the origin themselves only when the operator is gone.
+
+The real operator on the real API server, real loaders (in this process, each with a real
+reference engine) watching their deployment with the loader's own service account (the Role the
+operator made), a folder bucket whose reads are counted per caller on the `Bucket` objects
+(a folder cannot count requests at its door).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hotload.bucket import Bucket, open_bucket
+from hotload.kube import KubeClient, resource_path
+from hotload.ledger import Ledger
+from hotload.ledger.ledger import ledger_key
+from hotload_sidecar.config import ConfigError, Settings, load_settings
+from hotload_sidecar.engines import make_adapter
+from hotload_sidecar.head_watch import HeadWatch
+from hotload_sidecar.loader import Loader
+from hotload_sidecar.status import LocalReporter
+from support.cluster import install_crds
+from support.engines import serve
+from support.fleet import Trainer
+from support.kubeapi import KubeAPI
+from support.operator import (
+    eventually,
+    hld_body,
+    hld_path,
+    play_deployment_controller,
+    running_operator,
+)
+from support.tiny_llm import TinyLLM, build_tiny_llm
+
+JSON = dict[str, Any]
+
+#: What the operator is run with here: a head read every 2 s (the default) and a heartbeat
+#: short enough that a loader told "stale after 4 s" trusts it while it runs.
+HEARTBEAT = 1.0
+STALE = 4.0
+#: The loaders' safety-net poll while the operator is gone (seconds).
+SAFETY = 2.0
+
+
+class BucketCalls:
+    """Every bucket call of this process (`Bucket._local`/`_call`: the folder bucket's reads,
+    writes and listings), told apart by the `Bucket` object that made it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[int, str, str]] = []
+        calls = self.calls
+        local, call = Bucket._local, Bucket._call
+
+        async def counted_local(self: Bucket, key: str, op: str, fn: Any) -> Any:
+            calls.append((id(self), op, key))
+            return await local(self, key, op, fn)
+
+        async def counted_call(self: Bucket, key: str, op: str, fn: Any, **kw: Any) -> Any:
+            calls.append((id(self), op, key))
+            return await call(self, key, op, fn, **kw)
+
+        monkeypatch.setattr(Bucket, "_local", counted_local)
+        monkeypatch.setattr(Bucket, "_call", counted_call)
+
+    def mark(self) -> int:
+        """Where the calls are now (for `since`)."""
+        return len(self.calls)
+
+    def since(
+        self, mark: int, *, of: list[Bucket] | None = None, but: list[Bucket] | None = None
+    ) -> list[tuple[str, str]]:
+        """(op, key) of the calls after `mark` made by the buckets `of` (all when None), not by
+        those in `but`."""
+        mine = {id(b) for b in of} if of is not None else None
+        others = {id(b) for b in but or []}
+        return [
+            (op, key)
+            for who, op, key in self.calls[mark:]
+            if (mine is None or who in mine) and who not in others
+        ]
+
+
+class OperatorThread:
+    """The operator in a thread and event loop of its own: stopping it must not touch the
+    loaders' tasks (kopf cancels the tasks of its loop when it stops)."""
+
+    def __init__(self, kube_api: KubeAPI, **settings: Any) -> None:
+        self.kube_api, self.settings = kube_api, settings
+        self.ready, self.stopping = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, name="operator", daemon=True)
+
+    def start(self) -> None:
+        """Start it and wait until it leads (or failed)."""
+        self.thread.start()
+        while not self.ready.wait(0.1):
+            if not self.thread.is_alive():
+                raise AssertionError(f"the operator did not start: {self.error!r}")
+
+    def stop(self) -> None:
+        """Stop it and wait for its thread (nothing when it does not run)."""
+        self.stopping.set()
+        if not self.thread.is_alive():
+            return
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the operator did not stop within 60 s"
+
+    def _main(self) -> None:
+        async def main() -> None:
+            async with running_operator(self.kube_api, **self.settings):
+                self.ready.set()
+                while not self.stopping.is_set():
+                    await asyncio.sleep(0.1)
+
+        try:
+            asyncio.run(main())
+        except BaseException as err:
+            self.error = err
+            raise
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyLLM:
+    """Four snapshots of one tiny Llama."""
+    return build_tiny_llm(tmp_path_factory.mktemp("tiny-handoff"), 3, noise=0.01)
+
+
+@contextlib.asynccontextmanager
+async def following_loader(
+    kube_api: KubeAPI, tiny: TinyLLM, root: Path, ledger_url: str, pod: str
+) -> AsyncIterator[tuple[Loader, LocalReporter, Bucket]]:
+    """A loader (and its reference engine) following `ledger_url` with the head handoff of
+    deployment `fleet`, watching it as the loader's service account bound to `pod`; its own
+    origin poll only as the safety net (every `SAFETY` s once the head is `STALE` s old)."""
+    config = await kube_api.service_account_config("fleet-hotload-loader", pod)
+    async with serve(tiny.snapshots[0], "boot", dtype="float32") as client:
+        url = str(client.make_url(""))
+        settings = Settings(
+            ledger_url=ledger_url,
+            weights_dir=root / "weights",
+            engine_url=url,
+            hint_ttl_seconds=0,
+            poll_seconds=0.2,
+            report="kubernetes",
+            namespace=kube_api.namespace,
+            pod_name=pod,
+            deployment="fleet",
+            safety_poll_seconds=SAFETY,
+            head_stale_seconds=STALE,
+        )
+        bucket_url, name = ledger_url.rsplit("/", 1)
+        bucket = open_bucket(bucket_url)
+        heads = HeadWatch(
+            KubeClient(config),
+            kube_api.namespace,
+            "fleet",
+            poll_seconds=settings.poll_seconds,
+            safety_seconds=SAFETY,
+            stale_seconds=STALE,
+        )
+        reporter = LocalReporter()
+        adapter = make_adapter("reference", url)
+        loader = Loader(
+            settings, ledger=Ledger(bucket, name), adapter=adapter, reporter=reporter, heads=heads
+        )
+        stop = asyncio.Event()
+        task = asyncio.create_task(loader.run(stop))
+        try:
+            yield loader, reporter, bucket
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+            await adapter.aclose()
+
+
+async def until(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
+    """Wait until `check()` holds (fail naming `what`)."""
+
+    async def holds() -> bool:
+        return check()
+
+    await eventually(what, holds, timeout=timeout, interval=0.1)
+
+
+async def head_changes(kube: KubeClient, path: str, seen: list[JSON]) -> None:
+    """Append every distinct (identity, sequence, uploading) of `path`'s ledgerHead as a watch
+    delivers them (forever; cancel to stop)."""
+    ns, name = path.split("/")[-3], path.rsplit("/", maxsplit=1)[-1]
+    collection = resource_path("hotload.dev/v1alpha1", "hotloaddeployments", ns)
+    while True:
+        async for _, obj in kube.watch(collection, field_selector=f"metadata.name={name}"):
+            head = (obj.get("status") or {}).get("ledgerHead")
+            if head is None:
+                continue
+            key = {k: head.get(k) for k in ("identity", "sequence", "uploading")}
+            if not seen or seen[-1] != key:
+                seen.append(key)
+
+
+@pytest.mark.asyncio
+async def test_loaders_follow_the_operators_head_and_poll_the_origin_once_it_is_gone(
+    kube_api: KubeAPI, tiny: TinyLLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two deployments on one ledger cost the origin one conditional GET and one LIST per
+    poll (<= 1 request/s idle); their loaders read nothing from the origin while idle, learn a
+    trainer's new head (published without a Snapshot object) from status.ledgerHead, which
+    changes once per new head; with the operator gone they poll the origin themselves."""
+    monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig))
+    calls = BucketCalls(monkeypatch)
+    ns = kube_api.namespace
+    bucket_dir = tmp_path / "bucket"
+    trainer = Trainer(Ledger(open_bucket(str(bucket_dir)), "fleet"), tiny.snapshots, tmp_path)
+    await asyncio.to_thread(trainer.publish, 0)
+    other = hld_body("other", bucket_dir)
+    other["spec"]["ledger"] = "fleet"  # a second deployment on the same ledger
+    seen: list[JSON] = []
+    async with kube_api.client() as kube:
+        await install_crds(kube)
+        operator = OperatorThread(kube_api, head_heartbeat_seconds=HEARTBEAT, head_poll_seconds=2.0)
+        await asyncio.to_thread(operator.start)
+        watching: asyncio.Task[None] | None = None
+        try:
+            await kube.create(hld_path(ns), hld_body("fleet", bucket_dir, replicas=2))
+            await kube.create(hld_path(ns), other)
+            for name in ("fleet", "other"):
+                await eventually(f"{name}'s ledgerHead", partial(_head, kube, ns, name, "step-000"))
+            role = resource_path(
+                "rbac.authorization.k8s.io/v1", "roles", ns, "fleet-hotload-loader"
+            )
+            await eventually("the loader's Role", partial(_get, kube, role))
+            pods = await play_deployment_controller(kube, ns, "fleet")
+            watching = asyncio.create_task(head_changes(kube, hld_path(ns, "fleet"), seen))
+            async with contextlib.AsyncExitStack() as stack:
+                replicas = [
+                    await stack.enter_async_context(
+                        following_loader(
+                            kube_api, tiny, tmp_path / pod, f"file://{bucket_dir}/fleet", pod
+                        )
+                    )
+                    for pod in pods
+                ]
+                loader_buckets = [b for _, _, b in replicas]
+                await until(
+                    "both loaders serving step-000",
+                    lambda: all(r.status.identity == "step-000" for _, r, _ in replicas),
+                )
+
+                # Idle: the operator's polls of the one ledger, nothing from the loaders.
+                mark, started = calls.mark(), asyncio.get_running_loop().time()
+                await asyncio.sleep(10)
+                window = asyncio.get_running_loop().time() - started
+                by_loaders = calls.since(mark, of=loader_buckets)
+                by_operator = Counter(op_ for op_, _ in calls.since(mark, but=loader_buckets))
+                assert by_loaders == []
+                # Every 2 s: one conditional GET of the ledger and one LIST of its hints, for
+                # both deployments together.
+                assert by_operator["LIST"] <= window / 2 + 1
+                assert by_operator["GET"] <= window / 2 + 1
+                assert 3 <= sum(by_operator.values()) <= window + 2, by_operator
+
+                # A new head, published without a Snapshot object: handed over, read once.
+                mark = calls.mark()
+                published = asyncio.get_running_loop().time()
+                await asyncio.to_thread(trainer.publish, 1)
+                await until(
+                    "both loaders serving step-001",
+                    lambda: all(r.status.identity == "step-001" for _, r, _ in replicas),
+                )
+                took = asyncio.get_running_loop().time() - published
+                for loader, _, bucket in replicas:
+                    reads = calls.since(mark, of=[bucket])
+                    ledger_reads = [k for _, k in reads if k == ledger_key("fleet")]
+                    assert 1 <= len(ledger_reads) <= 2, ledger_reads
+                    assert loader.metrics.head_sequence._value.get() == 2
+                assert took < 2 + 10, f"publish -> serving took {took:.1f}s"
+                await until("the last ledgerHead seen", lambda: seen[-1]["identity"] == "step-001")
+                # One ledgerHead per head: step-000, then step-001, nothing between.
+                assert [h["identity"] for h in seen] == ["step-000", "step-001"], seen
+
+                # The operator gone: the loaders' own slow poll takes over.
+                await asyncio.to_thread(operator.stop)
+                gone = asyncio.get_running_loop().time()
+                await asyncio.to_thread(trainer.publish, 2)
+                await until(
+                    "both loaders serving step-002 on their own",
+                    lambda: all(r.status.identity == "step-002" for _, r, _ in replicas),
+                    timeout=60,
+                )
+                alone = asyncio.get_running_loop().time() - gone
+                # Not before the head went stale, and within a safety poll or two after.
+                assert STALE - HEARTBEAT <= alone <= STALE + 3 * SAFETY + 15, alone
+                assert seen[-1]["identity"] == "step-001"  # nobody handed step-002 over
+        finally:
+            if watching is not None:
+                watching.cancel()
+                with contextlib.suppress(BaseException):
+                    await watching
+            await asyncio.to_thread(operator.stop)
+
+
+async def _get(kube: KubeClient, path: str) -> JSON | None:
+    from hotload.errors import KubeNotFoundError
+
+    try:
+        return await kube.get(path)
+    except KubeNotFoundError:
+        return None
+
+
+async def _head(kube: KubeClient, ns: str, name: str, identity: str) -> JSON | None:
+    obj = await kube.get(hld_path(ns, name))
+    head = (obj.get("status") or {}).get("ledgerHead") or {}
+    return head if head.get("identity") == identity else None
+
+
+def test_handoff_settings() -> None:
+    """--deployment needs a Kubernetes report (the head comes from the API server); the
+    safety-net settings come from flags or the environment."""
+    base = ["--ledger-url", "file:///b/l", "--weights-dir", "/w"]
+    with pytest.raises(ConfigError, match=r"--deployment .* needs --report kubernetes"):
+        load_settings([*base, "--deployment", "fleet"], {})
+    settings = load_settings(
+        [*base, "--report", "kubernetes", "--pod-name", "p", "--namespace", "n"],
+        {"HOTLOAD_DEPLOYMENT": "fleet", "HOTLOAD_SAFETY_POLL_SECONDS": "45"},
+    )
+    assert (settings.deployment, settings.safety_poll_seconds) == ("fleet", 45.0)
+    assert settings.head_stale_seconds == 90.0
+    assert load_settings(base, {}).deployment is None
