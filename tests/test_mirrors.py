@@ -14,19 +14,20 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from safetensors.numpy import load_file as load
 
 from hotload.bucket import Bucket, MirroredBucket, open_bucket, open_mirrored
 from hotload.ledger import Ledger
 from hotload.ledger.hints import Hint, write_hint_async
 from hotload.ledger.pins import Pin, pin_key, write_pin_async
-from hotload.snapshot import Snapshot
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import make_adapter
 from hotload_sidecar.loader import Loader
-from hotload_sidecar.materialize import Materializer
+from hotload_sidecar.materialize import BuildResult, Materializer
 from hotload_sidecar.metrics import LoaderMetrics, SourceTally
 from hotload_sidecar.status import LoadTimings, LocalReporter, ReplicaStatus
 from hotload_sidecar.weights import WeightsFolder
@@ -104,15 +105,32 @@ def _copy_snapshots(src: Bucket, dst: Bucket, identities: list[str]) -> list[str
     return keys
 
 
-def _mirror_creds(server: CountingProxy, tmp: Path, name: str) -> Path:
-    settings = {
-        "AWS_ENDPOINT_URL": server.endpoint,
-        "AWS_ACCESS_KEY_ID": "hotload-test-key",
-        "AWS_SECRET_ACCESS_KEY": "hotload-test-secret",
-        "AWS_REGION": "us-east-1",
-        "AWS_ALLOW_HTTP": "true",
-    }
-    return write_credentials(tmp / name, settings)
+def _mirror_creds(server: SeaweedFS, door: CountingProxy, tmp: Path, name: str) -> Path:
+    return write_credentials(tmp / name, {**server.env, "AWS_ENDPOINT_URL": door.endpoint})
+
+
+@dataclass
+class _Mirrored:
+    """Two steps published at the origin under a fresh prefix, copied to the plain mirror."""
+
+    prefix: str
+    url: str
+    trainer: Trainer
+    creds: Path
+    mirror: Bucket
+    keys: list[str]
+
+
+def _published_and_mirrored(
+    tmp_path: Path, server: SeaweedFS, door: CountingProxy, steps: int = 2
+) -> _Mirrored:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    trainer = _trainer(tmp_path, prefix, steps=steps)
+    url = f"s3://{BUCKET}/{prefix}"
+    creds = _mirror_creds(server, door, tmp_path, "mirror")
+    mirror = open_bucket(url, credentials_dir=creds)
+    keys = _copy_snapshots(trainer.ledger.bucket, mirror, ["step-000", "step-001"])
+    return _Mirrored(prefix, url, trainer, creds, mirror, keys)
 
 
 def _label(door: CountingProxy) -> str:
@@ -120,16 +138,11 @@ def _label(door: CountingProxy) -> str:
 
 
 def _tensors(path: Path) -> dict[str, bytes]:
-    snap = Snapshot(path)
-    out: dict[str, bytes] = {}
-    for shard in snap.shard_files:
-        with snap.open_shard(shard) as f:
-            for name in f.tensors:
-                out[name] = bytes(f.raw(name))
-    return out
+    """Every tensor's bytes in a snapshot folder, by name."""
+    return {k: v.tobytes() for f in sorted(path.glob("*.safetensors")) for k, v in load(f).items()}
 
 
-def _build(bucket: MirroredBucket, trainer: Trainer, weights_dir: Path):  # type: ignore[no-untyped-def]
+def _build(bucket: MirroredBucket, trainer: Trainer, weights_dir: Path) -> BuildResult:
     folder = WeightsFolder(weights_dir)
     folder.prepare()
     doc = trainer.ledger.read().document
@@ -143,11 +156,8 @@ def test_a_poisoned_mirror_object_is_never_served_and_the_update_completes_from_
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    prefix = f"t-{uuid.uuid4().hex[:12]}"
-    trainer = _trainer(tmp_path, prefix)
-    creds = _mirror_creds(mirror_door, tmp_path, "mirror")
-    mirror = open_bucket(f"s3://{BUCKET}/{prefix}", credentials_dir=creds)
-    keys = _copy_snapshots(trainer.ledger.bucket, mirror, ["step-000", "step-001"])
+    m = _published_and_mirrored(tmp_path, plain_mirror, mirror_door)
+    prefix, trainer, creds, mirror, keys = m.prefix, m.trainer, m.creds, m.mirror, m.keys
     # One shard of the full snapshot flipped at the mirror: same size, wrong bytes.
     poisoned = next(k for k in keys if k.startswith("step-000/") and k.endswith(".safetensors"))
     data = bytearray(mirror.get(poisoned).data)
@@ -155,9 +165,7 @@ def test_a_poisoned_mirror_object_is_never_served_and_the_update_completes_from_
     mirror.put(poisoned, bytes(data))
     origin_env.reset()
 
-    bucket = open_mirrored(
-        open_bucket(f"s3://{BUCKET}/{prefix}"), [(f"s3://{BUCKET}/{prefix}", str(creds))]
-    )
+    bucket = open_mirrored(open_bucket(m.url), [(m.url, str(creds))])
     with caplog.at_level(logging.WARNING):
         built = _build(bucket, trainer, tmp_path / "w")
 
@@ -184,26 +192,13 @@ def test_a_mirror_that_is_down_or_lacks_an_object_costs_no_update(
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    prefix = f"t-{uuid.uuid4().hex[:12]}"
-    trainer = _trainer(tmp_path, prefix)
-    url = f"s3://{BUCKET}/{prefix}"
-    creds = _mirror_creds(mirror_door, tmp_path, "mirror")
-    keys = _copy_snapshots(
-        trainer.ledger.bucket, open_bucket(url, credentials_dir=creds), ["step-000", "step-001"]
-    )
+    m = _published_and_mirrored(tmp_path, plain_mirror, mirror_door)
+    prefix, url, trainer, creds, keys = m.prefix, m.url, m.trainer, m.creds, m.keys
     lacking = next(k for k in keys if k.startswith("step-001/"))
-    open_bucket(url, credentials_dir=creds).delete(lacking)
+    m.mirror.delete(lacking)
     # First in line, a mirror nobody listens on: it is down.
-    down = write_credentials(
-        tmp_path / "down",
-        {
-            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
-            "AWS_ACCESS_KEY_ID": "k",
-            "AWS_SECRET_ACCESS_KEY": "s",
-            "AWS_REGION": "us-east-1",
-            "AWS_ALLOW_HTTP": "true",
-        },
-    )
+    nobody = f"http://127.0.0.1:{free_port()}"
+    down = write_credentials(tmp_path / "down", {**plain_mirror.env, "AWS_ENDPOINT_URL": nobody})
     origin_env.reset()
     mirror_door.reset()
 
@@ -238,13 +233,9 @@ def test_the_ledger_pins_and_hints_never_come_from_a_mirror(
     mirror_door: CountingProxy,
     tmp_path: Path,
 ) -> None:
-    prefix = f"t-{uuid.uuid4().hex[:12]}"
-    trainer = _trainer(tmp_path, prefix, steps=3)
-    url = f"s3://{BUCKET}/{prefix}"
+    m = _published_and_mirrored(tmp_path, plain_mirror, mirror_door, steps=3)
+    prefix, url, trainer, creds, mirror = m.prefix, m.url, m.trainer, m.creds, m.mirror
     origin = trainer.ledger.bucket
-    creds = _mirror_creds(mirror_door, tmp_path, "mirror")
-    mirror = open_bucket(url, credentials_dir=creds)
-    _copy_snapshots(origin, mirror, ["step-000", "step-001"])
     pin = pin_key("ns", "policy", "uid-1")
     asyncio.run(write_pin_async(origin, pin, Pin("step-001")))
     asyncio.run(write_hint_async(origin, "policy", Hint("step-002", previous="step-001")))

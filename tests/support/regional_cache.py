@@ -70,13 +70,7 @@ class RegionalCache:
 
     def settings(self) -> dict[str, str]:
         """The S3 settings a reader of the region needs (a mirror's credentials Secret keys)."""
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_REGION": "us-east-1",
-            "AWS_ALLOW_HTTP": "true",
-        }
+        return self.server.env
 
     def credentials_dir(self, directory: Path) -> Path:
         """Write `settings()` as one file per key into `directory` (a mounted Secret's layout)
