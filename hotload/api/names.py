@@ -34,6 +34,15 @@ LEDGER_NAME_PATTERN: Final = IDENTITY_PATTERN
 CONDITION_SNAPSHOT_LOADED: Final = "hotload.dev/SnapshotLoaded"
 #: Pod annotation with the loader's report as JSON (see `hotload_sidecar.status`).
 ANNOTATION_SNAPSHOT: Final = "hotload.dev/snapshot"
+#: The fields of a loader's lastLoad report that say where the update's bytes came from
+#: (origin or mirrors); the operator copies them into `status.replicaStatuses[]` by name.
+REPLICA_SOURCE_FIELDS: Final = (
+    "bytesFromOrigin",
+    "bytesFromMirrors",
+    "requestsToOrigin",
+    "requestsToMirrors",
+    "mirrorRejected",
+)
 #: On a HotLoadDeployment: the digest of what the operator last applied for it (its owned
 #: objects, pin and router), so an operator that takes over skips what is already in place.
 ANNOTATION_APPLIED: Final = "hotload.dev/applied"

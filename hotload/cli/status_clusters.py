@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from hotload.cli.status import cluster_doc, condition_text, print_cluster, why_lines
+from hotload.cli.status_view import cluster_doc, condition_text, print_cluster, why_lines
 from hotload.errors import HotloadError
 
 JSON = dict[str, Any]

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotload.api.models import HotLoadDeployment
-from hotload.api.names import ANNOTATION_SNAPSHOT, DegradedReasons, DeploymentReasons
+from hotload.api.names import (
+    ANNOTATION_SNAPSHOT,
+    REPLICA_SOURCE_FIELDS,
+    DegradedReasons,
+    DeploymentReasons,
+)
 from hotload_operator.causes import LOAD_FIXES, Cause, load_failure_reason, pod_problem
 from hotload_operator.conditions import is_true
 
@@ -102,13 +107,7 @@ def read_pod(pod: JSON) -> PodReport:
 
 #: The lastLoad fields that say where an update's bytes came from, copied per replica into
 #: `status.replicaStatuses[]` under the same names.
-SOURCE_FIELDS = (
-    "bytesFromOrigin",
-    "bytesFromMirrors",
-    "requestsToOrigin",
-    "requestsToMirrors",
-    "mirrorRejected",
-)
+SOURCE_FIELDS = REPLICA_SOURCE_FIELDS
 
 
 def _region(raw: Any) -> str | None:
