@@ -9,9 +9,10 @@ second per ledger, whatever the number of deployments and replicas following it.
 
 A deployment's `status.ledgerHead` is written when its head or uploading list changes, and
 otherwise at most every `HEARTBEAT_SECONDS` to refresh `checkedTime` (loaders take a stale
-`checkedTime` as the operator being gone and poll the origin themselves). A ledger that cannot
-be read leaves `checkedTime` alone, so the loaders fall back to the origin and say why. Writes
-pass the leader's fence like every other write (`fence.py`); only the leader runs this.
+`checkedTime` as the operator being gone and poll the origin themselves), always by the
+deployment's roll-up (`ledger_head`), with whatever else changed: one status write. A ledger
+that cannot be read leaves `checkedTime` alone, so the loaders fall back to the origin and say
+why. The writes pass the leader's fence like every other write (`fence.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import partial
 from typing import Any
 
 from hotload.api.models import HotLoadDeployment
@@ -31,7 +31,6 @@ from hotload.errors import BucketError, HotloadError, LedgerError
 from hotload.ledger import LedgerDocument
 from hotload.ledger.fields import format_time
 from hotload.ledger.hints import Hint, expired, hint_key, list_hints_async
-from hotload_operator import reconcile
 from hotload_operator.context import Context, Key
 from hotload_operator.fleet import DeploymentRecord
 from hotload_operator.meta import name_of, namespace_of
@@ -64,6 +63,9 @@ class HeadPoller:
     heartbeat: float = HEARTBEAT_SECONDS
     #: Per ledger: each hint's ETag and content as last read (None: unreadable).
     _hints: dict[LedgerKey, dict[str, tuple[str | None, Hint | None]]] = field(default_factory=dict)
+    #: Per ledger: when it was last read successfully, and the uploading identities then.
+    _checked: dict[LedgerKey, datetime] = field(default_factory=dict)
+    _uploading_of: dict[LedgerKey, list[str]] = field(default_factory=dict)
 
     async def run(self) -> None:
         """Poll every ledger, then wait the interval; forever (the runtime cancels it)."""
@@ -78,35 +80,45 @@ class HeadPoller:
             groups.setdefault(self.ctx.ledgers.key(record.hld), []).append(record)
         for gone in [k for k in self._hints if k not in groups]:
             del self._hints[gone]
+            self._checked.pop(gone, None)
+            self._uploading_of.pop(gone, None)
         await asyncio.gather(*(self._poll(key, records) for key, records in groups.items()))
 
     async def _poll(self, key: LedgerKey, records: Sequence[DeploymentRecord]) -> None:
         hld = records[0].hld
-        moved = await self.ctx.ledgers.refresh(hld)
-        view = self.ctx.ledgers.view(hld)
-        if view.problem is not None:
+        await self.ctx.ledgers.refresh(hld)
+        if self.ctx.ledgers.view(hld).problem is not None:
             return  # checkedTime stays old: the loaders poll the origin and report the cause
-        checked = self.ctx.now()
-        uploading = await self._uploading(key, hld, view.document)
+        self._checked[key] = self.ctx.now()
+        self._uploading_of[key] = await self._uploading(
+            key, hld, self.ctx.ledgers.view(hld).document
+        )
+        for record in records:
+            if self.ledger_head(record) is not None:
+                # The roll-up writes it, with whatever else changed: one write.
+                self.ctx.rollups.request((namespace_of(record.hld), name_of(record.hld)), 0)
+
+    def ledger_head(self, record: DeploymentRecord) -> JSON | None:
+        """The `status.ledgerHead` a roll-up of `record` should write now, or None when
+        nothing is due: the head (from the ledger copy the roll-up reads), the uploading list
+        and the time of the last successful read, when the head or the list moved or the one
+        written is older than the heartbeat. None too while the ledger cannot be read."""
+        hld = record.hld
+        key = self.ctx.ledgers.key(hld)
+        view = self.ctx.ledgers.view(hld)
+        checked = self._checked.get(key)
+        if checked is None or view.problem is not None:
+            return None
         head = view.document.head if view.document is not None else None
         wanted: JSON = {
             "identity": head.identity if head else None,
             "sequence": head.sequence if head else None,
             "checkedTime": format_time(checked),
-            "uploading": uploading,
+            "uploading": self._uploading_of.get(key, []),
         }
-        for record in records:
-            dkey: Key = (namespace_of(record.hld), name_of(record.hld))
-            if moved:
-                self.ctx.rollups.request(dkey, 0)
-            if self._due(dkey, record, wanted, checked):
-                await reconcile.guarded("ledger head", partial(self._write, record, wanted))
-
-    def _due(self, key: Key, record: DeploymentRecord, wanted: JSON, now: datetime) -> bool:
-        """Whether `wanted` differs from the deployment's ledgerHead (head or uploading), or
-        its checkedTime is older than the heartbeat."""
+        dkey: Key = (namespace_of(hld), name_of(hld))
         before = self.ctx.writer.previous(
-            DEPLOYMENT_PLURAL, key, record.status, record.resource_version
+            DEPLOYMENT_PLURAL, dkey, record.status, record.resource_version
         )
         held = before.get("ledgerHead") or {}
         same = (
@@ -115,23 +127,12 @@ class HeadPoller:
             and list(held.get("uploading") or []) == wanted["uploading"]
         )
         if not same:
-            return True
+            return wanted  # a merge patch: a head that is gone (None) removes its fields
         try:
-            checked = datetime.fromisoformat(str(held.get("checkedTime")))
+            written = datetime.fromisoformat(str(held.get("checkedTime")))
         except ValueError:
-            return True
-        return (now - checked).total_seconds() >= self.heartbeat
-
-    async def _write(self, record: DeploymentRecord, wanted: JSON) -> None:
-        key: Key = (namespace_of(record.hld), name_of(record.hld))
-        # A merge patch: a head that is gone (None) removes its fields.
-        await self.ctx.writer.write(
-            DEPLOYMENT_PLURAL,
-            key,
-            {"ledgerHead": wanted},
-            record.status,
-            record.resource_version,
-        )
+            return wanted
+        return wanted if (checked - written).total_seconds() >= self.heartbeat else None
 
     async def _uploading(
         self, key: LedgerKey, hld: HotLoadDeployment, document: LedgerDocument | None

@@ -267,6 +267,9 @@ async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
             ledger=ledger,
             causes=causes,
         )
+        handed = ctx.heads.ledger_head(record) if ctx.heads is not None else None
+        if handed is not None:
+            status["ledgerHead"] = handed  # the head handoff (heads.py), in the same write
         named |= {r_a.identity for r in reports for r_a in r.adapters}
         named |= {i for i in (head.identity if head else None, hld.spec.pin) if i}
         writes = [
