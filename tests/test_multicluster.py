@@ -442,3 +442,18 @@ async def test_the_loader_reports_the_region_the_operator_gives_it(
         finally:
             await reporter.aclose()
         assert annotation(await read_pod(kube_api, name))["region"] == region
+
+
+def test_an_unusable_fireworks_context_stops_the_operator_naming_it(
+    kube_api: KubeAPI, tmp_path: Path
+) -> None:
+    """HOTLOAD_FIREWORKS_CONTEXTS naming a context the kubeconfig lacks is refused at start,
+    naming the setting and the context (not a GET that silently lists fewer replicas)."""
+    from hotload.errors import KubeError
+    from hotload_operator.remote_replicas import remote_clusters
+
+    kubeconfig = two_contexts(kube_api, {"a": "ns-a", "b": "ns-b"}, tmp_path / "kubeconfig")
+    found = remote_clusters(kubeconfig, ["b", "a", "b", ""])
+    assert [(r.context, r.config.namespace) for r in found] == [("b", "ns-b"), ("a", "ns-a")]
+    with pytest.raises(KubeError, match="HOTLOAD_FIREWORKS_CONTEXTS: context 'eu-west'"):
+        remote_clusters(kubeconfig, ["a", "eu-west"])
