@@ -32,10 +32,11 @@ from hotload_sidecar.metrics import LoaderMetrics, SourceTally
 from hotload_sidecar.status import LoadTimings, LocalReporter, ReplicaStatus
 from hotload_sidecar.weights import WeightsFolder
 from support.counting_proxy import CountingProxy
-from support.fleet import Trainer, free_port
+from support.fleet import Replica, Trainer, free_port
 from support.regional_cache import RegionalCache, write_credentials
 from support.seaweedfs import BUCKET, SeaweedFS
 from support.snapshots import full, nudged, weights
+from support.tiny_llm import build_tiny_llm
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,14 @@ def origin_env(
     """The AWS_* environment (the origin's settings) points at the origin's door."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", origin_door.endpoint)
     return origin_door
+
+
+@pytest.fixture
+def process_env(
+    env: dict[str, str], plain_mirror: SeaweedFS, origin_env: CountingProxy
+) -> dict[str, str]:
+    """A loader process's environment: the origin's settings, its endpoint the origin's door."""
+    return {**env, **plain_mirror.env, "AWS_ENDPOINT_URL": origin_env.endpoint}
 
 
 def _trainer(root: Path, prefix: str, steps: int = 2, published: int = 2) -> Trainer:
@@ -335,3 +344,65 @@ def test_replicas_missing_the_same_object_at_once_cost_the_origin_about_one_read
     served = origin_env.bytes_served(method="GET", key_prefix=f"{prefix}/step-")
     assert served <= 1.1 * sum(published.values()), (served, sum(published.values()))
     assert served >= sum(published.values())
+
+
+def test_a_loader_process_reads_from_its_mirror_rejects_a_bad_copy_and_reports_it(
+    process_env: dict[str, str],
+    origin_door: CountingProxy,
+    mirror_door: CountingProxy,
+    tmp_path: Path,
+    replicas: list[Replica],
+) -> None:
+    """`python -m hotload_sidecar --mirror URL,credentials=DIR` with a reference engine: the
+    first snapshot comes from the mirror; the next one's payload is poisoned there, so that
+    update is read again from the origin, and /status, its Events and /metrics say so."""
+    tiny = build_tiny_llm(tmp_path / "tiny", 1, noise=0.01)
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    url = f"s3://{BUCKET}/{prefix}"
+    trainer = Trainer(Ledger(open_bucket(url), "policy"), tiny.snapshots, tmp_path / "trainer")
+    trainer.publish(0)
+    # The test servers share their keys: the mirror's credentials differ in the endpoint.
+    signing = {k: v for k, v in process_env.items() if k.startswith("AWS_")}
+    creds = write_credentials(
+        tmp_path / "mirror", {**signing, "AWS_ENDPOINT_URL": mirror_door.endpoint}
+    )
+    mirror = open_bucket(url, credentials_dir=creds)
+    _copy_snapshots(trainer.ledger.bucket, mirror, ["step-000"])
+    replica = Replica(
+        "r0",
+        tmp_path / "r0",
+        f"{url}/policy",
+        process_env,
+        ["--mirror", f"{url},credentials={creds}", "--sparse-max-changed", "0"],
+    )
+    replicas.append(replica)
+    replica.start(timeout=180)
+    replica.wait_serving("step-000", timeout=180)
+
+    replica.pause_loader()  # the mirror gets step-001 (poisoned) before the loader sees it
+    trainer.publish(1)
+    keys = _copy_snapshots(trainer.ledger.bucket, mirror, ["step-001"])
+    payload = max(keys, key=lambda k: mirror.head(k).size)
+    data = bytearray(mirror.get(payload).data)
+    data[len(data) // 2] ^= 0xFF
+    mirror.put(payload, bytes(data))
+    mirror_door.reset()
+    origin_door.reset()
+    replica.resume_loader()
+    served = replica.wait_serving("step-001", timeout=180)
+
+    sources = served["last_load"]["sources"]
+    assert sources["mirrorRejected"] >= 1
+    assert sources["bytesFromMirrors"] > 0  # the copies, good and bad
+    # The snapshot came again from the origin: at least the poisoned payload's bytes.
+    assert sources["bytesFromOrigin"] >= len(data)
+    assert origin_door.requests(method="GET", key_prefix=f"{prefix}/{payload}") >= 1
+    events = [e for e in served["events"] if e["reason"] == "MirrorCopyRejected"]
+    assert events and "step-001" in events[0]["message"], served["events"]
+    label = _label(mirror_door)
+    scraped = replica.metrics()
+    assert f'hotload_loader_mirror_rejected_total{{source="{label}"}}' in scraped
+    assert f'hotload_loader_mirror_rejected_total{{source="{label}"}} 0.0' not in scraped
+    # The mirror was asked for snapshot files only: never the ledger, the pin or a listing.
+    seen = mirror_door.served()
+    assert seen and all(s.key.startswith(f"{prefix}/step-") and not s.query for s in seen)
