@@ -15,6 +15,7 @@ import contextlib
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,12 @@ from typing import Any
 import pytest
 
 from hotload.bucket import Bucket, open_bucket
-from hotload.kube import KubeClient, resource_path
-from hotload.ledger import Ledger
+from hotload.kube import KubeClient, KubeConfig, resource_path
+from hotload.ledger import Ledger, LedgerEntry
 from hotload.ledger.ledger import ledger_key
 from hotload_sidecar.config import ConfigError, Settings, load_settings
 from hotload_sidecar.engines import make_adapter
-from hotload_sidecar.head_watch import HeadWatch
+from hotload_sidecar.head_watch import HeadWatch, OriginReads
 from hotload_sidecar.loader import Loader
 from hotload_sidecar.status import LocalReporter
 from support.cluster import install_crds
@@ -337,3 +338,83 @@ def test_handoff_settings() -> None:
     assert (settings.deployment, settings.safety_poll_seconds) == ("fleet", 45.0)
     assert settings.head_stale_seconds == 90.0
     assert load_settings(base, {}).deployment is None
+
+
+def _entry(identity: str, sequence: int) -> LedgerEntry:
+    return LedgerEntry(
+        sequence=sequence,
+        identity=identity,
+        kind="full",
+        previous=None,
+        published_time=datetime(2026, 1, 1, tzinfo=UTC),
+        prompt_cache="all",
+        manifest_digest="sha256:" + "0" * 64,
+        shipped_bytes=1,
+        full_bytes=1,
+    )
+
+
+def test_what_a_loader_asks_the_origin_for() -> None:
+    """The handed head decides: nothing while it matches the loader's copy, the ledger once it
+    is newer, the pin object while spec.pin differs from the pin followed (at once, then
+    doubling), everything on the safety net's schedule once the head is stale."""
+    clock, wall = [100.0], [datetime(2026, 1, 1, 12, 0, tzinfo=UTC)]
+    heads = HeadWatch(
+        KubeClient(KubeConfig(server="http://127.0.0.1:9")),  # never asked here
+        "ns",
+        "fleet",
+        poll_seconds=2,
+        safety_seconds=30,
+        stale_seconds=90,
+        jitter=0,
+        clock=lambda: clock[0],
+        now=lambda: wall[0],
+    )
+    step3 = _entry("step-3", 3)
+    # Nothing read yet: everything, and the safety net's clock starts.
+    assert heads.plan(None, False, None) == OriginReads(True, True, None)
+    heads.up = True
+    heads._take(
+        {
+            "spec": {},
+            "status": {
+                "ledgerHead": {
+                    "identity": "step-3",
+                    "sequence": 3,
+                    "checkedTime": "2026-01-01T12:00:00Z",
+                    "uploading": ["step-4"],
+                }
+            },
+        }
+    )
+    assert heads.changed.is_set()
+    # The head matches the copy: nothing from the origin, the uploads' hints one by one.
+    assert heads.plan(step3, True, None) == OriginReads(False, False, ("step-4",))
+    # A newer head: the ledger.
+    assert heads.plan(_entry("step-2", 2), True, None).ledger
+    # spec.pin differs from the pin followed: read at once, then after 2, 4, 8 s.
+    heads.spec_pin = "step-1"
+    assert heads.plan(step3, True, None).pin
+    clock[0] += 1
+    assert not heads.plan(step3, True, None).pin
+    clock[0] += 1
+    assert heads.plan(step3, True, None).pin
+    clock[0] += 3
+    assert not heads.plan(step3, True, None).pin
+    clock[0] += 1
+    assert heads.plan(step3, True, None).pin
+    assert not heads.plan(step3, True, "step-1").pin  # followed: nothing more to read
+    # Stale (checked 91 s ago): the safety net, every 30 s from its last run, nothing between.
+    wall[0] += timedelta(seconds=91)
+    assert heads.plan(step3, True, "step-1") == OriginReads(False, False, None)
+    clock[0] = 130
+    assert heads.plan(step3, True, "step-1") == OriginReads(True, True, None)
+    clock[0] += 29
+    assert heads.plan(step3, True, "step-1") == OriginReads(False, False, None)
+    clock[0] += 2
+    assert heads.plan(step3, True, "step-1").ledger
+    # The watch down while the head looks fresh: the safety net too.
+    wall[0] -= timedelta(seconds=91)
+    heads.up = False
+    clock[0] += 31
+    assert heads.plan(step3, True, "step-1") == OriginReads(True, True, None)

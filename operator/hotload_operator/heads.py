@@ -68,10 +68,13 @@ class HeadPoller:
     _uploading_of: dict[LedgerKey, list[str]] = field(default_factory=dict)
 
     async def run(self) -> None:
-        """Poll every ledger, then wait the interval; forever (the runtime cancels it)."""
+        """Poll every ledger every `interval` seconds; forever (the runtime cancels it)."""
+        loop = asyncio.get_running_loop()
         while True:
+            began = loop.time()
             await self.poll_once()
-            await asyncio.sleep(self.interval)
+            # From start to start: a slow bucket must not stretch the interval loaders wait.
+            await asyncio.sleep(max(0.0, began + self.interval - loop.time()))
 
     async def poll_once(self) -> None:
         """Read each distinct followed ledger once and update its deployments' ledgerHead."""
