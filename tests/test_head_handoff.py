@@ -25,12 +25,15 @@ import pytest
 from hotload.bucket import Bucket, open_bucket
 from hotload.kube import KubeClient, KubeConfig, resource_path
 from hotload.ledger import Ledger, LedgerEntry
+from hotload.ledger.hints import Hint, hint_key, hints_prefix, write_hint_async
 from hotload.ledger.ledger import ledger_key
 from hotload_sidecar.config import ConfigError, Settings, load_settings
 from hotload_sidecar.engines import make_adapter
 from hotload_sidecar.head_watch import HeadWatch, OriginReads
 from hotload_sidecar.loader import Loader
+from hotload_sidecar.prefetch import Prefetcher
 from hotload_sidecar.status import LocalReporter
+from hotload_sidecar.weights import WeightsFolder
 from support.cluster import install_crds
 from support.engines import serve
 from support.fleet import Trainer
@@ -418,3 +421,27 @@ def test_what_a_loader_asks_the_origin_for() -> None:
     heads.up = False
     clock[0] += 31
     assert heads.plan(step3, True, "step-1") == OriginReads(True, True, None)
+
+
+@pytest.mark.asyncio
+async def test_handed_uploads_are_read_hint_by_hint_without_a_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the operator's uploading list, the early fetch reads each named hint (a conditional
+    GET: unchanged, it is not parsed again) and never lists the hints; a named hint that is
+    gone is skipped."""
+    calls = BucketCalls(monkeypatch)
+    bucket = open_bucket(str(tmp_path / "bucket"))
+    await write_hint_async(bucket, "fleet", Hint("step-001", previous="step-000"))
+    prefetcher = Prefetcher(bucket, "fleet", WeightsFolder(tmp_path / "weights"))
+    mark = calls.mark()
+    await prefetcher.poll(None, hinted=["step-001", "step-002"])
+    hints = [hint_key("fleet", "step-001"), hint_key("fleet", "step-002")]
+    assert calls.since(mark) == [("GET", hints[0]), ("GET", hints[1])]
+    assert set(prefetcher._seen) == {"step-001"}
+    first = prefetcher._seen["step-001"][1]
+    await prefetcher.poll(None, hinted=["step-001"])
+    assert prefetcher._seen["step-001"][1] is first  # not modified: kept, not parsed again
+    await prefetcher.poll(None)  # without a handoff: one LIST, as before
+    assert ("LIST", hints_prefix("fleet")) in calls.since(mark)
+    assert [op for op, _ in calls.since(mark)].count("LIST") == 1
