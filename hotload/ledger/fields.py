@@ -98,6 +98,11 @@ def digest_field(d: Mapping[str, Any], key: str, where: str) -> str:
     return value
 
 
+def optional_digest_field(d: Mapping[str, Any], key: str, where: str) -> str | None:
+    """`d[key]` as a digest when present and not null, else None (a field added later)."""
+    return None if d.get(key) is None else digest_field(d, key, where)
+
+
 def time_field(d: Mapping[str, Any], key: str, where: str) -> datetime:
     """`d[key]`, an RFC 3339 time with a zone, in UTC."""
     value = d.get(key)

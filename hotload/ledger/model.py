@@ -21,6 +21,7 @@ from hotload.ledger.fields import (
     identity_field,
     int_field,
     json_object,
+    optional_digest_field,
     optional_identity_field,
     time_field,
     utc_now,
@@ -59,6 +60,7 @@ class NewEntry:
     previous: str | None = None
     prompt_cache: PromptCachePolicy = "all"
     published_time: datetime | None = None
+    content_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,13 @@ class LedgerEntry:
     manifest_digest: str
     shipped_bytes: int
     full_bytes: int
+    #: Pins every file's bytes (`hotload.snapshot.reader.content_digest`); None in entries
+    #: written before it existed, which keep the manifest check only.
+    content_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The entry as the ledger stores it (camelCase keys)."""
-        return {
+        """The entry as the ledger stores it (camelCase keys; contentDigest only when known)."""
+        doc: dict[str, Any] = {
             "sequence": self.sequence,
             "identity": self.identity,
             "kind": self.kind,
@@ -88,6 +93,9 @@ class LedgerEntry:
             "shippedBytes": self.shipped_bytes,
             "fullBytes": self.full_bytes,
         }
+        if self.content_digest is not None:
+            doc["contentDigest"] = self.content_digest
+        return doc
 
     @classmethod
     def from_json(cls, doc: object, where: str) -> LedgerEntry:
@@ -103,7 +111,18 @@ class LedgerEntry:
             manifest_digest=digest_field(d, "manifestDigest", where),
             shipped_bytes=int_field(d, "shippedBytes", where, minimum=0),
             full_bytes=int_field(d, "fullBytes", where, minimum=0),
+            content_digest=optional_digest_field(d, "contentDigest", where),
         )
+
+
+def same_content(existing: LedgerEntry, new: NewEntry) -> bool:
+    """Whether `new` describes the snapshot `existing` holds: same manifest digest, and the same
+    content digest when both have one (an older entry without it is matched on manifests)."""
+    if existing.manifest_digest != new.manifest_digest:
+        return False
+    if existing.content_digest is None or new.content_digest is None:
+        return True
+    return existing.content_digest == new.content_digest
 
 
 @dataclass(frozen=True)
@@ -216,6 +235,12 @@ class LedgerDocument:
             raise LedgerRejectedError(
                 f"{where}: manifest digest {new.manifest_digest!r} is not 'sha256:' + 64 hex digits"
             )
+        if new.content_digest is not None and (
+            not isinstance(new.content_digest, str) or not DIGEST.match(new.content_digest)
+        ):
+            raise LedgerRejectedError(
+                f"{where}: content digest {new.content_digest!r} is not 'sha256:' + 64 hex digits"
+            )
         for label, value in (("shipped", new.shipped_bytes), ("full", new.full_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise LedgerRejectedError(f"{where}: {label} bytes must be a non-negative integer")
@@ -277,6 +302,7 @@ class LedgerDocument:
             manifest_digest=new.manifest_digest,
             shipped_bytes=new.shipped_bytes,
             full_bytes=new.full_bytes,
+            content_digest=new.content_digest,
         )
         doc = replace(
             self, sequence=entry.sequence, entries=(*self.entries, entry), updated_time=when

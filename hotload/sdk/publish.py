@@ -17,6 +17,7 @@ from hotload.bucket.transfer import Landed
 from hotload.errors import BucketError, LedgerRejectedError, SnapshotError
 from hotload.ledger import Ledger, LedgerEntry, NewEntry, PromptCachePolicy
 from hotload.ledger.hints import Hint, HintKind, HintWriter, prune_hints_async
+from hotload.ledger.model import same_content
 from hotload.snapshot import describe_snapshot, validate_identity
 
 log = logging.getLogger("hotload.sdk.publish")
@@ -71,15 +72,17 @@ async def upload_hinted_async(
         full_bytes=desc.full_bytes,
         previous=desc.parent if desc.kind == "incremental" else None,
         prompt_cache=prompt_cache,
+        content_digest=desc.content_digest,
     )
     existing = None
     if check_ledger:
         document = (await ledger.read_async()).document
         existing = document.find(name)
-        if existing is not None and existing.manifest_digest != desc.manifest_digest:
+        if existing is not None and not same_content(existing, new):
             raise LedgerRejectedError(
                 f"ledger {ledger.name!r}: {name!r} is already published (sequence "
-                f"{existing.sequence}) with other manifests; publish under a new identity"
+                f"{existing.sequence}) with other manifests or files; publish under a new "
+                "identity"
             )
         if existing is None:
             document.check(new)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from hotload.arc.container import is_arc_file, read_header
-from hotload.errors import SnapshotError
+from hotload.arc.container import MAGIC, PREFIX_LEN, is_arc_file, read_header
+from hotload.errors import ChecksumMismatchError, SnapshotError
 from hotload.snapshot import layout
 from hotload.snapshot.lora import adapter_digest
 from hotload.snapshot.manifests import TensorSpec, load_json, parse_tensor_map, parse_weight_map
@@ -97,6 +98,69 @@ class SnapshotDescription:
     manifest_digest: str
     shipped_bytes: int
     full_bytes: int
+    #: `content_digest` of the folder: pins every byte a loader may read (the ledger's
+    #: contentDigest).
+    content_digest: str
+
+
+#: Largest data-file header hashed (a bigger one is no safetensors or arc_v2 header).
+MAX_DATA_HEADER = 100 * 1024 * 1024
+
+
+def _data_header(path: Path) -> bytes:
+    """The header of a data file exactly as stored: an arc_v2 delta's magic, length, CRC and
+    zstd frame, or a safetensors file's length prefix and JSON header."""
+    with path.open("rb") as f:
+        prefix = f.read(PREFIX_LEN)
+        if prefix.startswith(MAGIC) and len(prefix) == PREFIX_LEN:
+            (length,) = struct.unpack("<Q", prefix[len(MAGIC) : len(MAGIC) + 8])
+            start = PREFIX_LEN
+        elif len(prefix) >= 8:
+            (length,) = struct.unpack("<Q", prefix[:8])
+            start = 8
+        else:
+            raise SnapshotError("file is too short to be safetensors or arc_v2", path=str(path))
+        if length > MAX_DATA_HEADER:
+            raise SnapshotError(f"header of {length} bytes is not plausible", path=str(path))
+        f.seek(start)
+        body = f.read(length)
+    if len(body) != length:
+        raise SnapshotError("header is truncated", path=str(path))
+    return prefix[:start] + body
+
+
+def content_digest(path: str | Path) -> str:
+    """Return "sha256:<hex>" over every file of the snapshot folder, by sorted relative name:
+    the name and, for a data file (`*.safetensors`: a full shard, an adapter's weights or an
+    arc_v2 delta shard), the sha256 of its header; for any other file the sha256 of its bytes.
+
+    A header stands for its data because verification checks the data against it: a
+    safetensors header's `__metadata__` holds `hotload.checksums` (each tensor's adler32,
+    checked by `hotload.arc.verify` and refused when absent unless a publisher opted out),
+    and an arc_v2 header's zstd frame (itself under the prefix's CRC-32) holds each chunk's
+    `crc32` and each rebuilt tensor's `checksum`, checked by the decoder. So a file with other
+    bytes either changes this digest or fails its checksums; it reads headers only for data,
+    and gives the same answer on a header-only (skeleton) copy."""
+    root = Path(path)
+    h = hashlib.sha256()
+    for name in sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()):
+        file = root / name
+        part = _data_header(file) if name.endswith(".safetensors") else file.read_bytes()
+        h.update(name.encode() + b"\0" + hashlib.sha256(part).hexdigest().encode() + b"\n")
+    return "sha256:" + h.hexdigest()
+
+
+def check_content(path: str | Path, expected: str | None, identity: str) -> None:
+    """Raise `ChecksumMismatchError` naming the snapshot unless the folder's `content_digest`
+    is `expected` (the ledger entry's); an entry without one (an older ledger) passes."""
+    if expected is None:
+        return
+    got = content_digest(path)
+    if got != expected:
+        raise ChecksumMismatchError(
+            f"files of {identity!r} have content digest {got}, the ledger recorded {expected}: "
+            "a file or a shard's checksums differ from what was published"
+        )
 
 
 def manifest_digest(path: Path, files: list[str]) -> str:
@@ -139,4 +203,5 @@ def describe_snapshot(path: str | Path) -> SnapshotDescription:
         manifest_digest=digest,
         shipped_bytes=shipped,
         full_bytes=full,
+        content_digest=content_digest(snap.path),
     )

@@ -29,6 +29,7 @@ from hotload.errors import (
     SnapshotValidationError,
 )
 from hotload.ledger import Ledger, LedgerEntry, LedgerState, NewEntry
+from hotload.ledger.model import same_content
 from hotload.snapshot import (
     describe_snapshot,
     validate_adapter,
@@ -115,11 +116,11 @@ async def admit(
         entry = await ledger.append_retrying_async(new)
     except LedgerRejectedError as err:
         raced = (await ledger.read_async()).document.find(identity)
-        if raced is not None and raced.manifest_digest != new.manifest_digest:
+        if raced is not None and not same_content(raced, new):
             return refused(
                 Reasons.LEDGER_REJECTED,
                 f"{identity!r} was appended to ledger {ledger.name!r} (sequence "
-                f"{raced.sequence}) by another writer, with other manifests, while this "
+                f"{raced.sequence}) by another writer, with other manifests or files, while this "
                 "Snapshot was validated; publish under a new identity",
             )
         return refused(Reasons.LEDGER_REJECTED, str(err))
@@ -132,15 +133,23 @@ def _readmitted(existing: LedgerEntry, folder: Path, ledger: Ledger) -> Admissio
     sequence = existing.sequence
     where = f"{existing.identity!r} is already in ledger {ledger.name!r} (sequence {sequence})"
     try:
-        digest = describe_snapshot(folder).manifest_digest
+        desc = describe_snapshot(folder)
     except SnapshotError as err:
         return refused(
             Reasons.LEDGER_REJECTED,
             f"{where}, but its manifests in the bucket cannot be read to match them: {err}",
         )
-    if digest != existing.manifest_digest:
+    if desc.manifest_digest != existing.manifest_digest:
         return refused(
             Reasons.LEDGER_REJECTED, f"{where} with other manifests; publish under a new identity"
+        )
+    # An entry written before contentDigest existed is matched on its manifests alone.
+    if existing.content_digest is not None and desc.content_digest != existing.content_digest:
+        return refused(
+            Reasons.LEDGER_REJECTED,
+            f"{where} with the same manifests but other files (content digest "
+            f"{desc.content_digest}, the ledger recorded {existing.content_digest}: another "
+            "shard's checksums or side file); publish under a new identity",
         )
     return _accepted(
         existing,
@@ -241,6 +250,7 @@ async def _validate(
         full_bytes=desc.full_bytes,
         previous=desc.parent if desc.kind == "incremental" else None,
         prompt_cache=spec.prompt_cache,
+        content_digest=desc.content_digest,
     )
 
 
@@ -287,6 +297,7 @@ def _validate_adapter(
         shipped_bytes=desc.shipped_bytes,
         full_bytes=desc.full_bytes,
         prompt_cache=spec.prompt_cache,
+        content_digest=desc.content_digest,
     )
 
 

@@ -42,6 +42,7 @@ from hotload.errors import (
 )
 from hotload.ledger import LedgerDocument, LedgerEntry
 from hotload.snapshot import describe_snapshot
+from hotload.snapshot.reader import check_content
 from hotload_sidecar.status import LoadTimings
 from hotload_sidecar.weights import WeightsFolder, link_tree, remove_tree, written_bytes
 
@@ -69,7 +70,8 @@ def is_corruption(err: BaseException) -> bool:
 
 def check_digest(entry: LedgerEntry, folder: Path) -> None:
     """Raise `SnapshotError` unless the manifests fetched into `folder` are the ones the ledger
-    admitted for `entry`."""
+    admitted for `entry`, and `ChecksumMismatchError` (a corruption) unless its files match the
+    entry's content digest when it has one."""
     digest = describe_snapshot(folder).manifest_digest
     if digest != entry.manifest_digest:
         raise SnapshotError(
@@ -77,6 +79,7 @@ def check_digest(entry: LedgerEntry, folder: Path) -> None:
             f"recorded {entry.manifest_digest} (the snapshot was replaced after publishing)",
             path=str(folder),
         )
+    check_content(folder, entry.content_digest, entry.identity)
 
 
 class MaterializeError(HotloadError):
