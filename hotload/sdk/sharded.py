@@ -57,7 +57,7 @@ from hotload.sdk.outcomes import (
 )
 from hotload.sdk.shard_plan import ShardPlan, plan_shards, safetensors_dtype
 from hotload.snapshot import layout
-from hotload.snapshot.reader import manifest_digest
+from hotload.snapshot.reader import content_digest, data_header, manifest_digest
 from hotload.snapshot.safetensors_io import RawTensor
 
 # Looked up here at each call (tests make this one fail, as a full disk would).
@@ -107,6 +107,9 @@ class _Step:
     #: This rank's full shards (kept as the next delta's parent) and its delta shards.
     full: Path
     delta: Path
+    #: Every shard's header as uploaded (this rank's, then all ranks' for the commit): the
+    #: content digest pins the shards through them without reading any back.
+    headers: dict[str, bytes] = field(default_factory=dict)
 
 
 # --- the publisher ----------------------------------------------------------------------------
@@ -236,7 +239,12 @@ class ShardedPublisher(PublisherCore):
             results = all_gather(
                 self.group,
                 self.world_size,
-                {"rank": self.rank, "shards": mine, "error": _describe(error)},
+                {
+                    "rank": self.rank,
+                    "shards": mine,
+                    "headers": job.headers,
+                    "error": _describe(error),
+                },
             )
             failed = [r for r in results if r["error"]]
             if failed:
@@ -245,6 +253,8 @@ class ShardedPublisher(PublisherCore):
                 detail = "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed)
                 raise ShardedPublishError(f"{ident}: nothing was committed ({detail})") from error
             shipped = sum(size for r in results for size in r["shards"].values())
+            for r in results:
+                job.headers.update(r["headers"])
             outcome = self._commit(job, shipped, prompt_cache_policy(reset_prompt_cache))
             shutil.rmtree(delta_dir, ignore_errors=True)
             if not outcome["ok"]:
@@ -396,6 +406,7 @@ class ShardedPublisher(PublisherCore):
                     )
             source = delta_dir
         sizes = {s.name: (source / s.name).stat().st_size for s in owned}
+        job.headers.update({s.name: data_header(source / s.name) for s in owned})
         run_sync(self._upload(source, ident, [s.name for s in owned]))
         self.last_report.uploaded_bytes += sum(sizes.values())
         return sizes
@@ -441,6 +452,10 @@ class ShardedPublisher(PublisherCore):
             )
             manifests = [layout.SPEC_FILE, layout.INDEX_FILE]  # the index (commit) last
             others = sum((folder / n).stat().st_size for n in [*side, *manifests])
+            # Header-only copies of the shards (never uploaded from here): what the content
+            # digest reads of a data file.
+            for name, header in job.headers.items():
+                (folder / name).write_bytes(header)
             new = NewEntry(
                 identity=ident,
                 kind="full" if job.kind == "full" else "incremental",
@@ -449,6 +464,7 @@ class ShardedPublisher(PublisherCore):
                 full_bytes=plan.total_bytes + others,
                 previous=previous,
                 prompt_cache=policy,
+                content_digest=content_digest(folder),
             )
             if self.cluster is None:
                 # Fail before the commit if the ledger would refuse the entry.

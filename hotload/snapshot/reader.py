@@ -107,7 +107,7 @@ class SnapshotDescription:
 MAX_DATA_HEADER = 100 * 1024 * 1024
 
 
-def _data_header(path: Path) -> bytes:
+def data_header(path: Path) -> bytes:
     """The header of a data file exactly as stored: an arc_v2 delta's magic, length, CRC and
     zstd frame, or a safetensors file's length prefix and JSON header."""
     with path.open("rb") as f:
@@ -145,7 +145,7 @@ def content_digest(path: str | Path) -> str:
     h = hashlib.sha256()
     for name in sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()):
         file = root / name
-        part = _data_header(file) if name.endswith(".safetensors") else file.read_bytes()
+        part = data_header(file) if name.endswith(".safetensors") else file.read_bytes()
         h.update(name.encode() + b"\0" + hashlib.sha256(part).hexdigest().encode() + b"\n")
     return "sha256:" + h.hexdigest()
 
