@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file as load
 
+from hotload.api.models import HotLoadDeployment, Snapshot
 from hotload.arc import verify
 from hotload.bucket import Bucket, MirroredBucket, open_bucket, open_mirrored
 from hotload.errors import ChecksumMismatchError, LedgerError, LedgerRejectedError
@@ -29,6 +30,7 @@ from hotload.ledger import Ledger, LedgerDocument, LedgerEntry, NewEntry
 from hotload.sdk import publish_folder
 from hotload.snapshot import describe_snapshot
 from hotload.snapshot.reader import check_content, content_digest
+from hotload_operator.admission import admit
 from hotload_sidecar.materialize import BuildResult, Materializer
 from hotload_sidecar.weights import WeightsFolder
 from support.regional_cache import write_credentials
@@ -266,3 +268,41 @@ def test_an_old_entry_without_content_digest_still_loads_from_the_mirror(
     assert _tensors(built.path) == _tensors(p.folders[1])
     assert p.bucket.stats.totals()["mirrorRejected"] == 0
     assert p.bucket.mirrored("step-001"), "the files did not come from the mirror"
+
+
+# --- operator admission ----------------------------------------------------------------------
+
+
+def test_admission_writes_the_content_digest_and_refuses_other_files_under_the_identity(
+    tmp_path: Path,
+) -> None:
+    bucket_dir = tmp_path / "bucket"
+    bucket = open_bucket(str(bucket_dir))
+    ledger = Ledger(bucket, "fleet")
+    hld = HotLoadDeployment.model_validate(
+        {
+            "metadata": {"name": "fleet", "namespace": "ml", "uid": "u-1", "generation": 1},
+            "spec": {
+                "bucket": {"url": f"file://{bucket_dir}"},
+                "engine": {"image": "registry.example/engine:1"},
+            },
+        }
+    )
+    snap = Snapshot.model_validate(
+        {"metadata": {"name": "s0"}, "spec": {"deployment": "fleet", "identity": "step-000"}}
+    )
+    folder = _full(tmp_path / "s" / "step-000", 0)
+    shutil.copytree(folder, bucket_dir / "step-000")
+
+    first = asyncio.run(admit(snap, hld, bucket, ledger))
+    assert first.accepted and first.entry is not None
+    assert first.entry.content_digest == content_digest(folder)
+    assert asyncio.run(admit(snap, hld, bucket, ledger)).accepted  # the same files again
+
+    # The same manifests, another shard with its own valid checksums: other weights.
+    impostor = _shard(_full(tmp_path / "impostor", 7))
+    shutil.copyfile(impostor, bucket_dir / "step-000" / impostor.name)
+    clash = asyncio.run(admit(snap, hld, bucket, ledger))
+    assert not clash.accepted and clash.reason == "LedgerRejected"
+    assert "same manifests but other files" in clash.message
+    assert [e.identity for e in ledger.read().document.entries] == ["step-000"]

@@ -39,6 +39,7 @@ from hotload.snapshot import (
 )
 from hotload.snapshot.layout import ADAPTER_CONFIG_FILE, CONFIG_FILE, SPEC_FILE
 from hotload.snapshot.lora import check_adapter_fits, read_adapter_config
+from hotload.snapshot.reader import Snapshot as SnapshotFolder
 
 
 @dataclass(frozen=True)
@@ -143,18 +144,24 @@ def _readmitted(existing: LedgerEntry, folder: Path, ledger: Ledger) -> Admissio
         return refused(
             Reasons.LEDGER_REJECTED, f"{where} with other manifests; publish under a new identity"
         )
+    note = ""
     # An entry written before contentDigest existed is matched on its manifests alone.
     if existing.content_digest is not None and desc.content_digest != existing.content_digest:
-        return refused(
-            Reasons.LEDGER_REJECTED,
-            f"{where} with the same manifests but other files (content digest "
-            f"{desc.content_digest}, the ledger recorded {existing.content_digest}: another "
-            "shard's checksums or side file); publish under a new identity",
-        )
+        missing = sorted(set(SnapshotFolder(folder).shard_files) - set(desc.files))
+        if not missing:
+            return refused(
+                Reasons.LEDGER_REJECTED,
+                f"{where} with the same manifests but other files (content digest "
+                f"{desc.content_digest}, the ledger recorded {existing.content_digest}: another "
+                "shard's checksums, or a side file changed, added or removed); publish under a "
+                "new identity",
+            )
+        # Shards gone (pruned) are no other weights: what is left cannot be compared whole.
+        note = f"; {len(missing)} shard(s) are gone from the bucket, so only its manifests matched"
     return _accepted(
         existing,
         f"already in ledger {ledger.name!r} as sequence {existing.sequence} "
-        "(an earlier admission finished)",
+        f"(an earlier admission finished){note}",
     )
 
 
