@@ -314,6 +314,7 @@ def _inspect(args: argparse.Namespace) -> int:
         "shipped_bytes": desc.shipped_bytes,
         "full_bytes": desc.full_bytes,
         "manifest_digest": desc.manifest_digest,
+        "content_digest": desc.content_digest,
         "shards": shards,
     }
     if desc.kind == "lora":
