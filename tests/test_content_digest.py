@@ -27,11 +27,12 @@ from hotload.arc import verify
 from hotload.bucket import Bucket, MirroredBucket, open_bucket, open_mirrored
 from hotload.errors import ChecksumMismatchError, LedgerError, LedgerRejectedError
 from hotload.ledger import Ledger, LedgerDocument, LedgerEntry, NewEntry
-from hotload.sdk import publish_folder
+from hotload.sdk import publish_folder, publish_folder_async, upload_hinted_async
 from hotload.snapshot import describe_snapshot
 from hotload.snapshot.reader import check_content, content_digest
 from hotload_operator.admission import admit
 from hotload_sidecar.materialize import BuildResult, Materializer
+from hotload_sidecar.prefetch import Prefetcher
 from hotload_sidecar.weights import WeightsFolder
 from support.regional_cache import write_credentials
 from support.seaweedfs import BUCKET, SeaweedFS
@@ -306,3 +307,33 @@ def test_admission_writes_the_content_digest_and_refuses_other_files_under_the_i
     assert not clash.accepted and clash.reason == "LedgerRejected"
     assert "same manifests but other files" in clash.message
     assert [e.identity for e in ledger.read().document.entries] == ["step-000"]
+
+
+# --- the early fetch -------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_an_early_rebuild_of_other_files_than_admitted_is_not_taken(tmp_path: Path) -> None:
+    """The files fetched early (from a hint) are another delta with valid checksums than the one
+    the ledger admitted: the rebuild is dropped, never committed."""
+    ledger = Ledger(open_bucket(str(tmp_path / "bucket")), "policy")
+    base = weights(0)
+    s0 = full(tmp_path / "s0", base)
+    admitted = delta(s0, full(tmp_path / "f1", nudged(base, 1)), tmp_path / "a" / "s1")
+    served = delta(s0, full(tmp_path / "f2", nudged(base, 2)), tmp_path / "b" / "s1")
+    await publish_folder_async(ledger, s0)
+    local = WeightsFolder(tmp_path / "weights")
+    local.prepare()
+    staged = local.staging("s0")
+    shutil.copytree(s0, staged)
+    local.commit(staged, "s0")
+    up = await upload_hinted_async(ledger, served)
+    early = Prefetcher(ledger.bucket, "policy", local, threads=1)
+    try:
+        await early.poll((await ledger.read_async()).document)
+        entry = await ledger.append_async(replace(up.new, content_digest=content_digest(admitted)))
+        taken = await early.take(entry)
+    finally:
+        await early.close()
+    assert taken is None
+    assert list(local.early_root.glob("*/s1")) == []

@@ -57,6 +57,8 @@ class _Job:
     seconds: float = 0.0
     #: Why the sparse path will refuse this delta as too dense (then rebuilt for a full load).
     too_dense: str | None = None
+    #: The downloaded files' content digest, matched against the admitted entry's.
+    content_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -284,8 +286,11 @@ class Prefetcher:
             (job.hint.kind == "incremental") != delta
             or (delta and job.hint.previous != entry.previous)
             or job.hint.manifest_digest != entry.manifest_digest
+            # Other files than admitted (a mirror's replacement): fetched again the normal way,
+            # where the copy is rejected.
+            or entry.content_digest not in (None, job.content_digest)
         ):
-            self._drop(entry.identity, "the ledger admitted another parent or other manifests")
+            self._drop(entry.identity, "the ledger admitted another parent or other files")
             return None
         return job, path
 
@@ -369,7 +374,8 @@ class Prefetcher:
                 if job.hint.complete and done >= {f.name for f in job.hint.files}:
                     break
                 await job.changed.wait()
-            digest = describe_snapshot(folder).manifest_digest
+            described = describe_snapshot(folder)
+            digest, job.content_digest = described.manifest_digest, described.content_digest
             if digest != job.hint.manifest_digest:
                 raise HotloadError(
                     f"downloaded manifests of {identity} have digest {digest}, the hint says "
