@@ -15,7 +15,6 @@ import json
 import shutil
 import struct
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -166,16 +165,6 @@ def test_an_entry_without_content_digest_stays_valid_and_one_with_it_round_trips
 # --- a loader reading from an untrusted mirror -----------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def mirror_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
-    """A second SeaweedFS: the untrusted mirror."""
-    server = SeaweedFS.start(tmp_path_factory.mktemp("mirror") / "data")
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @dataclass
 class _Published:
     """Steps published at the origin (a fresh prefix) and copied to the mirror."""
@@ -220,9 +209,9 @@ def _assert_from_origin(p: _Published, built: BuildResult, key: str) -> None:
 
 
 def test_a_self_consistent_replacement_shard_from_a_mirror_is_never_loaded(
-    s3_env: SeaweedFS, mirror_server: SeaweedFS, tmp_path: Path
+    s3_env: SeaweedFS, plain_mirror: SeaweedFS, tmp_path: Path
 ) -> None:
-    p = _published(tmp_path, mirror_server)
+    p = _published(tmp_path, plain_mirror)
     # Other values with their own valid checksums, under the same manifests.
     impostor = _full(tmp_path / "impostor", 7)
     shard = _shard(p.folders[1]).name
@@ -239,12 +228,12 @@ def test_a_self_consistent_replacement_shard_from_a_mirror_is_never_loaded(
 )
 def test_a_changed_side_file_from_a_mirror_is_never_loaded(
     s3_env: SeaweedFS,
-    mirror_server: SeaweedFS,
+    plain_mirror: SeaweedFS,
     tmp_path: Path,
     side: str,
     edit: tuple[bytes, bytes],
 ) -> None:
-    p = _published(tmp_path, mirror_server)
+    p = _published(tmp_path, plain_mirror)
     old, new = edit
     # Same size, still valid JSON: nothing but the content digest tells it apart.
     data = (p.folders[1] / side).read_bytes()
@@ -257,9 +246,9 @@ def test_a_changed_side_file_from_a_mirror_is_never_loaded(
 
 
 def test_an_old_entry_without_content_digest_still_loads_from_the_mirror(
-    s3_env: SeaweedFS, mirror_server: SeaweedFS, tmp_path: Path
+    s3_env: SeaweedFS, plain_mirror: SeaweedFS, tmp_path: Path
 ) -> None:
-    p = _published(tmp_path, mirror_server)
+    p = _published(tmp_path, plain_mirror)
     current = p.ledger.read().document
     old = replace(current, entries=tuple(replace(e, content_digest=None) for e in current.entries))
 
@@ -324,9 +313,8 @@ async def test_an_early_rebuild_of_other_files_than_admitted_is_not_taken(tmp_pa
     await publish_folder_async(ledger, s0)
     local = WeightsFolder(tmp_path / "weights")
     local.prepare()
-    staged = local.staging("s0")
-    shutil.copytree(s0, staged)
-    local.commit(staged, "s0")
+    # The loader built s0 already: the parent the early rebuild needs is on the volume.
+    await Materializer(ledger.bucket, local, threads=1).build((await ledger.read_async()).document)
     up = await upload_hinted_async(ledger, served)
     early = Prefetcher(ledger.bucket, "policy", local, threads=1)
     try:

@@ -47,16 +47,6 @@ def origin_door(seaweedfs: SeaweedFS) -> Iterator[CountingProxy]:
 
 
 @pytest.fixture(scope="module")
-def plain_mirror(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
-    """A second SeaweedFS whose bucket the tests fill with copies (some poisoned or missing)."""
-    server = SeaweedFS.start(tmp_path_factory.mktemp("mirror") / "data")
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
 def mirror_door(plain_mirror: SeaweedFS) -> Iterator[CountingProxy]:
     """The counting proxy in front of the plain mirror."""
     with CountingProxy(plain_mirror.endpoint) as door:
