@@ -325,3 +325,17 @@ async def test_an_early_rebuild_of_other_files_than_admitted_is_not_taken(tmp_pa
         await early.close()
     assert taken is None
     assert list(local.early_root.glob("*/s1")) == []
+
+
+def test_a_retried_append_returns_the_landed_entry_only_when_its_content_matches(
+    tmp_path: Path,
+) -> None:
+    ledger = Ledger(open_bucket(str(tmp_path / "bucket")), "policy")
+    manifests = "sha256:" + "a" * 64
+    new = NewEntry("step-000", "full", manifests, 1, 1, content_digest="sha256:" + "b" * 64)
+    landed = ledger.append_retrying(new)
+    assert ledger.append_retrying(new) == landed  # an earlier attempt's answer was lost
+    other = replace(new, content_digest="sha256:" + "c" * 64)
+    with pytest.raises(LedgerRejectedError, match="already in the ledger"):
+        ledger.append_retrying(other)
+    assert [e.identity for e in ledger.read().document.entries] == ["step-000"]

@@ -22,6 +22,7 @@ from hotload.ledger.model import (
     LedgerEntry,
     NewEntry,
     ResetRecord,
+    same_content,
 )
 
 T = TypeVar("T")
@@ -129,17 +130,14 @@ class Ledger:
     ) -> LedgerEntry:
         """Append, re-reading and retrying after lost races while the entry is still valid.
 
-        If the ledger already holds this identity with the same kind and manifest digest (an
-        earlier attempt landed but its answer was lost), that entry is returned.
+        If the ledger already holds this identity with the same kind, manifest digest and content
+        digest (`same_content`: an earlier attempt landed but its answer was lost), that entry
+        is returned.
         """
 
         async def append(state: LedgerState) -> LedgerEntry:
             existing = state.document.find(new.identity)
-            if (
-                existing is not None
-                and existing.kind == new.kind
-                and existing.manifest_digest == new.manifest_digest
-            ):
+            if existing is not None and existing.kind == new.kind and same_content(existing, new):
                 return existing
             return await self.append_async(new, state=state)
 
