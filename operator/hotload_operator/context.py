@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -34,8 +34,7 @@ from hotload_operator.workqueue import WorkQueue
 from hotload_operator.writes import StatusWriter
 
 if TYPE_CHECKING:
-    from hotload_operator.fleet import FleetCache
-    from hotload_operator.heads import HeadPoller
+    from hotload_operator.fleet import DeploymentRecord, FleetCache
 
 JSON = dict[str, Any]
 Key = tuple[str, str]
@@ -104,6 +103,16 @@ class OperatorMetrics:
         )
 
 
+class LedgerHeads(Protocol):
+    """What the runtime and the roll-up ask of the head poller (`heads.HeadPoller`)."""
+
+    async def run(self) -> None:
+        """Poll every followed ledger, forever."""
+
+    def ledger_head(self, record: DeploymentRecord) -> JSON | None:
+        """The `status.ledgerHead` a roll-up of `record` writes now (None: nothing due)."""
+
+
 async def _unset(_: Key) -> None:
     raise RuntimeError("the operator's work queues run only in `hotload_operator.runtime`")
 
@@ -131,8 +140,8 @@ class Context:
     #: Seconds between ledger polls of each deployment, and the oldest ledger copy a roll-up
     #: uses (a new head moves no Kubernetes object; pod reports bring a roll-up sooner).
     poll_interval: float = 30.0
-    #: Hands each followed ledger's head to the loaders (None: off; `runtime.build` sets it).
-    heads: HeadPoller | None = None
+    #: Hands each followed ledger's head to the loaders (`heads.HeadPoller`; None: off).
+    heads: LedgerHeads | None = None
     #: A ledger copy younger than this many seconds is fresh enough for the periodic poll:
     #: the head poller (`heads.py`) keeps every followed ledger that young (0: no head poller).
     ledger_fresh_seconds: float = 0.0
