@@ -43,6 +43,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hotload.bucket import open_bucket
@@ -51,7 +52,7 @@ from hotload.kube import KubeClient, KubeConfig, resource_path
 from hotload.sdk import Publisher
 from hotload.snapshot import describe_snapshot
 from support.cluster import cluster_script, install_crds, start_cluster, stop_cluster
-from support.counting_proxy import CountingProxy
+from support.counting_proxy import CountingProxy, Served
 from support.fleet import Replica, free_port
 from support.operator import hld_path, play_deployment_controller
 from support.regional_cache import RegionalCache
@@ -79,15 +80,21 @@ class Door:
 
     def mark(self) -> None:
         """Start counting from now."""
-        self._bytes = self.proxy.bytes_served(key_prefix=self.prefix)
-        self._requests = self.proxy.requests(key_prefix=self.prefix)
+        self._bytes, self._requests = self._totals()
 
     def since(self) -> tuple[int, int]:
         """(bytes served, requests answered) on this run's keys since `mark()`."""
-        return (
-            self.proxy.bytes_served(key_prefix=self.prefix) - self._bytes,
-            self.proxy.requests(key_prefix=self.prefix) - self._requests,
-        )
+        served, requests = self._totals()
+        return served - self._bytes, requests - self._requests
+
+    def _totals(self) -> tuple[int, int]:
+        mine = self.proxy.served(self._ours)
+        return sum(s.bytes for s in mine), len(mine)
+
+    def _ours(self, served: Served) -> bool:
+        # A listing is a bucket-level request (no key): it is this run's by its prefix= value.
+        listed = parse_qs(served.query).get("prefix", [""])[0]
+        return (served.key or listed).startswith(self.prefix)
 
 
 @dataclass
