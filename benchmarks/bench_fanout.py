@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -75,26 +76,41 @@ class Door:
 
     proxy: CountingProxy
     prefix: str
-    _bytes: int = 0
-    _requests: int = 0
+    _start: int = 0
 
     def mark(self) -> None:
         """Start counting from now."""
-        self._bytes, self._requests = self._totals()
+        self._start = len(self.proxy.served())
 
     def since(self) -> tuple[int, int]:
         """(bytes served, requests answered) on this run's keys since `mark()`."""
-        served, requests = self._totals()
-        return served - self._bytes, requests - self._requests
-
-    def _totals(self) -> tuple[int, int]:
-        mine = self.proxy.served(self._ours)
+        mine = self._mine()
         return sum(s.bytes for s in mine), len(mine)
 
+    def kinds(self) -> dict[str, int]:
+        """This run's requests since `mark()` by what they were for (ledger, hints, folder
+        listings, snapshot files...)."""
+        return dict(sorted(Counter(_kind(s) for s in self._mine()).items()))
+
+    def _mine(self) -> list[Served]:
+        return [s for s in self.proxy.served()[self._start :] if self._ours(s)]
+
     def _ours(self, served: Served) -> bool:
-        # A listing is a bucket-level request (no key): it is this run's by its prefix= value.
-        listed = parse_qs(served.query).get("prefix", [""])[0]
-        return (served.key or listed).startswith(self.prefix)
+        return (served.key or _listed(served)).startswith(self.prefix)
+
+
+def _listed(served: Served) -> str:
+    # A listing is a bucket-level request (no key): its prefix= value says what it lists.
+    return parse_qs(served.query).get("prefix", [""])[0]
+
+
+def _kind(served: Served) -> str:
+    path = served.key or _listed(served)
+    what = "LIST" if not served.key else served.method
+    for folder in ("ledgers", "hints", "pins", "gc"):
+        if f".hotload/{folder}" in path:
+            return f"{what} {folder}"
+    return f"{what} snapshot {'folder' if what == 'LIST' else 'file'}"
 
 
 @dataclass
@@ -299,6 +315,7 @@ def update(
         r.wait_serving(handle.identity, timeout=900)
         ready.append(time.perf_counter() - published)
     served, requests = door.since()
+    kinds = door.kinds()
     update_bytes = sum(i.size for i in publisher.bucket.list(handle.identity))
     # A replica's first snapshot is not a load into a running engine (it starts on it): no
     # last_load, and its bytes are counted with the next one's.
@@ -309,6 +326,7 @@ def update(
         "update_bytes": update_bytes,
         "origin_bytes": served,
         "origin_requests": requests,
+        "origin_requests_by_kind": kinds,
         "origin_ratio": round(served / (REGIONS * update_bytes), 3),
         "fleet_ready_s": round(max(ready), 2),
         "first_ready_s": round(min(ready), 2),
@@ -323,7 +341,11 @@ def idle(door: Door, seconds: float) -> dict[str, Any]:
     door.mark()
     time.sleep(seconds)
     served, requests = door.since()
-    return {"idle_requests_per_s": round(requests / seconds, 2), "idle_bytes": served}
+    return {
+        "idle_requests_per_s": round(requests / seconds, 2),
+        "idle_bytes": served,
+        "idle_requests_by_kind": door.kinds(),
+    }
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
