@@ -396,3 +396,27 @@ def test_a_loader_process_reads_from_its_mirror_rejects_a_bad_copy_and_reports_i
     # The mirror was asked for snapshot files only: never the ledger, the pin or a listing.
     seen = mirror_door.served()
     assert seen and all(s.key.startswith(f"{prefix}/step-") and not s.query for s in seen)
+
+
+def test_what_a_loader_remembers_of_its_mirrors_is_bounded() -> None:
+    """Provenance and rejections are kept for the newest TRACKED_SNAPSHOTS snapshots only (a
+    loader following a ledger for 10,000 steps must not keep every file it ever read), and a
+    rejection of some files and then of the whole snapshot widens, never narrows."""
+    from hotload.bucket.mirrors import TRACKED_SNAPSHOTS, _Provenance
+
+    seen = _Provenance()
+    steps = TRACKED_SNAPSHOTS + 10
+    for step in range(steps):
+        seen.served(f"step-{step}/model.safetensors", "cache")
+        seen.origin_only(f"step-{step}", {f"step-{step}/model.safetensors"})
+    assert seen.mirrored("step-0") == {}
+    assert not seen.is_origin_only("step-0/model.safetensors")
+    newest = f"step-{steps - 1}"
+    assert seen.mirrored(newest) == {f"{newest}/model.safetensors": "cache"}
+    assert seen.is_origin_only(f"{newest}/model.safetensors")
+    assert not seen.is_origin_only(f"{newest}/config.json")
+    seen.origin_only(newest, None)
+    seen.origin_only(newest, {f"{newest}/other.safetensors"})
+    assert seen.is_origin_only(f"{newest}/config.json")
+    seen.cleared(f"{newest}/model.safetensors")
+    assert seen.mirrored(newest) == {}

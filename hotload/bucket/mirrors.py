@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -157,10 +158,8 @@ class MirroredBucket(Bucket):
         for m in self.mirrors:
             self.stats.source(m.label)
         self._clock = clock
-        #: The mirror each key last came from (cleared when the origin serves it).
-        self._served_by: dict[str, str] = {}
-        #: Keys, or whole snapshots (`<identity>/`), read from the origin only (rejected copies).
-        self._origin_only: set[str] = set()
+        #: Which mirror each snapshot file came from, and what is read from the origin only.
+        self._provenance = _Provenance()
 
     def __repr__(self) -> str:
         return f"MirroredBucket({self.url!r}, mirrors={[m.label for m in self.mirrors]!r})"
@@ -169,8 +168,7 @@ class MirroredBucket(Bucket):
 
     def mirrored(self, identity: str) -> dict[str, str]:
         """The files of snapshot `identity` last read from a mirror: key -> mirror label."""
-        prefix = f"{identity}/"
-        return {k: v for k, v in self._served_by.items() if k.startswith(prefix)}
+        return self._provenance.mirrored(identity)
 
     def reject(self, identity: str, error: BaseException | str) -> int:
         """A copy of `identity` failed verification: if any of its files came from a mirror,
@@ -184,13 +182,13 @@ class MirroredBucket(Bucket):
         named = {k: v for k, v in mirrored.items() if k.rsplit("/", 1)[-1] in text}
         if named:
             blamed = named
-            self._origin_only.update(named)
+            self._provenance.origin_only(identity, set(named))
         else:
             blamed = mirrored
-            self._origin_only.add(f"{identity}/")
+            self._provenance.origin_only(identity, None)
         for key, label in blamed.items():
             self.stats.source(label).rejected += 1
-            self._served_by.pop(key, None)
+            self._provenance.cleared(key)
         log.warning(
             "snapshot %s: %d object(s) read from mirror(s) %s failed verification (%s); never "
             "loaded, reading %s from the origin %s",
@@ -307,7 +305,7 @@ class MirroredBucket(Bucket):
             counts.add(1, 0, snapshot=snapshot)
             raise
         counts.add(1, size(result), snapshot=snapshot)
-        self._served_by.pop(key, None)
+        self._provenance.cleared(key)
         return result
 
     async def _read(
@@ -337,7 +335,7 @@ class MirroredBucket(Bucket):
                     self._failed(mirror, f"{type(err).__name__}: {cause}")
                     continue
                 self.stats.source(mirror.label).add(requests(result), nbytes(result), snapshot=True)
-                self._served_by[key] = mirror.label
+                self._provenance.served(key, mirror.label)
                 self._recovered(mirror)
                 return result
         counts = self.stats.source(ORIGIN)
@@ -348,7 +346,7 @@ class MirroredBucket(Bucket):
             counts.add(1, 0, snapshot=snapshot)
             raise
         counts.add(requests(result), nbytes(result), snapshot=snapshot)
-        self._served_by.pop(key, None)
+        self._provenance.cleared(key)
         # Only now is a miss the mirror's fault: the origin has the object.
         for mirror, cause in missed:
             self._failed(mirror, cause)
@@ -357,7 +355,7 @@ class MirroredBucket(Bucket):
     def _may_mirror(self, key: str) -> bool:
         if not self.mirrors or not is_immutable(key):
             return False
-        return key not in self._origin_only and f"{key.split('/', 1)[0]}/" not in self._origin_only
+        return not self._provenance.is_origin_only(key)
 
     def _limit(self, size: int | None) -> float:
         return self.timeout + (size or 0) / MIN_RATE
@@ -408,3 +406,65 @@ def open_mirrored(
         labels.append(source_label(url, endpoint if bucket.location.scheme == "s3" else None))
         opened.append(bucket)
     return MirroredBucket(origin, opened, labels=labels, timeout=timeout)
+
+
+#: Snapshots whose provenance and rejections are kept, the newest read: a build covers the
+#: chain it rebuilds (a full snapshot and the deltas after it), far fewer, and an older snapshot
+#: is not read again; without a bound a loader following a ledger for 10,000 steps would keep
+#: every file it ever read.
+TRACKED_SNAPSHOTS = 64
+
+_V = TypeVar("_V")
+
+
+class _Provenance:
+    """Per snapshot (its identity): the mirror each of its files last came from, and whether
+    it (or some of its files) must be read from the origin only; the newest
+    `TRACKED_SNAPSHOTS` snapshots are kept."""
+
+    def __init__(self) -> None:
+        self._served: OrderedDict[str, dict[str, str]] = OrderedDict()
+        #: identity -> the keys read from the origin only (None: the whole snapshot).
+        self._origin: OrderedDict[str, set[str] | None] = OrderedDict()
+
+    def served(self, key: str, label: str) -> None:
+        """`key` came from the mirror `label`."""
+        _touch(self._served, _identity(key), {})[key] = label
+
+    def cleared(self, key: str) -> None:
+        """`key` came from the origin (or its mirrored copy was rejected)."""
+        files = self._served.get(_identity(key))
+        if files is not None:
+            files.pop(key, None)
+
+    def mirrored(self, identity: str) -> dict[str, str]:
+        """The files of `identity` last read from a mirror: key -> mirror label."""
+        return dict(self._served.get(identity, {}))
+
+    def origin_only(self, identity: str, keys: set[str] | None) -> None:
+        """Read `keys` of `identity` (None: all of it) from the origin only from now on."""
+        held = self._origin.pop(identity, set())
+        merged = None if keys is None or held is None else held | keys
+        _touch(self._origin, identity, merged)
+
+    def is_origin_only(self, key: str) -> bool:
+        """Whether `key` must not be read from a mirror (its copy there was rejected)."""
+        identity = _identity(key)
+        if identity not in self._origin:
+            return False
+        keys = self._origin[identity]
+        return keys is None or key in keys
+
+
+def _touch(table: OrderedDict[str, _V], identity: str, default: _V) -> _V:
+    # The newest snapshot last; the oldest leaves once there are more than TRACKED_SNAPSHOTS.
+    if identity not in table:
+        table[identity] = default
+        while len(table) > TRACKED_SNAPSHOTS:
+            table.popitem(last=False)
+    table.move_to_end(identity)
+    return table[identity]
+
+
+def _identity(key: str) -> str:
+    return key.split("/", 1)[0]
