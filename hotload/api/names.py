@@ -49,6 +49,9 @@ ANNOTATION_APPLIED: Final = "hotload.dev/applied"
 #: Pod labels with the served identity and sequence, for selectors (routers, dashboards).
 LABEL_IDENTITY: Final = "hotload.dev/snapshot-identity"
 LABEL_SEQUENCE: Final = "hotload.dev/snapshot-sequence"
+#: The ConfigMap `<deployment>-head` through which the operator hands each deployment's loaders
+#: the ledger head it read at the origin (`hotload.ledger.handoff`); the loaders watch it.
+HEAD_OBJECT_SUFFIX: Final = "-head"
 #: Label the operator puts on everything it creates for a deployment.
 LABEL_DEPLOYMENT: Final = "hotload.dev/deployment"
 LABEL_COMPONENT: Final = "hotload.dev/component"
@@ -176,3 +179,8 @@ class SnapshotReasons:
     NOT_ACCEPTED: Final = "NotAccepted"  # False
     FAILED: Final = "LoadFailed"  # False: replicas reported failures
     PINNED_ELSEWHERE: Final = "DeploymentPinned"  # False: the fleet is pinned to another one
+
+
+def head_object_name(deployment: str) -> str:
+    """The name of a deployment's head handoff ConfigMap: `<deployment>-head`."""
+    return f"{deployment}{HEAD_OBJECT_SUFFIX}"

@@ -99,27 +99,36 @@ class Hint:
         kind = doc.get("kind")
         if kind not in ("full", "incremental") or (kind == "incremental") != (previous is not None):
             raise LedgerError(f"{where}: kind {kind!r} with previous {previous!r} is not valid")
-        files = []
-        for raw in doc.get("files") or []:
-            name = raw.get("name") if isinstance(raw, dict) else None
-            size = raw.get("size") if isinstance(raw, dict) else None
-            # Names become local paths on every replica: one plain segment, nothing else.
-            if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
-                raise LedgerError(f"{where}: files: invalid name {name!r}")
-            if not isinstance(size, int) or size < 0:
-                raise LedgerError(f"{where}: files: {name}: invalid size {size!r}")
-            etag = raw.get("etag")
-            files.append(HintFile(name, size, str(etag) if etag else None))
+        files = parse_files(doc.get("files") or [], f"{where}: files")
         updated = time_field(doc, "updatedTime", where) if doc.get("updatedTime") else None
         return cls(
             identity,
             kind,
             previous,
-            tuple(files),
+            files,
             bool(doc.get("complete")),
             str(doc.get("manifestDigest") or ""),
             updated,
         )
+
+
+def parse_files(raw: object, where: str) -> tuple[HintFile, ...]:
+    """A stored list of snapshot files (`[{name, size, etag}]`); `LedgerError` naming `where`
+    and the file when one is invalid."""
+    if not isinstance(raw, list):
+        raise LedgerError(f"{where}: must be a list")
+    files = []
+    for item in raw:
+        name = item.get("name") if isinstance(item, dict) else None
+        size = item.get("size") if isinstance(item, dict) else None
+        # Names become local paths on every replica: one plain segment, nothing else.
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            raise LedgerError(f"{where}: invalid name {name!r}")
+        if not isinstance(size, int) or size < 0:
+            raise LedgerError(f"{where}: {name}: invalid size {size!r}")
+        etag = item.get("etag")
+        files.append(HintFile(name, size, str(etag) if etag else None))
+    return tuple(files)
 
 
 def expired(hint: Hint, *, now: datetime | None = None, ttl: float = HINT_TTL_SECONDS) -> bool:
