@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hotload.bucket import Bucket, download_snapshot_async
-from hotload.errors import EngineError, HotloadError
+from hotload.bucket import Bucket, MirroredBucket, download_snapshot_async
+from hotload.errors import BucketError, EngineError, HotloadError
 from hotload.ledger import LedgerDocument, LedgerEntry
 from hotload.snapshot import Snapshot
 from hotload.snapshot.lora import (
@@ -181,26 +181,60 @@ class AdapterSync:
         check_adapter_fits(adapter, {n: t.shape for n, t in base.tensor_map.items()})
 
     async def _materialize(self, entry: LedgerEntry) -> Path:
-        """The verified one-file folder of `entry` under `adapters/` (fetched if missing)."""
+        """The verified one-file folder of `entry` under `adapters/` (fetched if missing). A
+        copy from a mirror that fails verification is rejected there (counted, an Event) and
+        the adapter fetched again from the origin at once: a bad cache must not cost the
+        adapter its retry backoff, and bytes from the origin that fail stay a failure."""
         final = self.weights.adapter_path(entry.identity)
         if final.is_dir():
             return final
         download = self.weights.download(f"adapter-{entry.identity}")
         staged = self.weights.staging(f"adapter-{entry.identity}")
         try:
-            await download_snapshot_async(
-                self.bucket, entry.identity, download, progress=self.progress
-            )
-            digest = await asyncio.to_thread(adapter_digest, download)
-            if digest != entry.manifest_digest:
-                raise HotloadError(
-                    f"downloaded adapter has digest {digest}, the ledger admitted "
-                    f"{entry.manifest_digest}: the bucket copy changed after admission"
-                )
-            await asyncio.to_thread(verify_adapter, download)
+            try:
+                await self._fetch_verified(entry, download)
+            except HotloadError as err:
+                if not await self._rejected_mirror_copy(entry, err):
+                    raise
+                remove_tree(download)
+                await self._fetch_verified(entry, download)
             await asyncio.to_thread(self._check_fits, download)
             await asyncio.to_thread(merge_adapter, download, staged)
             return self.weights.commit_adapter(staged, entry.identity)
         finally:
             remove_tree(download)
             remove_tree(staged)
+
+    async def _fetch_verified(self, entry: LedgerEntry, download: Path) -> None:
+        """Download `entry` into `download` and check it against the ledger: its digest covers
+        the config and every weight file's header (which holds the tensors' checksums), and
+        `verify_adapter` checks every tensor against its checksum."""
+        await download_snapshot_async(self.bucket, entry.identity, download, progress=self.progress)
+        digest = await asyncio.to_thread(adapter_digest, download)
+        if digest != entry.manifest_digest:
+            raise HotloadError(
+                f"downloaded adapter has digest {digest}, the ledger admitted "
+                f"{entry.manifest_digest}: the bucket copy changed after admission"
+            )
+        await asyncio.to_thread(verify_adapter, download)
+
+    async def _rejected_mirror_copy(self, entry: LedgerEntry, err: HotloadError) -> bool:
+        """Whether the failed copy of `entry` came (in part) from a mirror and was rejected
+        there, so the origin is read next (False: nothing came from a mirror)."""
+        bucket = self.bucket
+        # A bucket error is the origin's (a mirror that fails is skipped): no copy to blame.
+        if not isinstance(bucket, MirroredBucket) or isinstance(err, BucketError):
+            return False
+        labels = sorted(set(bucket.mirrored(entry.identity).values()))
+        count = bucket.reject(entry.identity, err)
+        if not count:
+            return False
+        if self.event is not None:
+            await self.event(
+                "Warning",
+                "MirrorCopyRejected",
+                f"{count} object(s) of adapter {entry.identity} from mirror(s) "
+                f"{', '.join(labels)} failed verification ({err}); never loaded, fetched again "
+                "from the origin",
+            )
+        return True
