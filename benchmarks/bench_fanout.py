@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,8 @@ HERE = Path(__file__).resolve().parent
 REGIONS = 2
 #: Seconds of an idle fleet over which the origin's requests are counted.
 IDLE_SECONDS = 20.0
+#: The chain's step of the first repeated delta (steps 0-4: cold, delta, full, the faults).
+FIRST_REPEAT = 5
 #: The model: a small Llama stored in bf16 whose fp32 weights take tiny steps, so a delta is a
 #: few percent of the full snapshot, as in training.
 MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4}
@@ -316,6 +319,7 @@ def update(
         ready.append(time.perf_counter() - published)
     served, requests = door.since()
     kinds = door.kinds()
+    small = sum(n for kind, n in kinds.items() if kind != "GET snapshot file")
     update_bytes = sum(i.size for i in publisher.bucket.list(handle.identity))
     # A replica's first snapshot is not a load into a running engine (it starts on it): no
     # last_load, and its bytes are counted with the next one's.
@@ -327,6 +331,9 @@ def update(
         "origin_bytes": served,
         "origin_requests": requests,
         "origin_requests_by_kind": kinds,
+        # Everything but the snapshot's bytes (ledger, listings, hints, pins), the operators'
+        # included, per replica: what grows with the fleet unless the handoff carries it.
+        "small_requests_per_replica": round(small / len(made.all()), 2),
         "origin_ratio": round(served / (REGIONS * update_bytes), 3),
         "fleet_ready_s": round(max(ready), 2),
         "first_ready_s": round(min(ready), 2),
@@ -350,7 +357,7 @@ def idle(door: Door, seconds: float) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Every configuration; the results as plain data."""
-    chain = build_chain(work, 4)
+    chain = build_chain(work, FIRST_REPEAT - 1 + args.repeat)
     full_bytes = describe_snapshot(chain.snapshots[0]).full_bytes
     origin = SeaweedFS.start(work / "origin")
     proxy = CountingProxy(origin.endpoint)
@@ -383,6 +390,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 row["delta"] = update(publisher, chain, 1, made, door)
                 row["full"] = update(publisher, chain, 2, made, door, full=True)
                 row.update(idle(door, args.idle_seconds))
+                if per_region == smallest:
+                    # More deltas, to compare fleet-ready between modes on more than one sample.
+                    row["repeats"] = [
+                        update(publisher, chain, FIRST_REPEAT + i, made, door)
+                        for i in range(args.repeat)
+                    ]
                 results["runs"].append(row)
                 print(json.dumps(row), flush=True)
                 if mirrors and per_region == smallest and kube is cluster and not args.quick:
@@ -433,8 +446,9 @@ def report(results: dict[str, Any], args: argparse.Namespace, elapsed: float) ->
         f"run took {elapsed / 60:.1f} min.",
         "",
         "| per region | mode | update | update MiB | origin MiB | origin / (regions x update) "
-        "| origin requests | fleet ready s | first ready s | idle origin req/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| origin requests | small origin requests per replica | fleet ready s | first ready s "
+        "| idle origin req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["runs"]:
         for kind in ("cold", "delta", "full"):
@@ -442,8 +456,22 @@ def report(results: dict[str, Any], args: argparse.Namespace, elapsed: float) ->
             lines.append(
                 f"| {row['per_region']} | {row['mode']} | {kind} "
                 f"| {u['update_bytes'] / 2**20:.2f} | {u['origin_bytes'] / 2**20:.2f} "
-                f"| {u['origin_ratio']} | {u['origin_requests']} | {u['fleet_ready_s']} "
+                f"| {u['origin_ratio']} | {u['origin_requests']} "
+                f"| {u['small_requests_per_replica']} | {u['fleet_ready_s']} "
                 f"| {u['first_ready_s']} | {row['idle_requests_per_s'] if kind == 'full' else ''} |"
+            )
+    sampled = [row for row in results["runs"] if row.get("repeats")]
+    if sampled:
+        lines += ["", "| per region | mode | deltas | fleet ready s: median | min | max "
+                  "| small origin requests per replica: median |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for row in sampled:
+            samples = [row["delta"], *row["repeats"]]
+            times = sorted(u["fleet_ready_s"] for u in samples)
+            small = sorted(u["small_requests_per_replica"] for u in samples)
+            lines.append(
+                f"| {row['per_region']} | {row['mode']} | {len(samples)} "
+                f"| {statistics.median(times)} | {times[0]} | {times[-1]} "
+                f"| {statistics.median(small)} |"
             )
     if results["faults"]:
         lines += ["", "| fault | update MiB | origin / (regions x update) | fleet ready s "
@@ -468,6 +496,12 @@ def main() -> None:
     )
     parser.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS)
     parser.add_argument("--quick", action="store_true", help="skip the fault runs")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="extra deltas per mode at the smallest count, for fleet-ready medians (default 5)",
+    )
     parser.add_argument("--skip-direct", action="store_true", help="no run of today's setting")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     parser.add_argument(
