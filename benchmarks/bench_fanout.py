@@ -323,7 +323,14 @@ def update(
     update_bytes = sum(i.size for i in publisher.bucket.list(handle.identity))
     # A replica's first snapshot is not a load into a running engine (it starts on it): no
     # last_load, and its bytes are counted with the next one's.
-    loads = [(r.status().get("last_load") or {}).get("sources") or {} for r in made.all()]
+    last = [r.status().get("last_load") or {} for r in made.all()]
+    loads = [x.get("sources") or {} for x in last]
+    # Where each replica's time went: the data path (fetch) against what the 2 CPUs do for
+    # every replica (rebuild, verify, the engine's load).
+    phases = {
+        phase: round(statistics.median(float(x.get(f"{phase}_seconds") or 0.0) for x in last), 2)
+        for phase in ("fetch", "rebuild", "verify", "load")
+    }
     return {
         "identity": handle.identity,
         "kind": handle.kind,
@@ -340,6 +347,7 @@ def update(
         "bytes_from_mirrors": sum(int(x.get("bytesFromMirrors", 0)) for x in loads),
         "bytes_from_origin": sum(int(x.get("bytesFromOrigin", 0)) for x in loads),
         "mirror_rejected": sum(int(x.get("mirrorRejected", 0)) for x in loads),
+        "median_phase_s": phases,
     }
 
 
@@ -447,8 +455,8 @@ def report(results: dict[str, Any], args: argparse.Namespace, elapsed: float) ->
         "",
         "| per region | mode | update | update MiB | origin MiB | origin / (regions x update) "
         "| origin requests | small origin requests per replica | fleet ready s | first ready s "
-        "| idle origin req/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| median fetch / rebuild+verify / load s | idle origin req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results["runs"]:
         for kind in ("cold", "delta", "full"):
@@ -458,7 +466,8 @@ def report(results: dict[str, Any], args: argparse.Namespace, elapsed: float) ->
                 f"| {u['update_bytes'] / 2**20:.2f} | {u['origin_bytes'] / 2**20:.2f} "
                 f"| {u['origin_ratio']} | {u['origin_requests']} "
                 f"| {u['small_requests_per_replica']} | {u['fleet_ready_s']} "
-                f"| {u['first_ready_s']} | {row['idle_requests_per_s'] if kind == 'full' else ''} |"
+                f"| {u['first_ready_s']} | {_phases(u)} "
+                f"| {row['idle_requests_per_s'] if kind == 'full' else ''} |"
             )
     sampled = [row for row in results["runs"] if row.get("repeats")]
     if sampled:
@@ -483,6 +492,13 @@ def report(results: dict[str, Any], args: argparse.Namespace, elapsed: float) ->
             )
     lines += ["", "Raw:", "", "```json", json.dumps(results, indent=1), "```", ""]
     return "\n".join(lines)
+
+
+def _phases(u: dict[str, Any]) -> str:
+    p = u.get("median_phase_s") or {}
+    if not p:
+        return ""
+    return f"{p['fetch']} / {round(p['rebuild'] + p['verify'], 2)} / {p['load']}"
 
 
 def main() -> None:
