@@ -30,6 +30,7 @@ from hotload.errors import (
     BucketUnreachableError,
     ChecksumMismatchError,
     InvalidBucketURLError,
+    KubeError,
     KubeForbiddenError,
     KubeNotFoundError,
     LedgerError,
@@ -663,3 +664,112 @@ def test_the_rarer_ledger_read_failures_name_their_cause_and_fix() -> None:
 def test_a_google_secret_with_settings_but_no_credentials_lacks_nothing() -> None:
     # An endpoint setting alone: the credentials come from the pod's identity, as for S3.
     assert missing_keys("gs://b/p", ["GOOGLE_BASE_URL"]) == []
+
+
+def test_a_credentials_error_names_the_secret_the_field_and_the_servers_words() -> None:
+    url = "s3://bucket/rl"
+    missing = KubeNotFoundError('secrets "creds" not found', method="GET", path="/s/creds")
+    forbidden = KubeForbiddenError("secrets is forbidden", method="GET", path="/s/creds")
+    other = KubeError("connection reset", method="GET", path="/s/creds")
+    where = f"{url}: credentials unreadable: Secret rl/creds (spec.bucket.credentialsSecret): "
+    assert str(CredentialsUnreadableError.of("rl", "creds", url, missing)) == (
+        f"{where}it does not exist ({missing})"
+    )
+    assert str(CredentialsUnreadableError.of("rl", "creds", url, forbidden)) == (
+        f"{where}the operator may not read it: add it to the chart's rbac.bucketSecrets for "
+        f"namespace rl and run helm upgrade ({forbidden})"
+    )
+    assert str(CredentialsUnreadableError.of("rl", "creds", url, other)) == f"{where}{other}"
+    incomplete = CredentialsIncompleteError(
+        "rl", "creds", url, ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"], []
+    )
+    assert str(incomplete) == (
+        f"{url}: credentials incomplete: Secret rl/creds (spec.bucket.credentialsSecret) lacks "
+        f"AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY for {url}"
+    )
+
+
+def test_a_secret_that_cannot_be_read_for_another_reason_says_so_and_what_to_check() -> None:
+    hld = deployment(bucket={"url": "s3://bucket/rl", "credentialsSecret": "creds"})
+    other = KubeError("connection reset", method="GET", path="/s/creds")
+    check = "check that Secret rl/creds exists and the operator may read it"
+    # Wrapped by the bucket opener (the Kubernetes error its cause), or on its own.
+    wrapped = bucket_cause(_unreadable(other), hld, LEDGER)
+    assert wrapped == Cause(
+        R.BUCKET_SECRET_MISSING,
+        f"Secret rl/creds (spec.bucket.credentialsSecret) cannot be read: {other}",
+        check,
+    )
+    bare = bucket_cause(other, hld, LEDGER)
+    assert bare == Cause(R.BUCKET_SECRET_MISSING, f"Secret rl/creds cannot be read: {other}", check)
+    # Without a cause, the wrapper's own words.
+    alone = CredentialsUnreadableError.of("rl", "creds", "s3://bucket/rl", other)
+    assert bucket_cause(alone, hld, LEDGER).message == (
+        f"Secret rl/creds (spec.bucket.credentialsSecret) cannot be read: {alone}"
+    )
+
+
+@pytest.mark.parametrize("reason", ["Unschedulable", "SchedulerError"])
+def test_a_pod_the_scheduler_cannot_place_or_failed_on_is_unschedulable(reason: str) -> None:
+    # With no message, the scheduler's reason is what the person reads.
+    scheduled = {"type": "PodScheduled", "status": "False", "reason": reason}
+    cause = pod_problem(pod({"conditions": [scheduled]}))
+    assert cause == Cause(
+        R.UNSCHEDULABLE,
+        f"pod fleet-1 cannot be scheduled: {reason}",
+        "the scheduler's message above says what no node offers",
+        ("fleet-1",),
+    )
+    # Another reason (a scheduling gate) is not the scheduler's refusal.
+    gated = {**scheduled, "reason": "SchedulingGated"}
+    assert pod_problem(pod({"conditions": [gated]})) is None
+
+
+def test_an_image_pull_failure_of_a_container_hotload_did_not_add_names_the_pod_template() -> None:
+    puller = container("model-cache", state={"waiting": {"reason": "ErrImagePull"}})
+    cause = pod_problem(pod({"initContainerStatuses": [puller]}))
+    assert cause is not None and cause.reason == R.IMAGE_PULL_FAILED
+    assert cause.message == (
+        "pod fleet-1, container model-cache cannot pull image registry.example/model-cache:1: "
+        "ErrImagePull"
+    )
+    assert cause.fix == (
+        "check the image name and tag (the pod template) and spec.imagePullSecrets"
+    )
+
+
+def test_a_deployment_past_its_deadline_says_which_and_the_controllers_words() -> None:
+    words = 'ReplicaSet "fleet-replicas-1" has timed out progressing.'
+    deadline = {
+        "type": "Progressing",
+        "status": "False",
+        "reason": "ProgressDeadlineExceeded",
+        "message": words,
+    }
+    (cause,) = workload_causes(workload_status(_deployment_obj(deadline)))
+    assert cause.reason == R.ROLLOUT_STUCK
+    assert cause.message == f"Deployment ml/fleet-replicas made no progress: {words}"
+
+
+@pytest.mark.parametrize(
+    ("terminated", "detail"),
+    [
+        (
+            {"reason": "StartError", "exitCode": 128, "message": "exec: serve: not found"},
+            "last exit 128 (StartError): exec: serve: not found",
+        ),
+        ({"exitCode": 2}, "last exit 2 (Error)"),
+    ],
+    ids=["reason-and-message", "neither"],
+)
+def test_a_crash_loop_names_the_last_exits_reason_and_message(
+    terminated: JSON, detail: str
+) -> None:
+    looping = container(
+        "engine",
+        state={"waiting": {"reason": "CrashLoopBackOff"}},
+        lastState={"terminated": terminated},
+    )
+    cause = pod_problem(pod({"containerStatuses": [looping]}))
+    assert cause is not None and cause.reason == R.CRASH_LOOPING
+    assert cause.message == f"pod fleet-1, container engine keeps crashing (3 restarts; {detail})"
