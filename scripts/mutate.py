@@ -48,6 +48,10 @@ class Module:
     name: str
     path: str
     tests: tuple[str, ...]
+    #: mutmut's `process_isolation`: "forkserver" where the tests start threads (torch's, a
+    #: cached write pool) that a worker forked from the process that ran them would inherit
+    #: dead, hanging its first test that waits on one.
+    isolation: str = "fork"
 
 
 MODULES: tuple[Module, ...] = (
@@ -65,11 +69,13 @@ MODULES: tuple[Module, ...] = (
         ("tests/test_sidecar_pipeline.py", "tests/test_sidecar_scrub.py"),
     ),
     Module("chained", "hotload_sidecar/chained.py", ("tests/test_sidecar_pipeline.py",)),
-    Module("patch-format", "hotload_patch/format.py", ("tests/test_patch_core.py",)),
-    Module("patch-sums", "hotload_patch/sums.py", ("tests/test_patch_core.py",)),
-    Module("patch-staging", "hotload_patch/staging.py", ("tests/test_patch_core.py",)),
-    Module("arc-decoder", "hotload/arc/decoder.py", ("tests/test_arc_codec.py",)),
-    Module("arc-chunk", "hotload/arc/chunk.py", ("tests/test_arc_codec.py",)),
+    Module("patch-format", "hotload_patch/format.py", ("tests/test_patch_core.py",), "forkserver"),
+    Module("patch-sums", "hotload_patch/sums.py", ("tests/test_patch_core.py",), "forkserver"),
+    Module(
+        "patch-staging", "hotload_patch/staging.py", ("tests/test_patch_core.py",), "forkserver"
+    ),
+    Module("arc-decoder", "hotload/arc/decoder.py", ("tests/test_arc_codec.py",), "forkserver"),
+    Module("arc-chunk", "hotload/arc/chunk.py", ("tests/test_arc_codec.py",), "forkserver"),
 )
 
 # mutmut's exit codes, grouped as the report counts them (mutmut.stats.status_by_exit_code).
@@ -111,6 +117,7 @@ def prepare(module: Module, work: Path) -> str:
         f"pytest_add_cli_args_test_selection =\n    {tests}\n"
         "pytest_add_cli_args =\n    -p\n    no:cacheprovider\n    -q\n"
         "use_git_change_detection = false\n"
+        f"process_isolation = {module.isolation}\n"
     )
     return commit
 
