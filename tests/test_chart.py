@@ -199,6 +199,9 @@ NAMESPACED_PERMISSIONS = permissions(
             "resources": ["poddisruptionbudgets"],
             "verbs": ["create", "patch"],
         },
+        # The head handoff ConfigMaps; get, list and watch only to grant them to loaders.
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "patch"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]},
         {
             "apiGroups": ["rbac.authorization.k8s.io"],
             "resources": ["roles", "rolebindings"],

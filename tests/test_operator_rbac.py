@@ -4,10 +4,11 @@ real, or the emulator (tests/README.md).
 
 Everything the operator does in a fleet's life must be allowed: owned objects (and the Roles it
 hands to loaders and the router, which Kubernetes lets it create only when it holds every
-permission in them), admission with a bucket Secret the chart lists, the router switched on and
-off again, a pin. A Secret the chart does not list is the one refusal, and it shows on the
-Snapshot as `Accepted=Unknown`, `BucketUnreachable`, until the chart's Role lists it. And with
-RBAC that lacks delete (an older chart), a pin is still followed while the router stays.
+permission in them), admission with a bucket Secret the chart lists, the head handoff ConfigMap,
+the router switched on and off again, a pin. A Secret the chart does not list is the one
+refusal, and it shows on the Snapshot as `Accepted=Unknown`, `BucketUnreachable`, until the
+chart's Role lists it. And with RBAC that lacks delete (an older chart), a pin is still followed
+while the router stays.
 """
 
 from __future__ import annotations
@@ -153,6 +154,15 @@ async def _a_fleets_life(kube: KubeClient, ns: str, bucket_dir: Path) -> None:
         return obj if obj and condition(obj, "Accepted").get("status") == "True" else None
 
     await eventually("step-000 Accepted", accepted)
+
+    # The head handoff ConfigMap its loaders watch, applied with the chart's configmaps rule.
+    async def handed() -> JSON | None:
+        obj = await get_or_none(kube, resource_path("v1", "configmaps", ns, "fleet-head"))
+        text = ((obj or {}).get("data") or {}).get("head.json") or "{}"
+        entries = json.loads(text).get("entries") or []
+        return obj if [e["identity"] for e in entries] == ["step-000"] else None
+
+    await eventually("fleet-head handing over step-000", handed)
 
     # The router: on (its objects, including a Role the operator grants), then off (deleted).
     await kube.patch(hld_path(ns, "fleet"), {"spec": {"router": {"enabled": True}}}, "merge")

@@ -143,6 +143,7 @@ class DeploymentReasons:
     REPLICAS_UNAVAILABLE: Final = "ReplicasUnavailable"  # pods not ready, no cause known yet
     # ... the operator's own upkeep (never holds the roll-out back)
     RETENTION_FAILED: Final = "RetentionFailed"  # spec.retention's gc of the ledger failed
+    HEAD_HANDOFF_REFUSED: Final = "HeadHandoffRefused"  # the API server refused <name>-head
 
 
 class LoadFailureReasons:

@@ -12,7 +12,8 @@ import json
 from typing import Any
 
 from hotload.api.models import HotLoadDeployment
-from hotload.api.names import DEPLOYMENT_PLURAL, GROUP
+from hotload.api.names import head_object_name
+from hotload.ledger.handoff import HEAD_KEY, Handoff
 from hotload_operator.meta import (
     ROUTER_PORT,
     OperatorImages,
@@ -81,7 +82,8 @@ def build_service(hld: HotLoadDeployment) -> JSON:
 def build_loader_rbac(hld: HotLoadDeployment) -> list[JSON]:
     """ServiceAccount, Role and RoleBinding of the loader: get pods, patch pods/status (its
     report, metadata included, is one status patch), create events, in its namespace, and read
-    (get, list, watch) its own HotLoadDeployment; nothing more."""
+    (get, list, watch) its deployment's head handoff ConfigMap `<name>-head`; nothing more (not
+    the HotLoadDeployment: its status, every replica's, would reach every loader)."""
     name = loader_service_account(hld)
     account_meta = object_meta(hld, name, "loader")
     if hld.spec.service_account.annotations:
@@ -91,11 +93,12 @@ def build_loader_rbac(hld: HotLoadDeployment) -> list[JSON]:
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-        # Its own deployment only: the head the operator hands over (status.ledgerHead).
+        # Its deployment's head handoff only (`build_head_object`), by name: list and watch
+        # with a fieldSelector on metadata.name are authorized against resourceNames.
         {
-            "apiGroups": [GROUP],
-            "resources": [DEPLOYMENT_PLURAL],
-            "resourceNames": [name_of(hld)],
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": [head_object_name(name_of(hld))],
             "verbs": ["get", "list", "watch"],
         },
     ]
@@ -120,6 +123,19 @@ def build_loader_rbac(hld: HotLoadDeployment) -> list[JSON]:
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace_of(hld)}],
         },
     ]
+
+
+def build_head_object(hld: HotLoadDeployment, handoff: Handoff) -> JSON:
+    """The ConfigMap `<name>-head` that hands `handoff` to the deployment's loaders (key
+    `head.json`), owned by the deployment. Not one of `build_children`: it changes with every
+    new head and heartbeat, and `heads.py` writes it on its own schedule."""
+    name = head_object_name(name_of(hld))
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_meta(hld, name, "head"),
+        "data": {HEAD_KEY: handoff.dumps()},
+    }
 
 
 def build_pdb(hld: HotLoadDeployment) -> JSON:

@@ -22,6 +22,7 @@ from hotload.errors import KubeError
 from hotload.kube import KubeClient, resource_path
 from hotload.kube.events import EventRecorder
 from hotload_operator.causes import (
+    Cause,
     CredentialsIncompleteError,
     CredentialsUnreadableError,
     missing_keys,
@@ -111,6 +112,9 @@ class LedgerHeads(Protocol):
 
     def ledger_head(self, record: DeploymentRecord) -> JSON | None:
         """The `status.ledgerHead` a roll-up of `record` writes now (None: nothing due)."""
+
+    def handoff_problem(self, key: Key) -> Cause | None:
+        """Why the deployment's head handoff ConfigMap cannot be written (None: it can)."""
 
 
 async def _unset(_: Key) -> None:

@@ -1,18 +1,22 @@
 """One watcher per cluster: the operator reads each ledger's head at the origin and hands it to
-the loaders through the API server (`status.ledgerHead` of every deployment following it).
+the loaders through the API server: the ConfigMap `<deployment>-head` each deployment's loaders
+watch (`hotload.ledger.handoff`), and `status.ledgerHead`, the summary people read.
 
 Every `HOTLOAD_HEAD_POLL_SECONDS` (default 2 s, as fast as a loader polls by itself) each
 distinct ledger the watched deployments follow is asked once: a conditional GET of the ledger
 (the roll-up's own copy, `ledgers.LedgerCache`, so nothing is read twice) and one LIST of its
-upload hints (a hint is read again only when its ETag changed). That is at most one request a
-second per ledger, whatever the number of deployments and replicas following it.
+upload hints (a hint is read again only when its ETag changed). A base snapshot newly among the
+handed entries has its folder listed once (immutable once admitted, so the listing is kept
+while the snapshot is handed over). That is about one request a second per ledger, whatever the
+number of deployments and replicas following it.
 
-A deployment's `status.ledgerHead` is written when its head or uploading list changes, and
-otherwise at most every `HEARTBEAT_SECONDS` to refresh `checkedTime` (loaders take a stale
-`checkedTime` as the operator being gone and poll the origin themselves), always by the
-deployment's roll-up (`ledger_head`), with whatever else changed: one status write. A ledger
-that cannot be read leaves `checkedTime` alone, so the loaders fall back to the origin and say
-why. The writes pass the leader's fence like every other write (`fence.py`).
+After each successful read, each deployment's handoff (`build_handoff`: the ledger's newest
+entries, the listings, the hints, its `spec.pin`) is written to its ConfigMap when it changed,
+and otherwise at most every `HEARTBEAT_SECONDS` to refresh `checkedTime` (`handoffs.py`). A
+deployment's `status.ledgerHead` follows the same rule, written by the deployment's roll-up
+(`ledger_head`) with whatever else changed: one status write. A ledger that cannot be read
+leaves both alone (`checkedTime` ages), so the loaders fall back to the origin and say why.
+The writes pass the leader's fence like every other write (`fence.py`).
 """
 
 from __future__ import annotations
@@ -27,12 +31,17 @@ from typing import Any
 
 from hotload.api.models import HotLoadDeployment
 from hotload.api.names import DEPLOYMENT_PLURAL
+from hotload.bucket import snapshot_files_async
 from hotload.errors import BucketError, HotloadError, LedgerError
 from hotload.ledger import LedgerDocument
 from hotload.ledger.fields import format_time
-from hotload.ledger.hints import Hint, expired, hint_key, list_hints_async
+from hotload.ledger.handoff import LISTED_SNAPSHOTS, build_handoff
+from hotload.ledger.hints import Hint, HintFile, expired, hint_key, list_hints_async
+from hotload.ledger.model import BASE_KINDS
+from hotload_operator.causes import Cause
 from hotload_operator.context import Context, Key
 from hotload_operator.fleet import DeploymentRecord
+from hotload_operator.handoffs import HandoffWriter
 from hotload_operator.meta import name_of, namespace_of
 
 log = logging.getLogger("hotload_operator")
@@ -46,6 +55,7 @@ MAX_UPLOADING = 4
 
 LedgerKey = tuple[str, str, str]
 JSON = dict[str, Any]
+Listing = tuple[HintFile, ...]
 
 
 def head_poll_seconds() -> float:
@@ -56,16 +66,26 @@ def head_poll_seconds() -> float:
 
 @dataclass
 class HeadPoller:
-    """Reads each followed ledger's head and hints and writes `status.ledgerHead`."""
+    """Reads each followed ledger's head, hints and new snapshot folders, and hands them over:
+    each deployment's ConfigMap `<name>-head` and `status.ledgerHead`."""
 
     ctx: Context
     interval: float = HEAD_POLL_SECONDS
     heartbeat: float = HEARTBEAT_SECONDS
     #: Per ledger: each hint's ETag and content as last read (None: unreadable).
     _hints: dict[LedgerKey, dict[str, tuple[str | None, Hint | None]]] = field(default_factory=dict)
-    #: Per ledger: when it was last read successfully, and the uploading identities then.
+    #: Per ledger: when it was last read successfully, and the live hints then (newest last).
     _checked: dict[LedgerKey, datetime] = field(default_factory=dict)
-    _uploading_of: dict[LedgerKey, list[str]] = field(default_factory=dict)
+    _uploading_of: dict[LedgerKey, list[Hint]] = field(default_factory=dict)
+    #: Per ledger: the folder listing of each handed admitted snapshot (immutable once
+    #: admitted), and when a LIST that failed was tried (not again before a heartbeat).
+    _listings: dict[LedgerKey, dict[str, Listing]] = field(default_factory=dict)
+    _unlisted: dict[LedgerKey, dict[str, datetime]] = field(default_factory=dict)
+    #: The ConfigMaps' writer (set from `ctx` and `heartbeat`).
+    handoffs: HandoffWriter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.handoffs = HandoffWriter(self.ctx, self.heartbeat)
 
     async def run(self) -> None:
         """Poll every ledger every `interval` seconds; forever (the runtime cancels it)."""
@@ -81,10 +101,15 @@ class HeadPoller:
         groups: dict[LedgerKey, list[DeploymentRecord]] = {}
         for record in self.ctx.fleet().all_deployments():
             groups.setdefault(self.ctx.ledgers.key(record.hld), []).append(record)
-        for gone in [k for k in self._hints if k not in groups]:
-            del self._hints[gone]
-            self._checked.pop(gone, None)
+        for gone in [k for k in self._checked if k not in groups]:
+            del self._checked[gone]
+            self._hints.pop(gone, None)
             self._uploading_of.pop(gone, None)
+            self._listings.pop(gone, None)
+            self._unlisted.pop(gone, None)
+        self.handoffs.forget(
+            {(namespace_of(r.hld), name_of(r.hld)) for records in groups.values() for r in records}
+        )
         await asyncio.gather(*(self._poll(key, records) for key, records in groups.items()))
 
     async def _poll(self, key: LedgerKey, records: Sequence[DeploymentRecord]) -> None:
@@ -92,10 +117,25 @@ class HeadPoller:
         await self.ctx.ledgers.refresh(hld)
         if self.ctx.ledgers.view(hld).problem is not None:
             return  # checkedTime stays old: the loaders poll the origin and report the cause
-        self._checked[key] = self.ctx.now()
-        self._uploading_of[key] = await self._uploading(
-            key, hld, self.ctx.ledgers.view(hld).document
-        )
+        checked = self._checked[key] = self.ctx.now()
+        document = self.ctx.ledgers.view(hld).document
+        self._uploading_of[key] = await self._uploading(key, hld, document)
+        if document is not None:
+            listings = await self._listed(key, hld, document, checked)
+            writes = [
+                self.handoffs.write(
+                    record,
+                    build_handoff(
+                        document,
+                        checked=checked,
+                        listings=listings,
+                        hints=self._uploading_of[key],
+                        pin=record.hld.spec.pin,
+                    ),
+                )
+                for record in records
+            ]
+            await asyncio.gather(*writes)
         for record in records:
             if self.ledger_head(record) is not None:
                 # The roll-up writes it, with whatever else changed: one write.
@@ -117,7 +157,7 @@ class HeadPoller:
             "identity": head.identity if head else None,
             "sequence": head.sequence if head else None,
             "checkedTime": format_time(checked),
-            "uploading": self._uploading_of.get(key, []),
+            "uploading": [h.identity for h in self._uploading_of.get(key, [])],
         }
         dkey: Key = (namespace_of(hld), name_of(hld))
         before = self.ctx.writer.previous(
@@ -137,10 +177,54 @@ class HeadPoller:
             return wanted
         return wanted if (checked - written).total_seconds() >= self.heartbeat else None
 
+    def handoff_problem(self, key: Key) -> Cause | None:
+        """Why the deployment's head handoff ConfigMap cannot be written (None: it can)."""
+        return self.handoffs.problem(key)
+
+    async def _listed(
+        self, key: LedgerKey, hld: HotLoadDeployment, document: LedgerDocument, now: datetime
+    ) -> dict[str, Listing]:
+        """The folder listings of the newest `LISTED_SNAPSHOTS` admitted base snapshots handed
+        over: a LIST at the origin for one not listed yet, kept while it is handed over. A LIST
+        that fails leaves it out (its loaders list it themselves), tried again a heartbeat
+        later, logged (debug) once per snapshot."""
+        _, url, ledger = key
+        handed = build_handoff(document, checked=None).entries
+        wanted = [e.identity for e in reversed(handed) if e.kind in BASE_KINDS][:LISTED_SNAPSHOTS]
+        listings = self._listings.setdefault(key, {})
+        failed = self._unlisted.setdefault(key, {})
+        in_tail = {e.identity for e in handed}
+        for memory in (listings, failed):
+            for identity in [i for i in memory if i not in in_tail]:
+                del memory[identity]  # no longer handed over: bounded by the tail
+        for identity in wanted:
+            tried = failed.get(identity)
+            if identity in listings or (
+                tried is not None and (now - tried).total_seconds() < self.heartbeat
+            ):
+                continue
+            try:
+                bucket = await self.ctx.bucket(hld)
+                infos = await snapshot_files_async(bucket, identity)
+            except (BucketError, HotloadError) as err:
+                if identity not in failed:
+                    log.debug("cannot list snapshot %s of %s/%s: %s", identity, url, ledger, err)
+                failed[identity] = now
+                continue
+            failed.pop(identity, None)
+            prefix = f"{identity}/"
+            listings[identity] = tuple(
+                sorted(
+                    (HintFile(i.key.removeprefix(prefix), i.size, i.etag) for i in infos),
+                    key=lambda f: f.name,
+                )
+            )
+        return listings
+
     async def _uploading(
         self, key: LedgerKey, hld: HotLoadDeployment, document: LedgerDocument | None
-    ) -> list[str]:
-        """The identities with an upload hint the ledger has not admitted (and not abandoned),
+    ) -> list[Hint]:
+        """The upload hints the ledger has not admitted (and not abandoned),
         newest last, at most `MAX_UPLOADING`: one LIST, and a GET per hint whose ETag moved.
         A failed LIST keeps the last answer (early fetch is an optimisation)."""
         _, url, ledger = key
@@ -164,12 +248,14 @@ class HeadPoller:
                 except (BucketError, LedgerError, HotloadError) as err:
                     log.debug("cannot read hint %s of %s/%s: %s", identity, url, ledger, err)
                     seen[identity] = (etag, None)
-        live = [
-            (hint.updated_time.timestamp() if hint.updated_time else 0.0, identity)
-            for identity, (_, hint) in seen.items()
-            if hint is not None
-            and not expired(hint)
-            and (document is None or document.find(identity) is None)
-        ]
-        live.sort()
-        return [identity for _, identity in live][-MAX_UPLOADING:]
+        live = sorted(
+            (
+                (hint.updated_time.timestamp() if hint.updated_time else 0.0, identity, hint)
+                for identity, (_, hint) in seen.items()
+                if hint is not None
+                and not expired(hint)
+                and (document is None or document.find(identity) is None)
+            ),
+            key=lambda item: item[:2],
+        )
+        return [hint for _, _, hint in live][-MAX_UPLOADING:]

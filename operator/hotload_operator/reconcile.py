@@ -251,6 +251,9 @@ async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
         gc_problem = ctx.retention.problem(hld)
         if gc_problem is not None:
             causes.append(gc_problem)
+        head_problem = ctx.heads.handoff_problem(key) if ctx.heads is not None else None
+        if head_problem is not None:
+            causes.append(head_problem)
         ledger = LedgerRead(
             url=ledger_url(hld),
             known=document is not None,

@@ -56,6 +56,7 @@ _NOT_BLOCKING = frozenset(
         DeploymentReasons.WEIGHTS_DEGRADED,
         DeploymentReasons.REPLICAS_UNAVAILABLE,
         DeploymentReasons.RETENTION_FAILED,
+        DeploymentReasons.HEAD_HANDOFF_REFUSED,
     }
 )
 
@@ -98,8 +99,9 @@ def rollup_deployment(
     )
     unready = [r for r in reports if not r.ready]
     available = len(reports) - len(unready)
-    # A failed gc says nothing about the pods: it must not hide why they are not ready.
-    upkeep = [c for c in problems if c.reason == d.RETENTION_FAILED]
+    # A failed gc or head handoff says nothing about the pods: it must not hide why they are
+    # not ready.
+    upkeep = [c for c in problems if c.reason in (d.RETENTION_FAILED, d.HEAD_HANDOFF_REFUSED)]
     if len(upkeep) == len(problems) and available < hld.spec.replicas - hld.spec.max_unavailable:
         problems = [
             Cause(

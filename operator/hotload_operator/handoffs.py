@@ -1,0 +1,113 @@
+"""Writing each deployment's head handoff ConfigMap (`<name>-head`, `builders.build_head_object`)
+for `heads.py`: when what it hands over changed, or the one written is older than the heartbeat
+(its `checkedTime`), and at no other time: one write per deployment per change, whatever the
+number of replicas watching it.
+
+The write is a server-side apply through the operator's fenced client (`fence.py`), forced: the
+operator is the one writer of this object, and a hand edit of `head.json` would misinform every
+loader. A write the API server refuses (RBAC, validation) is logged once per cause and kept as
+the deployment's `HeadHandoffRefused` problem (status and a Warning Event, by the roll-up) until
+a write succeeds; meanwhile the handed `checkedTime` ages and the loaders poll the origin
+themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from hotload.api.names import DeploymentReasons, head_object_name
+from hotload.errors import KubeError, KubeForbiddenError, KubeInvalidError
+from hotload.kube import resource_path
+from hotload.ledger.handoff import Handoff
+from hotload_operator.apply import FIELD_MANAGER
+from hotload_operator.builders import build_head_object
+from hotload_operator.causes import Cause
+from hotload_operator.context import Context, Key
+from hotload_operator.fence import NotLeadingError
+from hotload_operator.fleet import DeploymentRecord
+from hotload_operator.meta import name_of, namespace_of
+
+log = logging.getLogger("hotload_operator")
+
+
+@dataclass
+class HandoffWriter:
+    """Writes the deployments' head handoff ConfigMaps and remembers what it wrote."""
+
+    ctx: Context
+    #: Longest time between two writes of an unchanged handoff (seconds of `checked`).
+    heartbeat: float
+    #: Per deployment: the handoff last written (or last refused: retried on the heartbeat).
+    _written: dict[Key, Handoff] = field(default_factory=dict)
+    #: Per deployment: why the API server refused the last write (until one succeeds).
+    _refused: dict[Key, Cause] = field(default_factory=dict)
+
+    def due(self, key: Key, handoff: Handoff) -> bool:
+        """Whether `handoff` must be written for deployment `key`: it hands over something
+        else than the last one written, or that one's `checked` is a heartbeat old."""
+        last = self._written.get(key)
+        if last is None or not handoff.same_content(last):
+            return True
+        if handoff.checked is None or last.checked is None:
+            return handoff.checked != last.checked
+        return (handoff.checked - last.checked).total_seconds() >= self.heartbeat
+
+    async def write(self, record: DeploymentRecord, handoff: Handoff) -> bool:
+        """Write `handoff` into the deployment's ConfigMap when `due`; return whether it was
+        written. A refusal becomes the deployment's problem; other API errors (an outage, not
+        leading) are retried at the next poll."""
+        hld = record.hld
+        key: Key = (namespace_of(hld), name_of(hld))
+        if not self.due(key, handoff):
+            return False
+        body = build_head_object(hld, handoff)
+        path = resource_path("v1", "configmaps", key[0], body["metadata"]["name"])
+        try:
+            await self.ctx.kube.patch(path, body, "apply", field_manager=FIELD_MANAGER, force=True)
+        except (KubeForbiddenError, KubeInvalidError) as err:
+            # Not again before the heartbeat: a refusal does not pass by itself in 2 s.
+            self._written[key] = handoff
+            self._refuse(key, err)
+            return False
+        except NotLeadingError as err:
+            log.debug("%s/%s: head handoff not written: %s", *key, err)
+            return False
+        except KubeError as err:
+            log.debug("%s/%s: head handoff not written (retried): %s", *key, err)
+            return False
+        self._written[key] = handoff
+        if self._refused.pop(key, None) is not None:
+            log.info("%s/%s: head handoff %s written again", *key, body["metadata"]["name"])
+            self.ctx.rollups.request(key, 0)
+        return True
+
+    def problem(self, key: Key) -> Cause | None:
+        """Why deployment `key`'s last handoff write was refused (None: it was not)."""
+        return self._refused.get(key)
+
+    def forget(self, keep: set[Key]) -> None:
+        """Drop what is remembered of deployments not in `keep` (gone)."""
+        for key in [k for k in self._written if k not in keep]:
+            del self._written[key]
+            self._refused.pop(key, None)
+
+    def _refuse(self, key: Key, err: KubeError) -> None:
+        name = head_object_name(key[1])
+        forbidden = isinstance(err, KubeForbiddenError)
+        cause = Cause(
+            DeploymentReasons.HEAD_HANDOFF_REFUSED,
+            f"the API server refused the head handoff ConfigMap {name} "
+            f"({'403 Forbidden' if forbidden else '422 Invalid'}): {err}. Its loaders read "
+            "the ledger at the origin themselves until it is written (once --head-stale-seconds "
+            "passed), every loader a request of its own",
+            "grant the operator create and patch on configmaps in this namespace (the chart's "
+            "RBAC has them)"
+            if forbidden
+            else f"see the server's message; kubectl get configmap {name} -o yaml shows the "
+            "object as it stands",
+        )
+        if self._refused.get(key) != cause:
+            log.warning("%s/%s: %s", *key, cause.line())
+            self._refused[key] = cause
+            self.ctx.rollups.request(key, 0)  # the roll-up shows it (and its Warning Event)
