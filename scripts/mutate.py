@@ -69,13 +69,30 @@ MODULES: tuple[Module, ...] = (
         ("tests/test_sidecar_pipeline.py", "tests/test_sidecar_scrub.py"),
     ),
     Module("chained", "hotload_sidecar/chained.py", ("tests/test_sidecar_pipeline.py",)),
-    Module("patch-format", "hotload_patch/format.py", ("tests/test_patch_core.py",), "forkserver"),
+    # test_arc_patch.py reads patch files the writer made and damaged ones.
+    Module(
+        "patch-format",
+        "hotload_patch/format.py",
+        ("tests/test_patch_core.py", "tests/test_arc_patch.py"),
+        "forkserver",
+    ),
     Module("patch-sums", "hotload_patch/sums.py", ("tests/test_patch_core.py",), "forkserver"),
     Module(
         "patch-staging", "hotload_patch/staging.py", ("tests/test_patch_core.py",), "forkserver"
     ),
-    Module("arc-decoder", "hotload/arc/decoder.py", ("tests/test_arc_codec.py",), "forkserver"),
-    Module("arc-chunk", "hotload/arc/chunk.py", ("tests/test_arc_codec.py",), "forkserver"),
+    # test_arc_native.py decodes sparse chunks by the numpy path and the C kernel alike.
+    Module(
+        "arc-decoder",
+        "hotload/arc/decoder.py",
+        ("tests/test_arc_codec.py", "tests/test_arc_native.py"),
+        "forkserver",
+    ),
+    Module(
+        "arc-chunk",
+        "hotload/arc/chunk.py",
+        ("tests/test_arc_codec.py", "tests/test_arc_native.py"),
+        "forkserver",
+    ),
 )
 
 # mutmut's exit codes, grouped as the report counts them (mutmut.stats.status_by_exit_code).
