@@ -69,11 +69,12 @@ MODULES: tuple[Module, ...] = (
         ("tests/test_sidecar_pipeline.py", "tests/test_sidecar_scrub.py"),
     ),
     Module("chained", "hotload_sidecar/chained.py", ("tests/test_sidecar_pipeline.py",)),
-    # test_arc_patch.py reads patch files the writer made and damaged ones.
+    # test_arc_patch.py reads patch files the writer made and damaged ones; test_patch_mutants.py
+    # every field and check of the reader.
     Module(
         "patch-format",
         "hotload_patch/format.py",
-        ("tests/test_patch_core.py", "tests/test_arc_patch.py"),
+        ("tests/test_patch_core.py", "tests/test_arc_patch.py", "tests/test_patch_mutants.py"),
         "forkserver",
     ),
     Module("patch-sums", "hotload_patch/sums.py", ("tests/test_patch_core.py",), "forkserver"),

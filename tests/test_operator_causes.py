@@ -617,6 +617,10 @@ def test_workload_status_reads_only_a_progressing_false_deadline() -> None:
         assert workload_status(_deployment_obj(other)).deadline_exceeded is None
     failure = {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": "m"}
     assert workload_status(_deployment_obj(failure)).replica_failure == ("FailedCreate", "m")
+    # A Deployment without hotload's label belongs to no HotLoadDeployment.
+    unlabelled = _deployment_obj(deadline)
+    del unlabelled["metadata"]["labels"]
+    assert workload_status(unlabelled).deployment == ""
 
 
 def test_a_problems_message_is_cut_at_the_crds_bound() -> None:

@@ -1,0 +1,423 @@
+"""Reading patch files (`hotload_patch.format`), field by field, from files written to the
+layout its docstring and docs/arc_v2.md Appendix C describe: the planes, gaps and zigzagged
+differences are made here from the positions and values, not by the writer under test, so
+the values read back can be checked against what went in. Then every check of a damaged file
+alone: each must refuse with `patch_corrupt`, naming the file and, where known, the tensor
+(the mutation tests found these checks and the two-run decoding untested:
+tests/README.md "Mutation testing").
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hotload_patch import PatchError
+from hotload_patch.format import PatchFile, PatchTensor, Run, format_checksum, position_width
+
+JSON = dict[str, Any]
+Edit = Callable[[JSON], None]
+
+MAGIC = b"\x89HLPATCH"
+PREFIX = struct.Struct("<8sQQII")  # magic, header offset, header length, header CRC-32, zero
+
+# Tensor "w" (BF16, 4 x 8 = 32 elements): differences added at 1, 5, 30 (+1, -1, +256) and
+# bit patterns set at 2 and 31.
+W_ADD = ([1, 5, 30], [1, -1, 256])
+W_SET = ([2, 31], [0x3F80, 0x7F7F])
+
+
+def _planes(values: list[int], width: int) -> list[bytes]:
+    """Byte planes of unsigned integers, least significant first."""
+    return [bytes((v >> (8 * j)) & 0xFF for v in values) for j in range(width)]
+
+
+def _zigzag(diff: int) -> int:
+    return 2 * diff if diff >= 0 else -2 * diff - 1
+
+
+class Writer:
+    """Writes a patch file from header entries it builds; planes stored raw (or as asked)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data = bytearray(PREFIX.size)
+
+    def plane(self, data: bytes, codec: str = "raw") -> list[Any]:
+        """Store `data` at the next multiple of 64 bytes; its plane entry."""
+        if codec == "zero":
+            return [0, 0, "zero", format(zlib.crc32(b""), "08x")]
+        stored = zlib.compress(data) if codec == "zlib" else data
+        self.data.extend(bytes(-len(self.data) % 64))
+        offset = len(self.data)
+        self.data.extend(stored)
+        return [offset, len(stored), codec, format(zlib.crc32(stored), "08x")]
+
+    def run(self, positions: list[int], values: list[int], width: int, numel: int) -> JSON:
+        """A run's entry: positions as gaps, values (already zigzagged where added)."""
+        gaps = [p - (positions[i - 1] + 1 if i else 0) for i, p in enumerate(positions)]
+        gap_width = 4 if numel <= 1 << 32 else 8
+        return {
+            "count": len(positions),
+            "positions": {"planes": [self.plane(p) for p in _planes(gaps, gap_width)]},
+            "values": {"planes": [self.plane(p) for p in _planes(values, width)]},
+        }
+
+    def finish(self, header: Any) -> Path:
+        body = json.dumps(header).encode()
+        self.data.extend(bytes(-len(self.data) % 64))
+        offset = len(self.data)
+        self.path.write_bytes(
+            PREFIX.pack(MAGIC, offset, len(body), zlib.crc32(body), 0)
+            + self.data[PREFIX.size :]
+            + body
+        )
+        return self.path
+
+
+def tensor(name: str, dtype: str, shape: list[int], **runs: JSON) -> JSON:
+    return {
+        "name": name,
+        "dtype": dtype,
+        "shape": shape,
+        "base_checksum": "0000abcd",
+        "checksum": "12345678",
+        **runs,
+    }
+
+
+def write_patch(path: Path, edit: Edit | None = None) -> Path:
+    """The patch of this module's tensors, `edit` applied to its header first."""
+    w = Writer(path)
+    add_at, diffs = W_ADD
+    set_at, bits = W_SET
+    header: JSON = {
+        "format": "hotload_patch",
+        "version": 2,
+        "identity": "step-1",
+        "parent": "step-0",
+        "tensors": [
+            tensor(
+                "w",
+                "BF16",
+                [4, 8],
+                add=w.run(add_at, [_zigzag(d) for d in diffs], 2, 32),
+                set=w.run(set_at, bits, 2, 32),
+            ),
+            # Every element set: a run as long as its tensor.
+            tensor("full", "U8", [4], set=w.run([0, 1, 2, 3], [9, 8, 7, 6], 1, 4)),
+            # Past 2**32 elements a gap takes 8 bytes (nothing of it is ever allocated).
+            tensor(
+                "huge",
+                "U8",
+                [65536, 65537],
+                set=w.run([3, (1 << 32) + 7], [1, 2], 1, 65536 * 65537),
+            ),
+            tensor("empty", "F32", [0, 8]),
+            tensor("same", "F32", [3]),
+        ],
+    }
+    if edit is not None:
+        edit(header)
+    return w.finish(header)
+
+
+def test_a_patch_reads_back_what_was_written(tmp_path: Path) -> None:
+    pf = PatchFile(write_patch(tmp_path / "p.patch"))
+    assert (pf.identity, pf.parent) == ("step-1", "step-0")
+    w, full, huge, empty, same = pf.tensors
+    assert (w.name, w.dtype, w.shape, w.numel, w.nbytes) == ("w", "BF16", (4, 8), 32, 64)
+    assert (w.base_checksum, w.checksum) == (0xABCD, 0x12345678)
+    assert w.add is not None and w.set is not None
+    assert w.add.positions.tolist() == W_ADD[0]
+    assert w.add.values.tolist() == [d % (1 << 16) for d in W_ADD[1]]
+    assert w.set.positions.tolist() == W_SET[0] and w.set.values.tolist() == W_SET[1]
+    assert w.add.values.dtype == np.dtype("<u2") and w.set.values.dtype == np.dtype("<u2")
+    assert full.set is not None and full.set.values.tolist() == [9, 8, 7, 6]
+    assert huge.set is not None and huge.set.positions.tolist() == [3, (1 << 32) + 7]
+    assert (empty.shape, empty.numel, empty.changed) == ((0, 8), 0, 0)
+    assert (same.add, same.set, same.changed) == (None, None, 0)
+    assert (w.changed, full.changed, huge.changed) == (5, 4, 2)
+    assert pf.changed == 11
+
+
+def test_the_changes_of_both_runs_merge_in_position_order(tmp_path: Path) -> None:
+    w = PatchFile(write_patch(tmp_path / "p.patch")).tensors[0]
+    at, is_set, values = w.changes()
+    expected = sorted(
+        [(p, False, d % (1 << 16)) for p, d in zip(*W_ADD, strict=True)]
+        + [(p, True, b) for p, b in zip(*W_SET, strict=True)]
+    )
+    assert at.dtype == np.int64 and is_set.dtype == np.bool_ and values.dtype == np.dtype("<u2")
+    assert list(zip(at.tolist(), is_set.tolist(), values.tolist(), strict=True)) == expected
+    # New bits: an added difference wraps in 16 bits, a set value replaces the old one.
+    old = np.array([0xFFFF, 0x1234, 0x0000, 0x00FF, 0xAAAA], dtype="<u2")
+    want = [
+        (int(o) + v) % (1 << 16) if not s else v
+        for o, (_, s, v) in zip(old.tolist(), expected, strict=True)
+    ]
+    assert w.new_bits(is_set, values, old).tolist() == want
+
+
+def test_a_tensor_without_changes_has_empty_changes() -> None:
+    t = PatchTensor("t", "F32", (3,), 1, 1)
+    at, is_set, values = t.changes()
+    assert (at.size, is_set.size, values.size) == (0, 0, 0)
+    assert (at.dtype, is_set.dtype, values.dtype) == (np.int64, np.bool_, np.dtype("<u4"))
+    one = PatchTensor("t", "F32", (3,), 1, 1, set=Run(np.array([2]), np.array([7], "<u4")))
+    assert [a.tolist() for a in one.changes()] == [[2], [True], [7]]
+
+
+def test_position_width_and_checksum_text() -> None:
+    assert (position_width(1 << 32), position_width((1 << 32) + 1)) == (4, 8)
+    assert format_checksum(0x1_0000_00AB) == "000000ab"
+
+
+def test_reading_the_header_alone_decodes_no_runs(tmp_path: Path) -> None:
+    # Positions past the tensor: refused when the runs are read, not read without them.
+    patch = _with_planes(_positions([40, 0, 0]))(tmp_path / "p.patch")
+    (w,) = PatchFile(patch, runs=False).tensors
+    assert (w.name, w.shape, w.checksum, w.add, w.set) == ("w", (4, 8), 0x12345678, None, None)
+    with pytest.raises(PatchError, match="lies past the tensor"):
+        PatchFile(patch)
+
+
+# --- damaged files ---------------------------------------------------------------------------
+
+
+def _tensor0(change: Callable[[JSON], None]) -> Edit:
+    return lambda h: change(h["tensors"][0])
+
+
+def _set(path: list[Any], value: Any) -> Edit:
+    def edit(h: JSON) -> None:
+        node: Any = h
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+
+    return edit
+
+
+def _delete(key: str) -> Edit:
+    return lambda h: h.pop(key)
+
+
+W = ["tensors", 0]
+ADD_POS0 = [*W, "add", "positions", "planes", 0]
+DAMAGED_HEADERS: list[tuple[str, Edit, str, str | None]] = [
+    ("format", _set(["format"], "safetensors"), "is not a hotload_patch header", None),
+    ("version", _set(["version"], 1), "patch version 1 is not supported", None),
+    ("no-tensor-list", _delete("tensors"), "has no tensor list", None),
+    ("tensor-list-not-list", _set(["tensors"], {"w": 1}), "has no tensor list", None),
+    ("tensor-not-object", _set(W, "w"), "malformed tensor entry", None),
+    ("tensor-name", _set([*W, "name"], 7), "malformed tensor entry", None),
+    ("dtype", _set([*W, "dtype"], "F12"), "bad dtype or shape", "w"),
+    ("shape-not-list", _set([*W, "shape"], "4x8"), "bad dtype or shape", "w"),
+    ("shape-negative", _set([*W, "shape"], [-4, -8]), "bad shape", "w"),
+    ("shape-bool", _set([*W, "shape"], [True, 32]), "bad shape", "w"),
+    ("shape-float", _set([*W, "shape"], [4.0, 8]), "bad shape", "w"),
+    ("checksum-case", _set([*W, "base_checksum"], "0000ABCD"), "malformed checksum", "w"),
+    ("checksum-short", _set([*W, "checksum"], "1234567"), "malformed checksum", "w"),
+    ("checksum-int", _set([*W, "checksum"], 0x12345678), "malformed checksum", "w"),
+    ("count-zero", _set([*W, "add", "count"], 0), "bad add run count", "w"),
+    ("count-past", _set([*W, "add", "count"], 33), "bad add run count", "w"),
+    ("count-bool", _set([*W, "add", "count"], True), "bad add run count", "w"),
+    ("count-text", _set([*W, "set", "count"], "2"), "bad set run count", "w"),
+    ("run-not-object", _set([*W, "set"], [2, 31]), "bad set run count", "w"),
+    ("planes-missing", _set([*W, "add", "positions"], {}), "expected 4 byte planes", "w"),
+    (
+        "planes-too-few",
+        _tensor0(lambda t: t["add"]["values"]["planes"].pop()),
+        "add run: expected 2 byte planes",
+        "w",
+    ),
+    ("plane-short", _set(ADD_POS0, [64, 3, "raw"]), "malformed plane entry", "w"),
+    ("plane-codec", _set([*ADD_POS0, 2], "lz4"), "malformed plane entry", "w"),
+    ("plane-offset-bool", _set([*ADD_POS0, 0], True), "malformed plane entry", "w"),
+    ("plane-size-text", _set([*ADD_POS0, 1], "3"), "malformed plane entry", "w"),
+    ("plane-crc-case", _set([*ADD_POS0, 3], "ABCDEF01"), "malformed plane entry", "w"),
+    ("plane-crc-int", _set([*ADD_POS0, 3], 0), "malformed plane entry", "w"),
+    ("plane-before-data", _set([*ADD_POS0, 0], 8), "lies outside the data section", "w"),
+    ("plane-size-negative", _set([*ADD_POS0, 1], -1), "lies outside the data section", "w"),
+    ("plane-past-data", _set([*ADD_POS0, 1], 1 << 20), "lies outside the data section", "w"),
+    ("plane-crc", _set([*ADD_POS0, 3], "00000000"), "fail their CRC-32", "w"),
+    ("zero-plane-stores", _set(ADD_POS0, [0, 3, "zero", "00000000"]), "stores nothing", "w"),
+]
+
+
+@pytest.mark.parametrize(
+    ("edit", "match", "tensor"),
+    [case[1:] for case in DAMAGED_HEADERS],
+    ids=[case[0] for case in DAMAGED_HEADERS],
+)
+def test_a_damaged_header_is_refused_naming_the_tensor(
+    tmp_path: Path, edit: Edit, match: str, tensor: str | None
+) -> None:
+    patch = write_patch(tmp_path / "p.patch", edit)
+    with pytest.raises(PatchError, match=match) as info:
+        PatchFile(patch)
+    assert (info.value.reason, info.value.tensor) == ("patch_corrupt", tensor)
+    assert str(patch) in str(info.value)
+
+
+def _with_planes(change: Callable[[Writer, JSON], None]) -> Callable[[Path], Path]:
+    """A patch whose tensor "w" has its add run rebuilt by `change` (which stores planes)."""
+
+    def make(path: Path) -> Path:
+        holder: dict[str, Writer] = {}
+
+        def edit(h: JSON) -> None:
+            change(holder["w"], h["tensors"][0])
+
+        w = Writer(path)
+        holder["w"] = w
+        add_at, diffs = W_ADD
+        header: JSON = {
+            "format": "hotload_patch",
+            "version": 2,
+            "tensors": [
+                tensor("w", "BF16", [4, 8], add=w.run(add_at, [_zigzag(d) for d in diffs], 2, 32))
+            ],
+        }
+        edit(header)
+        return w.finish(header)
+
+    return make
+
+
+def _positions(gaps: list[int]) -> Callable[[Writer, JSON], None]:
+    def change(w: Writer, t: JSON) -> None:
+        t["add"]["positions"]["planes"] = [w.plane(p) for p in _planes(gaps, 4)]
+
+    return change
+
+
+def _value_plane(entry: Callable[[Writer], list[Any]]) -> Callable[[Writer, JSON], None]:
+    def change(w: Writer, t: JSON) -> None:
+        t["add"]["values"]["planes"][0] = entry(w)
+
+    return change
+
+
+def _zlib_entry(data: bytes) -> Callable[[Writer], list[Any]]:
+    def entry(w: Writer) -> list[Any]:
+        offset = w.plane(data)[0]  # stored as given: already compressed, or not zlib at all
+        return [offset, len(data), "zlib", format(zlib.crc32(data), "08x")]
+
+    return entry
+
+
+def _both(w: Writer, t: JSON) -> None:
+    t["set"] = w.run([W_ADD[0][1]], [0x3F80], 2, 32)
+
+
+DAMAGED_RUNS: list[tuple[str, Callable[[Writer, JSON], None], str]] = [
+    ("gap-past-tensor", _positions([32, 0, 0]), "a position of the add run lies past the tensor"),
+    ("sum-past-tensor", _positions([20, 20, 0]), "a position of the add run lies past the tensor"),
+    ("last-past-tensor", _positions([1, 3, 26]), "a position of the add run lies past the tensor"),
+    ("raw-short", _value_plane(lambda w: w.plane(b"\x01\x02")), "2 bytes stored for 3"),
+    (
+        "zlib-long",
+        _value_plane(_zlib_entry(zlib.compress(b"\x01\x02\x03\x04"))),
+        "does not decompress to 3 bytes",
+    ),
+    (
+        "zlib-short",
+        _value_plane(_zlib_entry(zlib.compress(b"\x01\x02"))),
+        "does not decompress to 3 bytes",
+    ),
+    (
+        "zlib-cut",
+        _value_plane(_zlib_entry(zlib.compress(b"\x01\x02\x03")[:-4])),
+        "does not decompress to 3 bytes",
+    ),
+    ("zlib-not", _value_plane(_zlib_entry(b"\xff\xff\xff\xff")), "add run plane 0: Error"),
+    ("added-and-set", _both, "a position is both added to and set"),
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [case[1:] for case in DAMAGED_RUNS],
+    ids=[case[0] for case in DAMAGED_RUNS],
+)
+def test_a_damaged_run_is_refused_naming_the_tensor(
+    tmp_path: Path, change: Callable[[Writer, JSON], None], match: str
+) -> None:
+    patch = _with_planes(change)(tmp_path / "p.patch")
+    with pytest.raises(PatchError, match=match) as info:
+        PatchFile(patch)
+    assert (info.value.reason, info.value.tensor) == ("patch_corrupt", "w")
+
+
+def test_a_run_of_every_position_in_order_reads_back(tmp_path: Path) -> None:
+    # The last position is the tensor's last element: not past it.
+    patch = _with_planes(_positions([0, 0, 29]))(tmp_path / "p.patch")
+    w = PatchFile(patch).tensors[0]
+    assert w.add is not None and w.add.positions.tolist() == [0, 1, 31]
+    # A plane stored zlib-compressed reads back as stored raw.
+    values = _planes([_zigzag(d) for d in W_ADD[1]], 2)[0]
+    packed = _with_planes(_value_plane(lambda wr: wr.plane(values, "zlib")))(tmp_path / "z.patch")
+    w = PatchFile(packed).tensors[0]
+    assert w.add is not None and w.add.values.tolist() == [d % (1 << 16) for d in W_ADD[1]]
+
+
+def _prefix_edit(data: bytes, **fields: int) -> bytes:
+    magic, offset, length, crc, zero = PREFIX.unpack_from(data)
+    values = {"offset": offset, "length": length, "crc": crc}
+    values.update(fields)
+    return PREFIX.pack(magic, values["offset"], values["length"], values["crc"], zero) + data[32:]
+
+
+def _rehead(data: bytes, body: bytes) -> bytes:
+    """The file with its header replaced by `body` (and a CRC-32 that matches it)."""
+    offset = PREFIX.unpack_from(data)[1]
+    out = data[:offset] + body
+    return _prefix_edit(out, length=len(body), crc=zlib.crc32(body))
+
+
+DAMAGED_FILES: list[tuple[str, Callable[[bytes], bytes], str]] = [
+    ("magic", lambda d: b"\x89HLPATCX" + d[8:], "bad magic"),
+    ("truncated-prefix", lambda d: d[:31], "truncated"),
+    ("header-before-data", lambda d: _prefix_edit(d, offset=31), "outside the file"),
+    ("header-past-end", lambda d: d[:-1], "outside the file"),
+    ("header-too-long", lambda d: _prefix_edit(d, length=(256 << 20) + 1), "outside the file"),
+    ("header-crc", lambda d: _prefix_edit(d, crc=zlib.crc32(b"")), "CRC-32 mismatch"),
+    ("header-json", lambda d: _rehead(d, b'{"format": '), "not valid JSON"),
+    ("header-utf8", lambda d: _rehead(d, b'{"format": "\xff"}'), "not valid JSON"),
+    ("header-not-object", lambda d: _rehead(d, b'["hotload_patch"]'), "not a hotload_patch"),
+]
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [case[1:] for case in DAMAGED_FILES],
+    ids=[case[0] for case in DAMAGED_FILES],
+)
+def test_a_damaged_file_is_refused(
+    tmp_path: Path, damage: Callable[[bytes], bytes], match: str
+) -> None:
+    good = write_patch(tmp_path / "good.patch")
+    bad = tmp_path / "bad.patch"
+    bad.write_bytes(damage(good.read_bytes()))
+    with pytest.raises(PatchError, match=match) as info:
+        PatchFile(bad)
+    assert (info.value.reason, info.value.tensor, info.value.path) == (
+        "patch_corrupt",
+        None,
+        str(bad),
+    )
+
+
+def test_a_missing_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(PatchError, match="patch file not found") as info:
+        PatchFile(tmp_path / "gone.patch")
+    assert info.value.reason == "patch_corrupt"
