@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import re
 from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
@@ -19,13 +20,14 @@ import pytest
 import yaml
 
 from hotload.api import crds, names
-from hotload.api.models import HotLoadDeployment, Snapshot
+from hotload.api.models import HotLoadDeployment, HotLoadHead, Snapshot
 from hotload.cli.main import run
 from support.paths import REPO
 
 MODELS: dict[str, type[pydantic.BaseModel]] = {
     names.DEPLOYMENT_KIND: HotLoadDeployment,
     names.SNAPSHOT_KIND: Snapshot,
+    names.HEAD_KIND: HotLoadHead,
 }
 # The oldest Kubernetes the CRDs promise to work on, and the newest kubernetes-validate knows.
 K8S_VERSIONS = ("1.29", "1.37")
@@ -347,7 +349,10 @@ def test_schema_has_no_pydantic_leftovers_and_keeps_validations(kind: str) -> No
         assert "anyOf" not in node, path
     root = nodes[""]
     assert root["required"] == ["spec"]
-    assert {"spec", "status", "metadata", "apiVersion", "kind"} <= set(root["properties"])
+    # A HotLoadHead has no status: the operator writes it whole, nobody else writes it.
+    parts = {"spec"} if kind == names.HEAD_KIND else {"spec", "status"}
+    assert parts | {"metadata", "apiVersion", "kind"} <= set(root["properties"])
+    assert ("status" in root["properties"]) == ("status" in parts)
     assert root["description"]
     # Every field carries the description `kubectl explain` shows.
     for path, node in nodes.items():
@@ -511,7 +516,10 @@ def test_printer_columns_point_at_fields_of_the_right_type(kind: str) -> None:
         node = root
         for part in path.strip(".").split("."):
             node = node["properties"][part]
-        assert node["type"] == type_, name
+        if type_ == "date":  # shown as an age: an RFC3339 string the API server checks
+            assert (node["type"], node.get("format")) == ("string", "date-time"), name
+        else:
+            assert node["type"] == type_, name
 
 
 def test_snapshot_spec_is_immutable_by_cel_rule() -> None:
@@ -554,7 +562,7 @@ def test_immutability_rule_refuses_any_change_to_the_spec() -> None:
     assert cel.evaluate(rule["rule"], {"self": dropped, "oldSelf": old}) is False
 
 
-@pytest.mark.parametrize("kind", crds.KINDS)
+@pytest.mark.parametrize("kind", [k for k in crds.KINDS if k != names.HEAD_KIND])
 def test_conditions_are_a_list_map_keyed_by_type(kind: str) -> None:
     conditions = schema(kind)["properties"]["status"]["properties"]["conditions"]
     assert conditions["x-kubernetes-list-type"] == "map"
@@ -724,6 +732,48 @@ def model_errors(obj: Json) -> list[str]:
     return []
 
 
+def test_a_handoff_as_the_operator_writes_it_is_a_valid_hotloadhead() -> None:
+    """What `hotload.ledger.handoff` writes passes the CRD's schema and model unchanged (a
+    field the schema lacked would be pruned by the API server, silently)."""
+    from hotload.ledger import LedgerDocument, NewEntry
+    from hotload.ledger.handoff import Handoff, build_handoff
+    from hotload.ledger.hints import Hint, HintFile
+
+    digest = "sha256:" + "ef" * 32
+    doc, _ = LedgerDocument("policy").appended(NewEntry("s0", "full", digest, 9, 9))
+    doc, _ = doc.appended(NewEntry("s1", "incremental", digest, 1, 9, previous="s0"))
+    doc, _ = doc.appended(NewEntry("lora-a", "lora", digest, 1, 1))
+    handoff = build_handoff(
+        doc,
+        checked=doc.updated_time,
+        listings={"s1": [HintFile("a.arc", 1, '"e"')]},
+        hints=[
+            Hint(
+                "s2",
+                "incremental",
+                "s1",
+                (HintFile("b.arc", 2, None),),
+                False,
+                "",
+                doc.updated_time,
+            )
+        ],
+        pin="s0",
+    )
+    obj: Json = {
+        "apiVersion": names.API_VERSION,
+        "kind": names.HEAD_KIND,
+        "metadata": {"name": "fleet"},
+        "spec": handoff.to_json(),
+    }
+    assert schema_errors(obj) == []
+    assert model_errors(obj) == []
+    assert apply_defaults(obj, schema(names.HEAD_KIND))["spec"] == obj["spec"]
+    assert obj["spec"]["head"] == "s1"
+    # What the API server stores (the model's dump, defaults filled in) reads back the same.
+    assert Handoff.loads(json.dumps(parsed(obj)["spec"]), "stored") == handoff
+
+
 @pytest.mark.parametrize("obj", EXAMPLES)
 def test_example_is_valid_for_schema_and_model(obj: Json) -> None:
     assert schema_errors(obj) == []
@@ -872,6 +922,8 @@ def test_docs_list_every_field_with_its_description(generated: dict[str, Json]) 
     for kind, crd in generated.items():
         assert f"## {kind}" in docs
         for part in ("spec", "status"):
+            if part not in schema_of(crd)["properties"]:
+                continue
             for path, node in _walk(schema_of(crd)["properties"][part], part):
                 if path == part or path.endswith(("[]", ".*")):
                     continue
@@ -883,7 +935,8 @@ def test_docs_examples_are_valid_objects() -> None:
     docs = (REPO / "docs" / "crds.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```", docs, flags=re.DOTALL)
     objects = [o for block in blocks for o in yaml.safe_load_all(block) if o]
-    assert {o["kind"] for o in objects} == set(crds.KINDS)
+    # Every kind users write (a HotLoadHead is the operator's alone).
+    assert {o["kind"] for o in objects} == set(crds.KINDS) - {names.HEAD_KIND}
     for obj in objects:
         assert schema_errors(obj) == []
         assert model_errors(obj) == []

@@ -55,7 +55,7 @@ def render_docs(crds: dict[str, dict[str, Any]]) -> str:
         "```",
         "",
         f"`Snapshot.spec` cannot change once created: publish a new snapshot instead. "
-        f"`kubectl get {names.CATEGORY}` lists both kinds, and the scale subresource lets "
+        f"`kubectl get {names.CATEGORY}` lists every kind, and the scale subresource lets "
         f"`kubectl scale {names.DEPLOYMENT_SHORT}/grpo --replicas 8` (or an autoscaler) resize "
         "a fleet.",
     ]
@@ -157,7 +157,7 @@ def _kind_docs(kind: str, crd: dict[str, Any]) -> list[str]:
     columns = version["additionalPrinterColumns"]
     plain = ", ".join(c["name"] for c in columns if not c.get("priority"))
     wide = ", ".join(c["name"] for c in columns if c.get("priority"))
-    subresources = ", ".join(f"`{s}`" for s in version["subresources"])
+    subresources = ", ".join(f"`{s}`" for s in version["subresources"]) or "none"
     out = [
         "",
         f"## {kind}",
@@ -182,7 +182,9 @@ def _kind_docs(kind: str, crd: dict[str, Any]) -> list[str]:
         for c in columns
     ]
     for part in ("spec", "status"):
-        node = schema["properties"][part]
+        node = schema["properties"].get(part)
+        if node is None:
+            continue  # HotLoadHead: written whole by the operator, no status
         out += ["", f"### {part}", ""]
         if node.get("description"):
             out += [node["description"], ""]

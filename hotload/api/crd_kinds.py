@@ -227,6 +227,48 @@ _KINDS: dict[str, _Kind] = {
             }
         ],
     ),
+    names.HEAD_KIND: _Kind(
+        model=models.HotLoadHead,
+        plural=names.HEAD_PLURAL,
+        short=names.HEAD_SHORT,
+        # `kubectl get hlhead`: which head each deployment's loaders were handed, and when the
+        # operator last read it (an old Checked: the loaders poll the origin themselves).
+        columns=[
+            {
+                "name": "Ledger",
+                "type": "string",
+                "jsonPath": ".spec.ledger",
+                "description": "The ledger followed.",
+            },
+            {
+                "name": "Head",
+                "type": "string",
+                "jsonPath": ".spec.head",
+                "description": "The head snapshot handed to the loaders.",
+            },
+            {
+                "name": "Sequence",
+                "type": "integer",
+                "jsonPath": ".spec.sequence",
+                "description": "The ledger's sequence counter when read.",
+            },
+            {
+                "name": "Checked",
+                "type": "date",
+                "jsonPath": ".spec.checkedTime",
+                "description": "When the operator last read the ledger at the origin.",
+            },
+            {
+                "name": "Pin",
+                "type": "string",
+                "priority": 1,
+                "jsonPath": ".spec.pin",
+                "description": "The deployment's spec.pin.",
+            },
+            _AGE,
+        ],
+        subresources={},
+    ),
 }
 
 KINDS: tuple[str, ...] = tuple(_KINDS)

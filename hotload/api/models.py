@@ -604,3 +604,63 @@ class Snapshot(ApiModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     spec: SnapshotSpec
     status: SnapshotStatus | None = None
+
+
+# --- HotLoadHead ----------------------------------------------------------------------------
+
+
+#: An object kept as written (the ledger's own JSON: `hotload.ledger.handoff` checks it).
+_FREE_FORM: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+class HeadHandoff(ApiModel):
+    """The ledger as the operator last read it at the origin, for one deployment's loaders
+    (`hotload.ledger.handoff.Handoff`): written by the operator only, read by the loaders."""
+
+    format_version: int = Field(ge=1, description="Version of this document's format.")
+    ledger: str = Field(max_length=128, pattern=LEDGER_NAME_PATTERN, description="Ledger name.")
+    head: Identity | None = Field(
+        default=None, description="The head's snapshot (absent: nothing admitted yet)."
+    )
+    sequence: int = Field(ge=0, description="The ledger's sequence counter when read.")
+    since: int = Field(
+        ge=0, description="entries holds every retained entry with a sequence above this one."
+    )
+    checked_time: str | None = Field(
+        default=None,
+        max_length=64,
+        json_schema_extra={"format": "date-time"},
+        description="RFC3339: when the operator last read the ledger at the origin (refreshed "
+        "at least every 30 s; a loader polls the origin itself once this is older than 90 s).",
+    )
+    pin: Identity | None = Field(
+        default=None, description="The deployment's spec.pin (absent: it follows the head)."
+    )
+    entries: list[dict[str, Any]] = Field(
+        default_factory=list,
+        max_length=1024,
+        json_schema_extra={"items": _FREE_FORM},
+        description="The ledger's newest entries, oldest first, as the ledger stores them.",
+    )
+    files: dict[str, Any] = Field(
+        default_factory=dict,
+        json_schema_extra=_FREE_FORM,
+        description="Snapshot identity -> the files of its folder at the origin "
+        "([{name, size, etag}]), for the newest admitted snapshots.",
+    )
+    hints: list[dict[str, Any]] = Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra={"items": _FREE_FORM},
+        description="Upload hints of snapshots on their way (not admitted), newest last.",
+    )
+
+
+class HotLoadHead(ApiModel):
+    """The ledger head a HotLoadDeployment's loaders follow: one per deployment, same name,
+    owned by it, written by the operator (one watcher per cluster, not a poller per replica)."""
+
+    api_version: Literal["hotload.dev/v1alpha1"] = "hotload.dev/v1alpha1"
+    kind: Literal["HotLoadHead"] = "HotLoadHead"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: HeadHandoff

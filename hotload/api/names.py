@@ -16,6 +16,11 @@ DEPLOYMENT_SHORT: Final = "hld"
 SNAPSHOT_KIND: Final = "Snapshot"
 SNAPSHOT_PLURAL: Final = "snapshots"
 SNAPSHOT_SHORT: Final = "snap"
+#: The head handoff: per HotLoadDeployment, one object of the same name through which the
+#: operator hands its loaders the ledger head it read at the origin (`hotload.ledger.handoff`).
+HEAD_KIND: Final = "HotLoadHead"
+HEAD_PLURAL: Final = "hotloadheads"
+HEAD_SHORT: Final = "hlhead"
 
 #: The longest HotLoadDeployment name: the operator names the router's Service `<name>-router`,
 #: a DNS label of at most 63 characters, and puts the name itself into label values (63 too).
@@ -49,9 +54,6 @@ ANNOTATION_APPLIED: Final = "hotload.dev/applied"
 #: Pod labels with the served identity and sequence, for selectors (routers, dashboards).
 LABEL_IDENTITY: Final = "hotload.dev/snapshot-identity"
 LABEL_SEQUENCE: Final = "hotload.dev/snapshot-sequence"
-#: The ConfigMap `<deployment>-head` through which the operator hands each deployment's loaders
-#: the ledger head it read at the origin (`hotload.ledger.handoff`); the loaders watch it.
-HEAD_OBJECT_SUFFIX: Final = "-head"
 #: Label the operator puts on everything it creates for a deployment.
 LABEL_DEPLOYMENT: Final = "hotload.dev/deployment"
 LABEL_COMPONENT: Final = "hotload.dev/component"
@@ -183,5 +185,6 @@ class SnapshotReasons:
 
 
 def head_object_name(deployment: str) -> str:
-    """The name of a deployment's head handoff ConfigMap: `<deployment>-head`."""
-    return f"{deployment}{HEAD_OBJECT_SUFFIX}"
+    """The name of a deployment's `HotLoadHead`: the deployment's own name (the kind tells them
+    apart, and `kubectl get hlhead NAME` finds it)."""
+    return deployment

@@ -89,6 +89,7 @@ class Handoff:
         return {
             "formatVersion": HANDOFF_FORMAT_VERSION,
             "ledger": self.ledger,
+            "head": self.head.identity if self.head else None,
             "sequence": self.sequence,
             "since": self.since,
             "checkedTime": format_time(self.checked) if self.checked else None,
