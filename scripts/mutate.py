@@ -77,7 +77,12 @@ MODULES: tuple[Module, ...] = (
         ("tests/test_patch_core.py", "tests/test_arc_patch.py", "tests/test_patch_mutants.py"),
         "forkserver",
     ),
-    Module("patch-sums", "hotload_patch/sums.py", ("tests/test_patch_core.py",), "forkserver"),
+    Module(
+        "patch-sums",
+        "hotload_patch/sums.py",
+        ("tests/test_patch_core.py", "tests/test_patch_mutants.py"),
+        "forkserver",
+    ),
     Module(
         "patch-staging", "hotload_patch/staging.py", ("tests/test_patch_core.py",), "forkserver"
     ),

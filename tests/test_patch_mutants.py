@@ -21,6 +21,7 @@ import pytest
 
 from hotload_patch import PatchError
 from hotload_patch.format import PatchFile, PatchTensor, Run, format_checksum, position_width
+from hotload_patch.sums import Region, RegionSum
 
 JSON = dict[str, Any]
 Edit = Callable[[JSON], None]
@@ -421,3 +422,30 @@ def test_a_missing_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PatchError, match="patch file not found") as info:
         PatchFile(tmp_path / "gone.patch")
     assert info.value.reason == "patch_corrupt"
+
+
+# --- region sums as JSON (`hotload_patch.sums`) ------------------------------------------------
+
+
+BAD_SUMS: list[Any] = [
+    "t",
+    {"region": [0, [2], [1]], "a": 1, "b": 2},  # no tensor
+    {"tensor": 5, "region": [0, [2], [1]], "a": 1, "b": 2},
+    {"tensor": "t", "region": [0, [2], [1]], "a": "1", "b": 2},
+    {"tensor": "t", "region": [0, [2], [1]], "a": 1},
+]
+
+
+@pytest.mark.parametrize(
+    "bad", BAD_SUMS, ids=["not-object", "no-tensor", "tensor-int", "a-text", "no-b"]
+)
+def test_a_malformed_region_sum_is_refused_saying_what_it_got(bad: Any) -> None:
+    with pytest.raises(ValueError) as info:
+        RegionSum.from_json(bad)
+    assert str(info.value) == f"not a region sum: {bad!r}"
+    region = [0, [2]]
+    with pytest.raises(ValueError) as info:
+        RegionSum.from_json({"tensor": "t", "region": region, "a": 1, "b": 2})
+    assert str(info.value) == f"not a region: {region!r}"
+    good = {"tensor": "t", "region": [3, [2, 4], [8, 1]], "a": 1, "b": 2}
+    assert RegionSum.from_json(good) == RegionSum("t", Region(3, (2, 4), (8, 1)), 1, 2)
