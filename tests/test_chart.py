@@ -199,9 +199,13 @@ NAMESPACED_PERMISSIONS = permissions(
             "resources": ["poddisruptionbudgets"],
             "verbs": ["create", "patch"],
         },
-        # The head handoff ConfigMaps; get, list and watch only to grant them to loaders.
-        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create", "patch"]},
-        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]},
+        # The head handoffs; get, list and watch only to grant them to loaders.
+        {"apiGroups": ["hotload.dev"], "resources": ["hotloadheads"], "verbs": ["create", "patch"]},
+        {
+            "apiGroups": ["hotload.dev"],
+            "resources": ["hotloadheads"],
+            "verbs": ["get", "list", "watch"],
+        },
         {
             "apiGroups": ["rbac.authorization.k8s.io"],
             "resources": ["roles", "rolebindings"],
@@ -394,8 +398,9 @@ def test_default_render_has_the_expected_objects(scenarios: dict[str, list[JSON]
             "ClusterRole",  # namespaced rules, cluster-wide
             "ClusterRoleBinding",
             "ClusterRoleBinding",
-            "CustomResourceDefinition",
-            "CustomResourceDefinition",
+            "CustomResourceDefinition",  # hotloaddeployments
+            "CustomResourceDefinition",  # hotloadheads
+            "CustomResourceDefinition",  # snapshots
             "Deployment",
             "PodDisruptionBudget",  # the operator's two replicas, one at a time
             "Role",  # leader election
@@ -415,7 +420,7 @@ def test_default_render_has_the_expected_objects(scenarios: dict[str, list[JSON]
 
 def test_chart_crds_are_the_generated_crds(scenarios: dict[str, list[JSON]]) -> None:
     expected = {p.name: p.read_bytes() for p in sorted((REPO / "crds").glob("*.yaml"))}
-    assert len(expected) == 2
+    assert len(expected) == 3
     chart_crds = CHART / "crds"
     assert {p.name: p.read_bytes() for p in sorted(chart_crds.glob("*.yaml"))} == expected
     # The chart's crds/ is a link to crds/, so they cannot drift apart.

@@ -1,7 +1,7 @@
-"""The head handoff ConfigMap (issue 35): the operator reads each followed ledger at the origin
-and writes, per HotLoadDeployment, the ConfigMap `<name>-head` its loaders watch: the ledger's
-newest entries, the listings of the newest admitted snapshot folders, the upload hints and
-`spec.pin`; once per change (and per heartbeat), never while the ledger cannot be read; and
+"""The head handoff object (issue 35): the operator reads each followed ledger at the origin
+and writes, per HotLoadDeployment, the `HotLoadHead` of the same name its loaders watch: the
+ledger's newest entries, the listings of the newest admitted snapshot folders, the upload hints
+and `spec.pin`; once per change (and per heartbeat), never while the ledger cannot be read; and
 the loader's Role reads that one object and nothing else.
 
 The real operator on the real API server, a real SeaweedFS bucket, snapshots published by a
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -22,11 +23,12 @@ from typing import Any
 
 import pytest
 
+from hotload.api.names import API_VERSION, HEAD_PLURAL
 from hotload.bucket import Bucket, open_bucket
 from hotload.errors import KubeForbiddenError
 from hotload.kube import KubeClient, resource_path
 from hotload.ledger import Ledger
-from hotload.ledger.handoff import HEAD_KEY, Handoff
+from hotload.ledger.handoff import Handoff
 from hotload.ledger.hints import Hint, write_hint_async
 from hotload.ledger.ledger import ledger_key
 from hotload.sdk.publish import publish_folder_async
@@ -39,9 +41,9 @@ from support.snapshots import full, weights
 JSON = dict[str, Any]
 
 
-def head_path(ns: str, name: str = "fleet-head") -> str:
-    """Path of a ConfigMap in `ns`."""
-    return resource_path("v1", "configmaps", ns, name)
+def head_path(ns: str, name: str | None = "fleet") -> str:
+    """Path of a HotLoadHead (all of them with `name` None) in `ns`."""
+    return resource_path(API_VERSION, HEAD_PLURAL, ns, name)
 
 
 def step(i: int) -> str:
@@ -56,10 +58,10 @@ async def publish(bucket: Bucket, workdir: Path, i: int) -> None:
 
 
 def handoff_in(obj: JSON | None) -> Handoff | None:
-    """The handoff a ConfigMap carries (None without one)."""
-    if obj is None or HEAD_KEY not in (obj.get("data") or {}):
+    """The handoff a HotLoadHead carries (None without one)."""
+    if obj is None or not obj.get("spec"):
         return None
-    return Handoff.loads(obj["data"][HEAD_KEY], "the ConfigMap")
+    return Handoff.loads(json.dumps(obj["spec"]), "the HotLoadHead")
 
 
 async def handed(kube: KubeClient, ns: str) -> Handoff | None:
@@ -68,14 +70,14 @@ async def handed(kube: KubeClient, ns: str) -> Handoff | None:
 
 
 async def until_head(kube: KubeClient, ns: str, identity: str) -> Handoff:
-    """Wait until `fleet-head` hands over `identity` as the head."""
+    """Wait until HotLoadHead `fleet` hands over `identity` as the head."""
 
     async def there() -> Handoff | None:
         handoff = await handed(kube, ns)
         head = handoff.head if handoff else None
         return handoff if head is not None and head.identity == identity else None
 
-    result: Handoff = await eventually(f"fleet-head naming {identity}", there, timeout=60)
+    result: Handoff = await eventually(f"HotLoadHead fleet naming {identity}", there, timeout=60)
     return result
 
 
@@ -98,7 +100,7 @@ async def fleet(
     **settings: Any,
 ) -> AsyncIterator[Fleet]:
     """`step-000` published on `bucket_url`, the operator running (with `settings`) and
-    deployment `fleet` following it, once its `fleet-head` hands `step-000` over."""
+    deployment `fleet` following it, once its HotLoadHead hands `step-000` over."""
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig))
     bucket = open_bucket(bucket_url)
     await publish(bucket, workdir, 0)
@@ -113,16 +115,15 @@ async def fleet(
 
 
 class Writes:
-    """Every watch event of `fleet-head` after the version it was read at (a task)."""
+    """Every watch event of HotLoadHead `fleet` after the version it was read at (a task)."""
 
     def __init__(self, kube: KubeClient, ns: str, version: str) -> None:
         self.events: list[tuple[str, Handoff | None]] = []
         self.task = asyncio.create_task(self._watch(kube, ns, version))
 
     async def _watch(self, kube: KubeClient, ns: str, version: str) -> None:
-        collection = resource_path("v1", "configmaps", ns)
         async for kind, obj in kube.watch(
-            collection, resource_version=version, field_selector="metadata.name=fleet-head"
+            head_path(ns, None), resource_version=version, field_selector="metadata.name=fleet"
         ):
             if kind != "BOOKMARK":
                 self.events.append((kind, handoff_in(obj)))
@@ -266,7 +267,7 @@ async def test_a_ledger_the_operator_cannot_read_leaves_checked_alone(
         await asyncio.sleep(6)  # three polls, each past the heartbeat
         after = await kube.get(head_path(ns))
         assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
-        assert after["data"] == before["data"]
+        assert after["spec"] == before["spec"]
 
         await bucket.put_async(ledger_key("fleet"), good)
         stale = handoff_in(before)
@@ -286,31 +287,37 @@ async def test_the_loaders_role_reads_its_head_object_and_nothing_else(
 ) -> None:
     async with fleet(kube_api, s3_bucket, tmp_path, monkeypatch) as f:
         kube, ns = f.kube, f.ns
-        other = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "other"}}
-        await kube.create(resource_path("v1", "configmaps", ns), other)
+        # Another deployment's head (its spec as the operator wrote fleet's), and a ConfigMap.
+        mine = await kube.get(head_path(ns))
+        other = {k: mine[k] for k in ("apiVersion", "kind", "spec")} | {"metadata": {"name": "x"}}
+        await kube.create(head_path(ns, None), other)
+        config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}
+        await kube.create(resource_path("v1", "configmaps", ns), config_map)
         config = await kube_api.service_account_config("fleet-hotload-loader")
         async with KubeClient(config) as loader:
             # The Role is the operator's: the authorizer follows it a moment later.
             await eventually("the loader's Role", lambda: _allowed(loader, head_path(ns)))
+            for refused in (
+                head_path(ns, "x"),
+                hld_path(ns, "fleet"),
+                resource_path("v1", "configmaps", ns, "x"),
+            ):
+                with pytest.raises(KubeForbiddenError):
+                    await loader.get(refused)
             with pytest.raises(KubeForbiddenError):
-                await loader.get(head_path(ns, "other"))
-            with pytest.raises(KubeForbiddenError):
-                await loader.get(hld_path(ns, "fleet"))
-            with pytest.raises(KubeForbiddenError):
-                await loader.list(resource_path("v1", "configmaps", ns))
+                await loader.list(head_path(ns, None))
             # list + watch of its one object, as the loader follows it.
-            collection = resource_path("v1", "configmaps", ns)
-            selector = "metadata.name=fleet-head"
-            listed = await loader.list(collection, field_selector=selector)
-            assert [o["metadata"]["name"] for o in listed["items"]] == ["fleet-head"]
+            selector = "metadata.name=fleet"
+            listed = await loader.list(head_path(ns, None), field_selector=selector)
+            assert [o["metadata"]["name"] for o in listed["items"]] == ["fleet"]
 
             async def first_event() -> tuple[str, JSON]:
-                async for event in loader.watch(collection, field_selector=selector):
+                async for event in loader.watch(head_path(ns, None), field_selector=selector):
                     return event
                 raise AssertionError("the watch ended without an event")
 
             kind, obj = await asyncio.wait_for(first_event(), 30)
-            assert kind == "ADDED" and obj["metadata"]["name"] == "fleet-head"
+            assert kind == "ADDED" and obj["metadata"]["name"] == "fleet"
 
 
 async def _allowed(kube: KubeClient, path: str) -> bool:

@@ -4,24 +4,28 @@ real, or the emulator (tests/README.md).
 
 Everything the operator does in a fleet's life must be allowed: owned objects (and the Roles it
 hands to loaders and the router, which Kubernetes lets it create only when it holds every
-permission in them), admission with a bucket Secret the chart lists, the head handoff ConfigMap,
-the router switched on and off again, a pin. A Secret the chart does not list is the one
-refusal, and it shows on the Snapshot as `Accepted=Unknown`, `BucketUnreachable`, until the
-chart's Role lists it. And with RBAC that lacks delete (an older chart), a pin is still followed
-while the router stays.
+permission in them), admission with a bucket Secret the chart lists, the head handoff
+(HotLoadHead), the router switched on and off again, a pin. A Secret the chart does not list is
+the one refusal, and it shows on the Snapshot as `Accepted=Unknown`, `BucketUnreachable`, until
+the chart's Role lists it. And with RBAC that lacks delete (an older chart), a pin is still
+followed while the router stays; with RBAC that cannot write HotLoadHeads, the deployment says
+so (`HeadHandoffRefused`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from hotload.api.names import API_VERSION, HEAD_PLURAL
 from hotload.bucket import open_bucket
 from hotload.kube import KubeClient, resource_path
 from hotload.ledger import Ledger
@@ -155,14 +159,13 @@ async def _a_fleets_life(kube: KubeClient, ns: str, bucket_dir: Path) -> None:
 
     await eventually("step-000 Accepted", accepted)
 
-    # The head handoff ConfigMap its loaders watch, applied with the chart's configmaps rule.
+    # The head handoff its loaders watch, applied with the chart's hotloadheads rule.
     async def handed() -> JSON | None:
-        obj = await get_or_none(kube, resource_path("v1", "configmaps", ns, "fleet-head"))
-        text = ((obj or {}).get("data") or {}).get("head.json") or "{}"
-        entries = json.loads(text).get("entries") or []
+        obj = await get_or_none(kube, resource_path(API_VERSION, HEAD_PLURAL, ns, "fleet"))
+        entries = ((obj or {}).get("spec") or {}).get("entries") or []
         return obj if [e["identity"] for e in entries] == ["step-000"] else None
 
-    await eventually("fleet-head handing over step-000", handed)
+    await eventually("the HotLoadHead handing over step-000", handed)
 
     # The router: on (its objects, including a Role the operator grants), then off (deleted).
     await kube.patch(hld_path(ns, "fleet"), {"spec": {"router": {"enabled": True}}}, "merge")
@@ -259,6 +262,29 @@ async def _an_unlisted_secret(kube: KubeClient, ns: str, bucket_dir: Path, relea
     assert obj["status"]["sequence"] == 1
 
 
+@contextlib.asynccontextmanager
+async def as_the_chart(
+    kube_api: KubeAPI,
+    objs: list[JSON],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    **settings: Any,
+) -> AsyncIterator[KubeClient]:
+    """The operator (with `settings`) running as the chart's ServiceAccount with the chart's
+    RBAC objects `objs` (as a test edited them) in place; an admin's client for the test."""
+    account = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    async with kube_api.client() as kube:
+        await install_crds(kube)
+        async with chart_rbac(kube, objs) as rbac:
+            kubeconfig = await kube_api.service_account_kubeconfig(
+                tmp_path / "operator-kubeconfig", account
+            )
+            await until_granted(kube_api, account, rbac)
+            monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+            async with running_operator(kube_api, **settings):
+                yield kube
+
+
 @pytest.mark.asyncio
 async def test_a_pin_is_followed_even_where_the_router_cannot_be_removed(
     kube_api: KubeAPI,
@@ -276,62 +302,53 @@ async def test_a_pin_is_followed_even_where_the_router_cannot_be_removed(
     for obj in objs:
         if obj["kind"] in ("Role", "ClusterRole"):
             obj["rules"] = [r for r in obj["rules"] if "delete" not in r["verbs"]]
-    account = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
     bucket_dir = tmp_path / "bucket"
     bucket_dir.mkdir()
     await upload(bucket_dir, full(tmp_path / "snaps" / "step-000", weights(0)))
     caplog.set_level(logging.INFO)
-    async with kube_api.client() as kube:
-        await install_crds(kube)
-        async with chart_rbac(kube, objs) as rbac:
-            kubeconfig = await kube_api.service_account_kubeconfig(
-                tmp_path / "operator-kubeconfig", account
-            )
-            await until_granted(kube_api, account, rbac)
-            monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-            async with running_operator(kube_api):
-                body = fleet("fleet", bucket_dir, "unused")
-                del body["spec"]["bucket"]["credentialsSecret"]
-                body["spec"]["router"] = {"enabled": True}
-                await kube.create(hld_path(ns), body)
-                router = resource_path("apps/v1", "deployments", ns, "fleet-router")
-                await eventually("the router", lambda: get_or_none(kube, router))
-                await kube.create(snapshot_path(ns), snapshot("step-000", "fleet", "step-000"))
+    async with as_the_chart(kube_api, objs, tmp_path, monkeypatch) as kube:
+        body = fleet("fleet", bucket_dir, "unused")
+        del body["spec"]["bucket"]["credentialsSecret"]
+        body["spec"]["router"] = {"enabled": True}
+        await kube.create(hld_path(ns), body)
+        router = resource_path("apps/v1", "deployments", ns, "fleet-router")
+        await eventually("the router", lambda: get_or_none(kube, router))
+        await kube.create(snapshot_path(ns), snapshot("step-000", "fleet", "step-000"))
 
-                async def accepted() -> JSON | None:
-                    obj = await get_or_none(kube, snapshot_path(ns, "step-000"))
-                    ok = obj and condition(obj, "Accepted").get("status") == "True"
-                    return obj if ok else None
+        async def accepted() -> JSON | None:
+            obj = await get_or_none(kube, snapshot_path(ns, "step-000"))
+            ok = obj and condition(obj, "Accepted").get("status") == "True"
+            return obj if ok else None
 
-                await eventually("step-000 Accepted", accepted)
-                # Off and pinned in one change.
-                await kube.patch(
-                    hld_path(ns, "fleet"),
-                    {"spec": {"router": {"enabled": False}, "pin": "step-000"}},
-                    "merge",
-                )
+        await eventually("step-000 Accepted", accepted)
+        # Off and pinned in one change.
+        await kube.patch(
+            hld_path(ns, "fleet"),
+            {"spec": {"router": {"enabled": False}, "pin": "step-000"}},
+            "merge",
+        )
 
-                async def pinned() -> JSON | None:
-                    obj = await get_or_none(kube, hld_path(ns, "fleet"))
-                    status = (obj or {}).get("status") or {}
-                    return obj if status.get("mode") == "Pinned" else None
+        async def pinned() -> JSON | None:
+            obj = await get_or_none(kube, hld_path(ns, "fleet"))
+            status = (obj or {}).get("status") or {}
+            return obj if status.get("mode") == "Pinned" else None
 
-                obj = await eventually("the fleet pinned", pinned)
-                uid = obj["metadata"]["uid"]
-                pin = bucket_dir / ".hotload" / "pins" / ns / "fleet" / f"{uid}.json"
-                text = await eventually("the pin object", _read_when_there(pin))
-                assert json.loads(text)["pin"] == "step-000"
+        obj = await eventually("the fleet pinned", pinned)
+        uid = obj["metadata"]["uid"]
+        pin = bucket_dir / ".hotload" / "pins" / ns / "fleet" / f"{uid}.json"
+        text = await eventually("the pin object", _read_when_there(pin))
+        assert json.loads(text)["pin"] == "step-000"
 
-                async def said_so() -> list[str]:
-                    return [
-                        r.getMessage()
-                        for r in caplog.records
-                        if "removing the router failed" in r.getMessage()
-                    ]
+        async def said_so() -> list[str]:
+            return [
+                r.getMessage()
+                for r in caplog.records
+                if "removing the router failed" in r.getMessage()
+            ]
 
-                (message, *_) = await eventually("the failed removal logged", said_so)
-                assert 'cannot delete resource "deployments"' in message, message
-                assert await get_or_none(kube, router) is not None
+        (message, *_) = await eventually("the failed removal logged", said_so)
+        assert 'cannot delete resource "deployments"' in message, message
+        assert await get_or_none(kube, router) is not None
 
 
 @pytest.mark.asyncio
@@ -488,3 +505,73 @@ async def test_the_chart_installs_two_replicas_with_a_lease_in_its_namespace_onl
     finally:
         kubeconfig = str(real_kube_api.kubeconfig)
         h.run("uninstall", release, "--namespace", ns, "--kubeconfig", kubeconfig, check=False)
+
+
+@pytest.mark.asyncio
+async def test_a_refused_head_handoff_is_a_problem_until_the_rbac_allows_it(
+    kube_api: KubeAPI,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An operator whose RBAC cannot write HotLoadHeads (a chart from before the head handoff):
+    the refusal is logged once however often it is retried, and is the deployment's
+    `HeadHandoffRefused` problem with a Warning Event, never holding the roll-out back; once the
+    Role allows it, the HotLoadHead is written and the problem clears."""
+    ns = kube_api.namespace
+    release = f"t{ns[-8:]}"
+    objs = render_chart(
+        helm(tmp_path / "helm"), release, ns, {"operator": {"watchNamespaces": [ns]}}
+    )
+
+    def writes_heads(rule: JSON) -> bool:
+        return rule["resources"] == [HEAD_PLURAL] and "patch" in rule["verbs"]
+
+    (granted,) = [r for o in objs if o["kind"] == "Role" for r in o["rules"] if writes_heads(r)]
+    for obj in objs:
+        if obj["kind"] in ("Role", "ClusterRole"):
+            obj["rules"] = [r for r in obj["rules"] if not writes_heads(r)]
+    bucket_dir = tmp_path / "bucket"
+    bucket_dir.mkdir()  # an empty ledger: its handoff is still written
+    caplog.set_level(logging.INFO)
+    # A heartbeat every second: the refused write is retried every poll (2 s).
+    settings = {"head_heartbeat_seconds": 1.0}
+    async with as_the_chart(kube_api, objs, tmp_path, monkeypatch, **settings) as kube:
+        body = fleet("fleet", bucket_dir, "unused")
+        del body["spec"]["bucket"]["credentialsSecret"]
+        await kube.create(hld_path(ns), body)
+
+        async def refused() -> JSON | None:
+            obj = await get_or_none(kube, hld_path(ns, "fleet"))
+            problems = ((obj or {}).get("status") or {}).get("problems") or []
+            return next((p for p in problems if p["reason"] == "HeadHandoffRefused"), None)
+
+        problem = await eventually("HeadHandoffRefused", refused, timeout=60)
+        assert "HotLoadHead fleet" in problem["message"] and "403" in problem["message"]
+        assert HEAD_PLURAL in problem["fix"]
+        events = await kube.list(resource_path("v1", "events", ns))
+        assert any(e.get("reason") == "HeadHandoffRefused" for e in events["items"])
+        await asyncio.sleep(5)  # two more refused tries
+
+        def warned() -> list[str]:
+            return [
+                r.getMessage()
+                for r in caplog.records
+                if r.levelno == logging.WARNING and "HeadHandoffRefused" in r.getMessage()
+            ]
+
+        assert len(warned()) == 1, warned()
+        head = resource_path(API_VERSION, HEAD_PLURAL, ns, "fleet")
+        assert await get_or_none(kube, head) is None
+
+        # The chart's rule back (what helm upgrade to this chart does).
+        role_path = resource_path("rbac.authorization.k8s.io/v1", "roles", ns, f"{release}-hotload")
+        role = await kube.get(role_path)
+        role["rules"].append(granted)
+        await kube.replace(role_path, role)
+        await eventually("the HotLoadHead written", lambda: get_or_none(kube, head), timeout=60)
+
+        async def cleared() -> bool:
+            return await refused() is None
+
+        await eventually("HeadHandoffRefused cleared", cleared, timeout=60)

@@ -352,14 +352,14 @@ def test_loader_role_grants_exactly_what_the_loader_needs() -> None:
         ("pods", "get"),
         ("pods/status", "patch"),
         ("events", "create"),
-        ("configmaps", "get"),
-        ("configmaps", "list"),
-        ("configmaps", "watch"),
+        ("hotloadheads", "get"),
+        ("hotloadheads", "list"),
+        ("hotloadheads", "watch"),
     }
-    # Only its deployment's head handoff ConfigMap, by name; nothing on the deployment itself.
-    (own,) = [r for r in role["rules"] if r["resources"] == ["configmaps"]]
-    assert own["apiGroups"] == [""]
-    assert own["resourceNames"] == ["fleet-head"]
+    # Only its deployment's head handoff, by name; nothing on the deployment itself.
+    (own,) = [r for r in role["rules"] if r["resources"] == ["hotloadheads"]]
+    assert own["apiGroups"] == ["hotload.dev"]
+    assert own["resourceNames"] == ["fleet"]
 
 
 def _flag(command: list[str], flag: str) -> str:

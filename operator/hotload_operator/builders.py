@@ -12,8 +12,8 @@ import json
 from typing import Any
 
 from hotload.api.models import HotLoadDeployment
-from hotload.api.names import head_object_name
-from hotload.ledger.handoff import HEAD_KEY, Handoff
+from hotload.api.names import API_VERSION, GROUP, HEAD_KIND, HEAD_PLURAL, head_object_name
+from hotload.ledger.handoff import Handoff
 from hotload_operator.meta import (
     ROUTER_PORT,
     OperatorImages,
@@ -82,8 +82,8 @@ def build_service(hld: HotLoadDeployment) -> JSON:
 def build_loader_rbac(hld: HotLoadDeployment) -> list[JSON]:
     """ServiceAccount, Role and RoleBinding of the loader: get pods, patch pods/status (its
     report, metadata included, is one status patch), create events, in its namespace, and read
-    (get, list, watch) its deployment's head handoff ConfigMap `<name>-head`; nothing more (not
-    the HotLoadDeployment: its status, every replica's, would reach every loader)."""
+    (get, list, watch) its deployment's `HotLoadHead` (the head handoff); nothing more (not the
+    HotLoadDeployment: its status, every replica's, would reach every loader)."""
     name = loader_service_account(hld)
     account_meta = object_meta(hld, name, "loader")
     if hld.spec.service_account.annotations:
@@ -96,8 +96,8 @@ def build_loader_rbac(hld: HotLoadDeployment) -> list[JSON]:
         # Its deployment's head handoff only (`build_head_object`), by name: list and watch
         # with a fieldSelector on metadata.name are authorized against resourceNames.
         {
-            "apiGroups": [""],
-            "resources": ["configmaps"],
+            "apiGroups": [GROUP],
+            "resources": [HEAD_PLURAL],
             "resourceNames": [head_object_name(name_of(hld))],
             "verbs": ["get", "list", "watch"],
         },
@@ -126,15 +126,16 @@ def build_loader_rbac(hld: HotLoadDeployment) -> list[JSON]:
 
 
 def build_head_object(hld: HotLoadDeployment, handoff: Handoff) -> JSON:
-    """The ConfigMap `<name>-head` that hands `handoff` to the deployment's loaders (key
-    `head.json`), owned by the deployment. Not one of `build_children`: it changes with every
-    new head and heartbeat, and `heads.py` writes it on its own schedule."""
-    name = head_object_name(name_of(hld))
+    """The deployment's `HotLoadHead` (same name, owned by it): `handoff` as its spec, for its
+    loaders to watch. Not one of `build_children`: it changes with every new head and
+    heartbeat, and `heads.py` writes it on its own schedule."""
+    # Absent, not null: server-side apply would take a null as a value this manager sets.
+    spec = {key: value for key, value in handoff.to_json().items() if value is not None}
     return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": object_meta(hld, name, "head"),
-        "data": {HEAD_KEY: handoff.dumps()},
+        "apiVersion": API_VERSION,
+        "kind": HEAD_KIND,
+        "metadata": object_meta(hld, head_object_name(name_of(hld)), "head"),
+        "spec": spec,
     }
 
 

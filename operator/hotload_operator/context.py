@@ -114,7 +114,7 @@ class LedgerHeads(Protocol):
         """The `status.ledgerHead` a roll-up of `record` writes now (None: nothing due)."""
 
     def handoff_problem(self, key: Key) -> Cause | None:
-        """Why the deployment's head handoff ConfigMap cannot be written (None: it can)."""
+        """Why the deployment's `HotLoadHead` cannot be written (None: it can)."""
 
 
 async def _unset(_: Key) -> None:

@@ -1,10 +1,10 @@
-"""Writing each deployment's head handoff ConfigMap (`<name>-head`, `builders.build_head_object`)
-for `heads.py`: when what it hands over changed, or the one written is older than the heartbeat
+"""Writing each deployment's head handoff, its `HotLoadHead` (`builders.build_head_object`), for
+`heads.py`: when what it hands over changed, or the one written is older than the heartbeat
 (its `checkedTime`), and at no other time: one write per deployment per change, whatever the
 number of replicas watching it.
 
 The write is a server-side apply through the operator's fenced client (`fence.py`), forced: the
-operator is the one writer of this object, and a hand edit of `head.json` would misinform every
+operator is the one writer of this object, and a hand edit of its spec would misinform every
 loader. A write the API server refuses (RBAC, validation) is logged once per cause and kept as
 the deployment's `HeadHandoffRefused` problem (status and a Warning Event, by the roll-up) until
 a write succeeds; meanwhile the handed `checkedTime` ages and the loaders poll the origin
@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from hotload.api.names import DeploymentReasons, head_object_name
-from hotload.errors import KubeError, KubeForbiddenError, KubeInvalidError
+from hotload.api.names import API_VERSION, HEAD_PLURAL, DeploymentReasons, head_object_name
+from hotload.errors import KubeError, KubeForbiddenError, KubeInvalidError, KubeNotFoundError
 from hotload.kube import resource_path
 from hotload.ledger.handoff import Handoff
 from hotload_operator.apply import FIELD_MANAGER
@@ -33,7 +33,7 @@ log = logging.getLogger("hotload_operator")
 
 @dataclass
 class HandoffWriter:
-    """Writes the deployments' head handoff ConfigMaps and remembers what it wrote."""
+    """Writes the deployments' head handoffs (`HotLoadHead`) and remembers what it wrote."""
 
     ctx: Context
     #: Longest time between two writes of an unchanged handoff (seconds of `checked`).
@@ -54,7 +54,7 @@ class HandoffWriter:
         return (handoff.checked - last.checked).total_seconds() >= self.heartbeat
 
     async def write(self, record: DeploymentRecord, handoff: Handoff) -> bool:
-        """Write `handoff` into the deployment's ConfigMap when `due`; return whether it was
+        """Write `handoff` as the deployment's `HotLoadHead` when `due`; return whether it was
         written. A refusal becomes the deployment's problem; other API errors (an outage, not
         leading) are retried at the next poll."""
         hld = record.hld
@@ -62,10 +62,10 @@ class HandoffWriter:
         if not self.due(key, handoff):
             return False
         body = build_head_object(hld, handoff)
-        path = resource_path("v1", "configmaps", key[0], body["metadata"]["name"])
+        path = resource_path(API_VERSION, HEAD_PLURAL, key[0], body["metadata"]["name"])
         try:
             await self.ctx.kube.patch(path, body, "apply", field_manager=FIELD_MANAGER, force=True)
-        except (KubeForbiddenError, KubeInvalidError) as err:
+        except (KubeForbiddenError, KubeInvalidError, KubeNotFoundError) as err:
             # Not again before the heartbeat: a refusal does not pass by itself in 2 s.
             self._written[key] = handoff
             self._refuse(key, err)
@@ -94,18 +94,27 @@ class HandoffWriter:
 
     def _refuse(self, key: Key, err: KubeError) -> None:
         name = head_object_name(key[1])
-        forbidden = isinstance(err, KubeForbiddenError)
+        if isinstance(err, KubeForbiddenError):
+            code = "403 Forbidden"
+            fix = (
+                f"grant the operator create and patch on {HEAD_PLURAL} in this namespace (the "
+                "chart's RBAC has them)"
+            )
+        elif isinstance(err, KubeNotFoundError):
+            code = "404 Not Found: the HotLoadHead CRD is not installed"
+            fix = (
+                f"apply crds/hotload.dev_{HEAD_PLURAL}.yaml (helm installs CRDs on install only, "
+                "not on upgrade)"
+            )
+        else:
+            code = "422 Invalid"
+            fix = f"see the server's message; is the {HEAD_PLURAL} CRD the operator's version?"
         cause = Cause(
             DeploymentReasons.HEAD_HANDOFF_REFUSED,
-            f"the API server refused the head handoff ConfigMap {name} "
-            f"({'403 Forbidden' if forbidden else '422 Invalid'}): {err}. Its loaders read "
-            "the ledger at the origin themselves until it is written (once --head-stale-seconds "
-            "passed), every loader a request of its own",
-            "grant the operator create and patch on configmaps in this namespace (the chart's "
-            "RBAC has them)"
-            if forbidden
-            else f"see the server's message; kubectl get configmap {name} -o yaml shows the "
-            "object as it stands",
+            f"the API server refused the head handoff (HotLoadHead {name}, {code}): {err}. Its "
+            "loaders read the ledger at the origin themselves until it is written (once "
+            "--head-stale-seconds passed), every loader a request of its own",
+            fix,
         )
         if self._refused.get(key) != cause:
             log.warning("%s/%s: %s", *key, cause.line())

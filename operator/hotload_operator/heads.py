@@ -1,6 +1,6 @@
 """One watcher per cluster: the operator reads each ledger's head at the origin and hands it to
-the loaders through the API server: the ConfigMap `<deployment>-head` each deployment's loaders
-watch (`hotload.ledger.handoff`), and `status.ledgerHead`, the summary people read.
+the loaders through the API server: the `HotLoadHead` of each deployment (same name), which its
+loaders watch (`hotload.ledger.handoff`), and `status.ledgerHead`, the summary people read.
 
 Every `HOTLOAD_HEAD_POLL_SECONDS` (default 2 s, as fast as a loader polls by itself) each
 distinct ledger the watched deployments follow is asked once: a conditional GET of the ledger
@@ -11,7 +11,7 @@ while the snapshot is handed over). That is about one request a second per ledge
 number of deployments and replicas following it.
 
 After each successful read, each deployment's handoff (`build_handoff`: the ledger's newest
-entries, the listings, the hints, its `spec.pin`) is written to its ConfigMap when it changed,
+entries, the listings, the hints, its `spec.pin`) is written to its HotLoadHead when it changed,
 and otherwise at most every `HEARTBEAT_SECONDS` to refresh `checkedTime` (`handoffs.py`). A
 deployment's `status.ledgerHead` follows the same rule, written by the deployment's roll-up
 (`ledger_head`) with whatever else changed: one status write. A ledger that cannot be read
@@ -67,7 +67,7 @@ def head_poll_seconds() -> float:
 @dataclass
 class HeadPoller:
     """Reads each followed ledger's head, hints and new snapshot folders, and hands them over:
-    each deployment's ConfigMap `<name>-head` and `status.ledgerHead`."""
+    each deployment's `HotLoadHead` and `status.ledgerHead`."""
 
     ctx: Context
     interval: float = HEAD_POLL_SECONDS
@@ -81,7 +81,7 @@ class HeadPoller:
     #: admitted), and when a LIST that failed was tried (not again before a heartbeat).
     _listings: dict[LedgerKey, dict[str, Listing]] = field(default_factory=dict)
     _unlisted: dict[LedgerKey, dict[str, datetime]] = field(default_factory=dict)
-    #: The ConfigMaps' writer (set from `ctx` and `heartbeat`).
+    #: The HotLoadHeads' writer (set from `ctx` and `heartbeat`).
     handoffs: HandoffWriter = field(init=False)
 
     def __post_init__(self) -> None:
@@ -178,7 +178,7 @@ class HeadPoller:
         return wanted if (checked - written).total_seconds() >= self.heartbeat else None
 
     def handoff_problem(self, key: Key) -> Cause | None:
-        """Why the deployment's head handoff ConfigMap cannot be written (None: it can)."""
+        """Why the deployment's `HotLoadHead` cannot be written (None: it can)."""
         return self.handoffs.problem(key)
 
     async def _listed(

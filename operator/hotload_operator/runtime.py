@@ -8,8 +8,8 @@ leader election (`standalone`), the one replica does all of it at once.
 
     flow: pod/Snapshot/HLD watch events -> cache -> roll-up queue (coalesced per deployment)
           -> roll-up (pure, from the cache) -> status write (only what changed, only the leader)
-          every followed ledger, every 2 s -> ConfigMap <deployment>-head (the loaders watch
-          it) and status.ledgerHead (heads.py)
+          every followed ledger, every 2 s -> the deployment's HotLoadHead (its loaders
+          watch it) and status.ledgerHead (heads.py)
           undecided Snapshot -> admission queue -> admission -> ledger append -> status write
 """
 
@@ -112,10 +112,10 @@ class Settings:
         default_factory=lambda: _env_seconds("HOTLOAD_GC_INTERVAL", retention.GC_INTERVAL)
     )
     #: Seconds between two reads of each followed ledger's head, handed to the loaders in the
-    #: ConfigMap <deployment>-head [HOTLOAD_HEAD_POLL_SECONDS] (0: no handoff; loaders poll
+    #: deployment's HotLoadHead [HOTLOAD_HEAD_POLL_SECONDS] (0: no handoff; loaders poll
     #: the origin).
     head_poll_seconds: float = field(default_factory=heads.head_poll_seconds)
-    #: Longest time between two writes of an unchanged handoff (<deployment>-head and
+    #: Longest time between two writes of an unchanged handoff (the HotLoadHead and
     #: status.ledgerHead: their checkedTime)
     #: [HOTLOAD_HEAD_HEARTBEAT_SECONDS]; loaders take one older than 90 s as the operator gone.
     head_heartbeat_seconds: float = field(
