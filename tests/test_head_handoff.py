@@ -1,20 +1,25 @@
-"""One watcher per cluster (issue 35 item 3): the operator reads each ledger's head at the origin
-and hands it to the loaders through `status.ledgerHead`; the loaders read the ledger only when
-the head moved, and poll the origin themselves only when the operator is gone.
+"""One watcher per cluster (issue 35): the operator reads each ledger at the origin and hands it
+to the loaders through the deployment's HotLoadHead (its spec a `Handoff`: the new entries, the
+folder listings, the upload hints, spec.pin); the loaders take a new head from it without
+asking the origin anything but the snapshot's files, and poll the origin themselves only when
+the operator is gone. `status.ledgerHead` stays the summary for people.
 
 The real operator on the real API server, real loaders (in this process, each with a real
-reference engine) watching their deployment with the loader's own service account (the Role the
+reference engine) watching the HotLoadHead with the loader's own service account (the Role the
 operator made), a folder bucket whose reads are counted per caller on the `Bucket` objects
-(a folder cannot count requests at its door).
+(a folder cannot count requests at its door). The loader side on SeaweedFS, counted at the
+door, and the handoff's faults: tests/test_loader_handoff.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
@@ -22,21 +27,21 @@ from typing import Any
 
 import pytest
 
-from hotload.bucket import Bucket, open_bucket
+from hotload.api.names import head_object_name
+from hotload.bucket import Bucket, MirroredBucket, open_bucket
 from hotload.kube import KubeClient, KubeConfig, resource_path
-from hotload.ledger import Ledger, LedgerEntry
-from hotload.ledger.hints import Hint, hint_key, hints_prefix, write_hint_async
-from hotload.ledger.ledger import ledger_key
-from hotload_sidecar.config import ConfigError, Settings, load_settings
-from hotload_sidecar.engines import make_adapter
+from hotload.ledger import Ledger, LedgerDocument, LedgerEntry
+from hotload.ledger.handoff import Handoff, build_handoff
+from hotload.ledger.hints import Hint, hints_prefix, write_hint_async
+from hotload_sidecar.config import ConfigError, load_settings
 from hotload_sidecar.head_watch import HeadWatch, OriginReads
 from hotload_sidecar.loader import Loader
 from hotload_sidecar.prefetch import Prefetcher
 from hotload_sidecar.status import LocalReporter
 from hotload_sidecar.weights import WeightsFolder
 from support.cluster import install_crds
-from support.engines import serve
 from support.fleet import Trainer
+from support.handoff_loaders import handoff_loader
 from support.kubeapi import KubeAPI
 from support.operator import (
     eventually,
@@ -146,46 +151,23 @@ async def following_loader(
 ) -> AsyncIterator[tuple[Loader, LocalReporter, Bucket]]:
     """A loader (and its reference engine) following `ledger_url` with the head handoff of
     deployment `fleet`, watching it as the loader's service account bound to `pod`; its own
-    origin poll only as the safety net (every `SAFETY` s once the head is `STALE` s old)."""
-    config = await kube_api.service_account_config("fleet-hotload-loader", pod)
-    async with serve(tiny.snapshots[0], "boot", dtype="float32") as client:
-        url = str(client.make_url(""))
-        settings = Settings(
-            ledger_url=ledger_url,
-            weights_dir=root / "weights",
-            engine_url=url,
-            hint_ttl_seconds=0,
-            poll_seconds=0.2,
-            report="kubernetes",
-            namespace=kube_api.namespace,
-            pod_name=pod,
-            deployment="fleet",
-            safety_poll_seconds=SAFETY,
-            head_stale_seconds=STALE,
-        )
-        bucket_url, name = ledger_url.rsplit("/", 1)
-        bucket = open_bucket(bucket_url)
-        heads = HeadWatch(
-            KubeClient(config),
-            kube_api.namespace,
-            "fleet",
-            poll_seconds=settings.poll_seconds,
-            safety_seconds=SAFETY,
-            stale_seconds=STALE,
-        )
-        reporter = LocalReporter()
-        adapter = make_adapter("reference", url)
-        loader = Loader(
-            settings, ledger=Ledger(bucket, name), adapter=adapter, reporter=reporter, heads=heads
-        )
-        stop = asyncio.Event()
-        task = asyncio.create_task(loader.run(stop))
-        try:
-            yield loader, reporter, bucket
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 30)
-            await adapter.aclose()
+    origin poll only as the safety net (every `SAFETY` s once the head is `STALE` s old). Yields
+    the bucket whose calls are the loader's (the origin under its `MirroredBucket`)."""
+    async with handoff_loader(
+        kube_api,
+        tiny.snapshots[0],
+        root,
+        pod=pod,
+        ledger_url=ledger_url,
+        deployment="fleet",
+        hint_ttl_seconds=0,
+        poll_seconds=0.2,
+        safety_poll_seconds=SAFETY,
+        head_stale_seconds=STALE,
+    ) as (loader, reporter):
+        bucket = loader.ledger.bucket
+        assert isinstance(bucket, MirroredBucket)  # as app.build_loader opens it
+        yield loader, reporter, bucket.origin
 
 
 async def until(what: str, check: Callable[[], bool], timeout: float = 60) -> None:
@@ -217,9 +199,10 @@ async def test_loaders_follow_the_operators_head_and_poll_the_origin_once_it_is_
     kube_api: KubeAPI, tiny: TinyLLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two deployments on one ledger cost the origin one conditional GET and one LIST per
-    poll (<= 1 request/s idle); their loaders read nothing from the origin while idle, learn a
-    trainer's new head (published without a Snapshot object) from status.ledgerHead, which
-    changes once per new head; with the operator gone they poll the origin themselves."""
+    poll (<= 1 request/s idle); their loaders read nothing from the origin while idle, take a
+    trainer's new head (published without a Snapshot object) from the operator's HotLoadHead
+    with no ledger read and no listing, only the snapshot's files (status.ledgerHead changes
+    once per new head); with the operator gone they poll the origin themselves."""
     monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig))
     calls = BucketCalls(monkeypatch)
     ns = kube_api.namespace
@@ -273,7 +256,8 @@ async def test_loaders_follow_the_operators_head_and_poll_the_origin_once_it_is_
                 assert by_operator["GET"] <= window / 2 + 1
                 assert 3 <= sum(by_operator.values()) <= window + 2, by_operator
 
-                # A new head, published without a Snapshot object: handed over, read once.
+                # A new head, published without a Snapshot object: handed over, and the origin
+                # asked only for its files.
                 mark = calls.mark()
                 published = asyncio.get_running_loop().time()
                 await asyncio.to_thread(trainer.publish, 1)
@@ -282,10 +266,11 @@ async def test_loaders_follow_the_operators_head_and_poll_the_origin_once_it_is_
                     lambda: all(r.status.identity == "step-001" for _, r, _ in replicas),
                 )
                 took = asyncio.get_running_loop().time() - published
+                await asyncio.sleep(1.0)  # anything an update does after it serves
                 for loader, _, bucket in replicas:
                     reads = calls.since(mark, of=[bucket])
-                    ledger_reads = [k for _, k in reads if k == ledger_key("fleet")]
-                    assert 1 <= len(ledger_reads) <= 2, ledger_reads
+                    assert [r for r in reads if not r[1].startswith("step-001/")] == [], reads
+                    assert any(op == "GET" for op, _ in reads), reads  # its files
                     assert loader.metrics.head_sequence._value.get() == 2
                 assert took < 2 + 10, f"publish -> serving took {took:.1f}s"
                 await until("the last ledgerHead seen", lambda: seen[-1]["identity"] == "step-001")
@@ -357,15 +342,24 @@ def _entry(identity: str, sequence: int) -> LedgerEntry:
     )
 
 
+def _head_object(handoff: Handoff | None) -> JSON:
+    """The HotLoadHead as the API server hands it over (its spec as JSON)."""
+    spec = json.loads(handoff.dumps()) if handoff is not None else None
+    return {"metadata": {"name": head_object_name("fleet")}, "spec": spec}
+
+
 def test_what_a_loader_asks_the_origin_for() -> None:
-    """The handed head decides: nothing while it matches the loader's copy, the ledger once it
-    is newer, the pin object while spec.pin differs from the pin followed (at once, then
-    doubling), everything on the safety net's schedule once the head is stale."""
+    """The handoff decides: nothing while its counter matches the loader's copy, a merge of the
+    handed entries once it differs (never the ledger at the origin), the handed hints every
+    step, the pin object while the handed pin differs from the pin followed (at once, then
+    doubling), everything on the safety net's schedule once it is stale, missing or refused;
+    a heartbeat (`checked` alone) wakes nobody, a new head does."""
     clock, wall = [100.0], [datetime(2026, 1, 1, 12, 0, tzinfo=UTC)]
     heads = HeadWatch(
         KubeClient(KubeConfig(server="http://127.0.0.1:9")),  # never asked here
         "ns",
         "fleet",
+        ledger="policy",
         poll_seconds=2,
         safety_seconds=30,
         stale_seconds=90,
@@ -373,75 +367,86 @@ def test_what_a_loader_asks_the_origin_for() -> None:
         clock=lambda: clock[0],
         now=lambda: wall[0],
     )
-    step3 = _entry("step-3", 3)
+    assert heads.name == head_object_name("fleet")
+    document = LedgerDocument("policy", sequence=3, entries=(_entry("step-3", 3),))
+    uploading = Hint("step-4", previous="step-3", updated_time=wall[0])
+    handoff = build_handoff(document, checked=wall[0], hints=[uploading])
     # Nothing read yet: everything, and the safety net's clock starts.
-    assert heads.plan(None, False, None) == OriginReads(True, True, None)
+    assert heads.plan(None, None) == OriginReads(True, True, None)
     heads.up = True
-    heads._take(
-        {
-            "spec": {},
-            "status": {
-                "ledgerHead": {
-                    "identity": "step-3",
-                    "sequence": 3,
-                    "checkedTime": "2026-01-01T12:00:00Z",
-                    "uploading": ["step-4"],
-                }
-            },
-        }
-    )
-    assert heads.changed.is_set()
-    # The head matches the copy: nothing from the origin, the uploads' hints one by one.
-    assert heads.plan(step3, True, None) == OriginReads(False, False, ("step-4",))
-    # A newer head: the ledger.
-    assert heads.plan(_entry("step-2", 2), True, None).ledger
-    # spec.pin differs from the pin followed: read at once, then after 2, 4, 8 s.
-    heads.spec_pin = "step-1"
-    assert heads.plan(step3, True, None).pin
+    heads._take(_head_object(handoff))
+    assert heads.changed.is_set() and heads.handoff == handoff
+    # The counter matches the copy: nothing from the origin, the handed hints.
+    assert heads.plan(3, None) == OriginReads(False, False, (uploading,))
+    # The copy is behind (or ahead): merge the handoff, still nothing from the origin.
+    assert heads.plan(2, None) == OriginReads(False, False, (uploading,), handoff)
+    # A heartbeat wakes nobody; a new head does.
+    heads.changed.clear()
+    heads._take(_head_object(replace(handoff, checked=wall[0] + timedelta(seconds=30))))
+    assert not heads.changed.is_set()
+    newer = replace(document, sequence=4, entries=(*document.entries, _entry("step-4", 4)))
+    heads._take(_head_object(build_handoff(newer, checked=wall[0], pin="step-1")))
+    assert heads.changed.is_set() and heads.spec_pin == "step-1"
+    # The handed pin differs from the pin followed: read at once, then after 2, 4, 8 s.
+    assert heads.plan(4, None).pin
     clock[0] += 1
-    assert not heads.plan(step3, True, None).pin
+    assert not heads.plan(4, None).pin
     clock[0] += 1
-    assert heads.plan(step3, True, None).pin
+    assert heads.plan(4, None).pin
     clock[0] += 3
-    assert not heads.plan(step3, True, None).pin
+    assert not heads.plan(4, None).pin
     clock[0] += 1
-    assert heads.plan(step3, True, None).pin
-    assert not heads.plan(step3, True, "step-1").pin  # followed: nothing more to read
+    assert heads.plan(4, None).pin
+    assert not heads.plan(4, "step-1").pin  # followed: nothing more to read
     # Stale (checked 91 s ago): the safety net, every 30 s from its last run, nothing between.
     wall[0] += timedelta(seconds=91)
-    assert heads.plan(step3, True, "step-1") == OriginReads(False, False, None)
+    assert heads.plan(4, "step-1") == OriginReads(False, False, None)
     clock[0] = 130
-    assert heads.plan(step3, True, "step-1") == OriginReads(True, True, None)
+    assert heads.plan(4, "step-1") == OriginReads(True, True, None)
     clock[0] += 29
-    assert heads.plan(step3, True, "step-1") == OriginReads(False, False, None)
+    assert heads.plan(4, "step-1") == OriginReads(False, False, None)
     clock[0] += 2
-    assert heads.plan(step3, True, "step-1").ledger
-    # The watch down while the head looks fresh: the safety net too.
+    assert heads.plan(4, "step-1").ledger
+    # The watch down while the handoff looks fresh: the safety net too.
     wall[0] -= timedelta(seconds=91)
     heads.up = False
     clock[0] += 31
-    assert heads.plan(step3, True, "step-1") == OriginReads(True, True, None)
+    assert heads.plan(4, "step-1") == OriginReads(True, True, None)
+    heads.up = True
+    assert heads.fresh()
+    # Another ledger's handoff, or an object without one: refused, not fresh.
+    heads._take(_head_object(replace(handoff, ledger="other")))
+    assert heads.handoff is None and not heads.fresh()
+    heads._take(_head_object(handoff))
+    assert heads.fresh()
+    heads._take(_head_object(None))
+    assert heads.handoff is None
+    heads._take(_head_object(handoff))
+    assert heads.fresh()
+    heads._take(None)  # deleted
+    assert heads.handoff is None and heads.changed.is_set()
 
 
 @pytest.mark.asyncio
-async def test_handed_uploads_are_read_hint_by_hint_without_a_listing(
+async def test_handed_uploads_are_taken_without_reading_the_bucket(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the operator's uploading list, the early fetch reads each named hint (a conditional
-    GET: unchanged, it is not parsed again) and never lists the hints; a named hint that is
-    gone is skipped."""
+    """With the operator's hints the early fetch reads no hint and lists nothing: it takes the
+    handed Hint objects as they are; without a handoff it LISTs the hints and reads each (one
+    LIST, one GET), as before."""
     calls = BucketCalls(monkeypatch)
     bucket = open_bucket(str(tmp_path / "bucket"))
-    await write_hint_async(bucket, "fleet", Hint("step-001", previous="step-000"))
+    hint = Hint("step-001", previous="step-000")
+    await write_hint_async(bucket, "fleet", hint)
     prefetcher = Prefetcher(bucket, "fleet", WeightsFolder(tmp_path / "weights"))
     mark = calls.mark()
-    await prefetcher.poll(None, hinted=["step-001", "step-002"])
-    hints = [hint_key("fleet", "step-001"), hint_key("fleet", "step-002")]
-    assert calls.since(mark) == [("GET", hints[0]), ("GET", hints[1])]
-    assert set(prefetcher._seen) == {"step-001"}
-    first = prefetcher._seen["step-001"][1]
-    await prefetcher.poll(None, hinted=["step-001"])
-    assert prefetcher._seen["step-001"][1] is first  # not modified: kept, not parsed again
-    await prefetcher.poll(None)  # without a handoff: one LIST, as before
+    await prefetcher.poll(None, handed=[hint, Hint("step-002", previous="step-001")])
+    assert calls.since(mark) == []
+    assert set(prefetcher._seen) == {"step-001", "step-002"}
+    await prefetcher.poll(None, handed=[hint])
+    assert calls.since(mark) == []
+    assert set(prefetcher._seen) == {"step-001"}  # a hint no longer handed is forgotten
+    await prefetcher.poll(None)  # without a handoff: one LIST, then the hint itself
+    ops = [op for op, _ in calls.since(mark)]
     assert ("LIST", hints_prefix("fleet")) in calls.since(mark)
-    assert [op for op, _ in calls.since(mark)].count("LIST") == 1
+    assert (ops.count("LIST"), ops.count("GET")) == (1, 1), calls.since(mark)

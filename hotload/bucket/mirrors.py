@@ -8,10 +8,17 @@ fetches, sparse loads, adapters) use it unchanged. What goes where:
   is verified against the ledger entry before it is loaded.
 - **The origin only**: everything under `.hotload/` (ledgers, pins, hints, gc journals),
   conditional reads (`get_if_changed` with an ETag: only mutable objects are polled), every
-  write and delete, and every listing. A snapshot folder is listed at the origin: one small
-  request per replica per update, and the answer is the truth, while a read-through cache's lazy
-  listing may be stale or empty (a SeaweedFS lazy mount without `-listingCacheTTL` lists
-  nothing) and a partial mirror's listing would hide files the snapshot has.
+  write and delete, and every listing not known already. A snapshot folder is listed at the
+  origin, whose answer is the truth, while a read-through cache's lazy listing may be stale or
+  empty (a SeaweedFS lazy mount without `-listingCacheTTL` lists nothing) and a partial
+  mirror's listing would hide files the snapshot has.
+- **From memory**: the listing of a snapshot folder handed over by `know_listing` (the loader
+  gives it those of the operator's head handoff), so that an update costs the origin no LIST
+  per replica. That is safe because an admitted snapshot folder is immutable (admission refuses
+  a folder with other files than its manifests name, and nothing rewrites it), the listing came
+  from the origin itself (the operator listed it there), and every byte downloaded is still
+  verified against the ledger entry's `contentDigest`: a wrong listing can fail an update, never
+  load other weights.
 
 A mirror that misses (404 while the origin has the object), errs or times out is skipped for a
 while (exponential backoff, capped), with one warning naming the cause when it starts failing;
@@ -31,7 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from hotload.bucket.core import Bucket
 from hotload.bucket.objects import NotModified, ObjectData, ObjectInfo, Progress
@@ -39,6 +46,7 @@ from hotload.bucket.retry import RetryPolicy
 from hotload.bucket.stores import open_bucket
 from hotload.bucket.url import S3_SETTINGS, load_settings, parse_bucket_url
 from hotload.errors import BucketError, ObjectNotFoundError
+from hotload.snapshot.layout import validate_identity
 
 log = logging.getLogger("hotload.bucket.mirrors")
 
@@ -55,6 +63,17 @@ MIN_RATE = 4 * 1024 * 1024
 #: Backoff of a failing mirror: the first skip lasts this long, doubling up to the cap.
 BACKOFF_INITIAL = 2.0
 BACKOFF_CAP = 120.0
+
+
+class ListedFile(Protocol):
+    """One file of a snapshot folder's listing (a `HintFile`: name relative to the folder)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def etag(self) -> str | None: ...
 
 
 def is_immutable(key: str) -> bool:
@@ -160,6 +179,8 @@ class MirroredBucket(Bucket):
         self._clock = clock
         #: Which mirror each snapshot file came from, and what is read from the origin only.
         self._provenance = _Provenance()
+        #: Snapshot identity -> its folder's listing as handed over (`know_listing`).
+        self._listings: OrderedDict[str, list[ObjectInfo]] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"MirroredBucket({self.url!r}, mirrors={[m.label for m in self.mirrors]!r})"
@@ -268,8 +289,25 @@ class MirroredBucket(Bucket):
         """Whether the origin bucket exists."""
         return await self._origin(".hotload", self.origin.root_exists_async(), lambda _r: 0)
 
+    def know_listing(self, identity: str, files: Iterable[ListedFile]) -> None:
+        """Remember the listing of snapshot `identity`'s folder (`files`: name relative to the
+        folder, size, ETag), as the origin gave it to someone trusted (the operator): listing
+        exactly that folder is answered from it from now on (see the module docstring for
+        why that is safe). The newest `TRACKED_SNAPSHOTS` listings are kept."""
+        validate_identity(identity)
+        infos = sorted(
+            (ObjectInfo(f"{identity}/{f.name}", f.size, f.etag) for f in files),
+            key=lambda i: i.key,
+        )
+        _touch(self._listings, identity, infos)
+        self._listings[identity] = infos
+
     async def list_async(self, prefix: str = "") -> list[ObjectInfo]:
-        """List at the origin (listings are the truth; a cache's listing may be stale)."""
+        """List at the origin (listings are the truth; a cache's listing may be stale), except
+        a snapshot folder whose listing was handed over (`know_listing`): from memory."""
+        known = self._listings.get(prefix.rstrip("/")) if prefix else None
+        if known is not None:
+            return list(known)
         return await self._origin(prefix, self.origin.list_async(prefix), lambda _r: 0)
 
     async def put_async(
@@ -408,10 +446,10 @@ def open_mirrored(
     return MirroredBucket(origin, opened, labels=labels, timeout=timeout)
 
 
-#: Snapshots whose provenance and rejections are kept, the newest read: a build covers the
-#: chain it rebuilds (a full snapshot and the deltas after it), far fewer, and an older snapshot
-#: is not read again; without a bound a loader following a ledger for 10,000 steps would keep
-#: every file it ever read.
+#: Snapshots whose provenance and rejections (and handed listings) are kept, the newest read: a
+#: build covers the chain it rebuilds (a full snapshot and the deltas after it), far fewer, and
+#: an older snapshot is not read again; without a bound a loader following a ledger for 10,000
+#: steps would keep every file it ever read.
 TRACKED_SNAPSHOTS = 64
 
 _V = TypeVar("_V")

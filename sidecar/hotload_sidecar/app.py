@@ -79,12 +79,13 @@ def build_loader(settings: Settings, reporter: Reporter) -> Loader:
         ledger=Ledger(bucket, name),
         adapter=adapter,
         reporter=reporter,
-        heads=_head_watch(settings),
+        heads=_head_watch(settings, name),
     )
 
 
-def _head_watch(settings: Settings) -> HeadWatch | None:
-    """The watch of our deployment's status.ledgerHead (`--deployment`; None without it)."""
+def _head_watch(settings: Settings, ledger: str) -> HeadWatch | None:
+    """The watch of our deployment's head handoff, its `HotLoadHead` (`--deployment`; None
+    without it)."""
     if not settings.deployment or settings.report != "kubernetes":
         return None
     from hotload.kube import KubeClient, KubeConfig
@@ -94,6 +95,7 @@ def _head_watch(settings: Settings) -> HeadWatch | None:
         KubeClient(KubeConfig.auto(settings.kubeconfig)),
         settings.namespace,
         settings.deployment,
+        ledger=ledger,
         poll_seconds=settings.poll_seconds,
         safety_seconds=settings.safety_poll_seconds,
         stale_seconds=settings.head_stale_seconds,

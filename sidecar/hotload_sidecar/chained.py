@@ -5,7 +5,7 @@ in full when a scrub found its weights changed. A part of `Loader` (a base class
 only so that each module stays readable.
 
 Pipelined patches: while the engine writes one patch (staging, verifying, pausing), the loader
-keeps reading the ledger, and once the head has moved past that patch by deltas it fetches them
+keeps following the ledger, and once the head has moved past that patch by deltas it fetches them
 and writes the next patch file, which the next update sends as it is. Preparing and applying
 then overlap instead of adding up, so a trainer publishing faster than one update takes does
 not stretch the replica's lag by the preparation each time."""
@@ -86,7 +86,7 @@ class ChainedUpdates:
     async def _refresh_served(self) -> None:
         raise NotImplementedError
 
-    async def _read_ledger(self) -> None:
+    async def _refresh_ledger(self) -> None:
         raise NotImplementedError
 
     def _interval(self) -> float:
@@ -243,12 +243,13 @@ class ChainedUpdates:
         self._following = asyncio.create_task(self._follow_while(after, patching))
 
     async def _follow_while(self, after: LedgerEntry, patching: asyncio.Future[LoadResult]) -> None:
-        """Until the engine answers, read the ledger; once the target lies deltas past
-        `after`, start preparing their patch (`_ahead`) and stop."""
+        """Until the engine answers, follow the ledger (from the operator's handoff while it
+        is fresh: no origin read); once the target lies deltas past `after`, start preparing
+        their patch (`_ahead`) and stop."""
         assert self.sparse is not None
         while not patching.done():
             try:
-                await self._read_ledger()
+                await self._refresh_ledger()
             except (BucketError, LedgerError):
                 return  # the loop's own poll reports it
             entry = self.target().entry

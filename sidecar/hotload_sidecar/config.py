@@ -258,10 +258,12 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
         "HOTLOAD_DEPLOYMENT",
         str,
         None,
-        "the HotLoadDeployment (in --namespace) whose status.ledgerHead the operator keeps: "
-        "the loader watches it and reads the ledger and pin from the origin only when the head "
-        "or spec.pin moves, polling the origin itself only as a safety net (needs --report "
-        "kubernetes; the operator sets it)",
+        "the HotLoadDeployment (in --namespace) whose head handoff, the HotLoadHead of the same "
+        "name, the operator keeps: the loader watches it and takes the ledger's new "
+        "entries, folder listings, upload hints and spec.pin from it, reading the origin only at "
+        "start-up, when the handed entries do not reach back to its copy, for a changed pin, and "
+        "as a safety net while the handoff is stale (needs --report kubernetes; the operator "
+        "sets it)",
     ),
     (
         "--safety-poll-seconds",
@@ -269,14 +271,14 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
         float,
         30.0,
         "with --deployment: the origin poll (jittered, never under --poll-seconds) that runs "
-        "only while the watch is down or the operator's checkedTime is stale",
+        "only while the watch is down or the handoff is missing, malformed or stale",
     ),
     (
         "--head-stale-seconds",
         "HOTLOAD_HEAD_STALE_SECONDS",
         float,
         90.0,
-        "with --deployment: a ledgerHead checked longer ago than this means the operator is gone",
+        "with --deployment: a handoff checked longer ago than this means the operator is gone",
     ),
     (
         "--log-level",
@@ -412,7 +414,7 @@ def load_settings(
     if values["deployment"] and values["report"] != "kubernetes":
         raise ConfigError(
             "--deployment (HOTLOAD_DEPLOYMENT) needs --report kubernetes: the head is read "
-            "from the deployment's status through the API server"
+            "from the deployment's HotLoadHead through the API server"
         )
     if values["pin"] is not None and values["pin_object"] is not None:
         raise ConfigError("--pin and --pin-object exclude each other: a pin is static or polled")

@@ -1,21 +1,25 @@
-"""The head handoff, loader side: watch our own HotLoadDeployment's `status.ledgerHead` (the
-operator reads the ledger at the origin once per cluster) and decide when the loader itself must
-ask the origin.
+"""The head handoff, loader side: watch our deployment's `HotLoadHead` (same name as the
+deployment; its `spec` is a `Handoff` the operator writes after reading the ledger at the origin
+once for its whole cluster) and decide what the loader itself must ask the origin for.
 
-The loader reads the ledger from the origin only when the handed head is newer than its copy,
-the pin object only when `spec.pin` differs from the pin it follows (at once, then backing off
-while the operator has not written the object yet), and the hints of the `uploading` identities
-one by one (no LIST). Its own poll of the origin is the safety net: every
-`max(--safety-poll-seconds, --poll-seconds)` jittered, and only while the watch is down or the
-operator's `checkedTime` is older than `--head-stale-seconds` (the operator is gone or cannot
-read the ledger). Without `--deployment` (the demo, plain processes) none of this runs and the
-loader polls the origin every `--poll-seconds` as before.
+While the handoff is fresh (the watch runs and the operator's `checked` is younger than
+`--head-stale-seconds`) an update costs the origin no small request: the loader merges the handed
+entries into its copy of the ledger (`merge_handed`; the origin only when they do not reach back
+to its copy, or disagree with it), takes the snapshot folders' listings and the upload hints
+from the handoff (no LIST, no hint GET), and reads the pin object only when the handed `pin`
+(the deployment's spec.pin) differs from the pin it follows (at once, then backing off while the
+operator has not written the object yet). Its own poll of the origin is the safety net: every
+`max(--safety-poll-seconds, --poll-seconds)` jittered, and only while the watch is down, the
+handoff is missing or malformed, or `checked` is old (the operator is gone or cannot read the
+ledger). The first read at start-up is always the origin's. Without `--deployment` (the demo,
+plain processes) none of this runs and the loader polls the origin every `--poll-seconds`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -23,10 +27,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL
-from hotload.errors import KubeError, KubeGoneError
+from hotload.api.names import API_VERSION, HEAD_PLURAL, head_object_name
+from hotload.errors import KubeError, KubeGoneError, LedgerError
 from hotload.kube import KubeClient, resource_path
-from hotload.ledger import LedgerEntry
+from hotload.ledger.handoff import Handoff
+from hotload.ledger.hints import Hint
 from hotload_sidecar.pacing import jittered
 
 log = logging.getLogger("hotload_sidecar.head_watch")
@@ -38,57 +43,35 @@ MAX_RETRY_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
-class HandedHead:
-    """`status.ledgerHead` as the operator wrote it."""
-
-    identity: str | None
-    sequence: int | None
-    checked: datetime | None
-    uploading: tuple[str, ...] = ()
-
-    @classmethod
-    def parse(cls, value: Any) -> HandedHead | None:
-        """The head in a status's `ledgerHead` (None when absent or malformed)."""
-        if not isinstance(value, dict):
-            return None
-        sequence = value.get("sequence")
-        try:
-            checked = datetime.fromisoformat(str(value.get("checkedTime")))
-        except ValueError:
-            checked = None
-        uploading = value.get("uploading") or []
-        return cls(
-            identity=value.get("identity") if isinstance(value.get("identity"), str) else None,
-            sequence=sequence if isinstance(sequence, int) else None,
-            checked=checked,
-            uploading=tuple(u for u in uploading if isinstance(u, str)),
-        )
-
-
-@dataclass(frozen=True)
 class OriginReads:
-    """What one loader step asks the origin for."""
+    """What one loader step takes from where."""
 
+    #: Read the ledger at the origin.
     ledger: bool
+    #: Read the pin object at the origin.
     pin: bool
-    #: The identities whose hints to read one by one (None: LIST the hints, as without a
+    #: The upload hints handed over (None: LIST and read them at the origin, as without a
     #: handoff, but only in a step that reads the ledger).
-    hinted: tuple[str, ...] | None
+    hints: tuple[Hint, ...] | None
+    #: A fresh handoff whose counter differs from the loader's copy: merge it (the origin only
+    #: when `merge_handed` cannot).
+    handed: Handoff | None = None
 
 
 #: A poll without a handoff: the ledger, the pin object and a LIST of the hints.
-EVERYTHING = OriginReads(ledger=True, pin=True, hinted=None)
+EVERYTHING = OriginReads(ledger=True, pin=True, hints=None)
 
 
 class HeadWatch:
-    """Watches one HotLoadDeployment for the loader (see the module docstring)."""
+    """Watches one deployment's head handoff for the loader (see the module docstring)."""
 
     def __init__(
         self,
         client: KubeClient,
         namespace: str,
-        name: str,
+        deployment: str,
         *,
+        ledger: str | None = None,
         poll_seconds: float = 2.0,
         safety_seconds: float = 30.0,
         stale_seconds: float = 90.0,
@@ -96,59 +79,66 @@ class HeadWatch:
         clock: Callable[[], float] = time.monotonic,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
+        """`ledger`: the ledger this loader follows (a handoff of another one is refused as
+        malformed: the deployment and the loader disagree, and the origin decides)."""
         self.client = client
         self.namespace = namespace
-        self.name = name
+        self.deployment = deployment
+        #: The HotLoadHead watched (the deployment's own name).
+        self.name = head_object_name(deployment)
+        self.ledger = ledger
         self.poll_seconds = poll_seconds
         self.safety_seconds = max(safety_seconds, poll_seconds)
         self.stale_seconds = stale_seconds
         self.jitter = jitter
         self.clock = clock
         self.now = now
-        #: The head last handed over (None: none seen yet).
-        self.head: HandedHead | None = None
-        #: spec.pin as last seen, and whether the object was seen at all.
+        #: The handoff last read (None: none yet, deleted, or malformed).
+        self.handoff: Handoff | None = None
+        #: spec.pin as handed over (None: follow the head).
         self.spec_pin: str | None = None
-        self.seen = False
         #: Whether the watch runs now (a failed request or a broken stream: down until it
         #: is established again).
         self.up = False
-        #: Set when the head, uploading list or spec.pin changed (the loader steps at once).
+        #: Set when anything but `checked` changed in the handoff (the loader steps at once).
         self.changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._safety_at = float("-inf")
         self._pin_at = float("-inf")
         self._pin_delay = poll_seconds
         self._down_logged = False
+        #: The malformed document last warned about (warned once, not on every event).
+        self._refused: str | None = None
 
     # --- what the loader asks ------------------------------------------------------------------
 
     def fresh(self) -> bool:
-        """Whether the operator's head can be trusted now: the watch runs and its checkedTime
+        """Whether the operator's handoff can be trusted now: the watch runs and its `checked`
         is younger than `stale_seconds`."""
-        head = self.head
-        if not self.up or head is None or head.checked is None:
+        handoff = self.handoff
+        if not self.up or handoff is None or handoff.checked is None:
             return False
-        return (self.now() - head.checked).total_seconds() <= self.stale_seconds
+        return (self.now() - handoff.checked).total_seconds() <= self.stale_seconds
 
-    def plan(self, known: LedgerEntry | None, have_ledger: bool, pin: str | None) -> OriginReads:
-        """What to read from the origin in this step, given the loader's copy of the head
-        (`known`), whether it read the ledger at all yet, and the pin it follows."""
+    def current(self) -> Handoff | None:
+        """The handoff when it is fresh (None: the loader asks the origin itself)."""
+        return self.handoff if self.fresh() else None
+
+    def plan(self, sequence: int | None, pin: str | None) -> OriginReads:
+        """What this step takes from where, given the counter of the loader's copy of the
+        ledger (None: not read yet) and the pin it follows."""
         now = self.clock()
-        if not have_ledger or (not self.fresh() and now >= self._safety_at):
+        handoff = self.current()
+        if sequence is None or (handoff is None and now >= self._safety_at):
             self._safety_at = now + jittered(self.safety_seconds, self.jitter)
             self._pin_delay = self.poll_seconds
             return EVERYTHING
-        if not self.fresh():
-            return OriginReads(ledger=False, pin=False, hinted=None)
-        head = self.head
-        assert head is not None
-        moved = head.sequence is not None and (
-            known is None
-            or head.sequence > known.sequence
-            or (head.sequence == known.sequence and head.identity != known.identity)
+        if handoff is None:
+            return OriginReads(ledger=False, pin=False, hints=None)
+        handed = handoff if handoff.sequence != sequence else None
+        return OriginReads(
+            ledger=False, pin=self._pin_due(now, pin), hints=handoff.hints, handed=handed
         )
-        return OriginReads(ledger=moved, pin=self._pin_due(now, pin), hinted=head.uploading)
 
     def _pin_due(self, now: float, pin: str | None) -> bool:
         """Read the pin object when spec.pin differs from the pin followed: at once, then
@@ -165,7 +155,7 @@ class HeadWatch:
         return True
 
     async def wait(self, stop: asyncio.Event, seconds: float) -> None:
-        """Wait `seconds`, or less when `stop` is set or the handed head changed."""
+        """Wait `seconds`, or less when `stop` is set or the handoff changed."""
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self.changed.wait())]
         try:
             await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
@@ -191,10 +181,10 @@ class HeadWatch:
         await self.client.aclose()
 
     async def run(self) -> None:
-        """Read the object, then watch it; on a failure mark the watch down (the loader's own
-        origin poll takes over) and try again, backing off up to `MAX_RETRY_SECONDS`."""
+        """Read the HotLoadHead, then watch it; on a failure mark the watch down (the loader's
+        own origin poll takes over) and try again, backing off up to `MAX_RETRY_SECONDS`."""
         delay = 1.0
-        collection = resource_path(API_VERSION, DEPLOYMENT_PLURAL, self.namespace)
+        collection = resource_path(API_VERSION, HEAD_PLURAL, self.namespace)
         selector = f"metadata.name={self.name}"
         while True:
             try:
@@ -225,42 +215,61 @@ class HeadWatch:
                 delay = min(delay * 2, MAX_RETRY_SECONDS)
 
     def _take(self, obj: dict[str, Any] | None) -> None:
-        if obj is None:
-            head, pin, seen = None, None, False
-        else:
-            head = HandedHead.parse((obj.get("status") or {}).get("ledgerHead"))
-            pin = (obj.get("spec") or {}).get("pin")
-            pin, seen = (pin if isinstance(pin, str) else None), True
-        # checkedTime alone (the heartbeat) wakes nobody.
-        if _moved(head, self.head) or pin != self.spec_pin:
+        """Take the HotLoadHead `obj` as it is now (None: deleted or not written yet)."""
+        handoff = self._parse(obj) if obj is not None else None
+        # `checked` alone (the heartbeat) wakes nobody.
+        moved = (
+            self.handoff is not None if handoff is None else not handoff.same_content(self.handoff)
+        )
+        if moved:
             self.changed.set()
-        self.head, self.spec_pin, self.seen = head, pin, seen
+        self.handoff = handoff
+        self.spec_pin = handoff.pin if handoff is not None else None
+
+    def _parse(self, obj: dict[str, Any]) -> Handoff | None:
+        """The handoff in HotLoadHead `obj`; None, with one warning naming the object and the
+        field, when it is missing or malformed (the loader's own poll takes over)."""
+        where = f"hotloadhead {self.namespace}/{self.name} spec"
+        spec = obj.get("spec")
+        try:
+            if not isinstance(spec, dict):
+                raise LedgerError(f"{where}: missing (the operator writes it)")
+            handoff = Handoff.loads(json.dumps(spec), where)
+            if self.ledger is not None and handoff.ledger != self.ledger:
+                raise LedgerError(
+                    f"{where}: ledger: hands over ledger {handoff.ledger!r}, this loader follows "
+                    f"{self.ledger!r}"
+                )
+        except LedgerError as err:
+            if str(err) != self._refused:
+                self._refused = str(err)
+                log.warning(
+                    "ignoring the head handoff: %s; polling the origin every %gs until it is valid",
+                    err,
+                    self.safety_seconds,
+                )
+            return None
+        if self._refused is not None:
+            log.info(
+                "the head handoff in hotloadhead %s/%s is valid again", self.namespace, self.name
+            )
+            self._refused = None
+        return handoff
 
     def _mark_up(self) -> None:
         if not self.up:
-            log.info("watching %s/%s for the ledger head", self.namespace, self.name)
+            log.info("watching hotloadhead %s/%s for the ledger head", self.namespace, self.name)
         self.up, self._down_logged = True, False
 
     def _mark_down(self, err: BaseException) -> None:
         self.up = False
         if not self._down_logged:
             log.warning(
-                "cannot watch hotloaddeployment %s/%s (%s): polling the origin every %gs until "
-                "the watch is back",
+                "cannot watch hotloadhead %s/%s (%s): polling the origin every %gs until the "
+                "watch is back",
                 self.namespace,
                 self.name,
                 err,
                 self.safety_seconds,
             )
             self._down_logged = True
-
-
-def _moved(new: HandedHead | None, old: HandedHead | None) -> bool:
-    """Whether the head or uploading list differ (checkedTime aside)."""
-    if new is None or old is None:
-        return (new is None) != (old is None)
-    return (new.identity, new.sequence, new.uploading) != (
-        old.identity,
-        old.sequence,
-        old.uploading,
-    )

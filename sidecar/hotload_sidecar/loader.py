@@ -4,6 +4,12 @@ Early fetch: a following loader also hands every poll's ledger to a `Prefetcher`
 rebuilds hinted snapshots ahead of admission; the materializer commits such a rebuild only once
 the ledger names it with the same manifest digest.
 
+With the operator's head handoff (`--deployment`, `head_watch.py`) the loader follows the
+ledger without asking the origin: it merges the handed entries into its copy and feeds the
+handed folder listings to its bucket (`MirroredBucket.know_listing`); the origin is read only
+at start-up, when the handed entries do not reach back to its copy, and while the handoff is
+stale.
+
 A pinned loader (`--pin`, or a pin object the operator maintains in the bucket) serves the
 pinned snapshot instead: it still polls the ledger, so it notices when the pin's chain leaves
 the retained history, but never moves past the pin; unpinned, it follows the head again.
@@ -27,6 +33,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from hotload.bucket import MirroredBucket
 from hotload.errors import (
     BucketError,
     EngineError,
@@ -34,6 +41,7 @@ from hotload.errors import (
     LedgerError,
 )
 from hotload.ledger import (
+    DEFAULT_HISTORY,
     Ledger,
     LedgerDocument,
     LedgerEntry,
@@ -41,6 +49,7 @@ from hotload.ledger import (
     Target,
 )
 from hotload.ledger.fields import format_time, utc_now
+from hotload.ledger.handoff import Handoff, merge_handed
 from hotload_sidecar.adapters import AdapterSync
 from hotload_sidecar.board import StatusBoard
 from hotload_sidecar.cache_policy import move_cache_policy
@@ -85,6 +94,10 @@ class Loader(ChainedUpdates):
         self.heads = heads
         #: What the last poll asked the origin for.
         self._reads = EVERYTHING
+        #: The handoff whose listings the bucket was last given, and the last one the origin
+        #: was read for because it could not be merged (read once, not on every step).
+        self._fed: Handoff | None = None
+        self._unmerged: Handoff | None = None
         self.ledger = ledger
         self.adapter = adapter
         self.reporter = reporter
@@ -209,10 +222,10 @@ class Loader(ChainedUpdates):
             self.prefetcher is not None
             and self.pin is None
             and self.status.ledger_reachable
-            and (reads.ledger or reads.hinted is not None)
+            and (reads.ledger or reads.hints is not None)
         ):
             # Only a follower moves to new snapshots, so only it prepares them early.
-            await self.prefetcher.poll(self.document, hinted=reads.hinted)
+            await self.prefetcher.poll(self.document, handed=reads.hints)
         await self._check_engine()
         target = self.target()
         await self.pins.note_problem(target)
@@ -289,13 +302,66 @@ class Loader(ChainedUpdates):
             if head is not None:
                 self.metrics.head_sequence.set(head.sequence)
 
+    async def _refresh_ledger(self) -> None:
+        """Bring the copy of the ledger up to date: from the handoff while it is fresh (the
+        origin only when it cannot be merged), from the origin otherwise."""
+        handoff = self.heads.current() if self.heads is not None else None
+        if handoff is not None and self.document is not None:
+            if (
+                handoff.sequence == self.document.sequence
+                or self._merge(handoff)
+                or handoff.same_content(self._unmerged)
+            ):
+                return
+            await self._read_ledger()
+            self._unmerged = handoff
+            return
+        await self._read_ledger()
+
+    def _merge(self, handoff: Handoff) -> bool:
+        """Bring the copy of the ledger up to `handoff` without the origin; False when the
+        origin must be read (a gap, a counter that went back, a disagreement)."""
+        if self.document is None:
+            return False
+        # What the replica serves, its pin and its target stay in the copy however old.
+        keep = {k for k in (self.status.identity, self.pin, self.target().identity) if k}
+        merged = merge_handed(self.document, handoff, history=DEFAULT_HISTORY, keep=keep)
+        if merged is None:
+            return False
+        self.document = merged
+        head = merged.head
+        if head is not None:
+            self.metrics.head_sequence.set(head.sequence)
+        return True
+
+    def _feed_listings(self) -> None:
+        """Give the bucket the folder listings of the handoff in hand (admitted folders are
+        immutable: a listing stays true), so that downloads do not LIST them at the origin."""
+        handoff = self.heads.handoff if self.heads is not None else None
+        bucket = self.ledger.bucket
+        if handoff is None or handoff is self._fed or not isinstance(bucket, MirroredBucket):
+            return
+        self._fed = handoff
+        for identity, files in handoff.files.items():
+            bucket.know_listing(identity, files)
+
     async def _poll(self) -> None:
         reads = self._reads = self._plan()
-        if not (reads.ledger or reads.pin):
-            return  # the operator's head says nothing moved: the origin is not asked
+        self._feed_listings()
+        merged = False
+        if reads.handed is not None:
+            merged = self._merge(reads.handed)
+            if not merged and not reads.handed.same_content(self._unmerged):
+                # The origin decides (and a counter that went back ends in its LedgerError);
+                # once per handoff, not on every step while the operator catches up.
+                reads = self._reads = replace(reads, ledger=True)
+        if not (reads.ledger or reads.pin or merged):
+            return  # the operator's handoff says nothing moved: the origin is not asked
         try:
             if reads.ledger:
                 await self._read_ledger()
+                if reads.handed is not None:
+                    self._unmerged = reads.handed
             pin_state = await self.pins.poll() if reads.pin else None
         except (BucketError, LedgerError) as err:
             self.metrics.ledger_reachable.set(0)
@@ -507,12 +573,12 @@ class Loader(ChainedUpdates):
         return self.target().entry or entry
 
     def _plan(self) -> OriginReads:
-        """What this poll reads from the origin: everything without a handoff, else what the
-        handed head says moved (or the safety net)."""
+        """What this poll takes from where: everything from the origin without a handoff, else
+        what the handoff says moved (or the safety net)."""
         if self.heads is None:
             return EVERYTHING
-        head = self.document.head if self.document is not None else None
-        return self.heads.plan(head, self.document is not None, self.pin)
+        sequence = self.document.sequence if self.document is not None else None
+        return self.heads.plan(sequence, self.pin)
 
     def _interval(self) -> float:
         return jittered(self.settings.poll_seconds, self.settings.poll_jitter)

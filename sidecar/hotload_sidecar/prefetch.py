@@ -1,12 +1,13 @@
 """Early fetch: download and rebuild hinted snapshots before the ledger admits them.
 
-The loader calls `Prefetcher.poll(document)` every poll. It lists the ledger's hints (one LIST),
-re-reads only the hints whose ETag changed, and keeps one background job per hinted snapshot
-that `prefetch_decision` allows (its parent on disk, or served by sparse patches): the job
-downloads each file as the hint names it into
-`.hotload/early/downloads/<identity>`, and once the hint is complete checks the manifest
-digest, rebuilds a delta into `.hotload/early/staging/<identity>` on its verified local parent
-and verifies every tensor. Nothing more: the folder is never committed or loaded from here.
+The loader calls `Prefetcher.poll(document)` every poll. It lists the ledger's hints (one LIST)
+and re-reads only the hints whose ETag changed, or, while the operator's head handoff is fresh,
+takes the hints it hands over (no request at all); and it keeps one background job per hinted
+snapshot that `prefetch_decision` allows (its parent on disk, or served by sparse patches): the
+job downloads each file as the hint names it into `.hotload/early/downloads/<identity>`, and
+once the hint is complete checks the manifest digest, rebuilds a delta into
+`.hotload/early/staging/<identity>` on its verified local parent and verifies every tensor.
+Nothing more: the folder is never committed or loaded from here.
 
 When the ledger admits the snapshot the materializer asks `take(entry)`: a finished job whose
 digest and parent equal the entry's hands over its verified staging folder, which is then only
@@ -29,8 +30,8 @@ from pathlib import Path
 
 from hotload.arc import decode, verify
 from hotload.arc.patch import PatchTooDenseError
-from hotload.bucket import Bucket, ObjectData, snapshot_files_async
-from hotload.errors import BucketError, HotloadError, LedgerError, ObjectNotFoundError
+from hotload.bucket import Bucket, snapshot_files_async
+from hotload.errors import BucketError, HotloadError, LedgerError
 from hotload.ledger import LedgerDocument, LedgerEntry
 from hotload.ledger.hints import (
     Hint,
@@ -112,23 +113,28 @@ class Prefetcher:
         self._jobs: dict[str, _Job] = {}
         #: The last read of each listed hint with its ETag, so unchanged hints are not re-read.
         self._seen: dict[str, tuple[str | None, Hint]] = {}
+        #: Whether the last poll took the operator's hints (then a hint is never read here).
+        self._handed = False
 
     async def poll(
-        self, document: LedgerDocument | None, *, hinted: Sequence[str] | None = None
+        self, document: LedgerDocument | None, *, handed: Sequence[Hint] | None = None
     ) -> None:
         """Read changed hints and start, feed or drop jobs; bucket errors are only logged, since
-        early fetch is an optimisation and the ledger path does the real work. `hinted`: the
-        identities the operator says are uploading (their hints are read one by one, each a
-        conditional GET, instead of a LIST of every hint)."""
-        try:
-            if hinted is None:
+        early fetch is an optimisation and the ledger path does the real work. `handed`: the
+        hints the operator hands over (read at the origin for the whole cluster): taken as
+        they are, without listing or reading any hint."""
+        if handed is None:
+            try:
                 listed = await list_hints_async(self.bucket, self.ledger)
-            else:
-                listed = await self._read_hinted(hinted)
-        except (BucketError, LedgerError) as err:
-            log.debug("cannot list hints: %s", err)
-            return
+            except (BucketError, LedgerError) as err:
+                log.debug("cannot list hints: %s", err)
+                return
+        else:
+            listed = dict.fromkeys((h.identity for h in handed), None)
+        self._handed = handed is not None
         self._seen = {i: v for i, v in self._seen.items() if i in listed}
+        if handed is not None:
+            self._seen.update((h.identity, (None, h)) for h in handed)
         for identity in [i for i in self._jobs if i not in listed]:
             # A vanished hint was usually just admitted and pruned: keep its work, finishing
             # the download from the bucket if our last read of the hint was not complete.
@@ -147,7 +153,7 @@ class Prefetcher:
                 continue  # admitted without early work: nothing to read
             etag = listed_etag
             seen = self._seen.get(identity)
-            if seen is not None and etag is not None and etag == seen[0]:
+            if seen is not None and (handed is not None or (etag is not None and etag == seen[0])):
                 hint = seen[1]
             else:
                 try:
@@ -185,27 +191,6 @@ class Prefetcher:
             if identity in self._jobs and expired(held.hint, ttl=self.ttl):
                 # Admitted but never taken (a pinned replica, a skipped step): stop holding it.
                 self._drop(identity, f"unused for over {self.ttl:g}s")
-
-    async def _read_hinted(self, identities: Sequence[str]) -> dict[str, str | None]:
-        """The hints of `identities` that exist, with their ETags (a conditional GET each: an
-        unchanged hint costs a 304 and is not parsed again)."""
-        listed: dict[str, str | None] = {}
-        for identity in identities:
-            seen = self._seen.get(identity)
-            try:
-                read = await self.bucket.get_if_changed_async(
-                    hint_key(self.ledger, identity), seen[0] if seen else None
-                )
-            except ObjectNotFoundError:
-                continue  # admitted and pruned, or abandoned: as if not listed
-            if isinstance(read, ObjectData):
-                try:
-                    self._seen[identity] = (read.etag, Hint.loads(read.data, read.key))
-                except (LedgerError, HotloadError) as err:
-                    log.debug("skipping hint %s: %s", identity, err)
-                    continue
-            listed[identity] = self._seen[identity][0]
-        return listed
 
     async def take(self, entry: LedgerEntry) -> Prefetched | None:
         """The verified staging folder of `entry` if a job rebuilt exactly what the ledger
@@ -297,11 +282,14 @@ class Prefetcher:
     async def _catch_up(self, job: _Job, entry: LedgerEntry) -> None:
         """Complete `job`'s copy of its hint now that the ledger admitted `entry` (every file is
         in): the hint's last rewrite, newer than our last read; or, when the publisher already
-        pruned it, the files the bucket holds under the identity, with the admitted manifests'
-        digest (the download is checked against it), so nothing fetched early is lost."""
-        with contextlib.suppress(BucketError, LedgerError, HotloadError):
-            read = await self.bucket.get_async(hint_key(self.ledger, entry.identity))
-            job.hint, job.etag = Hint.loads(read.data, read.key), read.etag
+        pruned it (or the operator hands the hints over: the admitted folder's listing comes
+        with the handoff), the files the bucket holds under the identity, with the admitted
+        manifests' digest (the download is checked against it), so nothing fetched early is
+        lost."""
+        if not self._handed:
+            with contextlib.suppress(BucketError, LedgerError, HotloadError):
+                read = await self.bucket.get_async(hint_key(self.ledger, entry.identity))
+                job.hint, job.etag = Hint.loads(read.data, read.key), read.etag
         if not job.hint.complete:
             try:
                 infos = await snapshot_files_async(self.bucket, entry.identity)
