@@ -429,6 +429,11 @@ def _write_pool() -> ThreadPoolExecutor:
     )
 
 
+# A process forked after a write inherits the pool but none of its threads: its first split
+# write would wait forever. The child makes a pool of its own.
+os.register_at_fork(after_in_child=_write_pool.cache_clear)
+
+
 def _scatter_all(writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
     """`flat(param)[index] = values` for each write; CPU writes split across threads."""
     pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []

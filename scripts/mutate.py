@@ -84,7 +84,10 @@ MODULES: tuple[Module, ...] = (
         "forkserver",
     ),
     Module(
-        "patch-staging", "hotload_patch/staging.py", ("tests/test_patch_core.py",), "forkserver"
+        "patch-staging",
+        "hotload_patch/staging.py",
+        ("tests/test_patch_core.py", "tests/test_patch_mutants.py"),
+        "forkserver",
     ),
     # test_arc_native.py decodes sparse chunks by the numpy path and the C kernel alike.
     Module(

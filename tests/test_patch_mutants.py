@@ -10,7 +10,10 @@ tests/README.md "Mutation testing").
 from __future__ import annotations
 
 import json
+import os
+import signal
 import struct
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -18,8 +21,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
-from hotload_patch import PatchError
+from hotload_patch import PatchError, staging
 from hotload_patch.format import PatchFile, PatchTensor, Run, format_checksum, position_width
 from hotload_patch.sums import Region, RegionSum
 
@@ -449,3 +453,35 @@ def test_a_malformed_region_sum_is_refused_saying_what_it_got(bad: Any) -> None:
     assert str(info.value) == f"not a region: {region!r}"
     good = {"tensor": "t", "region": [3, [2, 4], [8, 1]], "a": 1, "b": 2}
     assert RegionSum.from_json(good) == RegionSum("t", Region(3, (2, 4), (8, 1)), 1, 2)
+
+
+# --- writes (`hotload_patch.staging`) ----------------------------------------------------------
+
+
+def test_a_process_forked_after_a_write_writes_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found running the mutants in processes forked from one that had run the tests: a forked
+    # process inherited the write pool without its threads and hung on its first split write.
+    monkeypatch.setattr(staging, "WRITE_THREADS", 2)
+    n = 2 * staging._SPLIT  # split between the pool's threads
+    flat = torch.zeros(n, dtype=torch.float32)
+    index = torch.arange(n, dtype=torch.int64)
+    twos = torch.full((n,), 2.0)
+    staging._scatter_all([(flat, index, torch.ones(n))])
+    assert bool((flat == 1).all())
+    pid = os.fork()
+    if pid == 0:  # the child: report by exit status only, never return into pytest
+        # No torch computation here: torch's OpenMP threads do not survive a fork either.
+        code = 2
+        try:
+            staging._scatter_all([(flat, index, twos)])
+            code = 0 if bool((flat.numpy() == 2).all()) else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked process still waits on its write after 60 s")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
