@@ -549,8 +549,12 @@ async def test_a_refused_head_handoff_is_a_problem_until_the_rbac_allows_it(
         problem = await eventually("HeadHandoffRefused", refused, timeout=60)
         assert "HotLoadHead fleet" in problem["message"] and "403" in problem["message"]
         assert HEAD_PLURAL in problem["fix"]
-        events = await kube.list(resource_path("v1", "events", ns))
-        assert any(e.get("reason") == "HeadHandoffRefused" for e in events["items"])
+
+        async def announced() -> bool:
+            events = await kube.list(resource_path("v1", "events", ns))
+            return any(e.get("reason") == "HeadHandoffRefused" for e in events["items"])
+
+        await eventually("the Warning Event", announced)  # sent after the status write
         await asyncio.sleep(5)  # two more refused tries
 
         def warned() -> list[str]:
