@@ -25,6 +25,7 @@ import torch
 
 from hotload_patch import PatchError, staging
 from hotload_patch.format import PatchFile, PatchTensor, Run, format_checksum, position_width
+from hotload_patch.placement import IdentityHost
 from hotload_patch.sums import Region, RegionSum
 
 JSON = dict[str, Any]
@@ -485,3 +486,80 @@ def test_a_process_forked_after_a_write_writes_too(monkeypatch: pytest.MonkeyPat
             pytest.fail("the forked process still waits on its write after 60 s")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def _served_specs() -> dict[str, tuple[tuple[int, ...], str]]:
+    """The served checkpoint `write_patch`'s patch was made for."""
+    return {
+        "w": ((4, 8), "BF16"),
+        "full": ((4,), "U8"),
+        "huge": ((65536, 65537), "U8"),
+        "empty": ((0, 8), "F32"),
+        "same": ((3,), "F32"),
+    }
+
+
+SPEC_CASES: list[tuple[str, Edit, str, str]] = [
+    ("unknown", lambda s: s.pop("w"), "w", "the served checkpoint has no such tensor"),
+    (
+        "shape",
+        lambda s: s.update(w=((8, 4), "BF16")),
+        "w",
+        "shape/dtype [4, 8] BF16 differs from the served checkpoint's [8, 4] BF16",
+    ),
+    (
+        "dtype",
+        lambda s: s.update(full=((4,), "I8")),
+        "full",
+        "shape/dtype [4] U8 differs from the served checkpoint's [4] I8",
+    ),
+    (
+        "missing",
+        lambda s: s.update(other=((1,), "F32"), extra=((2,), "F32")),
+        "extra",
+        "missing from the patch (2 tensor(s) the served checkpoint has)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("edit", "tensor", "message"),
+    [case[1:] for case in SPEC_CASES],
+    ids=[case[0] for case in SPEC_CASES],
+)
+def test_a_patch_for_other_tensors_than_served_is_a_weights_mismatch(
+    tmp_path: Path, edit: Edit, tensor: str, message: str
+) -> None:
+    patch = write_patch(tmp_path / "p.patch")
+    host = IdentityHost(lambda: {})
+    specs = _served_specs()
+    edit(specs)  # type: ignore[arg-type]
+    with pytest.raises(PatchError) as info:
+        staging.stage(host, patch, identity="step-1", parent="step-0", specs=specs)
+    assert (info.value.reason, info.value.tensor, info.value.message, info.value.path) == (
+        "weights_mismatch",
+        tensor,
+        message,
+        str(patch),
+    )
+
+
+def test_a_staged_patch_summarises_what_it_holds() -> None:
+    index = torch.arange(3, dtype=torch.int32)
+    new = torch.ones(3, dtype=torch.float32)
+    old = torch.zeros(1, dtype=torch.bfloat16)
+    write = staging.Write(
+        "p", index, new, [staging.Part("t", 0, 0, 2, None), staging.Part("u", 0, 2, 3, old)]
+    )
+    staged = staging.Staged("x.patch", "step-1", "step-0", [write], [], {}, 3, 777, 0.12345678)
+    assert staged.written_bytes == 3 * 4
+    assert staged.held_bytes == 3 * 4 + 3 * 4 + 1 * 2
+    assert staged.summary() == {
+        "identity": "step-1",
+        "parent": "step-0",
+        "changed": 3,
+        "parameters": 1,
+        "patch_bytes": 777,
+        "staged_bytes": 26,
+        "stage_seconds": 0.123457,
+    }
