@@ -131,6 +131,11 @@ def prepare(module: Module, work: Path) -> str:
     with tarfile.open(tar) as archived:
         archived.extractall(tree, filter="data")
     tar.unlink()
+    # Built extensions are ignored by git, so not in the archive: the codec's C kernel
+    # (hotload/arc/_native*.so, built by `make venv` from _native.c) comes from this checkout,
+    # else the arc tests that require it fail mutmut's clean run.
+    for built in (ROOT / "hotload").rglob("*.so"):
+        shutil.copy2(built, tree / built.relative_to(ROOT))
     for source, target in PACKAGES.items():
         if source != target:
             shutil.copytree(tree / source, tree / target)
