@@ -29,11 +29,14 @@ from hotload.api.names import API_VERSION, GROUP, HEAD_KIND, HEAD_PLURAL, head_o
 from hotload.bucket import open_bucket, open_mirrored
 from hotload.bucket.mirrors import TRACKED_SNAPSHOTS
 from hotload.errors import KubeNotFoundError
-from hotload.kube import KubeClient, resource_path
+from hotload.kube import KubeClient, KubeConfig, resource_path
 from hotload.ledger import Ledger
 from hotload.ledger.handoff import Handoff, build_handoff
 from hotload.ledger.hints import Hint, HintFile, hints_prefix, write_hint_async
 from hotload.ledger.ledger import ledger_key
+from hotload_sidecar.config import Settings
+from hotload_sidecar.engines import make_adapter
+from hotload_sidecar.head_watch import HeadWatch
 from hotload_sidecar.loader import Loader
 from hotload_sidecar.status import LocalReporter
 from support.cluster import install_crds
@@ -44,6 +47,7 @@ from support.kubeapi import KubeAPI
 from support.operator import eventually
 from support.regional_cache import write_credentials
 from support.seaweedfs import BUCKET, SeaweedFS
+from support.snapshots import full, nudged, weights
 from support.tiny_llm import build_tiny_llm, sparse_steps
 
 JSON = dict[str, Any]
@@ -344,3 +348,65 @@ async def test_a_mirrored_bucket_answers_a_known_folder_listing_from_memory(
     assert [i.key for i in await bucket.list_async("step-001")] == ["step-001/model.safetensors"]
     assert len(door.served(lambda s: "list-type" in s.query)) == 1
     assert len(bucket._listings) == TRACKED_SNAPSHOTS
+
+
+@pytest.mark.asyncio
+async def test_a_handed_counter_that_went_back_ends_in_the_origins_ledger_error(
+    tmp_path: Path,
+) -> None:
+    """A loader's polls (no engine needed): the first read is the origin's; a fresh handoff
+    one entry ahead is merged without any origin request; a handoff whose counter went back
+    (the origin's ledger restored to an older copy, as the operator then reads it) sends the
+    loader to the origin, whose answer is refused naming the rewind, as it was before the
+    handoff."""
+    bucket_dir = tmp_path / "bucket"
+    fulls = [full(tmp_path / "fulls" / f"f{i}", nudged(weights(0), i)) for i in range(3)]
+    trainer = Trainer(Ledger(open_bucket(str(bucket_dir)), LEDGER), fulls, tmp_path / "t", 1)
+    await asyncio.to_thread(trainer.publish, 0)
+    await asyncio.to_thread(trainer.publish, 1)
+    older = (await trainer.ledger.bucket.get_async(ledger_key(LEDGER))).data
+    bucket = open_mirrored(open_bucket(str(bucket_dir)), [])
+    heads = HeadWatch(
+        KubeClient(KubeConfig(server="http://127.0.0.1:9")),  # never asked: taken by hand
+        "ns",
+        DEPLOYMENT,
+        ledger=LEDGER,
+    )
+    heads.up = True
+    settings = Settings(
+        ledger_url=f"{bucket_dir}/{LEDGER}", weights_dir=tmp_path / "w", engine_url="http://x"
+    )
+    reporter = LocalReporter()
+    replica = Loader(
+        settings,
+        ledger=Ledger(bucket, LEDGER),
+        adapter=make_adapter("reference", "http://127.0.0.1:9"),
+        reporter=reporter,
+        heads=heads,
+    )
+    origin = bucket.stats.source("origin")
+
+    def take(handoff: Handoff) -> None:
+        heads._take({"metadata": {"name": DEPLOYMENT}, "spec": handoff.to_json()})
+
+    await replica._poll()  # start-up: the origin
+    assert replica.document is not None and replica.document.sequence == 2
+    await asyncio.to_thread(trainer.publish, 2)
+    take(await asyncio.to_thread(handoff_of, trainer))
+    asked = origin.requests
+    await replica._poll()
+    assert origin.requests == asked  # merged: nothing from the origin
+    assert replica.document.sequence == 3
+    assert replica.metrics.head_sequence._value.get() == 3
+    assert reporter.status.target_identity == "step-002"
+    # The origin restored to the copy of sequence 2, and the operator hands that over.
+    await trainer.ledger.bucket.put_async(ledger_key(LEDGER), older)
+    take(await asyncio.to_thread(handoff_of, trainer))
+    await replica._poll()
+    assert origin.requests == asked + 1
+    assert not reporter.status.ledger_reachable
+    assert "went back from 3 to 2" in reporter.status.message
+    assert replica.document.sequence == 3  # nothing of the older copy taken
+    # Refused, it asks again next time (as its own poll did), until the origin is right.
+    await replica._poll()
+    assert origin.requests == asked + 2 and not reporter.status.ledger_reachable

@@ -328,6 +328,10 @@ class Loader(ChainedUpdates):
         merged = merge_handed(self.document, handoff, history=DEFAULT_HISTORY, keep=keep)
         if merged is None:
             return False
+        if merged.sequence != self.document.sequence:
+            # The ETag is of an older copy than this one now: a conditional read answering 304
+            # for it would hide an origin restored to exactly that copy (a counter gone back).
+            self._etag = None
         self.document = merged
         head = merged.head
         if head is not None:
