@@ -376,6 +376,16 @@ def test_a_run_of_every_position_in_order_reads_back(tmp_path: Path) -> None:
     assert w.add is not None and w.add.values.tolist() == [d % (1 << 16) for d in W_ADD[1]]
 
 
+def test_a_plane_that_ends_where_the_header_begins_reads_back(tmp_path: Path) -> None:
+    w = Writer(tmp_path / "p.patch")
+    row = tensor("row", "U8", [64], set=w.run(list(range(64)), list(range(1, 65)), 1, 64))
+    patch = w.finish({"format": "hotload_patch", "version": 2, "tensors": [row]})
+    offset, stored = row["set"]["values"]["planes"][0][:2]
+    assert offset + stored == PREFIX.unpack_from(patch.read_bytes())[1]  # the header's offset
+    (t,) = PatchFile(patch).tensors
+    assert t.set is not None and t.set.values.tolist() == list(range(1, 65))
+
+
 def _prefix_edit(data: bytes, **fields: int) -> bytes:
     magic, offset, length, crc, zero = PREFIX.unpack_from(data)
     values = {"offset": offset, "length": length, "crc": crc}
