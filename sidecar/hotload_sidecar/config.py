@@ -75,7 +75,7 @@ class Settings:
     log_format: str = "text"
     pin: str | None = None
     pin_object: str | None = None
-    #: The HotLoadDeployment whose status.ledgerHead this loader watches (None: no handoff).
+    #: The HotLoadDeployment whose HotLoadHead this loader watches (None: no handoff).
     deployment: str | None = None
     #: With a handoff: the origin safety-net poll (at least `poll_seconds`) and the age of
     #: the operator's checkedTime past which it runs.
