@@ -1,0 +1,210 @@
+"""The soak (issue 36, first version): a trainer publishing `--steps` steps (a full snapshot every
+25) to a real SeaweedFS, replicas (loader + reference engine) following it, retention after every
+publish, and overlapping faults from a seeded schedule; every check with its figures.
+
+    .venv/bin/python benchmarks/soak.py --steps 300 --seed 0
+
+writes benchmarks/RESULTS-soak.md (`--out`) and the raw figures beside it (`.json`). The engine
+of it is tests/support/soak.py; tests/test_soak.py runs a short form of it in `make test`.
+Not in this version: the operator and the API server (their faults), a vLLM replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pickle
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.soak import SoakConfig, SoakRun, run_soak
+from support.soak_checks import Report, evaluate
+
+HERE = Path(__file__).resolve().parent
+
+
+def markdown(run: SoakRun, report: Report, command: str) -> str:
+    """RESULTS-soak.md's text for one run."""
+    cfg = run.config
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=HERE,
+    ).stdout.strip()
+    met = sum(c.met for c in report.checks)
+    lines = [
+        "# Soak",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, commit {commit}, "
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; shared with other work.",
+        "",
+        f"{cfg.steps} steps published by a trainer process (SDK `Publisher`, full snapshot every "
+        f"{cfg.full_every}, `retain={cfg.retain}`) to SeaweedFS; {cfg.replicas} replicas "
+        "(`python -m hotload_sidecar` polling the origin + `hotload serve`, default options); "
+        f"outages of {cfg.outage_seconds:g} s. Model: a tiny Llama, "
+        f"{run.base_bytes / 2**20:.1f} MiB of float32 tensors; each step changes 0.5% of three "
+        f"tensors (the embedding always). Wall time {run.wall_seconds / 60:.1f} min.",
+        "",
+        "Not in this version (they come next): the operator's two replicas on the real API "
+        "server and their faults (API server restarted, leader killed, leader frozen past its "
+        "renew deadline), a vLLM CPU replica, Events per object. Loaders run without a cluster "
+        "(no `--deployment`): they poll the origin, and retention cannot see what replicas "
+        "serve (the Publisher's `retain=` without a deployment keeps the last entries and the "
+        "chain from the latest full snapshot only).",
+        "",
+        f"**{met} of {len(report.checks)} checks met.**",
+        "",
+        "| check | met | what was seen |",
+        "| --- | --- | --- |",
+    ]
+    for c in report.checks:
+        detail = c.detail.replace("|", "\\|").replace("\n", " ")[:700]
+        verdict = "yes" if c.met else "**no** (known cause below)" if c.known else "**no**"
+        lines.append(f"| {c.name} | {verdict} | {detail} |")
+    known = [c for c in report.checks if c.known]
+    if known:
+        lines += ["", "Known causes of the misses:", ""]
+        lines += [f"- {c.name}: {c.known}." for c in known]
+    lines += ["", f"## Faults (seed {cfg.seed})", ""]
+    lines += [f"- {f.label()}" for f in run.faults]
+    lines += ["", "What happened:", "", "```", *run.fault_log, "```", ""]
+    lines += [
+        "## Publish -> serving",
+        "",
+        "Seconds from the trainer's publish returning to a client first answered from that "
+        "snapshot or a newer one, per replica and step; a phase is the set of faults in force "
+        "while the step was published ('any X': every step with X in force).",
+        "",
+        "| phase | samples | p50 s | p99 s |",
+        "| --- | --- | --- | --- |",
+    ]
+    for phase, v in report.figures["latency"].items():
+        lines.append(f"| {phase} | {v['n']} | {v['p50']} | {v['p99']} |")
+    lines += [
+        "",
+        "## Processes",
+        "",
+        "Per component, its longest-lived process: the median of its first window of samples "
+        "(after the warm-up) -> the median of its last window.",
+        "",
+        "| process | RSS MiB | open fds (max) | samples: warm-up, window, all | processes |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for key, v in report.figures["processes"].items():
+        warm, n, count = v["samples"]
+        lines.append(
+            f"| {key} | {v['rss_mib'][0]} -> {v['rss_mib'][1]} | {v['fds'][0]:g} -> "
+            f"{v['fds'][1]:g} ({v['max_fds']}) | {warm}, {n}, {count} | {v['pids']} |"
+        )
+    bucket = report.figures["bucket"]
+    lines += [
+        "",
+        "## Volumes and bucket",
+        "",
+        "Largest weights folder while idle, in full snapshots: "
+        + ", ".join(f"{k} {v}" for k, v in report.figures["volume_max_in_fulls"].items())
+        + "; at any sample (mid-update included): "
+        + ", ".join(f"{k} {v}" for k, v in report.figures["volume_max_any_sample_in_fulls"].items())
+        + ".",
+        "",
+        f"Bucket: at most {bucket['max_folders']} snapshot folders (bound {bucket['folders_bound']}), "
+        f"{bucket['max_objects']} objects, {bucket['max_bytes'] / 2**20:.1f} MiB "
+        f"(bound {bucket['bytes_bound'] / 2**20:.1f} MiB); at the end {bucket['last_objects']} "
+        f"objects, {(bucket['last_bytes'] or 0) / 2**20:.1f} MiB.",
+        "",
+        "## Idle CPU (% of one core, nothing to do, after the fleet reached the head)",
+        "",
+        "| process | CPU % |",
+        "| --- | --- |",
+    ]
+    for k, v in report.figures["idle_cpu_percent"].items():
+        lines.append(f"| {k} | {v} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def figures(run: SoakRun, report: Report) -> dict[str, Any]:
+    """The raw figures, for the JSON beside the results."""
+    return {
+        "config": {k: str(v) for k, v in vars(run.config).items()},
+        "checks": [vars(c) for c in report.checks],
+        "figures": report.figures,
+        "faults": [f.label() for f in run.faults],
+        "fault_log": run.fault_log,
+        "published": {s: {"kind": p.kind, "attempts": p.attempts, "shipped_bytes": p.shipped_bytes}
+                      for s, p in run.published.items()},
+        "volume_per_step": [{"step": s.step, **s.volume} for s in run.samples],
+        "bucket_per_step": [
+            {"step": s.step, "objects": s.bucket_objects, "bytes": s.bucket_bytes}
+            for s in run.samples
+        ],
+    }  # fmt: skip
+
+
+def main() -> int:
+    """Run the soak and write its results."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300, help="steps published (default 300)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    ap.add_argument("--replicas", type=int, default=3, help="replicas (default 3)")
+    ap.add_argument("--full-every", type=int, default=25, help="a full snapshot every N steps")
+    ap.add_argument("--retain", type=int, default=8, help="the Publisher's retain= (gc --keep)")
+    ap.add_argument("--outage-seconds", type=float, default=30.0, help="SeaweedFS stopped for")
+    ap.add_argument("--idle-seconds", type=float, default=30.0, help="idle CPU window")
+    ap.add_argument("--out", type=Path, default=HERE / "RESULTS-soak.md", help="results file")
+    ap.add_argument("--workdir", type=Path, help="keep the run's files here (default: temporary)")
+    ap.add_argument(
+        "--evaluate",
+        type=Path,
+        metavar="RUN.pickle",
+        help="judge a run saved by an earlier --workdir run (its run.pickle) instead of running",
+    )
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.evaluate is not None:
+        with args.evaluate.open("rb") as f:
+            saved = pickle.load(f)  # a file this script wrote
+        return report_run(saved["run"], saved["command"], args.out)
+    command = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
+    with tempfile.TemporaryDirectory(prefix="hotload-soak-") as tmp:
+        cfg = SoakConfig(
+            root=args.workdir or Path(tmp),
+            steps=args.steps,
+            seed=args.seed,
+            replicas=args.replicas,
+            full_every=args.full_every,
+            retain=args.retain,
+            outage_seconds=args.outage_seconds,
+            idle_seconds=args.idle_seconds,
+        )
+        run = run_soak(cfg)
+        if args.workdir is not None:
+            with (args.workdir / "run.pickle").open("wb") as f:
+                pickle.dump({"run": run, "command": command}, f)
+    return report_run(run, command, args.out)
+
+
+def report_run(run: SoakRun, command: str, out: Path) -> int:
+    """Judge `run`, write its results to `out` (and the JSON beside it), print the checks."""
+    report = evaluate(run)
+    args_out = out
+    args_out.write_text(markdown(run, report, command))
+    args_out.with_suffix(".json").write_text(json.dumps(figures(run, report), indent=1) + "\n")
+    for c in report.checks:
+        print(f"{'met   ' if c.met else 'MISSED'} {c.name}: {c.detail[:300]}")
+    return 0 if not report.unexplained() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

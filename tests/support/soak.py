@@ -1,0 +1,705 @@
+"""The soak: a trainer process publishing hundreds of steps to a real SeaweedFS, replicas (loader
+`python -m hotload_sidecar` + reference engine `hotload serve`) following it without a cluster,
+retention after every publish, and a seeded schedule of overlapping faults (`soak_faults`).
+
+`run_soak(SoakConfig(...))` runs it and returns a `SoakRun`: everything measured, per step and
+per replica, which `soak_checks.evaluate` turns into the checks. `benchmarks/soak.py` is the
+long form (results to RESULTS-soak.md), `tests/test_soak.py` the short one.
+
+Not in this version (they come next): the operator and the API server (and their faults), a
+vLLM replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import random
+import resource
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from support.fleet import PROMPT_IDS, Replica, http_json
+from support.paths import REPO
+from support.seaweedfs import BUCKET, SeaweedFS
+from support.soak_faults import Fault, schedule
+from support.soak_trainer import identity as step_identity
+
+TESTS = REPO / "tests"
+
+
+@dataclass
+class SoakConfig:
+    """What to run: `steps` published (a full snapshot every `full_every`), `replicas`
+    replicas, the bucket's retention (`retain`: the Publisher's `retain=`), the object store
+    stopped for `outage_seconds` per outage, idle CPU over `idle_seconds` at the end."""
+
+    root: Path
+    steps: int = 300
+    seed: int = 0
+    replicas: int = 3
+    full_every: int = 25
+    retain: int = 8
+    outage_seconds: float = 30.0
+    idle_seconds: float = 30.0
+    #: Chance per step of comparing one replica's served weights with the trainer's.
+    spot_check_rate: float = 0.15
+    converge_timeout: float = 600.0
+
+
+@dataclass
+class Published:
+    """One step as the trainer reported it."""
+
+    step: int
+    identity: str
+    kind: str
+    sha256: dict[str, str]
+    full_bytes: int
+    shipped_bytes: int
+    sent: float  # monotonic time the publish was asked for
+    done: float  # monotonic time the trainer answered
+    attempts: int
+    resumed: bool
+
+
+@dataclass
+class Sample:
+    """What was measured after publishing one step."""
+
+    step: int
+    time: float
+    #: (replica, "loader"|"engine") -> (pid, RSS bytes, open fds); absent when not running.
+    procs: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    #: replica -> bytes of its weights folder (hard links counted once).
+    volume: dict[str, int] = field(default_factory=dict)
+    #: replica -> bytes of those under .hotload/early (snapshots fetched before admission).
+    early: dict[str, int] = field(default_factory=dict)
+    #: replica -> entries in .hotload/staging and .hotload/downloads while it was idle on
+    #: the same snapshot before and after the look.
+    staging_idle: dict[str, list[str]] = field(default_factory=dict)
+    #: replica -> loader status (state, identity, reason, last_error).
+    status: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Objects and bytes under the soak's prefix, and its snapshot folders (None: store down).
+    bucket_objects: int | None = None
+    bucket_bytes: int | None = None
+    bucket_folders: list[str] | None = None
+
+
+@dataclass
+class SpotCheck:
+    """One comparison of a replica's served weights with the trainer's record."""
+
+    step: int
+    replica: str
+    identity: str | None
+    mismatched: list[str]
+    error: str | None = None
+
+
+@dataclass
+class SoakRun:
+    """Everything one soak measured."""
+
+    config: SoakConfig
+    faults: list[Fault]
+    published: dict[int, Published] = field(default_factory=dict)
+    samples: list[Sample] = field(default_factory=list)
+    #: replica -> [(monotonic time, step served)] as a client saw the answers.
+    served: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    client_errors: dict[str, int] = field(default_factory=dict)
+    unknown_identities: list[str] = field(default_factory=list)
+    spot_checks: list[SpotCheck] = field(default_factory=list)
+    final_checksums: dict[str, dict[str, str]] = field(default_factory=dict)
+    final_status: dict[str, dict[str, Any]] = field(default_factory=dict)
+    converged_seconds: float | None = None
+    converge_error: str | None = None
+    #: component -> % of one core over the idle window.
+    idle_cpu: dict[str, float] = field(default_factory=dict)
+    #: What each fault did, as observed (times, errors seen, statuses naming it).
+    fault_log: list[str] = field(default_factory=list)
+    #: replica -> loader statuses seen while a corrupted object was in force.
+    corrupt_statuses: list[dict[str, Any]] = field(default_factory=list)
+    volume_full_statuses: list[dict[str, Any]] = field(default_factory=list)
+    #: replica -> monotonic times its engine process was started (boot included).
+    engine_starts: dict[str, list[float]] = field(default_factory=dict)
+    wall_seconds: float = 0.0
+    #: Why the soak stopped before its last step (None: it ran to the end).
+    aborted: str | None = None
+    base_bytes: int = 0
+
+
+# --- /proc ------------------------------------------------------------------------------------
+
+
+def proc_usage(pid: int) -> tuple[int, int] | None:
+    """(RSS bytes, open file descriptors) of `pid`, None when it is gone."""
+    try:
+        rss = 0
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+        return rss, len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """utime + stime of `pid` in clock ticks, None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def folder_bytes(root: Path) -> int:
+    """Allocated bytes of the files under `root` (each inode once: hard links share)."""
+    seen: set[int] = set()
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue  # removed while walking
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_size
+    return total
+
+
+# --- the trainer process ----------------------------------------------------------------------
+
+
+class TrainerProcess:
+    """`python -m support.soak_trainer`: asked to publish one step at a time over stdin."""
+
+    def __init__(
+        self, url: str, model: tuple[Path, Path], root: Path, cfg: SoakConfig, env: dict[str, str]
+    ) -> None:
+        base, side = model
+        self.args = [
+            sys.executable, "-m", "support.soak_trainer", url, str(base), str(side),
+            str(root / "work"), "--full-every", str(cfg.full_every), "--retain", str(cfg.retain),
+            "--seed", str(cfg.seed),
+        ]  # fmt: skip
+        self.env = {**env, "PYTHONPATH": os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])}
+        self.log = root / "trainer.log"
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: queue.Queue[str | None] = queue.Queue()
+
+    def start(self, timeout: float = 300.0) -> None:
+        """Start the process and wait until its Publisher is open."""
+        self.lines = queue.Queue()
+        with self.log.open("a") as log:
+            self.proc = subprocess.Popen(
+                self.args, cwd=REPO, env=self.env, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=log, text=True,
+            )  # fmt: skip
+        threading.Thread(target=self._read, args=(self.proc, self.lines), daemon=True).start()
+        answer = self.answer(timeout)
+        if not answer.get("ready"):
+            raise AssertionError(f"the soak trainer did not start: {answer}")
+
+    @staticmethod
+    def _read(proc: subprocess.Popen[str], lines: queue.Queue[str | None]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    def ask(self, step: int) -> None:
+        """Ask for step `step` to be published."""
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(f"{step}\n")
+        self.proc.stdin.flush()
+
+    def answer(self, timeout: float) -> dict[str, Any]:
+        """The trainer's next answer."""
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"the soak trainer did not answer in {timeout:g}s") from None
+        if line is None:
+            tail = self.log.read_text(errors="replace")[-3000:]
+            raise AssertionError(f"the soak trainer exited\n{tail}")
+        return dict(json.loads(line))
+
+    def kill(self) -> None:
+        """SIGKILL (no clean-up)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        """Close stdin (the trainer ends), then make sure."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+# --- clients ----------------------------------------------------------------------------------
+
+
+class Clients:
+    """One client thread per replica asking its engine for a 1-token completion all along and
+    recording which snapshot answered."""
+
+    def __init__(self, replicas: list[Replica], run: SoakRun) -> None:
+        self.replicas = replicas
+        self.run = run
+        self.stopping = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._one, args=(r,), daemon=True) for r in replicas
+        ]
+        for r in replicas:
+            run.served[r.name] = []
+            run.client_errors[r.name] = 0
+
+    def start(self) -> None:
+        """Start the threads."""
+        for t in self.threads:
+            t.start()
+
+    def stop(self) -> None:
+        """Stop the threads."""
+        self.stopping.set()
+        for t in self.threads:
+            t.join(60)
+
+    def _one(self, r: Replica) -> None:
+        body = {"prompt": PROMPT_IDS, "max_tokens": 1, "return_token_ids": True}
+        while not self.stopping.is_set():
+            try:
+                code, answer = http_json("POST", r.engine_url + "/v1/completions", body, timeout=30)
+            except OSError:
+                code, answer = 0, None
+            if code == 200 and isinstance(answer, dict):
+                model = str(answer.get("model", ""))
+                ident = model.partition("@")[2]
+                if ident.startswith("step-") and ident[5:].isdigit():
+                    self.run.served[r.name].append((time.monotonic(), int(ident[5:])))
+                else:
+                    self.run.unknown_identities.append(f"{r.name}: {model}")
+            else:
+                self.run.client_errors[r.name] += 1
+                time.sleep(0.2)
+            time.sleep(0.05)
+
+
+# --- the soak ---------------------------------------------------------------------------------
+
+
+class Soak:
+    """The processes of one soak and the fault actions on them."""
+
+    def __init__(self, cfg: SoakConfig) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed + 1)
+        self.run = SoakRun(cfg, schedule(cfg.steps, cfg.seed, cfg.full_every, cfg.replicas))
+        self.seaweed: SeaweedFS | None = None
+        self.seaweed_up = threading.Event()
+        self.replicas: list[Replica] = []
+        self.trainer: TrainerProcess | None = None
+        self.clients: Clients | None = None
+        self.prefix = f"soak-{uuid.uuid4().hex[:8]}"
+        self.limited: dict[int, int] = {}  # replica -> loader pid under RLIMIT_FSIZE
+        self.store: Any = None
+        #: The step and time an outage began, until the store is started again.
+        self.outage: tuple[int, float] | None = None
+
+    # --- set-up and tear-down --------------------------------------------------------------
+
+    def start(self) -> None:
+        """The base model, SeaweedFS, the trainer with step 0 published, the replicas."""
+        from support.tiny_llm import build_tiny_llm
+
+        root = self.cfg.root
+        model = build_tiny_llm(root / "model", 0)
+        self.run.base_bytes = model.nbytes
+        self.seaweed = SeaweedFS.start(root / "seaweed")
+        self.seaweed_up.set()
+        self.store = _store(self.seaweed)
+        env = {**os.environ, **self.seaweed.env, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        url = self.seaweed.url(self.prefix)
+        self.trainer = TrainerProcess(
+            url, (model.snapshots[0], model.root / "_side_files"), root / "trainer", self.cfg, env
+        )
+        (root / "trainer").mkdir(parents=True, exist_ok=True)
+        self.trainer.start()
+        self.publish(0)
+        for i in range(self.cfg.replicas):
+            self.replicas.append(Replica(f"r{i}", root / f"r{i}", f"{url}/policy", env))
+        for r in self.replicas:
+            r.start_loader()
+        for r in self.replicas:
+            r.wait_started(300)
+            self.start_engine(r)
+        for r in self.replicas:
+            r.wait_serving(step_identity(0), 300)
+        self.clients = Clients(self.replicas, self.run)
+        self.clients.start()
+
+    def stop(self) -> None:
+        """Stop every process this soak started."""
+        if self.clients is not None:
+            self.clients.stop()
+        for r in self.replicas:
+            r.resume_loader()
+            r.stop()
+        if self.trainer is not None:
+            self.trainer.stop()
+        if self.seaweed is not None:
+            self.seaweed.stop()
+
+    # --- publishing ------------------------------------------------------------------------
+
+    def publish(self, step: int, *, kill_after: float | None = None) -> Published:
+        """Publish `step`, asking again after a failure (the store down) until it lands; with
+        `kill_after`, SIGKILL the trainer that many seconds into the first try and restart it."""
+        assert self.trainer is not None
+        sent = time.monotonic()
+        attempts = 0
+        deadline = sent + 600
+        while True:
+            attempts += 1
+            self.trainer.ask(step)
+            if kill_after is not None:
+                time.sleep(kill_after)
+                self.trainer.kill()
+                self.run.fault_log.append(
+                    f"trainer SIGKILLed {kill_after:.2f}s into publishing step {step}"
+                )
+                kill_after = None
+                self.trainer.start()
+                continue
+            answer = self.trainer.answer(900)
+            if answer.get("ok"):
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"step {step} not published after 600s: {answer}")
+            time.sleep(1.0)
+            self.tick()
+        if answer.get("resumed"):
+            self.run.fault_log.append(f"step {step} had landed before the kill: trainer resumed")
+        published = Published(
+            step=step,
+            identity=str(answer["identity"]),
+            kind=str(answer["kind"]),
+            sha256=dict(answer["sha256"]),
+            full_bytes=int(answer["full_bytes"]),
+            shipped_bytes=int(answer["shipped_bytes"]),
+            sent=sent,
+            done=time.monotonic(),
+            attempts=attempts,
+            resumed=bool(answer.get("resumed")),
+        )
+        self.run.published[step] = published
+        return published
+
+    # --- faults ----------------------------------------------------------------------------
+
+    def begin(self, fault: Fault, step: int) -> None:
+        """Start `fault` (those that act at publish time are handled by `publish_step`)."""
+        r = None if fault.replica is None else self.replicas[fault.replica]
+        if fault.kind == "loader_kill" and r is not None:
+            r.kill_loader()
+            self.run.fault_log.append(f"step {step}: {r.name} loader SIGKILLed")
+        elif fault.kind == "engine_kill" and r is not None:
+            r.kill_engine()
+            self.run.fault_log.append(f"step {step}: {r.name} engine SIGKILLed")
+        elif fault.kind == "seaweed_down":
+            assert self.seaweed is not None
+            self.seaweed_up.clear()
+            self.seaweed.kill()
+            self.outage = (step, time.monotonic())
+            self.run.fault_log.append(
+                f"step {step}: SeaweedFS stopped for {self.cfg.outage_seconds:g}s"
+            )
+        elif fault.kind == "volume_full" and r is not None and r.loader is not None:
+            limit = (r.root / "loader.log").stat().st_size + 512 * 1024
+            _, hard = resource.prlimit(r.loader.pid, resource.RLIMIT_FSIZE)
+            resource.prlimit(r.loader.pid, resource.RLIMIT_FSIZE, (limit, hard))
+            self.limited[fault.replica or 0] = r.loader.pid
+            self.run.fault_log.append(
+                f"step {step}: {r.name} loader limited to {limit} bytes per file (EFBIG)"
+            )
+
+    def start_engine(self, r: Replica) -> None:
+        """Start `r`'s engine (from `weights/current`, as its container would), noting when."""
+        self.run.engine_starts.setdefault(r.name, []).append(time.monotonic())
+        r.start_engine()
+
+    def tick(self) -> None:
+        """Start the stopped store again once its outage is over. Called from the main thread
+        only: the server dies with the thread that started it (PR_SET_PDEATHSIG)."""
+        if self.outage is None:
+            return
+        step, began = self.outage
+        if time.monotonic() - began < self.cfg.outage_seconds:
+            return
+        assert self.seaweed is not None
+        try:
+            self.seaweed.restart()
+        except RuntimeError as err:
+            # Its ports taken for a moment (a client's ephemeral port): try again next tick.
+            if time.monotonic() - began > self.cfg.outage_seconds + 300:
+                raise
+            self.run.fault_log.append(f"SeaweedFS did not start again ({err}); retrying")
+            return
+        self.outage = None
+        self.seaweed_up.set()
+        self.run.fault_log.append(
+            f"SeaweedFS back after {time.monotonic() - began:.1f}s (outage of step {step})"
+        )
+
+    def end(self, fault: Fault, step: int) -> None:
+        """End `fault`: start what was killed, lift the limit."""
+        r = None if fault.replica is None else self.replicas[fault.replica]
+        if fault.kind == "loader_kill" and r is not None:
+            if r.loader is None or r.loader.poll() is not None:
+                r.start_loader()
+                self.run.fault_log.append(f"step {step}: {r.name} loader started again")
+        elif fault.kind == "engine_kill" and r is not None:
+            if r.engine is None or r.engine.poll() is not None:
+                self.start_engine(r)
+                self.run.fault_log.append(f"step {step}: {r.name} engine started again")
+        elif fault.kind == "volume_full" and fault.replica is not None:
+            pid = self.limited.pop(fault.replica, None)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    _, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+                    resource.prlimit(pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, hard))
+                self.run.fault_log.append(f"step {step}: r{fault.replica} volume has room again")
+
+    def publish_step(self, step: int, starting: list[Fault]) -> None:
+        """Publish `step` under the faults that act on the publish itself."""
+        kinds = {f.kind for f in starting}
+        if "corrupt" in kinds:
+            # Loaders held still, so that none reads the step before its object is corrupted.
+            for r in self.replicas:
+                r.pause_loader()
+            try:
+                self.publish(step)
+                self.run.fault_log.append(f"step {step}: {self._corrupt(step)}")
+            finally:
+                for r in self.replicas:
+                    r.resume_loader()
+        elif "trainer_kill" in kinds:
+            self.publish(step, kill_after=self.rng.uniform(0.3, 2.0))
+        else:
+            self.publish(step)
+
+    def _corrupt(self, step: int) -> str:
+        import obstore
+
+        folder = f"{self.prefix}/{step_identity(step)}/"
+        objects = [o for batch in obstore.list(self.store, prefix=folder) for o in batch]
+        shards = [o for o in objects if str(o["path"]).endswith(".safetensors")]
+        if not shards:
+            raise AssertionError(f"no payload under {folder} to corrupt: {objects}")
+        target = max(shards, key=lambda o: int(o["size"]))
+        data = bytearray(bytes(obstore.get(self.store, target["path"]).bytes()))
+        data[len(data) // 2] ^= 0xFF  # in the payload, past the safetensors header
+        obstore.put(self.store, target["path"], bytes(data))
+        return f"one byte of {target['path']} ({target['size']} bytes) flipped in the bucket"
+
+    # --- measuring -------------------------------------------------------------------------
+
+    def sample(self, step: int, active: list[Fault]) -> None:
+        """Processes, volumes, staging, statuses and the bucket after publishing `step`."""
+        s = Sample(step, time.monotonic())
+        for r in self.replicas:
+            for what, proc in (("loader", r.loader), ("engine", r.engine)):
+                if proc is not None and proc.poll() is None:
+                    usage = proc_usage(proc.pid)
+                    if usage is not None:
+                        s.procs[f"{r.name}/{what}"] = (proc.pid, *usage)
+            s.volume[r.name] = folder_bytes(r.weights)
+            s.early[r.name] = folder_bytes(r.weights / ".hotload" / "early")
+            before = self._status(r)
+            work = r.weights / ".hotload"
+            entries = [
+                f"{sub}/{p.name}"
+                for sub in ("staging", "downloads")
+                if (work / sub).is_dir()
+                for p in (work / sub).iterdir()
+            ]
+            after = self._status(r)
+            if before is not None:
+                s.status[r.name] = before
+            if (
+                before is not None
+                and after is not None
+                and before.get("state") == after.get("state") == "idle"
+                and before.get("identity") == after.get("identity")
+            ):
+                s.staging_idle[r.name] = entries
+            for f in active:
+                if before is not None and f.kind == "corrupt":
+                    self.run.corrupt_statuses.append({"step": step, "replica": r.name, **before})
+                if before is not None and f.kind == "volume_full" and f.replica == int(r.name[1:]):
+                    self.run.volume_full_statuses.append({"step": step, **before})
+        if self.seaweed_up.is_set():
+            with contextlib.suppress(Exception):
+                self._bucket(s)
+        self.run.samples.append(s)
+
+    @staticmethod
+    def _status(r: Replica) -> dict[str, Any] | None:
+        try:
+            code, doc = http_json("GET", r.loader_url + "/status", timeout=10)
+        except OSError:
+            return None
+        if code != 200 or not isinstance(doc, dict):
+            return None
+        keys = ("state", "identity", "target_identity", "reason", "last_error", "events")
+        out = {k: doc.get(k) for k in keys}
+        out["events"] = [
+            f"{e.get('reason')}: {e.get('message')}" for e in (doc.get("events") or [])[-5:]
+        ]
+        return out
+
+    def _bucket(self, s: Sample) -> None:
+        import obstore
+
+        objects = [o for batch in obstore.list(self.store, prefix=self.prefix + "/") for o in batch]
+        s.bucket_objects = len(objects)
+        s.bucket_bytes = sum(int(o["size"]) for o in objects)
+        folders = {str(o["path"]).split("/")[1] for o in objects}
+        s.bucket_folders = sorted(f for f in folders if f.startswith("step-"))
+
+    def spot_check(self, step: int) -> None:
+        """Compare one random replica's served weights with the trainer's record."""
+        r = self.rng.choice(self.replicas)
+        try:
+            code, body = http_json("GET", r.full_api_url + "/hotload/v1/checksums", timeout=60)
+        except OSError as err:
+            self.run.spot_checks.append(SpotCheck(step, r.name, None, [], f"unreachable: {err}"))
+            return
+        if code != 200:
+            self.run.spot_checks.append(SpotCheck(step, r.name, None, [], f"HTTP {code}"))
+            return
+        self.run.spot_checks.append(self.compare(step, r.name, body))
+
+    def compare(self, step: int, name: str, body: dict[str, Any]) -> SpotCheck:
+        """A `SpotCheck` of an engine's checksums answer against the trainer's record."""
+        ident = str(body.get("identity"))
+        got = body.get("checksums") or {}
+        record = next((p for p in self.run.published.values() if p.identity == ident), None)
+        if record is None:
+            return SpotCheck(step, name, ident, [], f"serves {ident!r}, which was never published")
+        bad = sorted(k for k, v in record.sha256.items() if got.get(k) != v)
+        return SpotCheck(step, name, ident, bad)
+
+    def idle_cpu(self) -> None:
+        """% of a core each process used over `idle_seconds` with nothing to do."""
+        assert self.seaweed is not None and self.seaweed.process is not None
+        pids: dict[str, int] = {"seaweedfs": self.seaweed.process.pid}
+        if self.trainer is not None and self.trainer.proc is not None:
+            pids["trainer"] = self.trainer.proc.pid
+        for r in self.replicas:
+            for what, proc in (("loader", r.loader), ("engine", r.engine)):
+                if proc is not None:
+                    pids[f"{r.name}/{what}"] = proc.pid
+        start = {k: cpu_ticks(p) for k, p in pids.items()}
+        began = time.monotonic()
+        time.sleep(self.cfg.idle_seconds)
+        took = time.monotonic() - began
+        hz = os.sysconf("SC_CLK_TCK")
+        for k, p in pids.items():
+            end, first = cpu_ticks(p), start[k]
+            if end is not None and first is not None:
+                self.run.idle_cpu[k] = round(100.0 * (end - first) / hz / took, 2)
+
+    # --- the end ---------------------------------------------------------------------------
+
+    def converge(self) -> None:
+        """Wait for every replica to serve the head, then read what each engine holds."""
+        head = self.run.published[max(self.run.published)]
+        began = time.monotonic()
+        try:
+            for r in self.replicas:
+                r.wait_serving(head.identity, self.cfg.converge_timeout)
+            self.run.converged_seconds = time.monotonic() - began
+        except AssertionError as err:
+            self.run.converge_error = str(err)[:3000]
+        for r in self.replicas:
+            self.run.final_status[r.name] = self._status(r) or {}
+            with contextlib.suppress(OSError):
+                code, body = http_json("GET", r.full_api_url + "/hotload/v1/checksums", timeout=60)
+                if code == 200:
+                    self.run.final_checksums[r.name] = {
+                        "identity": str(body.get("identity")),
+                        **{f"sha:{k}": str(v) for k, v in (body.get("checksums") or {}).items()},
+                    }
+
+
+def _store(seaweed: SeaweedFS) -> Any:
+    from obstore.store import S3Store
+
+    from support.seaweedfs import ACCESS_KEY, SECRET_KEY
+
+    return S3Store(
+        BUCKET,
+        endpoint=seaweed.endpoint,
+        region="us-east-1",
+        access_key_id=ACCESS_KEY,
+        secret_access_key=SECRET_KEY,
+        client_options={"allow_http": True, "timeout": "20s"},
+    )
+
+
+def run_soak(cfg: SoakConfig) -> SoakRun:
+    """Run the whole soak; every process it started is stopped before it returns."""
+    began = time.monotonic()
+    cfg.root.mkdir(parents=True, exist_ok=True)
+    soak = Soak(cfg)
+    rng = random.Random(cfg.seed + 2)
+    try:
+        soak.start()
+        active: list[Fault] = []
+        try:
+            for step in range(1, cfg.steps):
+                starting = [f for f in soak.run.faults if f.start == step]
+                ending = [f for f in active if not f.active(step)]
+                for f in ending:
+                    soak.end(f, step)
+                    active.remove(f)
+                for f in starting:
+                    soak.begin(f, step)
+                    active.append(f)
+                soak.publish_step(step, starting)
+                soak.tick()
+                soak.sample(step, active)
+                if rng.random() < cfg.spot_check_rate:
+                    soak.spot_check(step)
+        except Exception as err:  # judged as a missed check, with what was measured so far
+            soak.run.aborted = f"{type(err).__name__}: {err}"[:3000]
+        for f in active:
+            soak.end(f, cfg.steps)
+        while soak.outage is not None:
+            time.sleep(0.5)
+            soak.tick()
+        soak.converge()
+        time.sleep(2.0)  # the clients see the head too
+        soak.idle_cpu()
+    finally:
+        soak.stop()
+        soak.run.wall_seconds = time.monotonic() - began
+    return soak.run

@@ -1,0 +1,446 @@
+"""The soak's checks and figures, computed from a `SoakRun` (support.soak): each check met or
+missed with what was seen, and the figures RESULTS-soak.md reports.
+
+Expected values come from the trainer's records (its per-tensor sha256 of every step it
+published, the sizes the ledger holds) and the soak's configuration, never from the loader.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from support.soak import SoakRun
+
+#: Per process: the last window's median may exceed the first's by this much at most.
+GROWTH = 0.10
+#: Slack in open file descriptors (a connection in flight at one sample and not the other).
+FD_SLACK = 2
+#: Bytes of the ledger, gc journal and hints the bucket may hold beside the snapshots.
+BUCKET_METADATA = 1 << 20
+#: The known causes of misses (see RESULTS-soak.md), each shown by the figures behind its check.
+BOOTS_FROM_FULL = (
+    "a restarted engine boots from weights/current, the newest full snapshot on the volume, "
+    "not the sparse patches the loader had applied on top of it (kept under deltas/): it answers "
+    "from that older snapshot until the loader patches it again"
+)
+EARLY_KEEPS_ALL = (
+    "early fetch keeps every hinted snapshot it rebuilt while the loader cannot move on (its "
+    "engine down): one more full snapshot under .hotload/early per full snapshot published, for "
+    "as long as the engine stays down (sidecar/hotload_sidecar/prefetch.py)"
+)
+LOADER_GROWS = (
+    "the loaders' RSS and open sockets grow over the run (not the engines'): in the 300-step "
+    "run a loader held 125 established connections to the origin's S3 port at step ~170, while "
+    "a corrupted delta made it fall back and rebuild again and again; the bucket client's HTTP "
+    "pool has no per-host cap and keeps idle connections (hotload/bucket/stores.py "
+    "`_client_options` sets no pool limits). What holds the memory is not established yet"
+)
+#: Words a loader status uses when a fault stopped an update.
+CORRUPT_WORDS = ("checksum", "crc", "corrupt", "mismatch", "verif")
+FULL_WORDS = ("file too large", "no space", "efbig", "enospc")
+
+
+@dataclass
+class Check:
+    """One check: met or not, and the figures behind it."""
+
+    name: str
+    met: bool
+    detail: str
+    #: For a miss whose cause is known and reported (a product bug named in the results): the
+    #: cause. The short soak in `make test` accepts those misses and no others.
+    known: str | None = None
+
+
+@dataclass
+class Report:
+    """Every check, plus the figures that are reported but not judged."""
+
+    checks: list[Check] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def missed(self) -> list[Check]:
+        """The checks not met."""
+        return [c for c in self.checks if not c.met]
+
+    def unexplained(self) -> list[Check]:
+        """The checks not met for a reason other than a known, reported cause."""
+        return [c for c in self.checks if not c.met and c.known is None]
+
+
+def windows(run: SoakRun, samples: int) -> tuple[int, int]:
+    """(warm-up, window) for a process sampled `samples` times: its first samples over one full
+    cycle (`full_every` steps: by then a loader has met a full snapshot, a chain of deltas and
+    its first faults) are left out, then its first `window` samples are compared with its last
+    `window` (100 in a run of 300 steps or more, half of what is left in a shorter one)."""
+    warm = run.config.full_every
+    return warm, min(100, (samples - warm) // 2)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The `q` quantile (0..1) of `values`, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def evaluate(run: SoakRun) -> Report:
+    """Every check of the soak over `run`."""
+    report = Report()
+    report.checks.append(
+        Check(
+            "the soak ran every step",
+            run.aborted is None,
+            run.aborted or f"{len(run.published)} steps published",
+        )
+    )
+    for part in (_head, _monotonic, _spot, _latency, _processes, _volume, _staging, _bucket):
+        part(run, report)
+    _faults(run, report)
+    report.figures["idle_cpu_percent"] = dict(run.idle_cpu)
+    return report
+
+
+def _head(run: SoakRun, report: Report) -> None:
+    head = run.published[max(run.published)]
+    problems = []
+    if run.converge_error is not None:
+        problems.append(run.converge_error[:600])
+    for name in sorted(run.served):
+        got = run.final_checksums.get(name)
+        if got is None:
+            problems.append(f"{name}: no checksums from its engine")
+            continue
+        if got["identity"] != head.identity:
+            problems.append(f"{name} serves {got['identity']}, the head is {head.identity}")
+        bad = sorted(k for k, v in head.sha256.items() if got.get(f"sha:{k}") != v)
+        if bad:
+            problems.append(f"{name}: {len(bad)} tensors differ from the trainer's ({bad[:3]})")
+    took = (
+        ""
+        if run.converged_seconds is None
+        else f" {run.converged_seconds:.1f}s after the last publish"
+    )
+    report.checks.append(
+        Check(
+            "every replica ends on the head, bit-exact",
+            not problems,
+            "; ".join(problems)
+            or f"{len(run.served)} replicas on {head.identity}{took}, all {len(head.sha256)} "
+            "tensors' sha256 equal to the trainer's",
+        )
+    )
+
+
+def _monotonic(run: SoakRun, report: Report) -> None:
+    published = {p.step for p in run.published.values()}
+    problems = list(run.unknown_identities[:5])
+    after_restart = []
+    answers = 0
+    for name, seen in run.served.items():
+        answers += len(seen)
+        starts = run.engine_starts.get(name, [])
+        for (t0, a), (t1, b) in itertools.pairwise(seen):
+            if b >= a:
+                continue
+            what = f"{name} answered from step {b} after step {a}"
+            if any(t0 < s < t1 for s in starts):
+                after_restart.append(what + " (its engine restarted in between)")
+            else:
+                problems.append(what + f" at t={t1:.1f}, its engine alive all along")
+        never = sorted({s for _, s in seen} - published)
+        if never:
+            problems.append(f"{name} answered from unpublished steps {never[:5]}")
+    report.figures["client_answers"] = answers
+    report.figures["client_errors"] = dict(run.client_errors)
+    report.checks.append(
+        Check(
+            "the served identity never goes backwards while an engine runs, only published "
+            "snapshots answer",
+            not problems and answers > 0,
+            "; ".join(problems)
+            or f"{answers} answers over {len(run.served)} clients; "
+            f"{sum(run.client_errors.values())} requests failed (engines down)",
+        )
+    )
+    report.checks.append(
+        Check(
+            "the served identity never goes backwards across an engine restart",
+            not after_restart,
+            "; ".join(after_restart[:5])
+            or f"{sum(len(v) - 1 for v in run.engine_starts.values())} engine restarts",
+            BOOTS_FROM_FULL if after_restart else None,
+        )
+    )
+
+
+def _spot(run: SoakRun, report: Report) -> None:
+    compared = [c for c in run.spot_checks if c.error is None]
+    bad = [c for c in run.spot_checks if c.mismatched or (c.error and "never" in c.error)]
+    report.figures["spot_checks"] = [
+        {"step": c.step, "replica": c.replica, "identity": c.identity, "error": c.error}
+        for c in run.spot_checks
+    ]
+    report.checks.append(
+        Check(
+            "weights spot-checked against the trainer's at random steps",
+            bool(compared) and not bad,
+            (
+                f"{len(compared)} checks matched every tensor "
+                f"({len(run.spot_checks) - len(compared)} skipped: engine not answering)"
+            )
+            if not bad
+            else "; ".join(
+                f"step {c.step} {c.replica} {c.identity}: {c.error or c.mismatched[:3]}"
+                for c in bad
+            ),
+        )
+    )
+
+
+def phases(run: SoakRun) -> dict[int, str]:
+    """Each step's phase: the fault kinds in force while it was published, or quiet."""
+    out = {}
+    for step in run.published:
+        kinds = sorted({f.kind for f in run.faults if f.active(step)})
+        out[step] = "+".join(kinds) or "quiet"
+    return out
+
+
+def latencies(run: SoakRun) -> dict[int, dict[str, float | None]]:
+    """Per step and replica: seconds from the trainer's answer until the replica's client first
+    got an answer from that step or a newer one (None: never)."""
+    out: dict[int, dict[str, float | None]] = {}
+    for step, pub in run.published.items():
+        out[step] = {}
+        for name, seen in run.served.items():
+            first = next((t for t, s in seen if s >= step and t >= pub.sent), None)
+            out[step][name] = None if first is None else max(0.0, first - pub.done)
+    return out
+
+
+def _latency(run: SoakRun, report: Report) -> None:
+    lat = latencies(run)
+    phase = phases(run)
+    by_phase: dict[str, list[float]] = {}
+    missing = []
+    for step, per in lat.items():
+        if step == 0:
+            continue  # before the clients started
+        for name, v in per.items():
+            if v is None:
+                missing.append(f"step {step} on {name}")
+                continue
+            by_phase.setdefault(phase[step], []).append(v)
+            if phase[step] != "quiet":
+                for kind in phase[step].split("+"):
+                    by_phase.setdefault(f"any {kind}", []).append(v)
+    report.figures["latency"] = {
+        p: {"n": len(v), "p50": round(percentile(v, 0.5), 2), "p99": round(percentile(v, 0.99), 2)}
+        for p, v in sorted(by_phase.items())
+    }
+    report.checks.append(
+        Check(
+            "every published step reached every replica (itself or a newer one)",
+            not missing,
+            "; ".join(missing[:10]) or "publish -> serving figures per phase in the results",
+        )
+    )
+
+
+def _processes(run: SoakRun, report: Report) -> None:
+    keys = sorted({k for s in run.samples for k in s.procs})
+    figures: dict[str, Any] = {}
+    rss_bad, fd_bad = [], []
+    for key in keys:
+        # A process killed by a fault starts again from nothing: each component is judged on
+        # the one of its processes that lived longest.
+        by_pid: dict[int, list[tuple[int, int, int]]] = {}
+        for s in run.samples:
+            if key in s.procs:
+                by_pid.setdefault(s.procs[key][0], []).append(s.procs[key])
+        _pid, seen = max(by_pid.items(), key=lambda kv: len(kv[1]))
+        warm, n = windows(run, len(seen))
+        if n < 5:
+            rss_bad.append(f"{key} sampled only {len(seen)} times in its longest life")
+            continue
+        a, b = seen[warm : warm + n], seen[-n:]
+        rss0, rss1 = statistics.median(x[1] for x in a), statistics.median(x[1] for x in b)
+        fd0, fd1 = statistics.median(x[2] for x in a), statistics.median(x[2] for x in b)
+        figures[key] = {
+            "rss_mib": [round(rss0 / 2**20, 1), round(rss1 / 2**20, 1)],
+            "fds": [fd0, fd1],
+            "max_fds": max(x[2] for x in seen),
+            "samples": [warm, n, len(seen)],
+            "pids": len(by_pid),
+        }
+        if rss1 > rss0 * (1 + GROWTH):
+            rss_bad.append(f"{key}: RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB")
+        if fd1 > max(fd0 * (1 + GROWTH), fd0 + FD_SLACK):
+            fd_bad.append(f"{key}: {fd0:g} -> {fd1:g} fds")
+    report.figures["processes"] = figures
+    for what, bad in (("RSS", rss_bad), ("open fds", fd_bad)):
+        # Only the loaders' growth has a known (reported) cause; an engine's is a plain miss.
+        loaders_only = bool(bad) and all("/loader:" in b for b in bad)
+        report.checks.append(
+            Check(
+                f"{what} of loaders and engines flat (per process: the median of its last "
+                f"samples within {GROWTH:.0%} of its first"
+                + (f" or {FD_SLACK} fds" if what == "open fds" else "")
+                + f", after {run.config.full_every} steps of warm-up; 100 samples each in a "
+                "run of 300 steps)",
+                not bad,
+                "; ".join(bad) or f"{len(figures)} processes",
+                LOADER_GROWS if loaders_only else None,
+            )
+        )
+
+
+def _volume(run: SoakRun, report: Report) -> None:
+    fulls = [p for p in run.published.values() if p.kind == "full"]
+    full = max(p.full_bytes for p in fulls)
+    worst: dict[str, float] = {}
+    bad: list[str] = []
+    early_only: list[str] = []
+    moments = 0
+    over_before: set[str] = set()
+    for s in run.samples:
+        # Two full snapshots plus the deltas of the last two chains: what a replica that
+        # folds at --compact-fraction, lagging by up to a chain, may hold.
+        starts = [p.step for p in fulls if p.step <= s.step][-2:]
+        deltas = sum(
+            p.shipped_bytes
+            for p in run.published.values()
+            if starts[0] < p.step <= s.step and p.kind != "full"
+        )
+        bound = 2 * full + deltas
+        over_now: set[str] = set()
+        for name, used in s.volume.items():
+            if name not in s.staging_idle:
+                continue  # mid-update: a rebuild in staging is a third copy for a moment
+            worst[name] = max(worst.get(name, 0.0), used / full)
+            if used <= bound:
+                continue
+            over_now.add(name)
+            if name not in over_before:
+                # The loader says it serves the new snapshot a moment before it removes those
+                # it no longer needs: over the bound at one look, not at two in a row.
+                moments += 1
+                continue
+            what = (
+                f"{name} at step {s.step}: {used / full:.2f} full snapshots "
+                f"({s.early.get(name, 0) / full:.2f} under .hotload/early) > bound "
+                f"{bound / full:.2f}"
+            )
+            (early_only if used - s.early.get(name, 0) <= bound else bad).append(what)
+        over_before = over_now
+    report.figures["volume_max_in_fulls"] = {k: round(v, 2) for k, v in worst.items()}
+    report.figures["volume_max_any_sample_in_fulls"] = {
+        name: round(max(s.volume.get(name, 0) for s in run.samples) / full, 2)
+        for name in run.served
+    }
+    report.checks.append(
+        Check(
+            "loader volume bounded (two full snapshots plus the deltas since the fold, at any "
+            "two looks in a row while idle)",
+            not bad and not early_only and bool(worst),
+            "; ".join((bad + early_only)[:4])
+            + (f" ({len(bad + early_only)} samples over)" if bad or early_only else "")
+            or f"largest idle volume {max(worst.values()):.2f} full snapshots; over the bound "
+            f"at {moments} single look(s), never at two in a row",
+            EARLY_KEEPS_ALL if early_only and not bad else None,
+        )
+    )
+
+
+def _staging(run: SoakRun, report: Report) -> None:
+    looked = sum(len(s.staging_idle) for s in run.samples)
+    left = [
+        f"{name} at step {s.step}: {entries}"
+        for s in run.samples
+        for name, entries in s.staging_idle.items()
+        if entries
+    ]
+    report.checks.append(
+        Check(
+            "staging empty between updates",
+            looked > 0 and not left,
+            "; ".join(left[:5]) or f"{looked} looks while idle, staging and downloads empty",
+        )
+    )
+
+
+def _bucket(run: SoakRun, report: Report) -> None:
+    cfg = run.config
+    folders_max = cfg.retain + cfg.full_every
+    full = max(p.full_bytes for p in run.published.values() if p.kind == "full")
+    delta = max((p.shipped_bytes for p in run.published.values() if p.kind != "full"), default=0)
+    bytes_max = 2 * full + folders_max * delta + BUCKET_METADATA
+    bad = []
+    seen = [s for s in run.samples if s.bucket_folders is not None]
+    for s in seen:
+        assert s.bucket_folders is not None and s.bucket_bytes is not None
+        if len(s.bucket_folders) > folders_max or s.bucket_bytes > bytes_max:
+            bad.append(f"step {s.step}: {len(s.bucket_folders)} folders, {s.bucket_bytes} bytes")
+    report.figures["bucket"] = {
+        "max_folders": max((len(s.bucket_folders or []) for s in seen), default=0),
+        "max_objects": max((s.bucket_objects or 0 for s in seen), default=0),
+        "max_bytes": max((s.bucket_bytes or 0 for s in seen), default=0),
+        "last_objects": seen[-1].bucket_objects if seen else None,
+        "last_bytes": seen[-1].bucket_bytes if seen else None,
+        "folders_bound": folders_max,
+        "bytes_bound": bytes_max,
+    }
+    report.checks.append(
+        Check(
+            f"bucket bounded by the retention in force (retain={cfg.retain}: at most "
+            f"{folders_max} snapshot folders, {bytes_max} bytes)",
+            bool(seen) and not bad,
+            "; ".join(bad[:5]) or f"{len(seen)} listings",
+        )
+    )
+
+
+def _faults(run: SoakRun, report: Report) -> None:
+    kinds = {f.kind for f in run.faults}
+    log = "\n".join(run.fault_log)
+    problems = []
+    expect = {
+        "loader_kill": "loader SIGKILLed",
+        "engine_kill": "engine SIGKILLed",
+        "seaweed_down": "SeaweedFS back after",
+        "volume_full": "EFBIG",
+        "corrupt": "flipped in the bucket",
+        "trainer_kill": "trainer SIGKILLed",
+    }
+    for kind in sorted(kinds):
+        if expect[kind] not in log:
+            problems.append(f"{kind} never took effect")
+    named = [s for s in run.corrupt_statuses if any(w in _words(s) for w in CORRUPT_WORDS)]
+    if "corrupt" in kinds and not named:
+        problems.append("no loader status named the corrupted object")
+    full = [s for s in run.volume_full_statuses if any(w in _words(s) for w in FULL_WORDS)]
+    if "volume_full" in kinds and not full:
+        problems.append("no loader status named the full volume")
+    overlaps = sum(
+        1
+        for i, a in enumerate(run.faults)
+        for b in run.faults[i + 1 :]
+        if any(a.active(s) and b.active(s) for s in range(a.start, a.start + a.steps))
+    )
+    report.figures["overlapping_fault_pairs"] = overlaps
+    report.checks.append(
+        Check(
+            "every fault took effect and the status named it",
+            not problems and overlaps > 0,
+            "; ".join(problems)
+            or f"{len(run.faults)} faults, {overlaps} overlapping pairs; the corrupted object "
+            f"named in {len(named)} statuses, the full volume in {len(full)}",
+        )
+    )
+
+
+def _words(status: dict[str, Any]) -> str:
+    return " ".join(str(status.get(k) or "") for k in ("reason", "last_error", "events")).lower()

@@ -1,0 +1,35 @@
+"""The soak's short form (issue 36): 60 steps published by a trainer process to a real SeaweedFS,
+three replicas (loader + reference engine processes) following it, retention after every
+publish, and at least one of each fault in scope, overlapping: loader and engine SIGKILL, the
+object store stopped and started again, a loader's volume full, an object corrupted in the
+bucket, the trainer killed mid-publish. The same code as `benchmarks/soak.py` (the 300-step
+form); every check must be met. No timing is asserted (the machine is shared)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from support.soak import SoakConfig, run_soak
+from support.soak_checks import evaluate
+from support.soak_faults import KINDS
+
+
+def test_a_short_soak_meets_every_check(tmp_path: Path) -> None:
+    cfg = SoakConfig(
+        root=tmp_path / "soak",
+        steps=60,
+        seed=0,
+        replicas=3,
+        full_every=25,
+        outage_seconds=8.0,
+        idle_seconds=10.0,
+        spot_check_rate=0.2,
+    )
+    run = run_soak(cfg)
+    assert {f.kind for f in run.faults} == set(KINDS)
+    report = evaluate(run)
+    # A miss with a known cause (a product bug named in RESULTS-soak.md) is reported, not
+    # failed on; any other miss fails.
+    missed = "\n".join(f"- {c.name}: {c.detail}" for c in report.unexplained())
+    log = "\n".join(run.fault_log)
+    assert not missed, f"soak checks missed:\n{missed}\nfaults:\n{log}"
