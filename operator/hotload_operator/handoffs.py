@@ -42,6 +42,8 @@ class HandoffWriter:
     _written: dict[Key, Handoff] = field(default_factory=dict)
     #: Per deployment: why the API server refused the last write (until one succeeds).
     _refused: dict[Key, Cause] = field(default_factory=dict)
+    #: Deployments whose last write failed otherwise (an API outage), warned about once.
+    _failing: set[Key] = field(default_factory=set)
 
     def due(self, key: Key, handoff: Handoff) -> bool:
         """Whether `handoff` must be written for deployment `key`: it hands over something
@@ -74,12 +76,17 @@ class HandoffWriter:
             log.debug("%s/%s: head handoff not written: %s", *key, err)
             return False
         except KubeError as err:
-            log.debug("%s/%s: head handoff not written (retried): %s", *key, err)
+            if key not in self._failing:  # once, until a write passes again
+                log.warning("%s/%s: head handoff not written (tried every poll): %s", *key, err)
+            self._failing.add(key)
             return False
         self._written[key] = handoff
-        if self._refused.pop(key, None) is not None:
-            log.info("%s/%s: head handoff %s written again", *key, body["metadata"]["name"])
-            self.ctx.rollups.request(key, 0)
+        refused = self._refused.pop(key, None) is not None
+        if refused or key in self._failing:
+            self._failing.discard(key)
+            log.info("%s/%s: head handoff written again", *key)
+        if refused:
+            self.ctx.rollups.request(key, 0)  # the problem clears
         return True
 
     def problem(self, key: Key) -> Cause | None:
@@ -88,9 +95,10 @@ class HandoffWriter:
 
     def forget(self, keep: set[Key]) -> None:
         """Drop what is remembered of deployments not in `keep` (gone)."""
-        for key in [k for k in self._written if k not in keep]:
-            del self._written[key]
+        for key in [k for k in {*self._written, *self._failing} if k not in keep]:
+            self._written.pop(key, None)
             self._refused.pop(key, None)
+            self._failing.discard(key)
 
     def _refuse(self, key: Key, err: KubeError) -> None:
         name = head_object_name(key[1])
