@@ -27,7 +27,7 @@ from hotload.api.names import API_VERSION, HEAD_PLURAL
 from hotload.bucket import Bucket, open_bucket
 from hotload.errors import KubeForbiddenError
 from hotload.kube import KubeClient, resource_path
-from hotload.ledger import Ledger
+from hotload.ledger import Ledger, NewEntry
 from hotload.ledger.handoff import Handoff
 from hotload.ledger.hints import Hint, write_hint_async
 from hotload.ledger.ledger import ledger_key
@@ -196,6 +196,27 @@ async def test_a_trainers_append_is_handed_over_with_its_folder_listing(
             return now if now is not None and now.pin == step(0) else None
 
         await eventually("spec.pin handed over", pinned, timeout=30)
+
+
+@pytest.mark.asyncio
+async def test_a_folder_that_cannot_be_listed_is_left_out(
+    kube_api: KubeAPI,
+    s3_bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An entry whose folder the operator cannot LIST (no files at the origin: nothing to hand
+    over) is handed over without a listing, its loaders list it themselves; the listings it
+    could take stay."""
+    async with fleet(kube_api, s3_bucket, tmp_path, monkeypatch) as f:
+        ghost = NewEntry("ghost", "full", "sha256:" + "ab" * 32, 1, 1)
+        await Ledger(f.bucket, "fleet").append_async(ghost)
+        handoff = await until_head(f.kube, f.ns, "ghost")
+        assert set(handoff.files) == {step(0)}
+        # Still so at the next polls (one LIST per heartbeat at most, never a made-up listing).
+        await asyncio.sleep(4)
+        later = await handed(f.kube, f.ns)
+        assert later is not None and set(later.files) == {step(0)}
 
 
 @pytest.mark.asyncio
