@@ -443,8 +443,8 @@ class Problem(ApiModel):
 
 
 class LedgerHead(ApiModel):
-    """The ledger head as the operator last read it at the origin, handed to the loaders (one
-    watcher per cluster: a loader reads the ledger itself only when this moves)."""
+    """The ledger head as the operator last read it at the origin (one watcher per cluster); the
+    loaders take it, with the ledger's newest entries, from the deployment's HotLoadHead."""
 
     identity: Identity | None = Field(
         default=None, description="The head's snapshot (absent: nothing admitted yet)."
@@ -508,7 +508,8 @@ class HotLoadDeploymentStatus(ApiModel):
     )
     ledger_head: LedgerHead | None = Field(
         default=None,
-        description="The ledger head the operator read at the origin, for the loaders.",
+        description="The ledger head the operator read at the origin, as handed to the loaders "
+        "(in full in the HotLoadHead of the same name: `kubectl get hlhead`).",
     )
     problems: list[Problem] = Field(
         default_factory=list,
