@@ -96,10 +96,11 @@ MODULES: tuple[Module, ...] = (
         ("tests/test_arc_codec.py", "tests/test_arc_native.py"),
         "forkserver",
     ),
+    # test_arc_patch.py reads dense and raw chunks' changes without their parent.
     Module(
         "arc-chunk",
         "hotload/arc/chunk.py",
-        ("tests/test_arc_codec.py", "tests/test_arc_native.py"),
+        ("tests/test_arc_codec.py", "tests/test_arc_native.py", "tests/test_arc_patch.py"),
         "forkserver",
     ),
 )
