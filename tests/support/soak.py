@@ -698,6 +698,8 @@ def run_soak(cfg: SoakConfig) -> SoakRun:
             soak.tick()
         soak.converge()
         time.sleep(2.0)  # the clients see the head too
+        if soak.clients is not None:
+            soak.clients.stop()  # idle means no requests either
         soak.idle_cpu()
     finally:
         soak.stop()

@@ -8,11 +8,12 @@ published, the sizes the ledger holds) and the soak's configuration, never from 
 from __future__ import annotations
 
 import itertools
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from support.soak import SoakRun
+from support.soak import Sample, SoakRun
 
 #: Per process: the last window's median may exceed the first's by this much at most.
 GROWTH = 0.10
@@ -37,6 +38,24 @@ LOADER_GROWS = (
     "a corrupted delta made it fall back and rebuild again and again; the bucket client's HTTP "
     "pool has no per-host cap and keeps idle connections (hotload/bucket/stores.py "
     "`_client_options` sets no pool limits). What holds the memory is not established yet"
+)
+CHECKSUMS_RACE = (
+    "GET /hotload/v1/checksums answered a snapshot's identity with the previous step's weights: "
+    "the tensors that differ are exactly those the claimed step changed. The engine reads "
+    "`scheduler.served` after the digests, not in the same pause (hotload/engine/engine.py "
+    "`weight_checksums`), so a patch landing in between pairs them wrongly; completions name "
+    "the snapshot at their own step, and the final comparison (no load under way) matched"
+)
+STATUS_LAGS = (
+    "the loader had begun the next step (its download or staging folder there) while its "
+    "status still said idle and current on the step before: the status shows an update a "
+    "moment after it starts; nothing was left behind (every other look while idle found "
+    "staging empty)"
+)
+FAILED_KEEPS = (
+    "after a failed update (a corrupted delta, a full volume) the loader keeps the snapshots "
+    "it rebuilt on the way and the one its engine booted from until a later load succeeds and "
+    "its gc runs: up to 5 full snapshots on the volume for a while (seen in the short form)"
 )
 #: Words a loader status uses when a fault stopped an update.
 CORRUPT_WORDS = ("checksum", "crc", "corrupt", "mismatch", "verif")
@@ -178,7 +197,22 @@ def _monotonic(run: SoakRun, report: Report) -> None:
 
 def _spot(run: SoakRun, report: Report) -> None:
     compared = [c for c in run.spot_checks if c.error is None]
-    bad = [c for c in run.spot_checks if c.mismatched or (c.error and "never" in c.error)]
+    by_identity = {p.identity: p for p in run.published.values()}
+    raced, bad = [], []
+    for c in run.spot_checks:
+        if not c.mismatched and not (c.error and "never" in c.error):
+            continue
+        now = by_identity.get(c.identity or "")
+        before = run.published.get(now.step - 1) if now is not None else None
+        changed = (
+            sorted(k for k, v in now.sha256.items() if before.sha256.get(k) != v)
+            if now is not None and before is not None
+            else None
+        )
+        what = f"step {c.step} {c.replica} {c.identity}: {c.error or c.mismatched}"
+        # Exactly the tensors its step changed differ: the answer paired the new identity with
+        # the previous step's weights.
+        (raced if changed is not None and c.mismatched == changed else bad).append(what)
     report.figures["spot_checks"] = [
         {"step": c.step, "replica": c.replica, "identity": c.identity, "error": c.error}
         for c in run.spot_checks
@@ -186,16 +220,13 @@ def _spot(run: SoakRun, report: Report) -> None:
     report.checks.append(
         Check(
             "weights spot-checked against the trainer's at random steps",
-            bool(compared) and not bad,
-            (
-                f"{len(compared)} checks matched every tensor "
-                f"({len(run.spot_checks) - len(compared)} skipped: engine not answering)"
-            )
-            if not bad
-            else "; ".join(
-                f"step {c.step} {c.replica} {c.identity}: {c.error or c.mismatched[:3]}"
-                for c in bad
+            bool(compared) and not bad and not raced,
+            "; ".join(bad + raced)
+            + (
+                f" ({len(compared)} checks, {len(run.spot_checks) - len(compared)} skipped: "
+                "engine not answering)"
             ),
+            CHECKSUMS_RACE if raced and not bad else None,
         )
     )
 
@@ -304,6 +335,7 @@ def _volume(run: SoakRun, report: Report) -> None:
     worst: dict[str, float] = {}
     bad: list[str] = []
     early_only: list[str] = []
+    after_failure: list[str] = []
     moments = 0
     over_before: set[str] = set()
     for s in run.samples:
@@ -334,7 +366,12 @@ def _volume(run: SoakRun, report: Report) -> None:
                 f"({s.early.get(name, 0) / full:.2f} under .hotload/early) > bound "
                 f"{bound / full:.2f}"
             )
-            (early_only if used - s.early.get(name, 0) <= bound else bad).append(what)
+            if used - s.early.get(name, 0) <= bound:
+                early_only.append(what)
+            elif _failed_lately(run, s.step, name):
+                after_failure.append(what)
+            else:
+                bad.append(what)
         over_before = over_now
     report.figures["volume_max_in_fulls"] = {k: round(v, 2) for k, v in worst.items()}
     report.figures["volume_max_any_sample_in_fulls"] = {
@@ -345,31 +382,70 @@ def _volume(run: SoakRun, report: Report) -> None:
         Check(
             "loader volume bounded (two full snapshots plus the deltas since the fold, at any "
             "two looks in a row while idle)",
-            not bad and not early_only and bool(worst),
-            "; ".join((bad + early_only)[:4])
-            + (f" ({len(bad + early_only)} samples over)" if bad or early_only else "")
+            not bad and not early_only and not after_failure and bool(worst),
+            "; ".join((bad + after_failure + early_only)[:4])
+            + (
+                f" ({len(bad)} unexplained, {len(after_failure)} after a failed update, "
+                f"{len(early_only)} by early fetch)"
+                if bad or early_only or after_failure
+                else ""
+            )
             or f"largest idle volume {max(worst.values()):.2f} full snapshots; over the bound "
             f"at {moments} single look(s), never at two in a row",
-            EARLY_KEEPS_ALL if early_only and not bad else None,
+            (
+                "; ".join(
+                    c
+                    for c, seen in ((EARLY_KEEPS_ALL, early_only), (FAILED_KEEPS, after_failure))
+                    if seen
+                )
+                or None
+            )
+            if not bad
+            else None,
         )
     )
+
+
+def _settled(s: Sample, name: str) -> bool:
+    """Whether `name` looked idle on its target (not merely idle before noticing a new one)."""
+    doc = s.status.get(name) or {}
+    return name in s.staging_idle and doc.get("identity") == doc.get("target_identity")
+
+
+def _failed_lately(run: SoakRun, step: int, name: str) -> bool:
+    """Whether `name`'s loader reported a failed update in the 10 looks up to `step`."""
+    recent = [s for s in run.samples if step - 10 <= s.step <= step]
+    return any((s.status.get(name) or {}).get("last_error") for s in recent)
 
 
 def _staging(run: SoakRun, report: Report) -> None:
-    looked = sum(len(s.staging_idle) for s in run.samples)
-    left = [
-        f"{name} at step {s.step}: {entries}"
-        for s in run.samples
-        for name, entries in s.staging_idle.items()
-        if entries
-    ]
+    looked = sum(1 for s in run.samples for name in s.staging_idle if _settled(s, name))
+    left, ahead = [], []
+    for s in run.samples:
+        for name, entries in s.staging_idle.items():
+            if not entries or not _settled(s, name):
+                continue
+            served = _step_of(str((s.status.get(name) or {}).get("identity")))
+            what = f"{name} at step {s.step} (serving step {served}): {entries}"
+            # Work on a newer step is an update under way that the status does not show yet;
+            # anything else was left behind.
+            newer = all(_step_of(e) > served for e in entries)
+            (ahead if newer else left).append(what)
     report.checks.append(
         Check(
             "staging empty between updates",
-            looked > 0 and not left,
-            "; ".join(left[:5]) or f"{looked} looks while idle, staging and downloads empty",
+            looked > 0 and not left and not ahead,
+            "; ".join((left + ahead)[:5])
+            + (f" ({len(left + ahead)} of {looked} looks)" if left or ahead else "")
+            or f"{looked} looks while idle on the target, staging and downloads empty",
+            STATUS_LAGS if ahead and not left else None,
         )
     )
+
+
+def _step_of(name: str) -> int:
+    found = re.search(r"step-(\d+)", name)
+    return int(found.group(1)) if found else -1
 
 
 def _bucket(run: SoakRun, report: Report) -> None:
