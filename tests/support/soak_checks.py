@@ -198,7 +198,8 @@ def _monotonic(run: SoakRun, report: Report) -> None:
 def _spot(run: SoakRun, report: Report) -> None:
     compared = [c for c in run.spot_checks if c.error is None]
     by_identity = {p.identity: p for p in run.published.values()}
-    raced, bad = [], []
+    raced: list[str] = []
+    bad: list[str] = []
     for c in run.spot_checks:
         if not c.mismatched and not (c.error and "never" in c.error):
             continue
@@ -420,7 +421,8 @@ def _failed_lately(run: SoakRun, step: int, name: str) -> bool:
 
 def _staging(run: SoakRun, report: Report) -> None:
     looked = sum(1 for s in run.samples for name in s.staging_idle if _settled(s, name))
-    left, ahead = [], []
+    left: list[str] = []
+    ahead: list[str] = []
     for s in run.samples:
         for name, entries in s.staging_idle.items():
             if not entries or not _settled(s, name):
