@@ -9,7 +9,7 @@ and its replicas (the loader `python -m hotload_sidecar` + the reference engine 
 default poll settings), one ledger. With the real API server (../shared/k8s, the default) each
 region is also a namespace with its own operator process standing in for its cluster: the
 replicas are its HotLoadDeployment's pods, report on them and learn the head from the
-operator's `status.ledgerHead` (the handoff); `--no-cluster` runs the loaders alone (they poll).
+operator's handoff (the deployment's HotLoadHead); `--no-cluster` runs the loaders alone (they poll).
 
 Per replica count per region: a new fleet's first full snapshot (`cold`: the engines start on
 it), a delta, then a full snapshot hot-loaded into the running fleet; per update the origin's

@@ -1,6 +1,6 @@
 """Benchmark: publish -> serving and the idle origin load, loaders polling the origin themselves
 (every 2 s, as before issue 35) against the head handoff (the operator reads the ledger every
-2 s and hands the head over in status.ledgerHead; the loaders watch it).
+2 s and hands it over in the deployment's HotLoadHead; the loaders watch that object).
 
 Set-up: the real control plane of `../shared/k8s` (started for the run), the CRDs, one namespace
 per mode. The trainer publishes into a folder bucket without Snapshot objects (so neither mode
