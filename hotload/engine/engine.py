@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from hotload._extras import needs_extra
 from hotload.engine.config import EngineConfig
@@ -400,8 +400,15 @@ class Engine:
         scheduler, patches = self.scheduler, self.patches
         if scheduler is None or patches is None:
             raise ApiError(503, "not_ready", "the engine is still loading its initial weights")
-        digests = await asyncio.wrap_future(scheduler.between_steps(patches.checksums))
-        served = scheduler.served
+
+        def read() -> tuple[Any, Any]:
+            # The identity with the digests, in the same pause: read after the await, a swap
+            # between the two could name snapshot N beside N-1's weights (the soak saw it).
+            return patches.checksums(), scheduler.served
+
+        digests, served = cast(
+            "tuple[Any, Any]", await asyncio.wrap_future(scheduler.between_steps(read))
+        )
         return {
             "identity": served.identity,
             "sequence": served.sequence,
