@@ -27,12 +27,14 @@ from typing import Any
 
 import pytest
 
+from hotload.api.models import HotLoadDeployment
 from hotload.api.names import head_object_name
 from hotload.bucket import Bucket, MirroredBucket, open_bucket
 from hotload.kube import KubeClient, KubeConfig, resource_path
 from hotload.ledger import Ledger, LedgerDocument, LedgerEntry
 from hotload.ledger.handoff import Handoff, build_handoff
 from hotload.ledger.hints import Hint, hints_prefix, write_hint_async
+from hotload_operator.meta import pin_object_key
 from hotload_sidecar.config import ConfigError, load_settings
 from hotload_sidecar.head_watch import HeadWatch, OriginReads
 from hotload_sidecar.loader import Loader
@@ -147,7 +149,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyLLM:
 
 @contextlib.asynccontextmanager
 async def following_loader(
-    kube_api: KubeAPI, tiny: TinyLLM, root: Path, ledger_url: str, pod: str
+    kube_api: KubeAPI,
+    tiny: TinyLLM,
+    root: Path,
+    ledger_url: str,
+    pod: str,
+    *,
+    pin_object: str | None = None,
 ) -> AsyncIterator[tuple[Loader, LocalReporter, Bucket]]:
     """A loader (and its reference engine) following `ledger_url` with the head handoff of
     deployment `fleet`, watching it as the loader's service account bound to `pod`; its own
@@ -164,6 +172,7 @@ async def following_loader(
         poll_seconds=0.2,
         safety_poll_seconds=SAFETY,
         head_stale_seconds=STALE,
+        pin_object=pin_object,
     ) as (loader, reporter):
         bucket = loader.ledger.bucket
         assert isinstance(bucket, MirroredBucket)  # as app.build_loader opens it
@@ -227,12 +236,20 @@ async def test_loaders_follow_the_operators_head_and_poll_the_origin_once_it_is_
             )
             await eventually("the loader's Role", partial(_get, kube, role))
             pods = await play_deployment_controller(kube, ns, "fleet")
+            # The pin object the operator writes for this deployment (as its pods' env says).
+            fleet = HotLoadDeployment.model_validate(await kube.get(hld_path(ns, "fleet")))
+            pin_object = pin_object_key(fleet)
             watching = asyncio.create_task(head_changes(kube, hld_path(ns, "fleet"), seen))
             async with contextlib.AsyncExitStack() as stack:
                 replicas = [
                     await stack.enter_async_context(
                         following_loader(
-                            kube_api, tiny, tmp_path / pod, f"file://{bucket_dir}/fleet", pod
+                            kube_api,
+                            tiny,
+                            tmp_path / pod,
+                            f"file://{bucket_dir}/fleet",
+                            pod,
+                            pin_object=pin_object,
                         )
                     )
                     for pod in pods
@@ -276,6 +293,24 @@ async def test_loaders_follow_the_operators_head_and_poll_the_origin_once_it_is_
                 await until("the last ledgerHead seen", lambda: seen[-1]["identity"] == "step-001")
                 # One ledgerHead per head: step-000, then step-001, nothing between.
                 assert [h["identity"] for h in seen] == ["step-000", "step-001"], seen
+
+                # A pin, handed over too: the loaders read the pin object at the origin (never
+                # the ledger) and go back to the pinned snapshot; unpinned, to the head.
+                mark = calls.mark()
+                await kube.patch(hld_path(ns, "fleet"), {"spec": {"pin": "step-000"}}, "merge")
+                await until(
+                    "both loaders serving the pinned step-000",
+                    lambda: all(r.status.identity == "step-000" for _, r, _ in replicas),
+                )
+                for _, _, bucket in replicas:
+                    keys = [key for _, key in calls.since(mark, of=[bucket])]
+                    assert pin_object in keys, keys
+                    assert not [k for k in keys if k.startswith(".hotload/ledgers")], keys
+                await kube.patch(hld_path(ns, "fleet"), {"spec": {"pin": None}}, "merge")
+                await until(
+                    "both loaders back on the head, step-001",
+                    lambda: all(r.status.identity == "step-001" for _, r, _ in replicas),
+                )
 
                 # The operator gone: the loaders' own slow poll takes over.
                 await asyncio.to_thread(operator.stop)
