@@ -23,8 +23,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from hotload.api.models import HotLoadDeployment, Snapshot
-from hotload.api.names import API_VERSION, DEPLOYMENT_KIND, SNAPSHOT_KIND
+from hotload.api.models import HotLoadDeployment, HotLoadHead, Snapshot
+from hotload.api.names import API_VERSION, DEPLOYMENT_KIND, HEAD_KIND, SNAPSHOT_KIND
 from hotload.kube import KubeClient, resource_path
 from hotload_operator.builders import build_children
 from hotload_operator.leader import LeaseSettings
@@ -71,7 +71,8 @@ from support.seaweedfs import SeaweedFS
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 K8S_VERSION = "1.37"
-MODELS = {DEPLOYMENT_KIND: HotLoadDeployment, SNAPSHOT_KIND: Snapshot}
+# Every kind with a CRD (a HotLoadHead is written by the operator only: no example holds one).
+MODELS = {DEPLOYMENT_KIND: HotLoadDeployment, SNAPSHOT_KIND: Snapshot, HEAD_KIND: HotLoadHead}
 # Kinds from other projects' CRDs that examples may use: no schema here, so each is named, and
 # checked for the fields hotload relies on in test_third_party_objects_point_at_hotload_pods.
 THIRD_PARTY = set(THIRD_PARTY_CRDS)
