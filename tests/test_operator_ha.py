@@ -129,7 +129,9 @@ async def test_the_standby_takes_over_when_the_leader_is_killed_mid_burst(
             # Never two writers: every write of op-a ended before op-b's first began.
             first_b = audit.seconds(by_b[0])
             assert max(audit.seconds(e, "stageTimestamp") for e in by_a) < first_b
-            assert not [e for e in by_a if audit.seconds(e) > killed_at]
+            # Nothing sent after the kill: a request already in the socket when SIGKILL landed
+            # may still be received (and audited) a moment later, never a second after.
+            assert not [e for e in by_a if audit.seconds(e) > killed_at + 1.0]
             # op-b took the Lease once it expired: not before, and within its duration of the
             # expiry. The standby counts the lease from when it saw the last renewal and then
             # retries every RETRY s, both late on a loaded machine (11-14 s seen at load 7 for
@@ -193,7 +195,12 @@ async def test_a_burst_is_one_status_write_and_nothing_unchanged_is_written_agai
     await upload(bucket, full(tmp_path / "snaps" / "step-0", weights(0)))
     async with api.client() as kube:
         await install_crds(kube)
-        async with running_operator(api, rollup_interval=0.5, rollup_window=1.0) as op:
+        # No head handoff: its heartbeat (status.ledgerHead's checkedTime, every 30 s) is a
+        # write by design and would land in the window below at random (test_head_handoff.py
+        # and test_operator_head_object.py count the handoff's writes).
+        async with running_operator(
+            api, rollup_interval=0.5, rollup_window=1.0, head_poll_seconds=0.0
+        ) as op:
             ready_at = time.time()
             await kube.create(hld_path(ns), hld_body("fleet", bucket, 8))
             pods = await _pods(kube, ns, "fleet")
