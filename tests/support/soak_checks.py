@@ -420,16 +420,25 @@ def _staging(run: SoakRun, report: Report) -> None:
     looked = sum(1 for s in run.samples for name in s.staging_idle if _settled(s, name))
     left: list[str] = []
     ahead: list[str] = []
+    #: Per replica, the entries of its previous settled look: an entry is left behind only when
+    #: it is still there at the next one (a look can fall between an update's switch and the
+    #: removal of its scratch folder a moment later, as the volume check allows two looks).
+    before: dict[str, set[str]] = {}
     for s in run.samples:
         for name, entries in s.staging_idle.items():
-            if not entries or not _settled(s, name):
+            if not _settled(s, name):
+                continue
+            seen, before[name] = before.get(name, set()), set(entries)
+            if not entries:
                 continue
             served = _step_of(str((s.status.get(name) or {}).get("identity")))
             what = f"{name} at step {s.step} (serving step {served}): {entries}"
             # Work on a newer step is an update under way that the status does not show yet;
-            # anything else was left behind.
-            newer = all(_step_of(e) > served for e in entries)
-            (ahead if newer else left).append(what)
+            # anything else still there a look later was left behind.
+            if all(_step_of(e) > served for e in entries):
+                ahead.append(what)
+            elif any(e in seen and _step_of(e) <= served for e in entries):
+                left.append(what)
     report.checks.append(
         Check(
             "staging empty between updates",
