@@ -181,19 +181,28 @@ class SeaweedFS:
             log.close()
         self._wait_ready()
 
-    def _wait_ready(self) -> None:
-        import obstore
+    def store(self, *, timeout: str = "20s", retries: int | None = None) -> Any:
+        """A raw obstore `S3Store` on the test bucket (no hotload in between: for tests that
+        must read or damage what is stored behind hotload's back)."""
         from obstore.store import S3Store
 
-        store = S3Store(
+        extra: dict[str, Any] = {}
+        if retries is not None:
+            extra["retry_config"] = {"max_retries": retries}
+        return S3Store(
             BUCKET,
             endpoint=self.endpoint,
             region="us-east-1",
             access_key_id=ACCESS_KEY,
             secret_access_key=SECRET_KEY,
-            client_options={"allow_http": True, "timeout": "5s"},
-            retry_config={"max_retries": 0},
+            client_options={"allow_http": True, "timeout": timeout},
+            **extra,
         )
+
+    def _wait_ready(self) -> None:
+        import obstore
+
+        store = self.store(timeout="5s", retries=0)
         deadline = time.monotonic() + START_TIMEOUT
         error: Exception | None = None
         while time.monotonic() < deadline:

@@ -29,7 +29,7 @@ from typing import Any
 
 from support.fleet import PROMPT_IDS, Replica, http_json
 from support.paths import REPO
-from support.seaweedfs import BUCKET, SeaweedFS
+from support.seaweedfs import SeaweedFS
 from support.soak_faults import Fault, schedule
 from support.soak_trainer import identity as step_identity
 
@@ -334,7 +334,7 @@ class Soak:
         self.run.base_bytes = model.nbytes
         self.seaweed = SeaweedFS.start(root / "seaweed")
         self.seaweed_up.set()
-        self.store = _store(self.seaweed)
+        self.store = self.seaweed.store(timeout="20s")
         env = {**os.environ, **self.seaweed.env, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         url = self.seaweed.url(self.prefix)
         self.trainer = TrainerProcess(
@@ -648,21 +648,6 @@ class Soak:
                         "identity": str(body.get("identity")),
                         **{f"sha:{k}": str(v) for k, v in (body.get("checksums") or {}).items()},
                     }
-
-
-def _store(seaweed: SeaweedFS) -> Any:
-    from obstore.store import S3Store
-
-    from support.seaweedfs import ACCESS_KEY, SECRET_KEY
-
-    return S3Store(
-        BUCKET,
-        endpoint=seaweed.endpoint,
-        region="us-east-1",
-        access_key_id=ACCESS_KEY,
-        secret_access_key=SECRET_KEY,
-        client_options={"allow_http": True, "timeout": "20s"},
-    )
 
 
 def run_soak(cfg: SoakConfig) -> SoakRun:
