@@ -15,6 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from hotload_operator import heads, retention
 from hotload_operator.builders import build_children, build_loader_rbac
 from hotload_operator.meta import LOADER_PORT
 from hotload_operator.policy import build_loader_admission_policy
@@ -724,6 +725,19 @@ def test_operator_reads_every_variable_the_chart_sets(scenarios: dict[str, list[
         for entry in operator_container(scenarios[name])["env"]:
             variable = entry["name"]
             assert f'"{variable}"' in source, f"the operator never reads {variable}"
+
+
+def test_the_operators_gc_and_head_periods_follow_values(
+    helm_cli: Helm, tmp_path: Path, scenarios: dict[str, list[JSON]]
+) -> None:
+    # Unset, the chart passes the operator's own defaults (docs/operations.md: a gc every
+    # 10 min, the head read every 2 s); set, the values.
+    default = env_of(operator_container(scenarios["default"]))
+    assert float(default["HOTLOAD_GC_INTERVAL"]) == retention.GC_INTERVAL
+    assert float(default["HOTLOAD_HEAD_POLL_SECONDS"]) == heads.HEAD_POLL_SECONDS
+    objs = render(helm_cli, tmp_path, {"operator": {"gcIntervalSeconds": 90, "headPollSeconds": 0}})
+    env = env_of(operator_container(objs))
+    assert (env["HOTLOAD_GC_INTERVAL"], env["HOTLOAD_HEAD_POLL_SECONDS"]) == ("90", "0")
 
 
 def test_images_default_to_the_app_version_and_follow_values(
