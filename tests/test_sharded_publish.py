@@ -296,6 +296,40 @@ def test_a_failing_rank_stops_the_commit_on_every_rank_and_the_retry_publishes(
     ]
 
 
+def _retaining_rank(rank: int, bucket_url: str, out: str) -> None:
+    """Both ranks publish steps 0-4 with a full snapshot every 2 and `retain=1`."""
+    with _group(rank, out):
+        model = _sharded_model()
+        pub = sharded.ShardedPublisher(
+            bucket_url,
+            ledger="policy",
+            config=CONFIG,
+            workdir=f"{out}/work",
+            threads=1,
+            full_every=2,
+            retain=1,
+        )
+        for step in range(5):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01)  # a new policy each step
+            pub.publish(model, step=step)
+        pub.close()
+
+
+@pytest.mark.slow
+def test_retain_deletes_what_the_newest_full_snapshot_made_unneeded(tmp_path: Path) -> None:
+    bucket_url = str(tmp_path / "bucket")
+    _spawn(_retaining_rank, tmp_path, bucket_url, str(tmp_path))
+    # Steps 0 (full), 1 (delta), 2 (full), 3 (delta), 4 (full). With retain=1, after step 4 only
+    # the chain of the newest full snapshot and the last entry are needed: step 4 alone. Steps
+    # 0-1 were unneeded from step 2 on, 2-3 from step 4 on.
+    folders = {p.name for p in (tmp_path / "bucket").iterdir() if p.name.startswith("step-")}
+    assert folders == {"step-00000004"}
+    document = Ledger(open_bucket(bucket_url), "policy").read().document
+    assert document.head is not None and document.head.identity == "step-00000004"
+
+
 def test_every_rank_computes_the_same_layer_pure_balanced_plan() -> None:
     tensors: list[tuple[str, tuple[int, ...], str]] = [
         ("model.embed_tokens.weight", (64, 32), "BF16")

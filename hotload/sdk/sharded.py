@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from hotload.bucket import run_sync
 from hotload.bucket.transfer import snapshot_present_async
 from hotload.errors import ObjectExistsError
 from hotload.ledger import LedgerEntry, NewEntry, PromptCachePolicy
+from hotload.ledger.retention import DEFAULT_ORPHAN_AGE
 from hotload.sdk.core import PublisherCore, check_target
 from hotload.sdk.gather import (
     Held,
@@ -122,6 +124,8 @@ class ShardedPublisher(PublisherCore):
     the same `step`. `ledger` appends directly (no cluster); `deployment` creates a `Snapshot`
     object for the operator, as `Publisher` does. `rank` and `world_size` default to the
     group's; `config` or `side_files_from` provide config.json (and tokenizer files) on rank 0.
+    `retain=N`: after each committed step rank 0 deletes the snapshot folders nothing needs any
+    more, as `Publisher(retain=N)` does.
     """
 
     def __init__(
@@ -146,6 +150,8 @@ class ShardedPublisher(PublisherCore):
         threads: int | None = None,
         progress: Callable[[int], None] | None = None,
         accept_timeout: float = 300.0,
+        retain: int | None = None,
+        retain_orphan_age: timedelta = DEFAULT_ORPHAN_AGE,
     ) -> None:
         import torch.distributed as dist
 
@@ -174,6 +180,8 @@ class ShardedPublisher(PublisherCore):
             credentials_dir=credentials_dir,
             identity_format=identity_format,
             accept_timeout=accept_timeout,
+            retain=retain,
+            retain_orphan_age=retain_orphan_age,
         )
         self.cast = cast
         self.side_files_from = Path(side_files_from) if side_files_from is not None else None
@@ -490,6 +498,8 @@ class ShardedPublisher(PublisherCore):
                 await self.cluster.wait_accepted(ident, self.accept_timeout)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+        # Rank 0 alone, once the snapshot is committed: a gc never fails the publish.
+        await self.retain_async()
         return {
             "ok": True,
             "entry": entry,
