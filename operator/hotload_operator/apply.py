@@ -9,7 +9,6 @@ import hashlib
 import json
 import logging
 import os
-import time
 from typing import Any
 
 from hotload.api.models import HotLoadDeployment
@@ -18,7 +17,8 @@ from hotload.errors import KubeFieldConflictError, KubeInvalidError, KubeNotFoun
 from hotload.kube import resource_path
 from hotload.ledger import Pin, write_pin_async
 from hotload_operator.builders import build_children
-from hotload_operator.context import Context, SpecProblem
+from hotload_operator.context import Context
+from hotload_operator.memory import SpecProblem
 from hotload_operator.meta import (
     OperatorImages,
     name_of,
@@ -61,7 +61,7 @@ async def apply_children(ctx: Context, hld: HotLoadDeployment) -> list[str]:
     (Degraded=True) until an apply succeeds. Other API errors propagate for a retry."""
     applied = []
     key = (namespace_of(hld), name_of(hld))
-    ctx._applied_at[key] = time.monotonic()
+    ctx.applied.mark(key)
     for obj in build_children(hld, ctx.images):
         api_version, plural = _PLURALS[obj["kind"]]
         meta = obj["metadata"]
@@ -76,7 +76,7 @@ async def apply_children(ctx: Context, hld: HotLoadDeployment) -> list[str]:
             problem = SpecProblem(DeploymentReasons.INVALID_SPEC, message, fix)
             raise _refused(ctx, key, problem) from err
         applied.append(f"{obj['kind']}/{meta['name']}")
-    ctx._problems.pop(key, None)
+    ctx.problems.clear(key)
     ctx.metrics.reconciles.labels("applied").inc()
     return applied
 
@@ -118,15 +118,14 @@ def apply_retry_due(ctx: Context, namespace: str, name: str) -> bool:
     """Whether the deployment's owned objects should be applied again now: another field
     manager held one of their fields at the last attempt, `apply_retry_seconds()` ago or more."""
     key = (namespace, name)
-    problem = ctx._problems.get(key)
+    problem = ctx.problems.get(key)
     if problem is None or problem.reason != DeploymentReasons.APPLY_CONFLICT:
         return False
-    return time.monotonic() - ctx._applied_at.get(key, 0.0) >= apply_retry_seconds()
+    return ctx.applied.due(key, apply_retry_seconds())
 
 
 def _refused(ctx: Context, key: tuple[str, str], problem: SpecProblem) -> ApplyRefusedError:
-    new = ctx._problems.get(key) != problem
-    ctx._problems[key] = problem
+    new = ctx.problems.set(key, problem)
     ctx.metrics.reconciles.labels(problem.reason).inc()
     return ApplyRefusedError(problem, new=new)
 

@@ -29,6 +29,7 @@ from hotload_operator.causes import (
 )
 from hotload_operator.fence import FencedBucket, WriteFence
 from hotload_operator.ledgers import LedgerCache
+from hotload_operator.memory import Deferrals, LastDone, SpecProblems
 from hotload_operator.meta import OperatorImages, namespace_of
 from hotload_operator.retention import RetentionState
 from hotload_operator.workqueue import WorkQueue
@@ -39,17 +40,6 @@ if TYPE_CHECKING:
 
 JSON = dict[str, Any]
 Key = tuple[str, str]
-
-
-@dataclass(frozen=True)
-class SpecProblem:
-    """Why the objects a deployment owns could not be applied (or its pin written): the reason,
-    message and fix of its first problem (`Degraded=True`), and of the Warning Event that
-    announces it."""
-
-    reason: str
-    message: str
-    fix: str = ""
 
 
 @dataclass
@@ -158,16 +148,15 @@ class Context:
     writer: StatusWriter = field(init=False)
     ledgers: LedgerCache = field(init=False)
     events: EventRecorder = field(init=False)
-    _buckets: dict[tuple[str, str, str | None], Bucket] = field(default_factory=dict)
-    #: Per deployment: when (monotonic) it was last rolled up.
-    _rolled_at: dict[Key, float] = field(default_factory=dict)
+    #: Per deployment: when it was last rolled up (a roll-up every `RESYNC_SECONDS` at least).
+    rolled: LastDone = field(default_factory=LastDone)
+    #: Per deployment: when its owned objects were last applied or tried.
+    applied: LastDone = field(default_factory=LastDone)
+    #: Per deployment: why its owned objects could not be applied, until an apply succeeds.
+    problems: SpecProblems = field(default_factory=SpecProblems)
     #: Per Snapshot whose admission waits for its bucket: why (logged once per cause).
-    _deferred: dict[Key, str] = field(default_factory=dict)
-    #: Per deployment: why its owned objects could not be applied, until an apply succeeds;
-    #: the roll-up shows it as Degraded=True with the problem's reason.
-    _problems: dict[tuple[str, str], SpecProblem] = field(default_factory=dict)
-    #: Per deployment: when (monotonic) its owned objects were last applied or tried.
-    _applied_at: dict[tuple[str, str], float] = field(default_factory=dict)
+    deferrals: Deferrals = field(default_factory=Deferrals)
+    _buckets: dict[tuple[str, str, str | None], Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.fence.refused = self.metrics.fenced_writes

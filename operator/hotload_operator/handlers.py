@@ -24,8 +24,9 @@ from hotload.api.names import (
 from hotload.errors import BucketError, KubeError
 from hotload.kube import KubeConfig
 from hotload_operator import apply, meta
-from hotload_operator.context import Context, SpecProblem
+from hotload_operator.context import Context
 from hotload_operator.fence import NotLeadingError, fenced_request_class
+from hotload_operator.memory import SpecProblem
 
 log = logging.getLogger("hotload_operator")
 JSON = dict[str, Any]
@@ -197,7 +198,7 @@ _RETRY_FIX = (
 def _failed(ctx: Context, key: tuple[str, str], reason: str, message: str, fix: str) -> None:
     """Keep a failed apply or pin as the deployment's problem (its status says so) until the
     next success, and roll it up."""
-    ctx._problems[key] = SpecProblem(reason, message, fix)
+    ctx.problems.set(key, SpecProblem(reason, message, fix))
     ctx.rollups.request(key, 0)
 
 

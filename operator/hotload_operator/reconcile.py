@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -87,16 +86,15 @@ async def admit_queued(ctx: Context, namespace: str, name: str) -> None:
     try:
         result = await admit_snapshot(ctx, record.snapshot)
     except AdmissionDeferredError as err:
-        if ctx._deferred.get(key) != str(err):  # said once per cause, not every retry
+        if not ctx.deferrals.note(key, str(err)):  # said once per cause, not every retry
             log.warning("admission of Snapshot %s/%s deferred: %s", namespace, name, err)
-        ctx._deferred[key] = str(err)
         ctx.admissions.request(key, BUCKET_RETRY_SECONDS)
         return
     except (KubeError, BucketError, LedgerError) as err:
         log.warning("admission of Snapshot %s/%s failed, retried: %s", namespace, name, err)
         ctx.admissions.request(key, ADMISSION_BACKOFF_SECONDS)
         return
-    ctx._deferred.pop(key, None)
+    ctx.deferrals.clear(key)
     deployment = (namespace, record.deployment)
     if result.accepted:
         # No Event for a routine admission (one per trainer step per deployment): the
@@ -231,7 +229,7 @@ async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
     if record is None:
         return None
     hld = record.hld
-    ctx._rolled_at[key] = time.monotonic()
+    ctx.rolled.mark(key)
     with ctx.metrics.rollup_seconds.time():
         reports = [r for r in cache.pods_of(key) if not r.deleting]
         named = {i for r in reports for i in (r.identity, r.target) if i}
@@ -245,7 +243,7 @@ async def rollup(ctx: Context, namespace: str, name: str) -> JSON | None:
             DEPLOYMENT_PLURAL, key, record.status, record.resource_version
         )
         causes = workload_causes(cache.workload(key))
-        problem = ctx._problems.get(key)
+        problem = ctx.problems.get(key)
         if problem is not None:
             causes.insert(0, Cause(problem.reason, problem.message, problem.fix))
         gc_problem = ctx.retention.problem(hld)
@@ -332,7 +330,7 @@ async def poll(ctx: Context, namespace: str, name: str) -> None:
         await ctx.respec(record.body)
         return
     moved = await ctx.ledgers.refresh(record.hld, max_age=ctx.ledger_fresh_seconds)
-    if moved or time.monotonic() - ctx._rolled_at.get(key, 0.0) >= RESYNC_SECONDS:
+    if moved or ctx.rolled.due(key, RESYNC_SECONDS):
         ctx.rollups.request(key, 0)
 
 

@@ -221,7 +221,7 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         if new is None:
             ctx.admissions.cancel(key)
             ctx.writer.forget(SNAPSHOT_PLURAL, key)
-            ctx._deferred.pop(key, None)
+            ctx.deferrals.clear(key)
             return
         if not reconcile.is_decided(new.status):
             ctx.admissions.request(key, 0)
