@@ -147,7 +147,8 @@ def decode_shard(
                     # is raised only after every parent checksum was compared (wrong parent first).
                     exc.shard, exc.tensor = exc.shard or shard, exc.tensor or info.name
                     parent_sum = base if base is not None else adler32(old)
-                    return ChunkResult(parent_sum, None, 0, exc)
+                    # Kept without its traceback, whose frames hold views into both files' maps.
+                    return ChunkResult(parent_sum, None, 0, exc.with_traceback(None))
                 if out_fd is not None and not res.written:
                     if res.dense is not None:
                         pwrite_all(out_fd, res.dense, out_off)
@@ -199,6 +200,9 @@ def stored_chunk(
     # moves every later position, which keeps the bytes' sums.
     want = parse_checksum(meta.get("crc32"), shard=shard, tensor=info.name)
     if crc32(data) != want:
+        # The error's traceback keeps this frame: a live view would pin the map (and its file
+        # descriptor) until the garbage collector found the cycle, one more per failed rebuild.
+        data.release()
         raise CorruptDeltaError(
             f"elements {s}..{e}: stored bytes fail their CRC-32 (corrupted payload)",
             shard=shard,

@@ -153,5 +153,18 @@ def _s3_store(location: BucketURL, settings: StoreSettings, policy: RetryPolicy)
     return S3Store(location.bucket, **common)
 
 
+#: Idle connections kept per host, and for how long: without a cap the HTTP pool keeps every
+#: connection a burst of parallel ranged reads opened (reqwest keeps them 90 s, uncapped), so a
+#: long-running loader's sockets follow its busiest moment instead of its steady state.
+POOL_MAX_IDLE_PER_HOST = 16
+POOL_IDLE_TIMEOUT = "20s"
+
+
 def _client_options(allow_http: bool) -> ClientConfig:
-    return {"allow_http": allow_http, "connect_timeout": "5s", "timeout": "120s"}
+    return {
+        "allow_http": allow_http,
+        "connect_timeout": "5s",
+        "timeout": "120s",
+        "pool_max_idle_per_host": str(POOL_MAX_IDLE_PER_HOST),
+        "pool_idle_timeout": POOL_IDLE_TIMEOUT,
+    }

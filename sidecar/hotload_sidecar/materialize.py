@@ -21,8 +21,10 @@ parent as the ledger entry) is neither fetched nor rebuilt again: it is only com
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +68,20 @@ def is_corruption(err: BaseException) -> bool:
     # The ledger names each delta's parent, so a parent the delta does not match is bit rot
     # (or a bad copy), never a normal event: that is how a rotten local parent shows up.
     return isinstance(err, ChecksumMismatchError | CorruptDeltaError | WrongParentError)
+
+
+def release_frames(err: BaseException) -> None:
+    """Clear the locals of the finished frames in `err`'s tracebacks (its causes and contexts
+    too), so the files, maps and connections they hold close now; the message stays."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 def check_digest(entry: LedgerEntry, folder: Path) -> None:
@@ -205,6 +221,7 @@ class Materializer:
             return folded
         local = self.weights.local()
         start = max((i for i, e in enumerate(chain) if e.identity in local), default=-1)
+        failed = functools.partial(self._failed, goal=goal, clock=clock, chain=chain, before=local)
         base = chain[start] if start >= 0 else None
         try:
             applied = await self._apply_trusted(base, chain[start + 1 :], clock)
@@ -213,12 +230,12 @@ class Materializer:
             # Our own disk failed us (full, quota, I/O error), not the chain: free the space
             # the partial rebuild holds and let the caller retry later.
             self._drop_partial(chain)
-            raise self._failed(err, goal, fallback=False, clock=clock) from err
+            raise failed(err, fallback=False) from err
         except REBUILD_ERRORS as err:
             clock.corruptions += is_corruption(err)
             if base is None:
                 self._drop_partial(chain)
-                raise self._failed(err, goal, fallback=False, clock=clock) from err
+                raise failed(err, fallback=False) from err
             reason = f"rebuilding from {base.identity!r} failed: {err}"
             log.warning("%s; falling back to %s and its deltas", reason, chain[0].identity)
             # The local parent (or what was fetched for it) is not trustworthy: rebuild from
@@ -232,7 +249,7 @@ class Materializer:
             except _FALLBACK_ERRORS as err2:
                 clock.corruptions += is_corruption(err2)
                 self._drop_partial(chain)
-                raise self._failed(err2, goal, fallback=True, clock=clock) from err2
+                raise failed(err2, fallback=True) from err2
             fallback = True
         timings = LoadTimings(
             fetch_seconds=clock.fetch,
@@ -541,8 +558,27 @@ class Materializer:
             remove_tree(self.weights.staging_root / entry.identity)
 
     def _failed(
-        self, err: BaseException, goal: LedgerEntry, *, fallback: bool, clock: _Clock
+        self,
+        err: BaseException,
+        *,
+        goal: LedgerEntry,
+        fallback: bool,
+        clock: _Clock,
+        chain: list[LedgerEntry],
+        before: set[str],
     ) -> MaterializeError:
+        """The error of a failed build. Of the snapshots it committed on the chain, only the
+        newest one the volume holds there stays (the next attempt starts from it): kept all,
+        they piled up with every retry until a load succeeded. What the failure's traceback
+        holds (memory maps of the files it read, buffers, transfers) is released now, not
+        whenever the garbage collector meets the cycle, which a loader failing over and over
+        outran."""
+        held = [e.identity for e in chain if self.weights.has(e.identity)]
+        keep = {held[-1] if held else None, self.weights.current()}
+        for identity in held:
+            if identity not in before and identity not in keep:
+                self.weights.discard(identity)
+        release_frames(err)
         where = " after falling back to the latest full snapshot" if fallback else ""
         return MaterializeError(
             f"cannot rebuild {goal.identity!r}{where}: {err}",
