@@ -179,6 +179,7 @@ class Prefetcher:
             elif hint != job.hint:
                 job.hint, job.etag = hint, etag
                 job.changed.set()
+        self._keep_newest_full(document)
         for identity, held in list(self._jobs.items()):
             entry = document.find(identity) if document is not None else None
             admitted = entry.manifest_digest if entry is not None else None
@@ -191,6 +192,25 @@ class Prefetcher:
             if identity in self._jobs and expired(held.hint, ttl=self.ttl):
                 # Admitted but never taken (a pinned replica, a skipped step): stop holding it.
                 self._drop(identity, f"unused for over {self.ttl:g}s")
+
+    def _keep_newest_full(self, document: LedgerDocument | None) -> None:
+        """Hold one full snapshot fetched early, the newest hinted: while the loader cannot move
+        on (its engine down) every full snapshot published would otherwise stay here, one more
+        full copy of the model on the volume each, and the newest makes the older ones
+        unnecessary for reaching the head. Admitted ones are older than those still uploading,
+        which go by the order their jobs started."""
+        fulls = [i for i, j in self._jobs.items() if j.hint.kind != "incremental"]
+        if len(fulls) < 2:
+            return
+
+        def age(order: int) -> tuple[int, int]:
+            entry = document.find(fulls[order]) if document is not None else None
+            return (0, entry.sequence) if entry is not None else (1, order)
+
+        newest = fulls[max(range(len(fulls)), key=age)]
+        for identity in fulls:
+            if identity != newest:
+                self._drop(identity, f"a newer full snapshot ({newest}) is fetched early")
 
     async def take(self, entry: LedgerEntry) -> Prefetched | None:
         """The verified staging folder of `entry` if a job rebuilt exactly what the ledger
