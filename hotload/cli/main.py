@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from hotload.errors import HotloadError
+from hotload.faults import arm_from_env
 from hotload.process import exit_now
 
 # Exit codes scripts can rely on.
@@ -75,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def console() -> None:
     """Entry point of the `hotload` console script and `python -m hotload`."""
+    arm_from_env()  # the tests' crash points (`hotload.faults`): a process entry point's choice
     try:
         code = run()
     except SystemExit as exc:  # argparse: --help, --version, bad usage

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from hotload.errors import HotloadError
+from hotload.faults import arm_from_env
 from hotload.logs import configure_logging
 
 
@@ -21,6 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hotload-sidecar: error: {err}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
+    arm_from_env()  # the tests' crash points (`hotload.faults`)
     try:
         asyncio.run(serve(settings))
     except HotloadError as err:
