@@ -39,7 +39,7 @@ def test_a_failure_is_not_reported_against_the_next_head(tmp_path: Path) -> None
         assert reporter.status.target_identity == "step-001"
         # The update to step-001 failed (as a rotten delta would make it).
         rot = OSError("stored bytes fail their CRC-32")
-        await loader._failed("rebuild", rot, trainer.published[1])
+        await loader.failed("rebuild", rot, trainer.published[1])
         await loader.step()  # a poll with no new head: still failing step-001
         failing = read_pod(_pod(reporter))
         assert (failing.state, failing.target) == ("failed", "step-001")

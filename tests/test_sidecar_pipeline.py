@@ -32,7 +32,7 @@ from hotload_sidecar.status import LocalReporter
 from support.engines import engine_of, serve
 from support.fleet import Trainer, wait_until
 from support.metrics import scraped
-from support.tiny_llm import build_tiny_llm, sparse_steps
+from support.tiny_llm import bf16_training_steps
 
 
 class GatedAdapter(ReferenceAdapter):
@@ -105,10 +105,7 @@ def gated_loader(
 @pytest.fixture(scope="module")
 def fulls(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """Four training steps of a tiny bf16 Llama, each moving 1% of the elements."""
-    root = tmp_path_factory.mktemp("pipeline")
-    base = build_tiny_llm(root / "m", 0, cast="BF16").snapshots[0]
-    steps, _ = sparse_steps(base, root / "s", 3, seed=4)
-    return steps
+    return bf16_training_steps(tmp_path_factory.mktemp("pipeline"), 3, seed=4)
 
 
 @pytest.mark.asyncio
@@ -186,7 +183,9 @@ async def test_a_loader_stopped_mid_patch_leaves_no_patch_prepared_ahead(
         running = asyncio.create_task(loader.run(asyncio.Event()))
         try:
             await step_2_while_the_engine_takes_step_1(trainer, adapter, reporter)
-            await until(lambda: loader._ahead is not None)
+            ahead = loader.flow.ahead
+            assert ahead is not None
+            await until(lambda: ahead.held is not None)
             running.cancel()  # the engine has not answered; the next patch is being written
             with pytest.raises(asyncio.CancelledError):
                 await running
@@ -245,8 +244,8 @@ class RefusingAdapter(GatedAdapter):
 async def test_a_patch_prepared_ahead_that_no_longer_fits_is_deleted_unsent(
     fulls: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The real `_take_ahead`: step-002's patch is written ahead from step-001 while the engine
-    takes step-001, which it then refuses (as a patch and in full): the engine still serves
+    """The real `PatchesAhead.take`: step-002's patch is written ahead from step-001 while the
+    engine takes step-001, which it then refuses (as a patch and in full): the engine still serves
     step-000, so the next update needs step-001 and step-002 in one patch from step-000. The
     patch written ahead does not begin those deltas: it is deleted without being sent, and
     the patch from step-000 to the same target is a file of its own (named by its first

@@ -15,8 +15,11 @@ pinned snapshot instead: it still polls the ledger, so it notices when the pin's
 the retained history, but never moves past the pin; unpinned, it follows the head again.
 
 A delta of the snapshot the engine serves goes to the engine as a sparse patch when it can
-(`SparseLoads`): only the changed elements are written, and the full snapshot is rebuilt on the
-volume after the engine serves it.
+(`SparseLoads`): only the changed elements are written, and the delta is kept on the volume
+(folded into a full snapshot once the deltas add up, `Volume`).
+
+Which path each update takes (a sparse patch, a full load, their fallbacks, the scrub's reload,
+resuming at start-up) is `UpdateFlow`'s (`updates.py`); the loader is its `Replica`.
 
 One `Loader` per replica. It owns the weights folder, talks to the engine only through an
 `EngineAdapter` and publishes a `ReplicaStatus` through a `Reporter` after every change. A
@@ -31,15 +34,12 @@ import contextlib
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+from hotload.arc.patch import delta_changes
 from hotload.bucket import MirroredBucket
-from hotload.errors import (
-    BucketError,
-    EngineError,
-    EngineLoadError,
-    LedgerError,
-)
+from hotload.errors import BucketError, EngineError, LedgerError
 from hotload.ledger import (
     DEFAULT_HISTORY,
     Ledger,
@@ -50,14 +50,16 @@ from hotload.ledger import (
 )
 from hotload.ledger.fields import format_time, utc_now
 from hotload.ledger.handoff import Handoff, merge_handed
+from hotload.ledger.hints import Hint
 from hotload_sidecar.adapters import AdapterSync
+from hotload_sidecar.ahead import PatchesAhead
 from hotload_sidecar.board import StatusBoard
-from hotload_sidecar.cache_policy import move_cache_policy
-from hotload_sidecar.chained import ChainedUpdates
+from hotload_sidecar.chained import ChainedLoads
 from hotload_sidecar.config import Settings
-from hotload_sidecar.engines import CachePolicy, EngineAdapter, LoadRequest, ServedSnapshot
+from hotload_sidecar.engines import EngineAdapter, ServedSnapshot
+from hotload_sidecar.full import FullLoads
 from hotload_sidecar.head_watch import EVERYTHING, HeadWatch, OriginReads
-from hotload_sidecar.materialize import MaterializeError, Materializer
+from hotload_sidecar.materialize import Materializer
 from hotload_sidecar.metrics import LoaderMetrics, SourceTally
 from hotload_sidecar.pacing import Backoff, jittered, sleep_or_stop
 from hotload_sidecar.pinning import Pins
@@ -68,16 +70,23 @@ from hotload_sidecar.sparse import SparseLoads
 from hotload_sidecar.status import (
     REASON_ENGINE_DOWN,
     LoadTimings,
+    ReplicaStatus,
     Reporter,
 )
+from hotload_sidecar.updates import UpdateFlow
 from hotload_sidecar.volume import Volume
 from hotload_sidecar.weights import WeightsFolder
 
 log = logging.getLogger("hotload_sidecar.loader")
 
 
-class Loader(ChainedUpdates):
-    """Follows one ledger for one engine; `run` until `stop` is set."""
+#: What the ledger follower (the patch prepared ahead) reads without a fresh handoff.
+_LEDGER_ONLY = OriginReads(ledger=True, pin=False, hints=None)
+
+
+class Loader:
+    """Follows one ledger for one engine; `run` until `stop` is set. Each update's path is
+    `UpdateFlow`'s (`updates.py`); the loader is its `Replica` and `LedgerFollow`."""
 
     def __init__(
         self,
@@ -166,7 +175,6 @@ class Loader(ChainedUpdates):
             if settings.sparse_max_changed > 0 and adapter.sparse_loads
             else None
         )
-        self._abandoned = set()
         self.board = StatusBoard(reporter, self.metrics)
         self.scrubs = ScrubWatch(adapter, self.board, self.metrics, reporter)
         self.probes = ProbeWatch(adapter, self.board, self.metrics, reporter)
@@ -175,6 +183,41 @@ class Loader(ChainedUpdates):
         self.document: LedgerDocument | None = None
         self._etag: str | None = None
         self.backoff = Backoff(settings.retry_seconds)
+        ahead = PatchesAhead(self.sparse, self, self.backoff) if self.sparse is not None else None
+        self.full = FullLoads(
+            settings=settings,
+            replica=self,
+            materializer=self.materializer,
+            adapter=adapter,
+            weights=self.weights,
+            board=self.board,
+            reporter=reporter,
+            metrics=self.metrics,
+            probes=self.probes,
+        )
+        chained = ChainedLoads(
+            settings=settings,
+            replica=self,
+            sparse=self.sparse,
+            ahead=ahead,
+            volume=self.volume,
+            weights=self.weights,
+            adapter=adapter,
+            board=self.board,
+            reporter=reporter,
+            metrics=self.metrics,
+        )
+        #: How each update goes (`updates.py`).
+        self.flow = UpdateFlow(
+            replica=self,
+            full=self.full,
+            chained=chained,
+            ahead=ahead,
+            volume=self.volume,
+            backoff=self.backoff,
+            board=self.board,
+            probes=self.probes,
+        )
         self.pins = Pins(
             settings.pin,
             settings.pin_object,
@@ -183,6 +226,11 @@ class Loader(ChainedUpdates):
             metrics=self.metrics,
             reporter=reporter,
         )
+
+    @property
+    def status(self) -> ReplicaStatus:
+        """The replica's status as last published."""
+        return self.board.status
 
     @property
     def pin(self) -> str | None:
@@ -202,14 +250,14 @@ class Loader(ChainedUpdates):
             while not stop.is_set():
                 await self.step()
                 if self.heads is not None:
-                    await self.heads.wait(stop, self._interval())  # a new head: step at once
+                    await self.heads.wait(stop, self.interval())  # a new head: step at once
                 else:
-                    await sleep_or_stop(stop, self._interval())
+                    await sleep_or_stop(stop, self.interval())
         finally:
             if self.heads is not None:
                 await self.heads.close()
             await self.probes.close()
-            await self._drop_ahead()
+            await self.flow.close()
             if self.prefetcher is not None:
                 await self.prefetcher.close()
 
@@ -232,11 +280,11 @@ class Loader(ChainedUpdates):
         entry = target.entry
         if not self.board.engine_live:
             return
-        await self.scrubs.check(self._reload_served)
-        await self.probes.check(self._reload_served)
+        await self.scrubs.check(self.flow.reload_served)
+        await self.probes.check(self.flow.reload_served)
         moving = entry is not None and entry.identity != self.status.identity
         if entry is not None and moving and self.backoff.may_try(entry.identity):
-            await self._update(entry)
+            await self.flow.update(entry)
         await self._sync_adapters()
 
     async def _sync_adapters(self) -> None:
@@ -262,24 +310,11 @@ class Loader(ChainedUpdates):
                     # the previous run verified.
                     self.started.set()
                     break
-                await sleep_or_stop(stop, self._interval())
+                await sleep_or_stop(stop, self.interval())
                 continue
-            if await self._resume_chain(head):
-                break
-            try:
-                await self.board.set(state="fetching", target=head)
-                built = await self.materializer.build(
-                    self.document or LedgerDocument(""), head.identity
-                )
-            # OSError: a full or failing disk is a failed update to retry, not a dead loop.
-            except (MaterializeError, BucketError, LedgerError, OSError) as err:
-                await self._failed("rebuild", err, head)
-                await sleep_or_stop(stop, self._interval())
+            if not await self.flow.start(head):
+                await sleep_or_stop(stop, self.interval())
                 continue
-            await self.board.record_build(built)
-            if self.weights.current() is None or not (await self.adapter.health()).live:
-                # Nothing runs on the old weights yet: the engine boots straight from the head.
-                self.weights.switch(built.identity)
             self.started.set()
             break
         if stop.is_set():
@@ -302,21 +337,33 @@ class Loader(ChainedUpdates):
             if head is not None:
                 self.metrics.head_sequence.set(head.sequence)
 
-    async def _refresh_ledger(self) -> None:
-        """Bring the copy of the ledger up to date: from the handoff while it is fresh (the
-        origin only when it cannot be merged), from the origin otherwise."""
+    async def refresh_ledger(self) -> None:
+        """Bring the copy of the ledger up to date while the engine takes a patch: from the
+        handoff while it is fresh, from the origin otherwise (raises `BucketError`,
+        `LedgerError`)."""
         handoff = self.heads.current() if self.heads is not None else None
-        if handoff is not None and self.document is not None:
-            if (
-                handoff.sequence == self.document.sequence
-                or self._merge(handoff)
-                or handoff.same_content(self._unmerged)
-            ):
-                return
-            await self._read_ledger()
-            self._unmerged = handoff
+        if handoff is None or self.document is None:
+            await self._sync_ledger(_LEDGER_ONLY)
             return
-        await self._read_ledger()
+        handed = handoff if handoff.sequence != self.document.sequence else None
+        await self._sync_ledger(OriginReads(ledger=False, pin=False, hints=None, handed=handed))
+
+    async def _sync_ledger(self, reads: OriginReads) -> tuple[OriginReads, bool]:
+        """Bring the copy of the ledger up to what `reads` says: merge the handed entries
+        without the origin, or read the origin when the handoff cannot be merged (once per
+        handoff, not on every step while the operator catches up; the origin decides, and a
+        counter that went back ends in its `LedgerError`) or when `reads` asks for it. Returns
+        what was read and whether a handoff merged (raises `BucketError`, `LedgerError`)."""
+        handed, merged = reads.handed, False
+        if handed is not None:
+            merged = self._merge(handed)
+            if not merged and not handed.same_content(self._unmerged):
+                reads = replace(reads, ledger=True)
+        if reads.ledger:
+            await self._read_ledger()
+            if handed is not None:
+                self._unmerged = handed
+        return reads, merged
 
     def _merge(self, handoff: Handoff) -> bool:
         """Bring the copy of the ledger up to `handoff` without the origin; False when the
@@ -350,22 +397,15 @@ class Loader(ChainedUpdates):
             bucket.know_listing(identity, files)
 
     async def _poll(self) -> None:
+        """One poll of the ledger and the pin, as planned (`_plan`); the status says whether
+        the ledger was reachable and what the target is."""
         reads = self._reads = self._plan()
         self._feed_listings()
-        merged = False
-        if reads.handed is not None:
-            merged = self._merge(reads.handed)
-            if not merged and not reads.handed.same_content(self._unmerged):
-                # The origin decides (and a counter that went back ends in its LedgerError);
-                # once per handoff, not on every step while the operator catches up.
-                reads = self._reads = replace(reads, ledger=True)
-        if not (reads.ledger or reads.pin or merged):
-            return  # the operator's handoff says nothing moved: the origin is not asked
         try:
-            if reads.ledger:
-                await self._read_ledger()
-                if reads.handed is not None:
-                    self._unmerged = reads.handed
+            reads, merged = await self._sync_ledger(reads)
+            self._reads = reads
+            if not (reads.ledger or reads.pin or merged):
+                return  # the operator's handoff says nothing moved: the origin is not asked
             pin_state = await self.pins.poll() if reads.pin else None
         except (BucketError, LedgerError) as err:
             self.metrics.ledger_reachable.set(0)
@@ -441,104 +481,16 @@ class Loader(ChainedUpdates):
         ):
             # The volume holds it (as a snapshot, or one plus the deltas after it): nothing
             # to load; the next update patches it forward if it is behind.
-            await self._served(served, None)
+            await self.served(served, None)
             return
         if want is None or entry is None:
             return
         # The engine serves something else (booted before a switch, or restarted its own
         # weights): load what `current` names, the snapshot this loader last confirmed.
-        await self._load(entry, self.weights.path(want), entry.prompt_cache, LoadTimings())
+        await self.full.load(entry, self.weights.path(want), entry.prompt_cache, LoadTimings())
 
-    async def _update(self, target: LedgerEntry) -> None:
-        assert self.document is not None
-        started = time.perf_counter()
-        document = self.document
-        await self.board.set(state="fetching", target=target)
-        policy = move_cache_policy(document, self.status.identity, target)
-        fallback = ""
-        steps = self.sparse.plan(document, target, self.status.identity) if self.sparse else None
-        ready = await self._take_ahead(steps)
-        if steps:
-            fallback = await self._sparse_load(steps, policy, started, ready)
-            if not fallback:
-                # Reported served: its liveness probe runs now, beside the next update.
-                self.probes.after_patch(self.status.identity or target.identity)
-                return
-        elif ready is not None:
-            ready.discard()
-        await self.volume.settle()  # never build beside a compaction
-        await self._build_and_load(document, target, policy, fallback, started)
-
-    async def _build_and_load(
-        self,
-        document: LedgerDocument,
-        target: LedgerEntry,
-        policy: CachePolicy,
-        fallback: str,
-        started: float,
-    ) -> bool:
-        """Make `target` a verified folder on the volume and load it in full."""
-        try:
-            built = await self.materializer.build(document, target.identity)
-        # OSError: a full or failing disk is a failed update to retry, not a dead loop.
-        except (MaterializeError, BucketError, LedgerError, OSError) as err:
-            await self._failed("rebuild", err, target)
-            return False
-        await self.board.record_build(built)
-        if built.fallback:
-            await self.reporter.event("Warning", "FellBackToFull", built.fallback_reason)
-        for rejected in built.mirror_rejected:
-            await self.reporter.event("Warning", "MirrorCopyRejected", rejected)
-        timings = replace(built.timings, sparse_fallback=fallback)
-        ok = await self._load(target, built.path, policy, timings)
-        if ok:
-            self.metrics.observe_serving(time.perf_counter() - started, target.published_time)
-            self._collect(target)
-        return ok
-
-    async def _load(
-        self, entry: LedgerEntry, path: object, policy: CachePolicy, timings: LoadTimings
-    ) -> bool:
-        policy = self.settings.cache_policy or policy
-        await self.board.set(state="loading", target=self.status_target(entry))
-        t0 = time.perf_counter()
-        try:
-            result = await self.adapter.load(
-                LoadRequest(str(path), entry.identity, entry.sequence, self.settings.mode, policy)
-            )
-        except EngineLoadError as err:
-            if err.serving != "previous":
-                await self._refresh_served()
-            await self._failed("engine", err, entry)
-            return False
-        except EngineError as err:
-            await self._failed("engine", err, entry)
-            return False
-        load_seconds = time.perf_counter() - t0
-        self.metrics.engine_load_seconds.observe(load_seconds)
-        self.metrics.engine_pause_seconds.observe(result.pause_seconds)
-        self.weights.switch(entry.identity)
-        total = timings.total_seconds + load_seconds
-        done = replace(
-            timings,
-            load_seconds=load_seconds,
-            pause_seconds=result.pause_seconds,
-            total_seconds=total,
-            engine_steps=dict(result.steps),
-        )
-        await self._served(result.served, done)
-        await self.probes.confirmed()  # a full load confirmed with the probe
-        await self.reporter.event(
-            "Normal",
-            "SnapshotLoaded",
-            f"serving {entry.identity} (sequence {entry.sequence}) after {total:.2f}s: "
-            f"{timings.bytes_fetched} bytes fetched, {timings.steps} snapshot(s) rebuilt, "
-            f"engine load {load_seconds:.2f}s",
-        )
-        self.metrics.loads.labels("full").inc()
-        return True
-
-    async def _served(self, served: ServedSnapshot, timings: LoadTimings | None) -> None:
+    async def served(self, served: ServedSnapshot, timings: LoadTimings | None) -> None:
+        """Record that the engine serves `served`: the status, the back-off cleared."""
         sequence = served.sequence
         if self.document is not None and (entry := self.document.find(served.identity)):
             sequence = entry.sequence
@@ -555,13 +507,15 @@ class Loader(ChainedUpdates):
         await self.board.set(**changes)
         log.info("engine serves %s (sequence %s)", served.identity, sequence)
 
-    async def _refresh_served(self) -> None:
+    async def refresh_served(self) -> None:
+        """Ask the engine what it serves (after an answer that did not say) and record it."""
         with contextlib.suppress(EngineError):
             served = await self.adapter.current()
             if served is not None:
-                await self._served(served, None)
+                await self.served(served, None)
 
-    async def _failed(self, stage: str, err: BaseException, target: LedgerEntry) -> None:
+    async def failed(self, stage: str, err: BaseException, target: LedgerEntry) -> None:
+        """Record a failed update of `target`: log, metric, back-off, Event and status."""
         message = f"{stage} of {target.identity} failed: {err}"
         log.error("%s", message)
         why = self.metrics.observe_failure(stage, err)
@@ -569,6 +523,35 @@ class Loader(ChainedUpdates):
         reason = "RebuildFailed" if stage == "rebuild" else "EngineRejectedLoad"
         await self.reporter.event("Warning", reason, message)
         await self.board.failed(message, why)
+
+    # --- hooks the early fetch and the materializer call ----------------------------------------
+
+    async def _fetched_already(self, entry: LedgerEntry, dest: Path) -> int | None:
+        """The materializer's hook: `entry`'s files already downloaded, moved into `dest` (a
+        delta the sparse path fetched and found too dense, or the early fetch's download):
+        their bytes; None when the full path must fetch them."""
+        if self.sparse is not None:
+            moved = await self.sparse.hand_over(entry, dest)
+            if moved is not None:
+                return moved
+        return await self.prefetcher.hand_over(entry, dest) if self.prefetcher else None
+
+    def _sparse_parent(self) -> str | None:
+        """The snapshot a sparse patch would start from: the one the engine serves (None with
+        sparse loads off)."""
+        return self.board.status.identity if self.sparse is not None else None
+
+    def _sparse_takes(self, hint: Hint, folder: Path) -> str | None:
+        """How the sparse path will take the hinted delta downloaded into `folder`: "" as a
+        patch (the prefetcher stops after the download and hands it over), or why it will
+        refuse it as too dense (the prefetcher rebuilds it for the full load); None when it
+        will not try it (sparse loads off, or a delta of another snapshot than the served one)."""
+        if self.sparse is None or hint.kind != "incremental":
+            return None
+        if hint.previous != self.board.status.identity:
+            return None
+        changed, total = delta_changes(folder)
+        return self.sparse.density_refusal(hint.identity, changed, total) or ""
 
     # --- status ----------------------------------------------------------------------------------
 
@@ -584,5 +567,6 @@ class Loader(ChainedUpdates):
         sequence = self.document.sequence if self.document is not None else None
         return self.heads.plan(sequence, self.pin)
 
-    def _interval(self) -> float:
+    def interval(self) -> float:
+        """Seconds until the next poll (jittered)."""
         return jittered(self.settings.poll_seconds, self.settings.poll_jitter)

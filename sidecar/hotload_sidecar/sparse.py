@@ -232,7 +232,7 @@ class SparseLoads:
     def _patch_file(self, steps: list[LedgerEntry]) -> Path:
         """Where the patch of `steps` is written: named by its target and its first delta's
         sequence, so that a patch prepared ahead from another first delta and left to finish
-        (`chained._take_ahead`) never writes or removes the file an update is sending."""
+        (`PatchesAhead.take`) never writes or removes the file an update is sending."""
         return self.weights.staging_root / f"{steps[-1].identity}.{steps[0].sequence}.patch"
 
     async def _prepare(

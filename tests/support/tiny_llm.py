@@ -261,6 +261,13 @@ TINY_BASE_MODEL = "hotload-tests/tiny-llama"
 LORA_TARGETS = ("q_proj", "v_proj", "down_proj")
 
 
+def bf16_training_steps(root: Path, steps: int, *, seed: int) -> list[Path]:
+    """Full snapshots under `root` of a tiny bf16 Llama (`[0]`) and of `steps` training steps
+    after it, each moving 1% of the elements (`sparse_steps`)."""
+    base = build_tiny_llm(root / "m", 0, cast="BF16").snapshots[0]
+    return sparse_steps(base, root / "s", steps, seed=seed)[0]
+
+
 def tiny_adapter(
     path: Path,
     config: dict[str, Any],
