@@ -63,12 +63,24 @@ MODULES: tuple[Module, ...] = (
     ),
     Module("causes", "hotload_operator/causes.py", ("tests/test_operator_causes.py",)),
     # In-process loaders only: a loader in a process of its own imports the unmutated code.
+    # test_volume.py runs `Volume` on a real folder and ledger; test_sidecar_flow.py drives the
+    # update flow and its paths with a real loader and reference engine in the test's process.
+    Module("volume", "hotload_sidecar/volume.py", ("tests/test_volume.py",)),
     Module(
-        "volume",
-        "hotload_sidecar/volume.py",
-        ("tests/test_sidecar_pipeline.py", "tests/test_sidecar_scrub.py"),
+        "updates",
+        "hotload_sidecar/updates.py",
+        ("tests/test_sidecar_flow.py",),
     ),
-    Module("chained", "hotload_sidecar/chained.py", ("tests/test_sidecar_pipeline.py",)),
+    Module(
+        "chained",
+        "hotload_sidecar/chained.py",
+        ("tests/test_sidecar_flow.py", "tests/test_sidecar_pipeline.py"),
+    ),
+    Module(
+        "ahead",
+        "hotload_sidecar/ahead.py",
+        ("tests/test_sidecar_flow.py", "tests/test_sidecar_pipeline.py"),
+    ),
     # test_arc_patch.py reads patch files the writer made and damaged ones; test_patch_mutants.py
     # every field and check of the reader.
     Module(

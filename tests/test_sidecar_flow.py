@@ -1,0 +1,329 @@
+"""The loader's update flow (`updates.UpdateFlow`) and its paths, driven directly: which path an
+update takes (one sparse patch, a full load), where each fallback leads, the scrub's full
+reload, resuming from the volume at start-up, compaction after a patch, and the patch prepared
+ahead (`ahead.PatchesAhead`).
+
+In one process, for real: a folder bucket with a real ledger, real arc_v2 deltas of a tiny bf16
+Llama, the reference engine behind its aiohttp server (`support.engines.serve`) and a real
+`Loader` as the flow's `Replica` (the production one). The loader's own loop serves step-000,
+then stops; each test publishes and calls the flow itself, so nothing else moves meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hotload.bucket import open_bucket
+from hotload.engine import Engine
+from hotload.ledger import Ledger, LedgerEntry
+from hotload_sidecar.ahead import PatchesAhead
+from hotload_sidecar.config import Settings
+from hotload_sidecar.engines import ReferenceAdapter
+from hotload_sidecar.engines.base import PatchRefusedError
+from hotload_sidecar.loader import Loader
+from hotload_sidecar.sparse import Prepared
+from hotload_sidecar.status import LocalReporter
+from support.engines import engine_of, serve
+from support.fleet import Trainer, wait_until
+from support.metrics import scraped
+from support.tiny_llm import bf16_training_steps
+
+
+@pytest.fixture(scope="module")
+def fulls(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Four training steps of a tiny bf16 Llama, each moving 1% of the elements."""
+    return bf16_training_steps(tmp_path_factory.mktemp("flow"), 3, seed=7)
+
+
+class RefusingPatches(ReferenceAdapter):
+    """The reference engine's adapter, whose engine says it cannot take patches now."""
+
+    async def check_sparse(self) -> None:
+        raise PatchRefusedError(
+            "the engine takes no patches now",
+            reason="engine_unsupported",
+            engine="reference",
+            url=self.url,
+            status=None,
+        )
+
+
+@dataclass
+class Served:
+    """A loader whose engine serves step-000, its trainer, engine and reporter."""
+
+    loader: Loader
+    trainer: Trainer
+    engine: Engine
+    reporter: LocalReporter
+    url: str
+    tmp_path: Path
+
+    async def publish(self, step: int, *, full: bool = False) -> LedgerEntry:
+        """Publish `step` (a delta of the step before unless `full`) and bring the loader's
+        copy of the ledger up to it."""
+        await asyncio.to_thread(self.trainer.publish, step, full=full)
+        await self.loader.refresh_ledger()
+        return self.trainer.published[-1]
+
+    def loads(self) -> dict[str, float]:
+        """The loader's confirmed loads by method, and its sparse fallbacks by reason."""
+        out: dict[str, float] = {}
+        for (name, labels), value in scraped(self.loader.metrics).items():
+            if name == "hotload_loader_loads_total":
+                out[dict(labels)["method"]] = value
+            elif name == "hotload_loader_sparse_fallbacks_total" and value:
+                out["fallback:" + dict(labels)["reason"]] = value
+        return out
+
+    def another(self, weights: Path, **options: Any) -> Loader:
+        """A second loader for the same engine and ledger on the weights folder `weights`."""
+        settings = _settings(self.tmp_path, self.url, weights=weights, **options)
+        adapter = ReferenceAdapter(self.url)
+        return Loader(
+            settings, ledger=self.trainer.ledger, adapter=adapter, reporter=LocalReporter()
+        )
+
+
+def _settings(tmp_path: Path, url: str, *, weights: Path | None = None, **options: Any) -> Settings:
+    return Settings(
+        ledger_url=f"{tmp_path / 'bucket'}/policy",
+        weights_dir=weights or tmp_path / "weights",
+        engine_url=url,
+        hint_ttl_seconds=0,
+        poll_seconds=0.05,
+        retry_seconds=30.0,
+        **options,
+    )
+
+
+@asynccontextmanager
+async def serving_step_0(
+    fulls: list[Path],
+    tmp_path: Path,
+    *,
+    kind: type[ReferenceAdapter] = ReferenceAdapter,
+    **options: Any,
+) -> AsyncIterator[Served]:
+    """A loader (`Settings` `options`) whose engine serves step-000, its own loop stopped."""
+    trainer = Trainer(
+        Ledger(open_bucket(str(tmp_path / "bucket")), "policy"), fulls, tmp_path / "t", 100
+    )
+    await asyncio.to_thread(trainer.publish, 0)
+    async with serve(fulls[0], "step-000", dtype="bfloat16", numerics="fast") as client:
+        url = str(client.make_url("")).rstrip("/")
+        adapter = kind(url)
+        reporter = LocalReporter(keep_events=500)
+        loader = Loader(
+            _settings(tmp_path, url, **options),
+            ledger=trainer.ledger,
+            adapter=adapter,
+            reporter=reporter,
+        )
+        stop = asyncio.Event()
+        running = asyncio.create_task(loader.run(stop))
+        try:
+            await wait_until(
+                "step-000 served", lambda: reporter.status.identity == "step-000", 60.0
+            )
+        finally:
+            stop.set()
+            await running
+        try:
+            yield Served(loader, trainer, engine_of(client), reporter, url, tmp_path)
+        finally:
+            await adapter.aclose()
+
+
+def _events(served: Served) -> list[str]:
+    return [e["reason"] for e in served.reporter.events]
+
+
+@pytest.mark.asyncio
+async def test_the_deltas_after_the_served_snapshot_go_as_one_sparse_patch(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    async with serving_step_0(fulls, tmp_path) as s:
+        await s.publish(1)
+        head = await s.publish(2)
+        await s.loader.flow.update(head)
+        assert s.engine.served.identity == "step-002"
+        assert s.loads() == {"full": 0, "sparse": 1}
+        status = s.reporter.status
+        assert (status.identity, status.state) == ("step-002", "idle")
+        assert status.last_load is not None and status.last_load.method == "sparse"
+        weights = s.loader.weights
+        # Kept as deltas after the snapshot, nothing rebuilt.
+        assert weights.local_deltas() == {"step-001", "step-002"}
+        assert not weights.has("step-002")
+        assert weights.current() == "step-000"
+
+
+@pytest.mark.asyncio
+async def test_a_full_snapshot_on_the_way_is_loaded_in_full(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    async with serving_step_0(fulls, tmp_path) as s:
+        head = await s.publish(1, full=True)
+        await s.loader.flow.update(head)
+        assert s.engine.served.identity == "step-001"
+        assert s.loads() == {"full": 1, "sparse": 0}
+        last = s.reporter.status.last_load
+        assert last is not None and (last.method, last.sparse_fallback) == ("full", "")
+        assert s.loader.weights.current() == "step-001"
+        assert "SparseLoadFellBack" not in _events(s)
+
+
+@pytest.mark.asyncio
+async def test_a_delta_too_dense_for_one_patch_is_loaded_in_full(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    """1% of the elements changed, a patch may change one in a billion: the full load."""
+    async with serving_step_0(fulls, tmp_path, sparse_max_changed=1e-9) as s:
+        head = await s.publish(1)
+        await s.loader.flow.update(head)
+        assert s.engine.served.identity == "step-001"
+        assert s.loads() == {"full": 1, "sparse": 0, "fallback:too_dense": 1}
+        last = s.reporter.status.last_load
+        assert last is not None and (last.method, last.sparse_fallback) == ("full", "too_dense")
+        assert "SparseLoadFellBack" in _events(s)
+        assert s.loader.weights.current() == "step-001"
+
+
+@pytest.mark.asyncio
+async def test_a_patch_the_engine_refuses_is_loaded_in_full(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    async with serving_step_0(fulls, tmp_path, kind=RefusingPatches) as s:
+        head = await s.publish(1)
+        await s.loader.flow.update(head)
+        assert s.engine.served.identity == "step-001"
+        assert s.loads() == {"full": 1, "sparse": 0, "fallback:engine_unsupported": 1}
+        last = s.reporter.status.last_load
+        assert last is not None and last.sparse_fallback == "engine_unsupported"
+
+
+@pytest.mark.asyncio
+async def test_a_patch_folds_the_deltas_once_they_add_up(fulls: list[Path], tmp_path: Path) -> None:
+    async with serving_step_0(fulls, tmp_path, compact_fraction=1e-9) as s:
+        head = await s.publish(1)
+        await s.loader.flow.update(head)
+        assert s.loads()["sparse"] == 1
+        await s.loader.volume.settle()
+        weights = s.loader.weights
+        assert weights.has("step-001") and weights.current() == "step-001"
+        assert "VolumeCompacted" in _events(s)
+        assert weights.local_deltas() == set()  # folded, then collected
+
+
+@pytest.mark.asyncio
+async def test_a_scrub_reload_loads_the_served_snapshot_in_full(
+    fulls: list[Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with serving_step_0(fulls, tmp_path) as s:
+        before = s.engine.loads
+        with caplog.at_level(logging.WARNING, "hotload_sidecar.loader"):
+            assert await s.loader.flow.reload_served("its weights changed")
+        assert "reloading step-000 in full: its weights changed" in caplog.text
+        assert s.engine.loads == before + 1
+        assert s.loads() == {"full": 1, "sparse": 0}
+        # A snapshot backing off after a failure is not reloaded until its retry is due.
+        s.loader.backoff.failed("step-000")
+        assert not await s.loader.flow.reload_served("again")
+        assert s.engine.loads == before + 1
+
+
+@pytest.mark.asyncio
+async def test_start_up_resumes_from_the_volume_else_builds_the_head(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    async with serving_step_0(fulls, tmp_path) as s:
+        head = await s.publish(1)
+        await s.loader.flow.update(head)
+        assert s.loader.weights.local_deltas() == {"step-001"}
+        # A restarted loader on the same volume: step-000 plus the delta, nothing fetched.
+        again = s.another(tmp_path / "weights")
+        again.weights.prepare()
+        await again.refresh_ledger()
+        assert await again.flow.start(head)
+        assert again.status.resumed_from == "step-001"
+        assert scraped(again.metrics)[("hotload_loader_bytes_fetched_total", ())] == 0
+        # A loader on an empty volume builds the head (its engine runs: `current` is set).
+        fresh = s.another(tmp_path / "fresh")
+        fresh.weights.prepare()
+        await fresh.refresh_ledger()
+        assert await fresh.flow.start(head)
+        assert fresh.status.resumed_from is None
+        assert fresh.weights.has("step-001")
+        assert scraped(fresh.metrics)[("hotload_loader_bytes_fetched_total", ())] > 0
+        for loader in (again, fresh):
+            await loader.adapter.aclose()
+
+
+def _ahead(s: Served) -> PatchesAhead:
+    ahead = s.loader.flow.ahead
+    assert ahead is not None
+    return ahead
+
+
+@pytest.mark.asyncio
+async def test_the_ledger_is_followed_while_the_engine_takes_a_patch(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    """With the head two deltas past step-000 while the engine takes step-001, the follower
+    prepares step-002's patch from step-001; with the head at step-001, it only waits."""
+    async with serving_step_0(fulls, tmp_path) as s:
+        first = await s.publish(1)
+        ahead = _ahead(s)
+        patching: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        ahead.look_ahead(first, patching)
+        await asyncio.sleep(0.2)  # a few polls: nothing past step-001 yet
+        assert ahead.held is None
+        second = await s.publish(2)
+        await wait_until("step-002 prepared", lambda: ahead.held is not None, 30.0)
+        assert ahead.held is not None and ahead.held[0] == "step-002"
+        patching.cancel()
+        await ahead.stop_following(cancel=False)
+        got = await ahead.take([second])
+        assert isinstance(got, Prepared)
+        assert ([e.identity for e in got.steps], got.parent) == (["step-002"], "step-001")
+        assert got.patch.is_file()
+        got.discard()
+
+
+@pytest.mark.asyncio
+async def test_a_patch_prepared_ahead_is_taken_only_when_it_begins_the_deltas(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    async with serving_step_0(fulls, tmp_path) as s:
+        first = await s.publish(1)
+        second = await s.publish(2)
+        ahead = _ahead(s)
+        sparse = s.loader.sparse
+        assert sparse is not None
+        staging = s.loader.weights.staging_root
+        assert await ahead.take([first, second]) is None  # nothing prepared
+        # Written from step-001 while the engine still serves step-000: it does not fit.
+        ahead.held = ("step-002", asyncio.create_task(sparse.prepare([second])))
+        assert await ahead.take([first, second]) is None
+        assert ahead.held is None
+        await ahead.drop()  # waits for the one left to finish: it removed its file
+        assert list(staging.glob("*.patch*")) == []
+        # The same patch when the engine serves step-001: it is the update's.
+        ahead.held = ("step-002", asyncio.create_task(sparse.prepare([second])))
+        got = await ahead.take([second])
+        assert isinstance(got, Prepared) and got.patch.is_file()
+        got.discard()
+        # Stopping removes a patch still held.
+        ahead.held = ("step-002", asyncio.create_task(sparse.prepare([second])))
+        await ahead.drop()
+        assert ahead.held is None
+        assert list(staging.glob("*.patch*")) == []
