@@ -395,7 +395,7 @@ def test_publisher_retain_deletes_what_nothing_needs_after_each_publish(
     w = weights(0)
     with Publisher(
         bucket_url, ledger="policy", full_every=3, progress=False, retain=2,
-        workdir=tmp_path / "work", config=CONFIG,
+        workdir=tmp_path / "work", config=CONFIG, retain_grace=timedelta(0),
     ) as pub:  # fmt: skip
         for step in range(7):
             w = nudged(w, step)

@@ -1,13 +1,15 @@
 """`gc`: read what a retention plan needs from the bucket, and carry the plan out in the order
 that makes a crash harmless.
 
-Order: the journal (`.hotload/gc/<ledger>.json`, the identities this run retires) is written,
-then the ledger drops their entries (compare-and-swap), and only then are folders deleted, each
-commit manifest first (so a half-deleted folder is never taken for a snapshot); the journal
-goes last. A crash anywhere leaves folders that no ledger names: orphans that the next run
-deletes (at once when the journal retired them, else once older than the orphan age), never a
-ledger entry without its files. Before each folder goes, the bucket's ledgers are polled again
-(one conditional GET each) so a folder a ledger took in the meantime is kept.
+Order: the journal (`.hotload/gc/<ledger>.json`, the identities this run retires, with when)
+is written, then the ledger drops their entries (compare-and-swap), and only then are folders
+deleted, each commit manifest first (so a half-deleted folder is never taken for a snapshot),
+those of entries that left the ledger once their grace has passed; the journal goes last (or
+keeps the identities still within their grace). A crash anywhere leaves folders that no ledger
+names: orphans that the next run deletes (once their grace has passed when the journal retired
+them, else once older than the orphan age), never a ledger entry without its files. Before
+each folder goes, the bucket's ledgers are polled again (one conditional GET each) so a folder
+a ledger took in the meantime is kept.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from hotload.ledger.pins import PIN_PREFIX, Pin
 from hotload.ledger.retention import (
     COMMIT_FILES,
     DEFAULT_ORPHAN_AGE,
+    NO_GRACE,
     BucketView,
     Folder,
     HintObject,
@@ -91,15 +94,19 @@ async def gc_async(
     progress: Progress | None = None,
     on_folder: Callable[[Verdict], None] | None = None,
     attempts: int = DEFAULT_ATTEMPTS,
+    grace: timedelta = NO_GRACE,
 ) -> GcResult:
     """Plan a gc of `ledger` (see `plan_retention`) and, with `apply`, carry it out; a lost
     compare-and-swap race re-reads the bucket and plans again. `holders` are the snapshots
     replicas serve or target (pins in the bucket are read here); `progress` gets the bytes of
-    each deleted object, `on_folder` each folder once it is gone."""
+    each deleted object, `on_folder` each folder once it is gone; `grace` how long the folders of
+    entries dropped from the ledger stay after they left it."""
     wanted = list(holders)
     for attempt in range(1, attempts + 1):
         view, watch = await read_view_async(ledger)
-        plan = plan_retention(view, keep=keep, orphan_age=orphan_age, holders=wanted, now=utc_now())
+        plan = plan_retention(
+            view, keep=keep, orphan_age=orphan_age, holders=wanted, now=utc_now(), grace=grace
+        )
         if not apply:
             return GcResult(plan)
         try:
@@ -118,10 +125,13 @@ def gc(
     orphan_age: timedelta = DEFAULT_ORPHAN_AGE,
     holders: Iterable[Holder] = (),
     apply: bool = False,
+    grace: timedelta = NO_GRACE,
 ) -> GcResult:
     """Blocking `gc_async`."""
     return run_sync(
-        gc_async(ledger, keep=keep, orphan_age=orphan_age, holders=holders, apply=apply)
+        gc_async(
+            ledger, keep=keep, orphan_age=orphan_age, holders=holders, apply=apply, grace=grace
+        )
     )
 
 
@@ -265,10 +275,11 @@ async def _carry_out(
     bucket = ledger.bucket
     result = GcResult(plan, applied=True)
     jkey = journal_key(ledger.name)
+    now = utc_now()
     if plan.after is not plan.before:
-        now = utc_now()
         pending: dict[str, datetime] = dict(plan.journal.retired) if plan.journal else {}
-        pending.update(dict.fromkeys(plan.retiring, now))
+        pending.update(plan.waiting)
+        pending.update((i, now) for i in plan.retiring if i not in plan.waiting)
         if pending:
             body = Journal(jkey, pending).to_json(ledger.name)
             await bucket.put_async(jkey, (json.dumps(body, indent=2) + "\n").encode())
@@ -291,7 +302,11 @@ async def _carry_out(
             result.deleted_hints.append(hint.name)
     if bucket.is_local:
         await asyncio.to_thread(_sweep_local_husks, bucket, plan)
-    if plan.journal is not None or plan.retiring:
+    waiting = {i: t for i, t in plan.waiting.items() if i not in result.deleted}
+    if waiting:
+        body = Journal(jkey, waiting).to_json(ledger.name)
+        await bucket.put_async(jkey, (json.dumps(body, indent=2) + "\n").encode())
+    elif plan.journal is not None or plan.retiring:
         await bucket.delete_async(jkey)
     return result
 

@@ -6,8 +6,11 @@ A folder may go when it is not on the chain from the latest full snapshot, not a
 and not named by another ledger of the bucket. Folders that no ledger names (orphans: a
 publish that failed half-way, a snapshot compaction dropped, a gc that crashed) go once their
 newest file is older than the orphan age, so that a publish in flight, whose files land before
-its ledger entry, is never taken. `plan_retention` is that decision, pure; `hotload.ledger.gc`
-reads the bucket for it and carries the plan out in the order that keeps a crash harmless.
+its ledger entry, is never taken. The files of an entry a gc drops from the ledger stay for a
+grace period after it left (the gc journal records when): a loader that read the ledger just
+before may still be fetching them to rebuild a chain. `plan_retention` is that decision, pure;
+`hotload.ledger.gc` reads the bucket for it and carries the plan out in the order that keeps a
+crash harmless.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ from hotload.snapshot.layout import (
 
 #: Orphans younger than this stay: a publish may take long to upload and be admitted.
 DEFAULT_ORPHAN_AGE: Final = timedelta(hours=24)
+#: How long the files of an entry dropped from the ledger stay, where nothing sees what the
+#: replicas fetch (the Publisher's `retain=` without a deployment): longer than a loader takes
+#: from reading the ledger to having fetched a chain's files (a lagging replica rebuilding it).
+DEFAULT_GRACE: Final = timedelta(minutes=10)
+#: No grace: a gc told what every replica serves and targets deletes dropped entries at once.
+NO_GRACE: Final = timedelta(0)
 #: Files that make a folder one of hotload's snapshots (or a half-written one).
 SNAPSHOT_FILES: Final = (INDEX_FILE, SPEC_FILE, ADAPTER_CONFIG_FILE, CONFIG_FILE)
 #: Files whose presence makes a snapshot visible; deleted first so a half-deleted folder is
@@ -195,9 +204,15 @@ class RetentionPlan:
     journal: Journal | None = None
     #: The folders as listed (the objects of those that go are deleted one by one).
     listing: Mapping[str, Folder] = field(default_factory=dict, repr=False)
-    #: Identities this plan takes out of the ledger and deletes (journaled before the ledger
-    #: changes, so a crash leaves them to the next run whatever their age).
+    #: Identities this plan takes out of the ledger (journaled with the time before the ledger
+    #: changes: their folders go once the grace has passed, and a crash leaves them to the next
+    #: run whatever their age).
     retiring: tuple[str, ...] = field(default=())
+    #: How long the folders of dropped entries stay after they left the ledger.
+    grace: timedelta = NO_GRACE
+    #: The journal after this run: retired identities whose folders stay for their grace, with
+    #: when they left the ledger (the newly retiring ones are stamped when the gc writes it).
+    waiting: Mapping[str, datetime] = field(default_factory=dict)
 
     @property
     def doomed(self) -> tuple[Verdict, ...]:
@@ -237,12 +252,14 @@ def plan_retention(
     orphan_age: timedelta = DEFAULT_ORPHAN_AGE,
     holders: Iterable[Holder] = (),
     now: datetime,
+    grace: timedelta = NO_GRACE,
 ) -> RetentionPlan:
     """Decide what a gc of `view.document`'s ledger deletes: the entries it drops from the
     ledger (not among the last `keep`, not on the chain from the latest full snapshot, not on
     the chain of a pinned snapshot or of one `holders` need, not the newest adapter), their
-    folders unless another ledger names them, the orphans older than `orphan_age`, and the
-    hints that were admitted or abandoned; with the reason for every verdict."""
+    folders (unless another ledger names them) once `grace` has passed since they left the
+    ledger, the orphans older than `orphan_age`, and the hints that were admitted or abandoned;
+    with the reason for every verdict."""
     if keep < 1:
         raise LedgerError("keep must be at least 1")
     doc = view.document
@@ -266,6 +283,7 @@ def plan_retention(
     }
     retired = dict(view.journal.retired) if view.journal else {}
     dropped_ids = {e.identity for e in dropped}
+    waiting: dict[str, datetime] = {}
     verdicts: list[Verdict] = []
     for name in sorted(view.folders):
         folder = view.folders[name]
@@ -291,22 +309,38 @@ def plan_retention(
                 )
             )
         elif name in dropped_ids:
-            verdicts.append(
-                verdict(
-                    True,
-                    f"dropped from the ledger: not among the last {keep} entries, not on the "
-                    "chain from the latest full snapshot, not pinned, served or targeted",
-                    "entry",
-                )
+            why = (
+                f"dropped from the ledger: not among the last {keep} entries, not on the chain "
+                "from the latest full snapshot, not pinned, served or targeted"
             )
+            if grace > timedelta(0):
+                waiting[name] = now
+                why += f"; its files go after a grace of {human_age(grace)} ({_GRACE_WHY})"
+            verdicts.append(verdict(grace <= timedelta(0), why, "entry"))
         elif name in retired and (folder.newest is None or folder.newest <= retired[name]):
-            verdicts.append(
-                verdict(
-                    True,
-                    "retired from the ledger by an earlier gc that stopped before deleting it",
-                    "orphan",
+            left = now - retired[name]
+            if left < grace:
+                waiting[name] = retired[name]
+                verdicts.append(
+                    verdict(
+                        False,
+                        f"left the ledger {human_age(left)} ago; its files go once "
+                        f"{human_age(grace)} have passed ({_GRACE_WHY})",
+                        "orphan",
+                    )
                 )
-            )
+            else:
+                verdicts.append(
+                    verdict(
+                        True,
+                        f"left the ledger {human_age(left)} ago, past its grace of "
+                        f"{human_age(grace)}"
+                        if grace
+                        else "retired from the ledger by an earlier gc that stopped before "
+                        "deleting it",
+                        "orphan",
+                    )
+                )
         elif age is not None and age < orphan_age:
             verdicts.append(
                 verdict(
@@ -342,8 +376,13 @@ def plan_retention(
         missing=missing,
         journal=view.journal,
         listing=view.folders,
-        retiring=tuple(e.identity for e in dropped if e.identity in doomed),
+        retiring=tuple(e.identity for e in dropped if e.identity in doomed | set(waiting)),
+        grace=grace,
+        waiting=waiting,
     )
+
+
+_GRACE_WHY = "a loader that read the ledger before may still be fetching them"
 
 
 def _held_chains(doc: LedgerDocument, held: Mapping[str, list[str]]) -> dict[str, str]:

@@ -16,7 +16,7 @@ from hotload.bucket import Bucket, open_bucket
 from hotload.errors import HotloadError
 from hotload.ledger import Ledger
 from hotload.ledger.gc import GcResult, gc_async
-from hotload.ledger.retention import DEFAULT_ORPHAN_AGE
+from hotload.ledger.retention import DEFAULT_GRACE, DEFAULT_ORPHAN_AGE
 from hotload.sdk.cluster import Cluster
 from hotload.sdk.holders import deployment_holders_async
 from hotload.sdk.outcomes import PublishError
@@ -54,6 +54,7 @@ class PublisherCore:
         concurrency: int | None = None,
         retain: int | None = None,
         retain_orphan_age: timedelta = DEFAULT_ORPHAN_AGE,
+        retain_grace: timedelta = DEFAULT_GRACE,
     ) -> None:
         check_target(full_every, deployment, ledger)
         if retain is not None and retain < 1:
@@ -82,6 +83,7 @@ class PublisherCore:
         self._force_full = False
         self.retain = retain
         self.retain_orphan_age = retain_orphan_age
+        self.retain_grace = retain_grace
 
     def identity_for(self, step: int, identity: str | None) -> str:
         """The identity of the snapshot of `step`: `identity`, else from `identity_format`."""
@@ -102,7 +104,9 @@ class PublisherCore:
         """After a successful publish, with `retain`: delete the snapshot folders nothing needs
         (`hotload ledger gc --keep RETAIN --apply`). It respects the last `retain` entries, the
         chain from the latest full snapshot, pins in the bucket, other ledgers and uploads in
-        flight, and with a deployment what its replicas serve or target. A gc that fails is
+        flight, and with a deployment what its replicas serve or target; the files of entries it
+        drops from the ledger stay `retain_grace` longer (a lagging loader may be fetching
+        them, which nothing else protects without a deployment). A gc that fails is
         logged (with its cause) and never fails the publish; None when off or failed."""
         if self.retain is None:
             return None
@@ -120,6 +124,7 @@ class PublisherCore:
                 orphan_age=self.retain_orphan_age,
                 holders=holders,
                 apply=True,
+                grace=self.retain_grace,
             )
         except HotloadError as err:
             log.warning("gc after publishing skipped, nothing deleted this time: %s", err)

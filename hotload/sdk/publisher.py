@@ -44,7 +44,7 @@ from hotload.bucket import TransferResult, run_sync
 from hotload.errors import HotloadError
 from hotload.ledger import LedgerDocument, LedgerEntry, PromptCachePolicy
 from hotload.ledger.hints import prune_hints_async
-from hotload.ledger.retention import DEFAULT_ORPHAN_AGE
+from hotload.ledger.retention import DEFAULT_GRACE, DEFAULT_ORPHAN_AGE
 from hotload.sdk.checkpoint import checkpoint_names
 from hotload.sdk.cluster import Cluster, deployment_bucket
 from hotload.sdk.core import PublisherCore
@@ -84,7 +84,9 @@ class Publisher(PublisherCore):
     usable full copy of the ledger head on disk, download and rebuild it so the next publish
     can still be a delta (costs a full download; off by default, `hotload publish` turns it
     on). `retain=N`: after each successful publish, delete the snapshot folders nothing needs
-    any more (`hotload ledger gc --keep N --apply`, see `retain_async`).
+    any more (`hotload ledger gc --keep N --apply`, see `retain_async`); the files of entries it
+    drops from the ledger stay `retain_grace` longer (default 10 minutes), for loaders still
+    fetching them.
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class Publisher(PublisherCore):
         concurrency: int | None = None,
         retain: int | None = None,
         retain_orphan_age: timedelta = DEFAULT_ORPHAN_AGE,
+        retain_grace: timedelta = DEFAULT_GRACE,
     ) -> None:
         super().__init__(
             bucket_url,
@@ -127,6 +130,7 @@ class Publisher(PublisherCore):
             concurrency=concurrency,
             retain=retain,
             retain_orphan_age=retain_orphan_age,
+            retain_grace=retain_grace,
         )
         self.cast = cast
         self.side_files_from = side_files_from
