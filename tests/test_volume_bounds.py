@@ -6,6 +6,7 @@ Real folders, a real folder bucket, the real early fetch and materializer."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from hotload.ledger import Ledger
 from hotload.sdk import publish_folder_async, upload_hinted_async
 from hotload_sidecar.materialize import MaterializeError, Materializer
 from hotload_sidecar.prefetch import Prefetcher
+from hotload_sidecar.volume import Volume
 from hotload_sidecar.weights import WeightsFolder
 from support.snapshots import delta, flip_payload_byte, full, nudged, weights
 
@@ -93,3 +95,40 @@ async def test_a_failed_update_keeps_one_rebuilt_snapshot_and_reuses_it(tmp_path
         assert local.local() == {"s0", "d3"}, (attempt, sorted(local.local()))
         assert list(local.staging_root.iterdir()) == []
         assert list(local.downloads_root.iterdir()) == []
+
+
+@pytest.mark.asyncio
+async def test_a_compaction_under_way_is_shown_not_taken_for_a_leftover(tmp_path: Path) -> None:
+    """The soak saw `staging/.step-N.tmp-PID` while the loader said idle on step N: the deltas
+    of the served snapshot being folded into it in the background. The volume names that work
+    (`folding`, the status's `compacting`) while it runs, and nothing stays after it."""
+    ledger = Ledger(open_bucket(str(tmp_path / "bucket")), "policy")
+    base = weights(0)
+    s0 = full(tmp_path / "s0", base)
+    await publish_folder_async(ledger, s0)
+    local = WeightsFolder(tmp_path / "weights")
+    local.prepare()
+    materializer = Materializer(ledger.bucket, local, threads=1)
+    await materializer.build((await ledger.read_async()).document, "s0")
+    local.switch("s0")
+    prev = s0
+    for step in (1, 2):
+        target = full(tmp_path / "fulls" / f"f{step}", nudged(base, step))
+        folder = delta(prev, target, tmp_path / f"d{step}")
+        await publish_folder_async(ledger, folder)
+        shutil.copytree(folder, tmp_path / "kept" / folder.name)
+        local.commit_delta(tmp_path / "kept" / folder.name, folder.name)  # as sparse loads do
+        prev = target.rename(tmp_path / "fulls" / f"d{step}")
+    document = (await ledger.read_async()).document
+    volume = Volume(local, materializer, compact_fraction=0.01)
+    assert volume.folding is None and volume.compaction_due(document, "d2")
+    finished: list[tuple[str, BaseException | None]] = []
+
+    async def done(identity: str, error: BaseException | None) -> None:
+        finished.append((identity, error))
+
+    volume.start_compaction(document, "d2", done)
+    assert volume.folding == "d2"
+    await volume.settle()
+    assert finished == [("d2", None)] and volume.folding is None
+    assert local.has("d2") and list(local.staging_root.iterdir()) == []

@@ -46,6 +46,8 @@ async def _status(request: web.Request) -> web.Response:
     doc["current"] = loader.weights.current()
     doc["on_disk"] = sorted(loader.weights.local())
     doc["deltas_on_disk"] = sorted(loader.weights.local_deltas())
+    # Background work the state does not show: folding the deltas into a snapshot, in staging.
+    doc["compacting"] = loader.volume.folding
     events = request.app[EVENTS]
     if events is not None:
         doc["events"] = events.events

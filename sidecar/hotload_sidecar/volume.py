@@ -85,6 +85,8 @@ class Volume:
         self.materializer = materializer
         self.compact_fraction = compact_fraction
         self._compaction: asyncio.Task[None] | None = None
+        #: The snapshot a compaction under way builds (its folder is in `.hotload/staging`).
+        self._folding: str | None = None
         #: The deltas a compaction under way reads (never collected meanwhile).
         self._compacting: set[str] = set()
 
@@ -173,6 +175,12 @@ class Volume:
         """Whether a compaction runs now."""
         return self._compaction is not None and not self._compaction.done()
 
+    @property
+    def folding(self) -> str | None:
+        """The snapshot a compaction under way builds in `.hotload/staging` while the loader is
+        otherwise idle (the status shows it as `compacting`), or None."""
+        return self._folding if self.compacting else None
+
     def start_compaction(
         self,
         document: LedgerDocument,
@@ -185,6 +193,7 @@ class Volume:
         if pos is None or not pos.deltas:
             return
         self._compacting = {e.identity for e in pos.deltas}
+        self._folding = identity
 
         async def run() -> None:
             error: BaseException | None = None
@@ -194,6 +203,7 @@ class Volume:
                 error = err
             finally:
                 self._compacting = set()
+                self._folding = None
             await done(identity, error)
 
         log.info("compacting %d delta(s) into %s", len(pos.deltas), identity)
