@@ -65,21 +65,21 @@ MODULES: tuple[Module, ...] = (
     # In-process loaders only: a loader in a process of its own imports the unmutated code.
     # test_volume.py runs `Volume` on a real folder and ledger; test_sidecar_flow.py drives the
     # update flow and its paths with a real loader and reference engine in the test's process.
-    Module("volume", "hotload_sidecar/volume.py", ("tests/test_volume.py",)),
-    Module(
-        "updates",
-        "hotload_sidecar/updates.py",
-        ("tests/test_sidecar_flow.py",),
-    ),
+    # From the fork server: the loader's tests start the materializer's and the codec's
+    # threads (a worker forked after them timed out on every mutant).
+    Module("volume", "hotload_sidecar/volume.py", ("tests/test_volume.py",), "forkserver"),
+    Module("updates", "hotload_sidecar/updates.py", ("tests/test_sidecar_flow.py",), "forkserver"),
     Module(
         "chained",
         "hotload_sidecar/chained.py",
         ("tests/test_sidecar_flow.py", "tests/test_sidecar_pipeline.py"),
+        "forkserver",
     ),
     Module(
         "ahead",
         "hotload_sidecar/ahead.py",
         ("tests/test_sidecar_flow.py", "tests/test_sidecar_pipeline.py"),
+        "forkserver",
     ),
     # test_arc_patch.py reads patch files the writer made and damaged ones; test_patch_mutants.py
     # every field and check of the reader.
