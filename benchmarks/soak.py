@@ -1,12 +1,15 @@
-"""The soak (issue 36, first version): a trainer publishing `--steps` steps (a full snapshot every
-25) to a real SeaweedFS, replicas (loader + reference engine) following it, retention after every
-publish, and overlapping faults from a seeded schedule; every check with its figures.
+"""The soak (issue 36): a trainer publishing `--steps` steps (a full snapshot every 25) to a real
+SeaweedFS, replicas (loader + reference engine) following it, retention after every publish, the
+operator's two replicas on a real API server (a HotLoadDeployment on the soak's ledger, the
+loaders reporting to its pods and following its head handoff), and overlapping faults from a
+seeded schedule (the API server restarted, the operator's leader killed and frozen among them);
+every check with its figures.
 
     .venv/bin/python benchmarks/soak.py --steps 300 --seed 0
 
 writes benchmarks/RESULTS-soak.md (`--out`) and the raw figures beside it (`.json`). The engine
 of it is tests/support/soak.py; tests/test_soak.py runs a short form of it in `make test`.
-Not in this version: the operator and the API server (their faults), a vLLM replica.
+Not in this version: a vLLM replica.
 """
 
 from __future__ import annotations
@@ -51,17 +54,20 @@ def markdown(run: SoakRun, report: Report, command: str) -> str:
         "",
         f"{cfg.steps} steps published by a trainer process (SDK `Publisher`, full snapshot every "
         f"{cfg.full_every}, `retain={cfg.retain}`) to SeaweedFS; {cfg.replicas} replicas "
-        "(`python -m hotload_sidecar` polling the origin + `hotload serve`, default options); "
-        f"outages of {cfg.outage_seconds:g} s. Model: a tiny Llama, "
+        "(`python -m hotload_sidecar --report kubernetes --deployment policy` + `hotload serve`, "
+        "default options), each reporting to a pod of the HotLoadDeployment `policy` on a real "
+        "kube-apiserver (`../shared/k8s`, started for the soak; the soak plays the kubelet: a "
+        "pod's Ready is its engine's /ready and the loader's SnapshotLoaded) and following its "
+        "HotLoadHead; two operator processes (`python -m hotload_operator`, leader election on "
+        "one Lease: 8 s lease, 6 s renew deadline). SeaweedFS outages of "
+        f"{cfg.outage_seconds:g} s, API server outages of {cfg.apiserver_outage_seconds:g} s. "
+        "Model: a tiny Llama, "
         f"{run.base_bytes / 2**20:.1f} MiB of float32 tensors; each step changes 0.5% of three "
         f"tensors (the embedding always). Wall time {run.wall_seconds / 60:.1f} min.",
         "",
-        "Not in this version (they come next): the operator's two replicas on the real API "
-        "server and their faults (API server restarted, leader killed, leader frozen past its "
-        "renew deadline), a vLLM CPU replica, Events per object. Loaders run without a cluster "
-        "(no `--deployment`): they poll the origin, and retention cannot see what replicas "
-        "serve (the Publisher's `retain=` without a deployment keeps the last entries and the "
-        "chain from the latest full snapshot only).",
+        "Not in this version: a vLLM CPU replica (`--vllm` is not built yet). Retention is the "
+        "trainer's Publisher `retain=` (no `--deployment` given to it: it keeps the last entries "
+        "and the chain from the latest full snapshot, not what replicas serve).",
         "",
         f"**{met} of {len(report.checks)} checks met.**",
         "",
@@ -130,8 +136,27 @@ def markdown(run: SoakRun, report: Report, command: str) -> str:
     ]
     for k, v in report.figures["idle_cpu_percent"].items():
         lines.append(f"| {k} | {v} |")
+    lines += _cluster_lines(report)
     lines.append("")
     return "\n".join(lines)
+
+
+def _cluster_lines(report: Report) -> list[str]:
+    """The control plane's figures: leader changes, Events per object."""
+    if "events" not in report.figures:
+        return []
+    events = report.figures["events"]
+    lines = ["", "## Control plane", ""]
+    lines += [f"- {d}" for d in report.figures.get("deposals", [])]
+    lines += [
+        f"- HotLoadDeployment status looked at {report.figures.get('operator_status_looks')} "
+        "times (one per step while the API server answered).",
+        f"- Events at the end: {events['total']}, highest count {events['max_count']}; per "
+        "object: " + ", ".join(f"{k} {v}" for k, v in events["per_object"].items()) + ".",
+    ]
+    if report.figures.get("processes_not_judged"):
+        lines.append("- Not judged: " + "; ".join(report.figures["processes_not_judged"]) + ".")
+    return lines
 
 
 def figures(run: SoakRun, report: Report) -> dict[str, Any]:
@@ -162,6 +187,12 @@ def main() -> int:
     ap.add_argument("--retain", type=int, default=8, help="the Publisher's retain= (gc --keep)")
     ap.add_argument("--outage-seconds", type=float, default=30.0, help="SeaweedFS stopped for")
     ap.add_argument("--idle-seconds", type=float, default=30.0, help="idle CPU window")
+    ap.add_argument(
+        "--apiserver-outage-seconds",
+        type=float,
+        default=15.0,
+        help="kube-apiserver stopped for (default 15)",
+    )
     ap.add_argument("--out", type=Path, default=HERE / "RESULTS-soak.md", help="results file")
     ap.add_argument("--workdir", type=Path, help="keep the run's files here (default: temporary)")
     ap.add_argument(
@@ -187,6 +218,7 @@ def main() -> int:
             retain=args.retain,
             outage_seconds=args.outage_seconds,
             idle_seconds=args.idle_seconds,
+            apiserver_outage_seconds=args.apiserver_outage_seconds,
         )
         run = run_soak(cfg)
         if args.workdir is not None:

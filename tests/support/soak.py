@@ -1,13 +1,14 @@
 """The soak: a trainer process publishing hundreds of steps to a real SeaweedFS, replicas (loader
-`python -m hotload_sidecar` + reference engine `hotload serve`) following it without a cluster,
-retention after every publish, and a seeded schedule of overlapping faults (`soak_faults`).
+`python -m hotload_sidecar` + reference engine `hotload serve`) following it, retention after
+every publish, the operator's two replicas on a real API server (`soak_cluster`: a
+HotLoadDeployment on the soak's ledger, one pod per replica that its loader reports to and whose
+head handoff it follows), and a seeded schedule of overlapping faults (`soak_faults`).
 
 `run_soak(SoakConfig(...))` runs it and returns a `SoakRun`: everything measured, per step and
 per replica, which `soak_checks.evaluate` turns into the checks. `benchmarks/soak.py` is the
 long form (results to RESULTS-soak.md), `tests/test_soak.py` the short one.
 
-Not in this version (they come next): the operator and the API server (and their faults), a
-vLLM replica.
+Not in this version: a vLLM replica.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import queue
 import random
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +32,7 @@ from typing import Any
 from support.fleet import PROMPT_IDS, Replica, http_json
 from support.paths import REPO
 from support.seaweedfs import SeaweedFS
+from support.soak_cluster import ClusterRecord, ClusterSample, Deposal, SoakCluster
 from support.soak_faults import Fault, schedule
 from support.soak_trainer import identity as step_identity
 
@@ -53,6 +56,8 @@ class SoakConfig:
     #: Chance per step of comparing one replica's served weights with the trainer's.
     spot_check_rate: float = 0.15
     converge_timeout: float = 600.0
+    #: The API server stopped for this long per `apiserver_restart`.
+    apiserver_outage_seconds: float = 10.0
 
 
 @dataclass
@@ -92,6 +97,8 @@ class Sample:
     bucket_objects: int | None = None
     bucket_bytes: int | None = None
     bucket_folders: list[str] | None = None
+    #: The HotLoadDeployment and the Lease's holder, read before the loaders' statuses.
+    cluster: ClusterSample | None = None
 
 
 @dataclass
@@ -135,6 +142,10 @@ class SoakRun:
     #: Why the soak stopped before its last step (None: it ran to the end).
     aborted: str | None = None
     base_bytes: int = 0
+    #: What the control plane showed (the operator's status, leader changes, Events).
+    cluster: ClusterRecord | None = None
+    #: replica -> its pod's name.
+    pods: dict[str, str] = field(default_factory=dict)
 
 
 # --- /proc ------------------------------------------------------------------------------------
@@ -322,6 +333,13 @@ class Soak:
         self.store: Any = None
         #: The step and time an outage began, until the store is started again.
         self.outage: tuple[int, float] | None = None
+        self.cluster: SoakCluster | None = None
+        #: The step and time the API server was stopped, until it is started again.
+        self.api_outage: tuple[int, float] | None = None
+        #: Operator identities a fault keeps down (not restarted by `supervise`).
+        self.operators_down: set[str] = set()
+        #: The frozen leader's deposal, until it is woken.
+        self.frozen: Deposal | None = None
 
     # --- set-up and tear-down --------------------------------------------------------------
 
@@ -343,8 +361,15 @@ class Soak:
         (root / "trainer").mkdir(parents=True, exist_ok=True)
         self.trainer.start()
         self.publish(0)
+        self.cluster = SoakCluster(root, env, url, self.cfg.replicas)
+        self.run.cluster = self.cluster.record
+        pods = self.cluster.start()
         for i in range(self.cfg.replicas):
-            self.replicas.append(Replica(f"r{i}", root / f"r{i}", f"{url}/policy", env))
+            args = self.cluster.loader_args(pods[i], root / f"r{i}")
+            self.replicas.append(
+                Replica(f"r{i}", root / f"r{i}", f"{url}/policy", env, loader_args=args)
+            )
+            self.run.pods[f"r{i}"] = pods[i]
         for r in self.replicas:
             r.start_loader()
         for r in self.replicas:
@@ -364,6 +389,8 @@ class Soak:
             r.stop()
         if self.trainer is not None:
             self.trainer.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
         if self.seaweed is not None:
             self.seaweed.stop()
 
@@ -431,6 +458,8 @@ class Soak:
             self.run.fault_log.append(
                 f"step {step}: SeaweedFS stopped for {self.cfg.outage_seconds:g}s"
             )
+        elif fault.kind in ("apiserver_restart", "leader_kill", "leader_freeze"):
+            self._begin_cluster(fault, step)
         elif fault.kind == "volume_full" and r is not None and r.loader is not None:
             limit = (r.root / "loader.log").stat().st_size + 512 * 1024
             _, hard = resource.prlimit(r.loader.pid, resource.RLIMIT_FSIZE)
@@ -440,14 +469,53 @@ class Soak:
                 f"step {step}: {r.name} loader limited to {limit} bytes per file (EFBIG)"
             )
 
+    def _begin_cluster(self, fault: Fault, step: int) -> None:
+        assert self.cluster is not None
+        log = self.run.fault_log
+        if fault.kind == "apiserver_restart":
+            self.cluster.stop_apiserver()
+            self.api_outage = (step, time.monotonic())
+            log.append(
+                f"step {step}: kube-apiserver stopped for {self.cfg.apiserver_outage_seconds:g}s"
+            )
+            return
+        leader = self.cluster.leader()
+        if leader is None or not leader.alive():
+            log.append(f"step {step}: {fault.kind}: no operator process holds the Lease")
+            return
+        deposal = Deposal(fault.kind, step, leader.identity, time.time())
+        self.cluster.record.deposals.append(deposal)
+        if fault.kind == "leader_kill":
+            leader.signal(signal.SIGKILL)
+            self.operators_down.add(leader.identity)
+            log.append(f"step {step}: operator leader {leader.identity} SIGKILLed")
+        else:
+            leader.signal(signal.SIGSTOP)
+            self.frozen = deposal
+            log.append(f"step {step}: operator leader {leader.identity} SIGSTOPped")
+
+    def _wake(self, why: str) -> None:
+        """SIGCONT the frozen leader."""
+        assert self.cluster is not None and self.frozen is not None
+        op = self.cluster.operators[self.frozen.identity]
+        op.signal(signal.SIGCONT)
+        self.frozen.woken_at = time.time()
+        frozen_for = self.frozen.woken_at - self.frozen.at
+        self.run.fault_log.append(
+            f"operator {self.frozen.identity} SIGCONTed after {frozen_for:.1f}s frozen: {why}"
+        )
+        self.frozen = None
+
     def start_engine(self, r: Replica) -> None:
         """Start `r`'s engine (from `weights/current`, as its container would), noting when."""
         self.run.engine_starts.setdefault(r.name, []).append(time.monotonic())
         r.start_engine()
 
     def tick(self) -> None:
-        """Start the stopped store again once its outage is over. Called from the main thread
-        only: the server dies with the thread that started it (PR_SET_PDEATHSIG)."""
+        """Start the stopped store and API server again once their outages are over, wake a
+        frozen leader once the standby leads. Called from the main thread only: the store dies
+        with the thread that started it (PR_SET_PDEATHSIG)."""
+        self._tick_cluster()
         if self.outage is None:
             return
         step, began = self.outage
@@ -468,6 +536,23 @@ class Soak:
             f"SeaweedFS back after {time.monotonic() - began:.1f}s (outage of step {step})"
         )
 
+    def _tick_cluster(self) -> None:
+        if self.cluster is None:
+            return
+        if self.api_outage is not None:
+            step, began = self.api_outage
+            if time.monotonic() - began >= self.cfg.apiserver_outage_seconds:
+                took = self.cluster.start_apiserver()
+                self.api_outage = None
+                self.run.fault_log.append(
+                    f"kube-apiserver back after {time.monotonic() - began:.1f}s (stopped at step "
+                    f"{step}; {took:.1f}s to ready)"
+                )
+        if self.frozen is not None and self.api_outage is None:
+            now = self.cluster.holder()
+            if now and now != self.frozen.identity:
+                self._wake(f"{now} holds the Lease")
+
     def end(self, fault: Fault, step: int) -> None:
         """End `fault`: start what was killed, lift the limit."""
         r = None if fault.replica is None else self.replicas[fault.replica]
@@ -479,6 +564,17 @@ class Soak:
             if r.engine is None or r.engine.poll() is not None:
                 self.start_engine(r)
                 self.run.fault_log.append(f"step {step}: {r.name} engine started again")
+        elif fault.kind == "leader_kill" and self.cluster is not None:
+            for identity in sorted(self.operators_down):
+                self.cluster.operators[identity].start()
+                self.run.fault_log.append(f"step {step}: operator {identity} started again")
+            self.operators_down.clear()
+        elif fault.kind == "leader_freeze" and self.frozen is not None:
+            # Not before the standby leads, unless the fault is over in steps: then at once,
+            # saying so (an API server down meanwhile keeps the Lease where it is).
+            self._tick_cluster()
+            if self.frozen is not None:
+                self._wake("the fault ended before the standby took the Lease")
         elif fault.kind == "volume_full" and fault.replica is not None:
             pid = self.limited.pop(fault.replica, None)
             if pid is not None:
@@ -524,6 +620,15 @@ class Soak:
     def sample(self, step: int, active: list[Fault]) -> None:
         """Processes, volumes, staging, statuses and the bucket after publishing `step`."""
         s = Sample(step, time.monotonic())
+        if self.cluster is not None:
+            self.cluster.supervise(self.run.fault_log, step, self.operators_down)
+            self.cluster.kubelet({self.run.pods[r.name]: r.engine_url for r in self.replicas})
+            # Before the loaders' statuses: what the operator's status names was served by then.
+            s.cluster = self.cluster.sample()
+            for name, pid in self.cluster.processes().items():
+                usage = proc_usage(pid)
+                if usage is not None:
+                    s.procs[name] = (pid, *usage)
         for r in self.replicas:
             for what, proc in (("loader", r.loader), ("engine", r.engine)):
                 if proc is not None and proc.poll() is None:
@@ -617,6 +722,8 @@ class Soak:
             for what, proc in (("loader", r.loader), ("engine", r.engine)):
                 if proc is not None:
                     pids[f"{r.name}/{what}"] = proc.pid
+        if self.cluster is not None:
+            pids.update(self.cluster.processes())
         start = {k: cpu_ticks(p) for k, p in pids.items()}
         began = time.monotonic()
         time.sleep(self.cfg.idle_seconds)
@@ -639,6 +746,18 @@ class Soak:
             self.run.converged_seconds = time.monotonic() - began
         except AssertionError as err:
             self.run.converge_error = str(err)[:3000]
+        if self.cluster is not None:
+            # The kubelet's part goes on until the status shows the head, all Ready.
+            deadline = time.monotonic() + self.cfg.converge_timeout
+            began_status = time.monotonic()
+            while time.monotonic() < deadline:
+                self.cluster.kubelet({self.run.pods[r.name]: r.engine_url for r in self.replicas})
+                self.cluster.wait_head(head.identity, 2.0)
+                if self.cluster.record.final_error is None:
+                    self.cluster.record.final_seconds = time.monotonic() - began_status
+                    break
+            with contextlib.suppress(Exception):
+                self.cluster.events()
         for r in self.replicas:
             self.run.final_status[r.name] = self._status(r) or {}
             with contextlib.suppress(OSError):
@@ -678,7 +797,7 @@ def run_soak(cfg: SoakConfig) -> SoakRun:
             soak.run.aborted = f"{type(err).__name__}: {err}"[:3000]
         for f in active:
             soak.end(f, cfg.steps)
-        while soak.outage is not None:
+        while soak.outage is not None or soak.api_outage is not None:
             time.sleep(0.5)
             soak.tick()
         soak.converge()

@@ -13,7 +13,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from support import audit
+from support.audit import AuditLog
 from support.soak import Sample, SoakRun
+from support.soak_cluster import status_on
 
 #: Per process: the last window's median may exceed the first's by this much at most.
 GROWTH = 0.10
@@ -50,6 +53,13 @@ FAILED_KEEPS = (
     "it rebuilt on the way and the one its engine booted from until a later load succeeds and "
     "its gc runs: up to 5 full snapshots on the volume for a while (seen in the short form)"
 )
+LOADER_EVENTS_REPEAT = (
+    "the loader's Events are one per occurrence: its Role grants create only, so its "
+    "EventRecorder cannot raise a count (docs/operations.md, Events); they are bounded by the "
+    "API server's Event TTL (an hour), not by de-duplication"
+)
+#: Components whose EventRecorder may patch (raise `count` instead of a new Event).
+PATCHING_RECORDERS = ("hotload-operator",)
 #: Words a loader status uses when a fault stopped an update.
 CORRUPT_WORDS = ("checksum", "crc", "corrupt", "mismatch", "verif")
 FULL_WORDS = ("file too large", "no space", "efbig", "enospc")
@@ -111,6 +121,9 @@ def evaluate(run: SoakRun) -> Report:
     for part in (_head, _monotonic, _spot, _latency, _processes, _volume, _staging, _bucket):
         part(run, report)
     _faults(run, report)
+    if run.cluster is not None:
+        for cluster_part in (_operator_head, _never_lies, _fencing, _events):
+            cluster_part(run, report)
     report.figures["idle_cpu_percent"] = dict(run.idle_cpu)
     return report
 
@@ -293,7 +306,12 @@ def _processes(run: SoakRun, report: Report) -> None:
         _pid, seen = max(by_pid.items(), key=lambda kv: len(kv[1]))
         warm, n = windows(run, len(seen))
         if n < 5:
-            rss_bad.append(f"{key} sampled only {len(seen)} times in its longest life")
+            short = f"{key} sampled only {len(seen)} times in its longest life"
+            if key.endswith(("/loader", "/engine")):
+                rss_bad.append(short)
+            else:
+                # A control-plane process a fault restarted late: too short a life to judge.
+                report.figures.setdefault("processes_not_judged", []).append(short)
             continue
         a, b = seen[warm : warm + n], seen[-n:]
         rss0, rss1 = statistics.median(x[1] for x in a), statistics.median(x[1] for x in b)
@@ -315,8 +333,8 @@ def _processes(run: SoakRun, report: Report) -> None:
         loaders_only = bool(bad) and all("/loader:" in b for b in bad)
         report.checks.append(
             Check(
-                f"{what} of loaders and engines flat (per process: the median of its last "
-                f"samples within {GROWTH:.0%} of its first"
+                f"{what} of loaders, engines, operators and the API server flat (per "
+                f"process: the median of its last samples within {GROWTH:.0%} of its first"
                 + (f" or {FD_SLACK} fds" if what == "open fds" else "")
                 + f", after {run.config.full_every} steps of warm-up; 100 samples each in a "
                 "run of 300 steps)",
@@ -456,31 +474,54 @@ def _step_of(name: str) -> int:
     return int(found.group(1)) if found else -1
 
 
+def retain_grace_seconds() -> float:
+    """How long the Publisher's `retain=` keeps the files of an entry it dropped from the
+    ledger (`hotload.ledger.retention.DEFAULT_GRACE`, which the soak's trainer uses; none
+    before that setting existed)."""
+    from hotload.ledger import retention
+
+    grace = getattr(retention, "DEFAULT_GRACE", None)
+    return 0.0 if grace is None else float(grace.total_seconds())
+
+
 def _bucket(run: SoakRun, report: Report) -> None:
     cfg = run.config
-    folders_max = cfg.retain + cfg.full_every
+    grace = retain_grace_seconds()
+    kept = cfg.retain + cfg.full_every
     full = max(p.full_bytes for p in run.published.values() if p.kind == "full")
     delta = max((p.shipped_bytes for p in run.published.values() if p.kind != "full"), default=0)
-    bytes_max = 2 * full + folders_max * delta + BUCKET_METADATA
+    kept_bytes = 2 * full + kept * delta + BUCKET_METADATA
     bad = []
+    worst_bound = (0, 0)
     seen = [s for s in run.samples if s.bucket_folders is not None]
     for s in seen:
         assert s.bucket_folders is not None and s.bucket_bytes is not None
+        # What the ledger keeps, plus every step published within the grace (its files may
+        # stay that long after the ledger dropped it).
+        recent = [p for p in run.published.values() if s.time - grace <= p.done <= s.time]
+        folders_max = kept + len(recent)
+        bytes_max = kept_bytes + sum(p.shipped_bytes for p in recent)
+        worst_bound = max(worst_bound, (folders_max, bytes_max))
         if len(s.bucket_folders) > folders_max or s.bucket_bytes > bytes_max:
-            bad.append(f"step {s.step}: {len(s.bucket_folders)} folders, {s.bucket_bytes} bytes")
+            bad.append(
+                f"step {s.step}: {len(s.bucket_folders)} folders > {folders_max} or "
+                f"{s.bucket_bytes} bytes > {bytes_max}"
+            )
     report.figures["bucket"] = {
         "max_folders": max((len(s.bucket_folders or []) for s in seen), default=0),
         "max_objects": max((s.bucket_objects or 0 for s in seen), default=0),
         "max_bytes": max((s.bucket_bytes or 0 for s in seen), default=0),
         "last_objects": seen[-1].bucket_objects if seen else None,
         "last_bytes": seen[-1].bucket_bytes if seen else None,
-        "folders_bound": folders_max,
-        "bytes_bound": bytes_max,
+        "folders_bound": worst_bound[0],
+        "bytes_bound": worst_bound[1],
+        "grace_seconds": grace,
     }
     report.checks.append(
         Check(
-            f"bucket bounded by the retention in force (retain={cfg.retain}: at most "
-            f"{folders_max} snapshot folders, {bytes_max} bytes)",
+            f"bucket bounded by the retention in force (retain={cfg.retain}, a grace of "
+            f"{grace:g} s for dropped entries' files: at most {kept} snapshot folders and "
+            f"{kept_bytes} bytes plus the steps published within the grace)",
             bool(seen) and not bad,
             "; ".join(bad[:5]) or f"{len(seen)} listings",
         )
@@ -498,6 +539,9 @@ def _faults(run: SoakRun, report: Report) -> None:
         "volume_full": "EFBIG",
         "corrupt": "flipped in the bucket",
         "trainer_kill": "trainer SIGKILLed",
+        "apiserver_restart": "kube-apiserver back after",
+        "leader_kill": "operator leader",
+        "leader_freeze": "SIGCONTed after",
     }
     for kind in sorted(kinds):
         if expect[kind] not in log:
@@ -528,3 +572,168 @@ def _faults(run: SoakRun, report: Report) -> None:
 
 def _words(status: dict[str, Any]) -> str:
     return " ".join(str(status.get(k) or "") for k in ("reason", "last_error", "events")).lower()
+
+
+# --- the control plane ------------------------------------------------------------------------
+
+
+def _operator_head(run: SoakRun, report: Report) -> None:
+    cluster = run.cluster
+    assert cluster is not None
+    head = run.published[max(run.published)].identity
+    met = cluster.final_error is None and status_on(cluster.final_hld, head, len(run.served))
+    took = "" if cluster.final_seconds is None else f" {cluster.final_seconds:.1f}s after the fleet"
+    report.checks.append(
+        Check(
+            "the HotLoadDeployment's status reaches the head with every replica Ready",
+            met,
+            cluster.final_error
+            or f"currentSnapshot {head}, {len(run.served)} replicas Ready on it{took}",
+        )
+    )
+
+
+def _named(hld: dict[str, Any]) -> set[str]:
+    """The snapshots a HotLoadDeployment's status says are served."""
+    status = hld.get("status") or {}
+    names = {str(r["snapshot"]) for r in status.get("replicaStatuses") or [] if r.get("snapshot")}
+    if status.get("currentSnapshot"):
+        names.add(str(status["currentSnapshot"]))
+    return names
+
+
+def _never_lies(run: SoakRun, report: Report) -> None:
+    """Every snapshot the status names as served was served by some replica by the time the
+    status was read: a client got an answer from it, or a loader said its engine served it
+    (at a look up to that one; the loaders are looked at right after the status is read)."""
+    by_step = {p.step: p.identity for p in run.published.values()}
+    answers = sorted(
+        (t, by_step.get(s, f"step {s}")) for seen in run.served.values() for t, s in seen
+    )
+    served: set[str] = set()
+    i = 0
+    lies: list[str] = []
+    looks = 0
+    for s in run.samples:
+        for doc in s.status.values():
+            if doc.get("identity"):
+                served.add(str(doc["identity"]))
+        if s.cluster is None or s.cluster.hld is None:
+            continue
+        while i < len(answers) and answers[i][0] <= s.cluster.read:
+            served.add(answers[i][1])
+            i += 1
+        looks += 1
+        never = sorted(_named(s.cluster.hld) - served)
+        if never:
+            lies.append(f"step {s.step}: names {never}, served by then: none of them")
+    report.figures["operator_status_looks"] = looks
+    report.checks.append(
+        Check(
+            "the operator's status never names a snapshot no replica served (each step)",
+            looks > 0 and not lies,
+            "; ".join(lies[:5]) + (f" ({len(lies)} of {looks} looks)" if lies else "")
+            or f"{looks} looks at the HotLoadDeployment's status",
+        )
+    )
+
+
+def _fencing(run: SoakRun, report: Report) -> None:
+    """A deposed leader writes nothing (the Lease aside) from its successor's taking of the
+    Lease until it takes the Lease again itself."""
+    cluster = run.cluster
+    assert cluster is not None
+    if cluster.audit_log is None or not cluster.audit_log.exists():
+        report.checks.append(Check("a deposed leader writes nothing", False, "no audit log"))
+        return
+    log = AuditLog(cluster.audit_log)
+    log.read()
+    events = sorted(
+        (e for e in log.events if audit.namespace(e) == cluster.namespace and audit.is_write(e)),
+        key=audit.seconds,
+    )
+    leases = [e for e in events if (e.get("objectRef") or {}).get("resource") == "leases"]
+    problems: list[str] = []
+    seen: list[str] = []
+    for d in cluster.deposals:
+        took = next(
+            (e for e in leases if audit.seconds(e) > d.at
+             and audit.replica(e) not in ("", d.identity) and audit.code(e) < 300),
+            None,
+        )  # fmt: skip
+        if took is None:
+            problems.append(
+                f"{d.how} of {d.identity} at step {d.step}: no other replica took the Lease"
+            )
+            continue
+        d.successor = audit.replica(took)
+        start = audit.seconds(took)
+        back = next(
+            (audit.seconds(e) for e in leases if audit.seconds(e) > start
+             and audit.replica(e) == d.identity and audit.code(e) < 300),
+            float("inf"),
+        )  # fmt: skip
+        deposed = [
+            e for e in events
+            if audit.replica(e) == d.identity and start < audit.seconds(e) < back
+        ]  # fmt: skip
+        late = [e for e in deposed if (e.get("objectRef") or {}).get("resource") != "leases"]
+        refused = [e for e in deposed if e not in late]
+        seen.append(
+            f"{d.how} of {d.identity} at step {d.step}: {d.successor} took the Lease "
+            f"{start - d.at:.1f}s later; {len(refused)} Lease writes of the deposed refused"
+        )
+        if late:
+            kinds = sorted({f"{audit.kind(e)} ({audit.code(e)})" for e in late})
+            problems.append(
+                f"{d.how} of {d.identity} at step {d.step}: {len(late)} writes after "
+                f"{d.successor} took the Lease: {kinds[:6]}"
+            )
+    report.figures["deposals"] = seen
+    report.checks.append(
+        Check(
+            "a deposed leader writes nothing after the new leader took the Lease (audit log)",
+            bool(cluster.deposals) and not problems,
+            "; ".join(problems) or "; ".join(seen) or "no leader was deposed",
+        )
+    )
+
+
+def _events(run: SoakRun, report: Report) -> None:
+    """At most one Event object per (object, type, reason, message, reporting instance) from a
+    recorder that may raise counts (hotload.kube.events.EventRecorder: a repeat bumps
+    `count`); Events per object are reported."""
+    cluster = run.cluster
+    assert cluster is not None
+    per_object: dict[str, int] = {}
+    keys: dict[tuple[str, ...], int] = {}
+    for e in cluster.events:
+        per_object[e["object"]] = per_object.get(e["object"], 0) + 1
+        key = (e["uid"], e["object"], e["type"], e["reason"], e["message"], e["component"],
+               e["instance"])  # fmt: skip
+        keys[key] = keys.get(key, 0) + 1
+    repeats = {k: n for k, n in keys.items() if n > 1}
+    operator = [k for k in repeats if k[5] in PATCHING_RECORDERS]
+    others = [k for k in repeats if k[5] not in PATCHING_RECORDERS]
+    report.figures["events"] = {
+        "total": len(cluster.events),
+        "per_object": dict(sorted(per_object.items())),
+        "max_count": max((int(e["count"]) for e in cluster.events), default=0),
+        "repeated_objects": {f"{k[1]} {k[3]} ({k[5]})": n for k, n in repeats.items()},
+    }
+    what = (
+        f"{len(cluster.events)} Events on {len(per_object)} objects, at most "
+        f"{max(per_object.values(), default=0)} per object"
+    )
+    detail = "; ".join(
+        f"{n} Events {k[1]} {k[3]} from {k[5]} {k[6]}" for k, n in list(repeats.items())[:5]
+    )
+    report.checks.append(
+        Check(
+            "Events per object bounded: one Event per (object, reason, message, reporter) "
+            "whose repeats raise its count",
+            bool(cluster.events) and not repeats,
+            f"{detail} ({what})" if repeats else what,
+            LOADER_EVENTS_REPEAT if others and not operator else None,
+        )
+    )

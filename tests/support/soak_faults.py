@@ -7,15 +7,32 @@ started again on the same data), `volume_full` (the loader's writes fail with EF
 RLIMIT_FSIZE, as a full volume fails them with ENOSPC, for `steps` steps), `corrupt` (one byte
 of the step's largest published payload flipped in the bucket, in force until the next full
 snapshot replaces the chain) and `trainer_kill` (the trainer SIGKILLed mid-publish and started
-again, to publish the same step).
+again, to publish the same step); on the control plane (`support.soak_cluster`):
+`apiserver_restart` (kube-apiserver stopped and started again on the same etcd after a number
+of seconds), `leader_kill` (the operator holding the Lease SIGKILLed, started again `steps`
+later as the kubelet would) and `leader_freeze` (the lease holder SIGSTOPped past its renew
+deadline and SIGCONTed once the standby took the Lease).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
-KINDS = ("loader_kill", "engine_kill", "seaweed_down", "volume_full", "corrupt", "trainer_kill")
+KINDS = (
+    "loader_kill",
+    "engine_kill",
+    "seaweed_down",
+    "volume_full",
+    "corrupt",
+    "trainer_kill",
+    "apiserver_restart",
+    "leader_kill",
+    "leader_freeze",
+)
+#: Kinds that act on the operator's leader: never two at once (each needs a standby to lead).
+LEADER_KINDS = ("leader_kill", "leader_freeze")
 
 
 @dataclass
@@ -61,7 +78,8 @@ def schedule(steps: int, seed: int, full_every: int, replicas: int) -> list[Faul
                 length = full_every - start % full_every
             else:
                 start = rng.randint(lo, hi)
-                length = 1 if kind in ("trainer_kill", "seaweed_down") else rng.randint(2, 5)
+                once = ("trainer_kill", "seaweed_down", "apiserver_restart")
+                length = 1 if kind in once else rng.randint(2, 5)
             replica = rng.randrange(replicas) if kind in ("loader_kill", "engine_kill") else None
             faults.append(Fault(kind, start, length, replica))
     # A full volume shows only on a loader that writes: on a replica no kill touches meanwhile.
@@ -79,4 +97,9 @@ def schedule(steps: int, seed: int, full_every: int, replicas: int) -> list[Faul
     first_outage = min((f for f in faults if f.kind == "seaweed_down"), key=lambda f: f.start)
     first_kill = min((f for f in faults if f.kind == "loader_kill"), key=lambda f: f.start)
     first_kill.start = first_outage.start
+    # One leader fault at a time: a later one moves past the earlier's end (and its restart).
+    leaders = sorted((f for f in faults if f.kind in LEADER_KINDS), key=lambda f: f.start)
+    for a, b in itertools.pairwise(leaders):
+        if b.start < a.start + a.steps + 2:
+            b.start = min(a.start + a.steps + 2, hi)
     return sorted(faults, key=lambda f: (f.start, f.kind))
