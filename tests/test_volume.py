@@ -215,7 +215,7 @@ def test_compaction_folds_the_deltas_into_a_full_snapshot(tmp_path: Path, publis
     volume = _holding(tmp_path, published, ["s1", "s2"], fraction=1e-9)
     doc = published.document()
     ended: list[tuple[str, BaseException | None]] = []
-    during: list[tuple[bool, set[str], bool]] = []
+    during: list[tuple[bool, str | None, set[str], bool]] = []
 
     async def done(identity: str, error: BaseException | None) -> None:
         ended.append((identity, error))
@@ -224,14 +224,19 @@ def test_compaction_folds_the_deltas_into_a_full_snapshot(tmp_path: Path, publis
         volume.start_compaction(doc, "s2", done)
         # Under way: the deltas it reads are kept, and no second one starts.
         during.append(
-            (volume.compacting, volume.wanted_deltas(doc, []), volume.compaction_due(doc, "s2"))
+            (
+                volume.compacting,
+                volume.folding,
+                volume.wanted_deltas(doc, []),
+                volume.compaction_due(doc, "s2"),
+            )
         )
         await volume.settle()
 
     asyncio.run(scenario())
-    assert during == [(True, {"s1", "s2"}, False)]
+    assert during == [(True, "s2", {"s1", "s2"}, False)]
     assert ended == [("s2", None)]
-    assert not volume.compacting
+    assert not volume.compacting and volume.folding is None
     assert volume.wanted_deltas(doc, []) == set()
     assert volume.weights.has("s2")
     want = _tensors(published.fulls / "s2")
