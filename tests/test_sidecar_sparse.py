@@ -139,22 +139,21 @@ def test_deltas_of_the_served_snapshot_are_patched_in_place(
     r.wait_serving("step-002")
     assert _listing(r.weights / "deltas") == ["step-001", "step-002"]
 
-    # 2. The engine restarts: it boots `current`, step-000; the loader patches it forward to
-    # step-002 in one patch of the two deltas on the volume, fetching nothing.
+    # 2. The engine restarts: it boots `current`, step-000, and writes in the two deltas the
+    # volume holds after it before it serves (never back to step-000: hotload/engine/boot.py);
+    # the loader finds it serving step-002, which the volume holds, and loads nothing.
+    fetched = metric(r.metrics(), "hotload_loader_bytes_fetched_total")
     r.kill_engine()
     wait_for("the engine seen down", lambda: r.status()["reason"] == "EngineUnavailable", 60)
     r.start_engine()
-    status = wait_for(
-        "step-002 patched again",
-        lambda: (
-            (s := r.status())["identity"] == "step-002"
-            and s["state"] == "idle"
-            and s["last_load"]["skipped"] == 1
-            and s
-        ),
+    wait_for(
+        "step-002 served again",
+        lambda: (s := r.status())["identity"] == "step-002" and s["state"] == "idle" and s["ready"],
         180,
     )
-    assert status["last_load"]["method"] == "sparse" and status["last_load"]["bytes_fetched"] == 0
+    restarted = _engine_status(r)
+    assert restarted["identity"] == "step-002" and restarted["loads"] == 0, restarted
+    assert metric(r.metrics(), "hotload_loader_bytes_fetched_total") == fetched
     assert tokens(r) == ("tiny@step-002", greedy_token_ids(steps[2], PROMPT_IDS, 8))
 
     # 3. The loader restarts (told to fold the deltas as soon as there are any): it resumes

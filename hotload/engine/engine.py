@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from hotload._extras import needs_extra
+from hotload.engine.boot import boot_forward, volume_deltas
 from hotload.engine.config import EngineConfig
 from hotload.engine.metrics import EngineMetrics
 from hotload.engine.protocol import (
@@ -102,6 +103,8 @@ class Engine:
         self.last_error: str | None = None
         self.sync_gate: ServedSnapshot | None = None  # the target of a SYNC swap in progress
         self._start_task: asyncio.Task[None] | None = None
+        #: What the engine does before it serves, after its weights loaded (booting forward).
+        self.boot_note: str | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -146,6 +149,18 @@ class Engine:
             scrub_period=cfg.scrub_period_seconds,
         )
         self.patches.loaded(cfg.model_path)
+        if volume_deltas(cfg.model_path) is not None:
+            # Not ready until it serves what the replica served: the deltas the loader kept on
+            # the volume after the snapshot it booted (a restart must not go back in time).
+            self.boot_note = f"applying the deltas on the volume after {served.identity}"
+            try:
+                forward = await asyncio.to_thread(
+                    boot_forward, cfg.model_path, served.identity, self.patches
+                )
+            finally:
+                self.boot_note = None
+            if forward is not None:
+                served = ServedSnapshot(forward, cfg.sequence)
         self.scheduler = Scheduler(
             runner,
             worker_codec,
@@ -188,6 +203,8 @@ class Engine:
     def ready(self) -> tuple[bool, str]:
         """Readiness and why not: weights loaded and no SYNC swap refusing requests."""
         if self.scheduler is None:
+            if self.boot_note is not None:
+                return False, self.boot_note
             return False, "the initial weights are not loaded yet"
         if self.sync_gate is not None:
             return False, f"a SYNC swap to {self.sync_gate.identity} is in progress"
@@ -239,7 +256,8 @@ class Engine:
             raise ApiError(
                 503,
                 "not_ready",
-                "the engine is still loading its initial weights",
+                "the engine is still loading its initial weights"
+                + (f" ({self.boot_note})" if self.boot_note else ""),
                 headers={"Retry-After": RETRY_AFTER_SECONDS},
             )
         if self.sync_gate is not None:
