@@ -9,6 +9,8 @@ log the witness (and the bucket for ledger appends and pins):
 - two operator processes: the leader frozen (SIGSTOP) past its renew deadline while the standby
   takes over and the spec changes, then woken (SIGCONT), sends no write after the new leader's
   first before it exits;
+- the same with the leader cut off from the API server by a partition that holds what it sent
+  (as TCP retransmits it) until it heals: nothing held arrives after the new leader's first write;
 - the Fireworks-compatible API reads the caches (no LIST per GET), and a standby refuses its
   writes with 503 naming the leader.
 """
@@ -22,17 +24,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import kopf
 import pytest
+import yaml
 from aiohttp.test_utils import TestServer
 
+from hotload.api.names import GROUP, HEAD_PLURAL, VERSION
 from hotload.bucket import open_bucket
 from hotload.errors import KubeError
 from hotload.kube import KubeClient, KubeConfig, resource_path
 from hotload.kube.events import involved_object
 from hotload.ledger import Ledger
+from hotload.sdk import publish_folder_async
 from hotload_operator import apply, handlers, reconcile
 from hotload_operator.fence import NotLeadingError, WriteFence, fenced_request_class
 from hotload_operator.fireworks import PATH, create_app
@@ -57,6 +63,7 @@ from support.operator import (
 from support.operator import get_or_none as get
 from support.operator_replicas import LEASE_SECONDS, audit_log, holder, mine, replicas
 from support.operator_replicas import OperatorReplica as Replica
+from support.partition import Partition
 from support.snapshots import full, upload, weights
 
 JSON = dict[str, Any]
@@ -446,3 +453,92 @@ async def test_the_fireworks_api_reads_the_caches_and_a_standby_refuses_writes(
                 and audit.seconds(e) > started
             ]
             assert not lists, [audit.kind(e) for e in lists]
+
+
+@pytest.mark.asyncio
+async def test_a_leader_cut_off_from_the_api_server_writes_nothing_once_it_heals(
+    real_kube_api: KubeAPI, tmp_path: Path
+) -> None:
+    """The leader's connections to the API server go through a partition (tests/support/
+    partition.py) that holds what it sends, as TCP holds unacknowledged bytes, and delivers it
+    when the partition heals. Cut off while a trainer appends to the ledger (the leader's head
+    poll reads the bucket, which stays reachable, and writes its HotLoadHead and status into the
+    cut), the standby takes over and the spec changes; healed after the new leader's writes,
+    nothing the old leader sent or queued reaches the server after the new leader's first write:
+    what was held in the partition too."""
+    api, ns = real_kube_api, real_kube_api.namespace
+    log = audit_log(api)
+    bucket_dir = tmp_path / "bucket"
+    for i in range(2):
+        await upload(bucket_dir, full(tmp_path / "snaps" / f"step-{i}", weights(i)))
+    server = urlsplit(
+        yaml.safe_load(api.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    )
+    async with api.client() as kube:
+        await install_crds(kube)
+        with Partition(server.hostname or "127.0.0.1", server.port or 443) as partition:
+            behind = tmp_path / "kubeconfig-partitioned"
+            doc = yaml.safe_load(api.kubeconfig.read_text())
+            for cluster in doc["clusters"]:
+                cluster["cluster"]["server"] = f"https://127.0.0.1:{partition.port}"
+            behind.write_text(yaml.safe_dump(doc))
+            with replicas(api, tmp_path) as started:
+                started["op-a"] = Replica("op-a", api, tmp_path, kubeconfig=behind)
+                await eventually("op-a leading", lambda: _holds(kube, ns, "op-a"), timeout=60)
+                started["op-b"] = Replica("op-b", api, tmp_path)
+                await eventually("op-b standing by", lambda: _says(started["op-b"], "standing by"))
+
+                await kube.create(hld_path(ns), hld_body("fleet", bucket_dir, 3))
+                deployment = resource_path("apps/v1", "deployments", ns, "fleet")
+                pods = await _pods(kube, ns)
+                await kube.create(snapshot_path(ns), snapshot_body("step-0", "fleet"))
+                await eventually("step-0 accepted", lambda: _accepted(kube, ns, "step-0"))
+                for pod in pods:
+                    await play_loader(kube, ns, pod, serving("step-0", 1), ready=True)
+                await eventually("3 replicas shown", lambda: _shown(kube, ns, "step-0", 3))
+
+                partition.cut()
+                # A trainer appends without a Snapshot object: op-a's head poll (the bucket is
+                # not cut off) hands the new head over, into the partition.
+                ledger = Ledger(open_bucket(str(bucket_dir)), "fleet")
+                await publish_folder_async(ledger, tmp_path / "snaps" / "step-1", identity="step-1")
+                await eventually(
+                    "op-b leading", lambda: _holds(kube, ns, "op-b"), timeout=3 * LEASE_SECONDS
+                )
+                await kube.patch(hld_path(ns, "fleet"), {"spec": {"replicas": 4}})
+                await eventually("scaled to 4", lambda: _replicas(kube, deployment, 4))
+                await eventually("op-b's head handed", lambda: _head(kube, ns, "step-1"))
+                partition.heal()
+                # Healed, op-a finds the Lease gone (if it has not stopped already) and exits.
+                code = await asyncio.to_thread(started["op-a"].process.wait, 90)
+                assert code != 0
+
+                events = await eventually(
+                    "op-b's writes in the audit log", lambda: _writes(log, ns, "op-b")
+                )
+                events = mine(log, ns)
+                first_b = min(
+                    audit.seconds(e)
+                    for e in events
+                    if audit.replica(e) == "op-b" and audit.is_write(e) and audit.code(e) < 300
+                )
+                by_a = [e for e in events if audit.replica(e) == "op-a" and audit.is_write(e)]
+                assert writes_of(events, "op-a"), "op-a wrote nothing before the cut"
+                late = [e for e in by_a if audit.seconds(e, "stageTimestamp") >= first_b]
+                # Without the resets (`WriteFence.sent_on`'s SO_LINGER 0) about one run in two
+                # showed a held HotLoadHead patch or Lease renewal arriving at the heal.
+                print(
+                    f"partition: {partition.delivered} bytes delivered at heal, "
+                    f"{partition.dropped} dropped; op-a's writes: "
+                    f"{sorted({audit.kind(e) for e in by_a})}"
+                )
+                assert not late, (
+                    [(audit.kind(e), e["requestReceivedTimestamp"], audit.code(e)) for e in late],
+                    f"held in the partition: {partition.delivered} bytes delivered, "
+                    f"{partition.dropped} dropped",
+                )
+
+
+async def _head(kube: KubeClient, ns: str, identity: str) -> bool:
+    obj = await get(kube, resource_path(f"{GROUP}/{VERSION}", HEAD_PLURAL, ns, "fleet"))
+    return bool(((obj or {}).get("spec") or {}).get("head") == identity)

@@ -9,13 +9,24 @@ it and again just before its first byte is handed to the socket (no await in bet
 bucket write, just before the store is called. A replica frozen (SIGSTOP, a stalled VM) past its
 deadline and woken therefore sends nothing it had queued: its clock moved on while it slept.
 Reads are never fenced (a standby keeps its caches warm).
+
+A write already handed to the socket is out of the fence's reach, and a network partition can
+hold it: the kernel keeps retransmitting unacknowledged bytes and delivers them when the
+partition heals, after another replica took over. So the moment this replica stops leading,
+`abort_in_flight` resets every connection a write went out on (`SO_LINGER` 0: the kernel drops
+what it still held instead of sending it; tests/test_operator_fencing.py cuts a leader off
+through a partition that holds bytes as TCP does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import struct
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -47,6 +58,39 @@ class WriteFence:
     refused: Counter | None = None
     #: This replica's identity in the lease.
     identity: str = ""
+    #: The connections writes went out on (kept while open: a weak set).
+    _written: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+
+    def sent_on(self, transport: Any) -> None:
+        """Remember the connection a write goes out on, and make every close of it a reset
+        (`SO_LINGER` 0): a request cancelled at the renew deadline (the Lease's renewal is) closes
+        its connection before `abort_in_flight` runs, and a plain close would still let the
+        kernel send what it held (see `abort_in_flight`)."""
+        if transport is None or transport in self._written:
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):  # closed meanwhile: nothing left to hold
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._written.add(transport)
+
+    def abort_in_flight(self) -> int:
+        """Reset every open connection a write went out on, dropping what the kernel still
+        held of it; the number reset. Called when this replica stops leading."""
+        aborted = 0
+        for transport in list(self._written):
+            if transport.is_closing():
+                continue  # its close was a reset already (`sent_on`)
+            transport.abort()
+            aborted += 1
+        self._written.clear()
+        if aborted:
+            log.warning(
+                "stopped leading: reset %d connection(s) writes went out on, so nothing they "
+                "still held reaches the API server after another replica takes over",
+                aborted,
+            )
+        return aborted
 
     def check(self, target: str, what: str) -> None:
         """Raise `NotLeadingError` unless this replica may write `what` to `target` now."""
@@ -73,6 +117,7 @@ def fenced_request_class(fence: WriteFence) -> type[aiohttp.ClientRequest]:
         async def send(self, conn: Any) -> ClientResponse:
             if self.method not in READS:
                 fence.check("kubernetes", f"{self.method} {self.url.path}")
+                fence.sent_on(conn.transport)
             return await super().send(conn)
 
         async def write_bytes(
@@ -84,6 +129,20 @@ def fenced_request_class(fence: WriteFence) -> type[aiohttp.ClientRequest]:
             await super().write_bytes(writer, conn, content_length)
 
     return FencedRequest
+
+
+def tracked_request_class(fence: WriteFence) -> type[aiohttp.ClientRequest]:
+    """An aiohttp request class for the Lease's own client: its writes (taking and renewing the
+    Lease) are never refused, since a replica must write to lead, but their connections are reset
+    with the others when it stops leading: a renewal held by a partition must not arrive late."""
+
+    class TrackedRequest(aiohttp.ClientRequest):
+        async def send(self, conn: Any) -> ClientResponse:
+            if self.method not in READS:
+                fence.sent_on(conn.transport)
+            return await super().send(conn)
+
+    return TrackedRequest
 
 
 class _FencedWriter:

@@ -32,7 +32,7 @@ from hotload.kube import KubeClient, KubeConfig
 from hotload_operator import collect, heads, reconcile, retention
 from hotload_operator.causes import WorkloadStatus
 from hotload_operator.context import Context, Key
-from hotload_operator.fence import fenced_request_class
+from hotload_operator.fence import fenced_request_class, tracked_request_class
 from hotload_operator.fleet import DeploymentRecord, FleetCache, PodRecord, SnapshotRecord
 from hotload_operator.leader import LeaderElector, LeadershipLostError, LeaseSettings
 from hotload_operator.meta import OperatorImages
@@ -48,6 +48,12 @@ ROLLUP_WINDOW = 0.25
 #: snapshot the copy lacks makes the roll-up read the ledger); a thousand deployments polled
 #: every 5 s were 200 bucket GETs a second and a tenth of a core, idle.
 ROLLUP_INTERVAL = 30.0
+
+
+def _leading_changed(ctx: Context, leading: bool) -> None:
+    ctx.metrics.leader.set(1 if leading else 0)
+    if not leading:
+        ctx.fence.abort_in_flight()
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -155,7 +161,14 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
     )
     # The Lease has a client of its own: renewals must not queue behind a burst of writes.
     elector = (
-        LeaderElector(KubeClient(kube.config, user_agent=kube.user_agent), settings.lease)
+        LeaderElector(
+            KubeClient(
+                kube.config,
+                user_agent=kube.user_agent,
+                request_class=tracked_request_class(ctx.fence),
+            ),
+            settings.lease,
+        )
         if settings.lease is not None
         else None
     )
@@ -165,7 +178,7 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         ctx.fence.may_write = elector.leading
         ctx.fence.holder = elector.holder
         ctx.fence.identity = elector.settings.identity
-        elector.on_change = lambda leading: ctx.metrics.leader.set(1 if leading else 0)
+        elector.on_change = lambda leading: _leading_changed(ctx, leading)
         elector.on_watch_refused = lambda refused: ctx.metrics.lease_watch_refused.set(
             1 if refused else 0
         )

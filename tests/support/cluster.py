@@ -177,7 +177,10 @@ AUDIT_POLICY = {
             "resources": [
                 {"group": "", "resources": ["events", "services", "serviceaccounts"]},
                 {"group": "events.k8s.io", "resources": ["events"]},
-                {"group": "hotload.dev", "resources": ["hotloaddeployments", "snapshots"]},
+                {
+                    "group": "hotload.dev",
+                    "resources": ["hotloaddeployments", "snapshots", "hotloadheads"],
+                },
                 {"group": "apps", "resources": ["deployments"]},
                 {"group": "rbac.authorization.k8s.io", "resources": ["roles", "rolebindings"]},
                 {"group": "policy", "resources": ["poddisruptionbudgets"]},

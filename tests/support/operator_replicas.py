@@ -55,10 +55,17 @@ async def holder(kube: KubeClient, ns: str) -> str:
 class OperatorReplica:
     """One operator replica, a process of its own."""
 
-    def __init__(self, identity: str, api: KubeAPI, logs: Path) -> None:
+    def __init__(
+        self, identity: str, api: KubeAPI, logs: Path, *, kubeconfig: Path | None = None
+    ) -> None:
+        """Start it on `api`, through `kubeconfig` when given (e.g. one whose server is a
+        `support.partition.Partition` in front of the API server)."""
         self.identity = identity
         self.log = logs / f"{identity}.log"
-        env = os.environ | {"KUBECONFIG": str(api.kubeconfig), "HOTLOAD_ROLLUP_INTERVAL": "1"}
+        env = os.environ | {
+            "KUBECONFIG": str(kubeconfig or api.kubeconfig),
+            "HOTLOAD_ROLLUP_INTERVAL": "1",
+        }
         command = [
             sys.executable, "-m", "hotload_operator", "-n", api.namespace,
             "--lease-namespace", api.namespace, "--lease-name", LEASE, "--identity", identity,
