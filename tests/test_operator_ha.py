@@ -153,7 +153,9 @@ async def test_the_standby_takes_over_when_the_leader_is_killed_mid_burst(
 
             # A clean stop hands the Lease over at once: op-c stands by, op-b gets SIGTERM.
             started["op-c"] = OperatorReplica("op-c", api, tmp_path)
-            await asyncio.sleep(2)  # op-c's caches listed, it watches the Lease
+            # op-c's caches listed, it watches the Lease (its start takes 10 s and more on a
+            # loaded machine: a fixed wait let the release pass before op-c looked).
+            await eventually("op-c standing by", lambda: _standing_by(started["op-c"]))
             stopped = time.monotonic()
             assert await asyncio.to_thread(started["op-b"].stop) == 0
             await eventually("op-c leading", lambda: _holds(kube, ns, "op-c"), timeout=10)
@@ -166,6 +168,10 @@ async def _pods(kube: KubeClient, ns: str, name: str) -> list[str]:
     deployment = resource_path("apps/v1", "deployments", ns, name)
     await eventually(f"Deployment {name}", lambda: get_or_none(kube, deployment), timeout=60)
     return await play_deployment_controller(kube, ns, name)
+
+
+async def _standing_by(replica: OperatorReplica) -> bool:
+    return "standing by" in replica.log.read_text()
 
 
 async def _holds(kube: KubeClient, ns: str, identity: str) -> bool:
