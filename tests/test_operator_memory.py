@@ -3,7 +3,15 @@ a key follows from what was noted for that key, and for no other."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import yaml
+
+from hotload.kube import KubeClient, KubeConfig
+from hotload_operator.fleet import deployment_record
 from hotload_operator.memory import Deferrals, LastDone, SpecProblem, SpecProblems
+from hotload_operator.runtime import Settings, build
+from support.operator import hld_body
 
 A = ("ml", "a")
 B = ("ml", "b")
@@ -47,3 +55,36 @@ def test_last_done_is_due_when_never_done_and_after_its_seconds() -> None:
     assert done.due(A, 300.0)  # exactly its seconds later: due
     done.mark(A)
     assert not done.due(A, 300.0)
+
+
+def test_a_deleted_deployment_leaves_nothing_in_the_operators_memory(tmp_path: Path) -> None:
+    # The runtime's own reaction to the informer's deletion (`on_change(key, old, None)`), on a
+    # real runtime built from a kubeconfig (no request is made).
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "x",
+            }
+        )
+    )
+    op = build(Settings(namespaces=("ml",)), KubeClient(KubeConfig.from_kubeconfig(kubeconfig)))
+    body = hld_body("a", tmp_path / "bucket", 2)
+    body["metadata"].update(namespace="ml", uid="u-1", generation=1, resourceVersion="1")
+    record = deployment_record(body, None)
+    key = ("ml", "a")
+    ctx = op.ctx
+    ctx.problems.set(key, SpecProblem("SpecRefused", "refused", "fix it"))
+    ctx.applied.mark(key)
+    ctx.rolled.mark(key)
+    (informer,) = op.cache.deployments.values()
+    assert informer.on_change is not None
+    informer.on_change(key, record, None)
+    assert ctx.problems.get(key) is None
+    # Forgotten, not merely marked again: due at once, as a key never seen.
+    assert ctx.applied.due(key, 3600.0) and ctx.rolled.due(key, 3600.0)

@@ -77,6 +77,11 @@ class LastDone:
         """It was done to the deployment now."""
         self._at[key] = self._clock()
 
+    def forget(self, key: Key) -> None:
+        """The deployment is gone: nothing is kept for it (a deleted deployment must not hold
+        memory for the operator's lifetime)."""
+        self._at.pop(key, None)
+
     def due(self, key: Key, seconds: float) -> bool:
         """Whether `seconds` or more have passed since it was last done (True if never)."""
         at = self._at.get(key)

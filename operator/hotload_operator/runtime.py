@@ -219,6 +219,9 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
             ctx.writer.forget(DEPLOYMENT_PLURAL, key)
             if old is not None:
                 ctx.ledgers.forget(old.hld)
+            ctx.problems.clear(key)
+            ctx.applied.forget(key)
+            ctx.rolled.forget(key)
             return
         if old is None:
             # Spread the first polls over the interval: a thousand deployments listed at once
