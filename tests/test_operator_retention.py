@@ -189,6 +189,15 @@ async def test_the_leader_collects_what_no_deployment_on_the_ledger_needs(
             await _standby_and_deposed_leader_delete_nothing(op, bucket, ledger, tmp_path)
 
 
+#: The gc's counters: runs ok, runs failed, folders deleted, bytes deleted.
+_GC_SAMPLES: list[tuple[str, dict[str, str]]] = [
+    ("hotload_operator_gc_runs_total", {"result": "ok"}),
+    ("hotload_operator_gc_runs_total", {"result": "failed"}),
+    ("hotload_operator_gc_deleted_folders_total", {}),
+    ("hotload_operator_gc_deleted_bytes_total", {}),
+]
+
+
 async def _standby_and_deposed_leader_delete_nothing(
     op: Operator, bucket: Bucket, ledger: Ledger, tmp: Path
 ) -> None:
@@ -228,7 +237,25 @@ async def _standby_and_deposed_leader_delete_nothing(
         assert writes >= 2, "the deposed leader's gc never reached a write"
         assert op.ctx.retention.problems.get(key) is None  # not a failure: not its turn
         op.ctx.fence.may_write = original
+        # The gc's counters follow what it deleted: the two folders and their files' bytes.
+        listed = [await bucket.list_async(name) for name in ("s5", "s6")]
+        sizes = sum(info.size for infos in listed for info in infos)
+        registry = op.ctx.metrics.registry
+        before_counts = [
+            registry.get_sample_value(name, labels) or 0.0 for name, labels in _GC_SAMPLES
+        ]
         done = await collect(op.ctx, key)
         assert done is not None and sorted(done.deleted) == ["s5", "s6"]
+        after_counts = [
+            registry.get_sample_value(name, labels) or 0.0 for name, labels in _GC_SAMPLES
+        ]
+        assert [a - b for a, b in zip(after_counts, before_counts, strict=True)] == [
+            1.0,
+            0.0,
+            2.0,
+            float(sizes),
+        ]
+        # The refused runs at the start were counted as failed.
+        assert (registry.get_sample_value(*_GC_SAMPLES[1]) or 0.0) >= 1.0
     finally:
         op.ctx.fence.may_write = original

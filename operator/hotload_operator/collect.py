@@ -77,12 +77,17 @@ async def collect(ctx: Context, key: LedgerKey) -> GcResult | None:
             "and why",
         )
     else:
+        gone = set(result.deleted)
+        freed = sum(v.size for v in result.plan.folders if v.name in gone)
         log.info(
             "gc of ledger %s done: deleted %d folder(s) (%d bytes) and %d hint(s), dropped %d "
             "ledger entries, spared %d; %d entries kept",
-            url, len(result.deleted), result.plan.freed, len(result.deleted_hints),
+            url, len(result.deleted), freed, len(result.deleted_hints),
             len(result.plan.dropped), len(result.spared), len(result.plan.after.entries),
         )  # fmt: skip
+        ctx.metrics.gc_deleted_folders.inc(len(result.deleted))
+        ctx.metrics.gc_deleted_bytes.inc(freed)
+    ctx.metrics.gc_runs.labels("ok" if problem is None else "failed").inc()
     changed = state.problems.get(key) != problem
     if problem is not None and changed:  # said once per cause, not at every retry
         log.warning("%s", problem.line())

@@ -86,6 +86,24 @@ class OperatorMetrics:
         )
         for target in ("kubernetes", "bucket"):
             self.fenced_writes.labels(target)
+        self.gc_runs = Counter(
+            "hotload_operator_gc_runs",
+            "Garbage collections of a ledger under spec.retention, by result (ok, failed)",
+            ["result"],
+            registry=r,
+        )
+        for result in ("ok", "failed"):
+            self.gc_runs.labels(result)
+        self.gc_deleted_folders = Counter(
+            "hotload_operator_gc_deleted_folders",
+            "Snapshot folders the garbage collections deleted",
+            registry=r,
+        )
+        self.gc_deleted_bytes = Counter(
+            "hotload_operator_gc_deleted_bytes",
+            "Bytes of the snapshot folders the garbage collections deleted",
+            registry=r,
+        )
         self.lease_watch_refused = Gauge(
             "hotload_operator_lease_watch_refused",
             "1 while the API server refuses this replica a watch of the Lease (RBAC lacks "
