@@ -308,7 +308,7 @@ async def test_a_gc_killed_in_the_middle_leaves_only_orphans_the_next_run_remove
     ledger = Ledger(bucket, "policy")
     fulls = await _publish_chain(ledger, tmp_path)
 
-    code, _, err = await _gc_cli(bucket_url, "--keep", "1", "--apply", crash=crash)
+    code, _, err = await _gc_cli(bucket_url, "--keep", "1", "--grace", "0", "--apply", crash=crash)
     assert code == -9, err  # SIGKILL at the crash point
     # Whatever the ledger names still has every file: the chains rebuild.
     await _assert_rebuilds(ledger, fulls, tmp_path)
@@ -325,7 +325,9 @@ async def test_a_gc_killed_in_the_middle_leaves_only_orphans_the_next_run_remove
             assert len(files) == 7 or f"{name}/model.safetensors.index.json" not in files
 
     # The next run (default orphan age: a day) removes them: the journal retired them.
-    code, out, err = await _gc_cli(bucket_url, "--keep", "1", "--apply", "-o", "json")
+    code, out, err = await _gc_cli(
+        bucket_url, "--keep", "1", "--grace", "0", "--apply", "-o", "json"
+    )
     assert code == 0, err
     report = json.loads(out)
     assert report["dryRun"] is False
@@ -415,11 +417,30 @@ def test_a_bad_retain_is_refused(tmp_path: Path) -> None:
         Publisher(str(tmp_path / "b"), ledger="policy", retain=0)
 
 
+def test_the_cli_without_deployments_keeps_dropped_folders_for_a_grace(tmp_path: Path) -> None:
+    # Without --deployment gc cannot see a replica still fetching an entry it drops: by default
+    # the dropped entries' folders stay 10 minutes (docs/ledger.md); --grace 0 deletes at once.
+    url = str(tmp_path / "bucket")
+    ledger = Ledger(open_bucket(url), "policy")
+    asyncio.run(_publish_chain(ledger, tmp_path))
+    code, out, err = asyncio.run(_gc_cli(url, "--keep", "1", "--apply"))
+    assert code == 0, err
+    # s4 (full) and s5 are the chain and the last entry; s0-s3 leave the ledger, files stay.
+    named = {e.identity for e in ledger.read().document.entries}
+    assert named == {"s4", "s5"}
+    folders = {p.name for p in Path(url).iterdir() if p.name != ".hotload"}
+    assert folders == {f"s{i}" for i in range(6)}
+    assert "grace of 10m" in out + err
+    code, _, err = asyncio.run(_gc_cli(url, "--keep", "1", "--grace", "0", "--apply"))
+    assert code == 0, err
+    assert {p.name for p in Path(url).iterdir() if p.name != ".hotload"} == {"s4", "s5"}
+
+
 def test_the_cli_dry_run_prints_why(tmp_path: Path) -> None:
     url = str(tmp_path / "bucket")
     asyncio.run(_publish_chain(Ledger(open_bucket(url), "policy"), tmp_path))
     before = time.time()
-    code, out, err = asyncio.run(_gc_cli(url, "--keep", "1"))
+    code, out, err = asyncio.run(_gc_cli(url, "--keep", "1", "--grace", "0"))
     assert code == 0, err
     assert "dry run, nothing deleted" in out
     assert "- s0" in out and "dropped from the ledger" in out

@@ -14,6 +14,7 @@ import faulthandler
 import json
 import os
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -308,6 +309,7 @@ def _retaining_rank(rank: int, bucket_url: str, out: str) -> None:
             threads=1,
             full_every=2,
             retain=1,
+            retain_grace=timedelta(0),  # no loader lags here: deleted at once
         )
         for step in range(5):
             with torch.no_grad():

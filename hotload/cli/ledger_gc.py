@@ -13,7 +13,14 @@ from hotload.cli.common import print_json, progress_bar, stderr, stdout
 from hotload.errors import HotloadError, LedgerError
 from hotload.ledger import DEFAULT_HISTORY, open_ledger
 from hotload.ledger.gc import GcResult, gc_async
-from hotload.ledger.retention import DEFAULT_ORPHAN_AGE, Verdict, human_age, parse_age
+from hotload.ledger.retention import (
+    DEFAULT_GRACE,
+    DEFAULT_ORPHAN_AGE,
+    NO_GRACE,
+    Verdict,
+    human_age,
+    parse_age,
+)
 from hotload.sdk.holders import deployment_holders_async
 from hotload.units import human_bytes
 
@@ -62,6 +69,16 @@ def register(
         "longest upload plus admission",
     )
     p.add_argument(
+        "--grace",
+        type=_age,
+        default=None,
+        metavar="DURATION",
+        help="the folders of entries this gc drops from the ledger stay this long after (a "
+        "replica that read the ledger before may still be fetching them; a later run deletes "
+        f"them). Default: 0 with --deployment (its replicas are seen), "
+        f"{human_age(DEFAULT_GRACE)} without",
+    )
+    p.add_argument(
         "--deployment",
         action="append",
         default=[],
@@ -105,6 +122,9 @@ def _gc(args: argparse.Namespace) -> int:
         raise LedgerError("--keep must be at least 1")
     ledger = open_ledger(args.ledger, credentials_dir=args.credentials_dir)
     deployments = _deployments(args)
+    grace: timedelta = (
+        args.grace if args.grace is not None else (NO_GRACE if deployments else DEFAULT_GRACE)
+    )
     if not deployments and args.output == "text":
         stderr.print(
             "note: no --deployment given: only the ledger, its pins and other ledgers protect "
@@ -127,6 +147,7 @@ def _gc(args: argparse.Namespace) -> int:
             ledger,
             keep=args.keep,
             orphan_age=args.orphan_age,
+            grace=grace,
             holders=holders,
             apply=args.apply,
             progress=advance,

@@ -40,7 +40,7 @@ from hotload.bucket import run_sync
 from hotload.bucket.transfer import snapshot_present_async
 from hotload.errors import ObjectExistsError
 from hotload.ledger import LedgerEntry, NewEntry, PromptCachePolicy
-from hotload.ledger.retention import DEFAULT_ORPHAN_AGE
+from hotload.ledger.retention import DEFAULT_GRACE, DEFAULT_ORPHAN_AGE
 from hotload.sdk.core import PublisherCore, check_target
 from hotload.sdk.gather import (
     Held,
@@ -125,7 +125,7 @@ class ShardedPublisher(PublisherCore):
     object for the operator, as `Publisher` does. `rank` and `world_size` default to the
     group's; `config` or `side_files_from` provide config.json (and tokenizer files) on rank 0.
     `retain=N`: after each committed step rank 0 deletes the snapshot folders nothing needs any
-    more, as `Publisher(retain=N)` does.
+    more, as `Publisher(retain=N, retain_grace=...)` does.
     """
 
     def __init__(
@@ -152,6 +152,7 @@ class ShardedPublisher(PublisherCore):
         accept_timeout: float = 300.0,
         retain: int | None = None,
         retain_orphan_age: timedelta = DEFAULT_ORPHAN_AGE,
+        retain_grace: timedelta = DEFAULT_GRACE,
     ) -> None:
         import torch.distributed as dist
 
@@ -182,6 +183,7 @@ class ShardedPublisher(PublisherCore):
             accept_timeout=accept_timeout,
             retain=retain,
             retain_orphan_age=retain_orphan_age,
+            retain_grace=retain_grace,
         )
         self.cast = cast
         self.side_files_from = Path(side_files_from) if side_files_from is not None else None
