@@ -37,6 +37,8 @@ from support.soak_faults import Fault, schedule
 from support.soak_trainer import identity as step_identity
 
 TESTS = REPO / "tests"
+#: The longest a frozen leader stays frozen waiting for the standby to take the Lease.
+FREEZE_CAP = 120.0
 
 
 @dataclass
@@ -479,6 +481,9 @@ class Soak:
                 f"step {step}: kube-apiserver stopped for {self.cfg.apiserver_outage_seconds:g}s"
             )
             return
+        while self.frozen is not None:  # one leader fault at a time (at most FREEZE_CAP)
+            time.sleep(0.5)
+            self._tick_cluster()
         leader = self.cluster.leader()
         if leader is None or not leader.alive():
             log.append(f"step {step}: {fault.kind}: no operator process holds the Lease")
@@ -552,6 +557,8 @@ class Soak:
             now = self.cluster.holder()
             if now and now != self.frozen.identity:
                 self._wake(f"{now} holds the Lease")
+            elif time.time() - self.frozen.at > FREEZE_CAP:
+                self._wake(f"the standby did not take the Lease in {FREEZE_CAP:g}s")
 
     def end(self, fault: Fault, step: int) -> None:
         """End `fault`: start what was killed, lift the limit."""
@@ -569,12 +576,10 @@ class Soak:
                 self.cluster.operators[identity].start()
                 self.run.fault_log.append(f"step {step}: operator {identity} started again")
             self.operators_down.clear()
-        elif fault.kind == "leader_freeze" and self.frozen is not None:
-            # Not before the standby leads, unless the fault is over in steps: then at once,
-            # saying so (an API server down meanwhile keeps the Lease where it is).
+        elif fault.kind == "leader_freeze":
+            # The frozen leader stays frozen past the fault's steps until the standby leads
+            # (`tick` wakes it then, or after FREEZE_CAP): a step is shorter than a lease.
             self._tick_cluster()
-            if self.frozen is not None:
-                self._wake("the fault ended before the standby took the Lease")
         elif fault.kind == "volume_full" and fault.replica is not None:
             pid = self.limited.pop(fault.replica, None)
             if pid is not None:
@@ -797,7 +802,7 @@ def run_soak(cfg: SoakConfig) -> SoakRun:
             soak.run.aborted = f"{type(err).__name__}: {err}"[:3000]
         for f in active:
             soak.end(f, cfg.steps)
-        while soak.outage is not None or soak.api_outage is not None:
+        while soak.outage is not None or soak.api_outage is not None or soak.frozen is not None:
             time.sleep(0.5)
             soak.tick()
         soak.converge()

@@ -476,12 +476,10 @@ def _step_of(name: str) -> int:
 
 def retain_grace_seconds() -> float:
     """How long the Publisher's `retain=` keeps the files of an entry it dropped from the
-    ledger (`hotload.ledger.retention.DEFAULT_GRACE`, which the soak's trainer uses; none
-    before that setting existed)."""
-    from hotload.ledger import retention
+    ledger (`hotload.ledger.retention.DEFAULT_GRACE`, which the soak's trainer uses)."""
+    from hotload.ledger.retention import DEFAULT_GRACE
 
-    grace = getattr(retention, "DEFAULT_GRACE", None)
-    return 0.0 if grace is None else float(grace.total_seconds())
+    return DEFAULT_GRACE.total_seconds()
 
 
 def _bucket(run: SoakRun, report: Report) -> None:
@@ -674,6 +672,12 @@ def _fencing(run: SoakRun, report: Report) -> None:
             continue
         d.successor = audit.replica(took)
         start = audit.seconds(took)
+        if d.woken_at is not None and d.woken_at < start:
+            problems.append(
+                f"{d.how} of {d.identity} at step {d.step}: woken {d.woken_at - d.at:.1f}s "
+                f"later, before {d.successor} took the Lease: never deposed"
+            )
+            continue
         back = next(
             (audit.seconds(e) for e in leases if audit.seconds(e) > start
              and audit.replica(e) == d.identity and audit.code(e) < 300),
