@@ -147,6 +147,12 @@ def _events(served: Served) -> list[str]:
     return [e["reason"] for e in served.reporter.events]
 
 
+def _event(served: Served, reason: str) -> tuple[str, str]:
+    """The type and message of the last Event of `reason`."""
+    last = [e for e in served.reporter.events if e["reason"] == reason][-1]
+    return last["type"], last["message"]
+
+
 @pytest.mark.asyncio
 async def test_the_deltas_after_the_served_snapshot_go_as_one_sparse_patch(
     fulls: list[Path], tmp_path: Path
@@ -165,6 +171,9 @@ async def test_the_deltas_after_the_served_snapshot_go_as_one_sparse_patch(
         assert weights.local_deltas() == {"step-001", "step-002"}
         assert not weights.has("step-002")
         assert weights.current() == "step-000"
+        kind, message = _event(s, "SnapshotLoaded")
+        assert kind == "Normal" and message.startswith("serving step-002 ")
+        assert "sparse patch of step-000 over 2 deltas" in message
 
 
 @pytest.mark.asyncio
@@ -194,7 +203,8 @@ async def test_a_delta_too_dense_for_one_patch_is_loaded_in_full(
         assert s.loads() == {"full": 1, "sparse": 0, "fallback:too_dense": 1}
         last = s.reporter.status.last_load
         assert last is not None and (last.method, last.sparse_fallback) == ("full", "too_dense")
-        assert "SparseLoadFellBack" in _events(s)
+        kind, message = _event(s, "SparseLoadFellBack")
+        assert kind == "Normal" and "step-001" in message
         assert s.loader.weights.current() == "step-001"
 
 
@@ -220,7 +230,10 @@ async def test_a_patch_folds_the_deltas_once_they_add_up(fulls: list[Path], tmp_
         await s.loader.volume.settle()
         weights = s.loader.weights
         assert weights.has("step-001") and weights.current() == "step-001"
-        assert "VolumeCompacted" in _events(s)
+        assert _event(s, "VolumeCompacted") == (
+            "Normal",
+            "the deltas on the volume were folded into step-001",
+        )
         assert weights.local_deltas() == set()  # folded, then collected
 
 
