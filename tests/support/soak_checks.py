@@ -61,7 +61,9 @@ LOADER_EVENTS_REPEAT = (
 #: Components whose EventRecorder may patch (raise `count` instead of a new Event).
 PATCHING_RECORDERS = ("hotload-operator",)
 #: Words a loader status uses when a fault stopped an update.
-CORRUPT_WORDS = ("checksum", "crc", "corrupt", "mismatch", "verif")
+#: A loader that listed the object before it was overwritten refuses the new bytes by their
+#: ETag (If-Match: HTTP 412 "precondition failed"), before any checksum is read.
+CORRUPT_WORDS = ("checksum", "crc", "corrupt", "mismatch", "verif", "precondition failed")
 FULL_WORDS = ("file too large", "no space", "efbig", "enospc")
 
 

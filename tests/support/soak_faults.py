@@ -97,6 +97,12 @@ def schedule(steps: int, seed: int, full_every: int, replicas: int) -> list[Faul
     first_outage = min((f for f in faults if f.kind == "seaweed_down"), key=lambda f: f.start)
     first_kill = min((f for f in faults if f.kind == "loader_kill"), key=lambda f: f.start)
     first_kill.start = first_outage.start
+    # A frozen or killed leader hands no new head over until the standby leads: a full volume
+    # in that window may see its loader write nothing. Leader faults start after it.
+    for fault in (f for f in faults if f.kind in LEADER_KINDS):
+        for full in (f for f in faults if f.kind == "volume_full"):
+            if full.start - 2 <= fault.start < full.start + full.steps:
+                fault.start = min(full.start + full.steps, hi)
     # One leader fault at a time: a later one moves past the earlier's end (and its restart).
     leaders = sorted((f for f in faults if f.kind in LEADER_KINDS), key=lambda f: f.start)
     for a, b in itertools.pairwise(leaders):
