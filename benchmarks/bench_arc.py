@@ -11,8 +11,8 @@ an order-0 entropy estimate, encode/decode GB/s with 1 thread and all cores (the
 --repeat runs: the machine is shared, and the fastest run is the one least disturbed), and
 peak RSS of encode and decode in a fresh process. Next to the 2-thread numbers, a control
 measures how much parallel CPU the machine had at that moment: the speedup of two threads of
-pure C work (zlib-ng CRC-32, which releases the GIL) over one. Results go to
-benchmarks/RESULTS-arc.md.
+pure C work (zlib-ng CRC-32, which releases the GIL) over one. The run goes to
+benchmarks/RESULTS-arc.md, between its bench_arc markers (the hand-written parts stay).
 
     .venv/bin/python benchmarks/bench_arc.py            # full run (about 12 minutes)
     .venv/bin/python benchmarks/bench_arc.py --quick    # small chains, for a smoke test
@@ -41,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import baselines
+from results import replace_section
 
 from hotload.arc import chunk, decode, encode
 from hotload.snapshot import RawTensor, write_snapshot
@@ -390,10 +391,8 @@ def report(
     repeat: int,
     allocator_tuned: bool,
 ) -> str:
-    """Render the results as markdown."""
+    """Render the run as markdown: the part of RESULTS-arc.md between its bench_arc markers."""
     lines = [
-        "# arc_v2 codec benchmark",
-        "",
         f"Command: `{cmd}`  ",
         f"Machine: {platform.machine()}, {CORES} cores, Python {platform.python_version()}, "
         f"{time.strftime('%Y-%m-%d')}. Shared and noisy: compare ratios within this run. "
@@ -470,7 +469,7 @@ def report(
             f"{sm['compact_decode_gbps_1']:.2f} / {sm['compact_decode_gbps_all']:.2f} | "
             f"{sm['parallel_control_min']:.2f}-{sm['parallel_control_max']:.2f}x | {rss} |"
         )
-    lines += ["", "## Targets (from the issue), default mode", ""]
+    lines += ["", "### Targets (from the issue), default mode", ""]
     for sm in summaries:
         checks = [
             (
@@ -506,7 +505,7 @@ def report(
         )
     lines += [
         "",
-        "## Per step",
+        "### Per step",
         "",
         "| chain | step | changed | full | arc_v2 | full/delta | compact | XOR+zstd | PULSE-style | entropy |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -578,7 +577,10 @@ def main() -> None:
     summaries = [summarise(n, r) for n, r in chains.items()]
     cmd = "python benchmarks/bench_arc.py " + " ".join(sys.argv[1:])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report(chains, summaries, cmd.strip(), repeat, allocator_tuned))
+    # Only the generated run: the hand-written figures and verdict around it stay.
+    replace_section(
+        args.out, "bench_arc", report(chains, summaries, cmd.strip(), repeat, allocator_tuned)
+    )
     (args.out.with_suffix(".json")).write_text(
         json.dumps({"chains": chains, "summaries": summaries}, indent=2)
     )

@@ -43,6 +43,8 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
+from results import replace_section  # noqa: E402
+
 from hotload.demo.processes import free_port  # noqa: E402
 
 PROMPT = "the chef cooked the old boat and then"
@@ -322,8 +324,6 @@ def write(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespac
     )
     load = os.getloadavg()[0]
     lines = [
-        "# Engine front benchmark",
-        "",
         f"Command: {command}",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} vCPUs (shared; load average "
@@ -343,7 +343,10 @@ def write(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespac
     ]
     for engine, result in results.items():
         lines += table(engine, result)
-    (REPO / "benchmarks" / "RESULTS-engine-front.md").write_text("\n".join(lines))
+    # Only the generated run: the hand-written opening and reading stay.
+    replace_section(
+        REPO / "benchmarks" / "RESULTS-engine-front.md", "bench_engine_front", "\n".join(lines)
+    )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ cached object (never served; the loaders count the rejection and take it from th
     .venv/bin/python benchmarks/bench_fanout.py                      # 2, 4 and 8 per region
     .venv/bin/python benchmarks/bench_fanout.py --per-region 2 --quick
 
-Results go to benchmarks/RESULTS-fanout.md (`--out`).
+The run goes to benchmarks/RESULTS-fanout.md (`--out`), between its bench_fanout markers.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ from typing import Any
 from urllib.parse import parse_qs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from results import replace_section
+
 from hotload.bucket import open_bucket
 from hotload.errors import KubeError, KubeNotFoundError
 from hotload.kube import KubeClient, KubeConfig, resource_path
@@ -442,17 +444,9 @@ def faults(
     return out
 
 
-def report(results: dict[str, Any], args: argparse.Namespace, elapsed: float) -> str:
-    """RESULTS-fanout.md's text."""
+def report(results: dict[str, Any], args: argparse.Namespace, elapsed: float) -> tuple[str, str]:
+    """RESULTS-fanout.md's generated parts: the tables, and the command, machine and raw figures."""
     lines = [
-        "# Fan-out: what a fleet in two regions costs the origin",
-        "",
-        f"`.venv/bin/python benchmarks/bench_fanout.py {' '.join(args.argv)}`".replace(" `", "`"),
-        "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-        f"; model {results['model_bytes'] / 2**20:.1f} MiB (bf16); {REGIONS} regions; "
-        f"run took {elapsed / 60:.1f} min.",
-        "",
         "| per region | mode | update | update MiB | origin MiB | origin / (regions x update) "
         "| origin requests | small origin requests per replica | fleet ready s | first ready s "
         "| median fetch / rebuild+verify / load s | idle origin req/s |",
@@ -490,8 +484,18 @@ def report(results: dict[str, Any], args: argparse.Namespace, elapsed: float) ->
                 f"| {f['fault']} | {f['update_bytes'] / 2**20:.2f} | {f['origin_ratio']} "
                 f"| {f['fleet_ready_s']} | {f['mirror_rejected']} |"
             )
-    lines += ["", "Raw:", "", "```json", json.dumps(results, indent=1), "```", ""]
-    return "\n".join(lines)
+    raw = [
+        f"`.venv/bin/python benchmarks/bench_fanout.py {' '.join(args.argv)}`".replace(" `", "`"),
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+        f"; model {results['model_bytes'] / 2**20:.1f} MiB (bf16); {REGIONS} regions; "
+        f"run took {elapsed / 60:.1f} min; {time.strftime('%Y-%m-%d')}.",
+        "",
+        "```json",
+        json.dumps(results, indent=1),
+        "```",
+    ]
+    return "\n".join(lines), "\n".join(raw)
 
 
 def _phases(u: dict[str, Any]) -> str:
@@ -537,7 +541,10 @@ def main() -> None:
             print(f"work folder kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    args.out.write_text(report(results, args, time.perf_counter() - started))
+    tables, raw = report(results, args, time.perf_counter() - started)
+    # Only the generated parts: the hand-written figures and reading around them stay.
+    replace_section(args.out, "bench_fanout", tables)
+    replace_section(args.out, "bench_fanout-raw", raw)
     print(f"wrote {args.out}")
 
 

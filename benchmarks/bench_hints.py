@@ -17,7 +17,8 @@ after the append (its `hotload_loader_bytes_fetched_total`): each byte should co
     .venv/bin/python benchmarks/bench_hints.py              # ~1 GiB model
     .venv/bin/python benchmarks/bench_hints.py --scale 0.25  # quicker
 
-Results are appended to benchmarks/RESULTS-sidecar.md (section "Early fetch").
+The run goes to benchmarks/RESULTS-sidecar.md (section "Early fetch", between its bench_hints
+markers).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_sidecar import build_model, measure, publish
+from results import replace_section
 
 from hotload.arc import encode
 from hotload.bucket import open_bucket
@@ -50,7 +52,6 @@ from support.seaweedfs import SeaweedFS
 FETCHED = "hotload_loader_bytes_fetched_total"
 
 HERE = Path(__file__).resolve().parent
-SECTION = "## Early fetch (per-file hints)"
 
 
 def upload_then_append(
@@ -68,7 +69,7 @@ def upload_then_append(
 
 
 def main() -> None:
-    """Run both phases and append the results to RESULTS-sidecar.md."""
+    """Run both phases and write the run into RESULTS-sidecar.md."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=float, default=1.0, help="1.0 = ~1 GiB model")
     parser.add_argument("--workdir", type=Path, default=None)
@@ -138,12 +139,10 @@ def main() -> None:
 def report(
     args: argparse.Namespace, full_bytes: int, sizes: list[int], rows: list[dict[str, Any]]
 ) -> None:
-    """Append (or replace) the early-fetch section of the results file."""
+    """Replace the early-fetch run in the results file (between its bench_hints markers)."""
     mib = 2**20
     scale = f" --scale {args.scale}" if args.scale != 1.0 else ""
     lines = [
-        SECTION,
-        "",
         f"Command: `python benchmarks/bench_hints.py{scale}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, {time.strftime('%Y-%m-%d')}. Shared and noisy.",
@@ -191,12 +190,9 @@ def report(
         "```json",
         json.dumps(rows, indent=2),
         "```",
-        "",
     ]
-    text = args.out.read_text() if args.out.exists() else ""
-    if SECTION in text:
-        text = text[: text.index(SECTION)]
-    args.out.write_text(text.rstrip("\n") + "\n\n" + "\n".join(lines))
+    # Only the generated run: the hand-written figures and notes around it stay.
+    replace_section(args.out, "bench_hints", "\n".join(lines))
     print("\n".join(lines))
 
 

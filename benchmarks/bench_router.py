@@ -15,7 +15,7 @@ the replicas round-robin from the client.
   latency     sequential requests (one in flight): median and p99; added = path - direct
   throughput  `--concurrency` requests in flight for `--seconds`: requests/s
 
-    .venv/bin/python benchmarks/bench_router.py                 # writes RESULTS-router.md
+    .venv/bin/python benchmarks/bench_router.py                 # its run into RESULTS-router.md (markers)
     .venv/bin/python benchmarks/bench_router.py --seconds 3 --latency-requests 300 --no-write
 
 Envoy comes from .venv-envoy (scripts/install_envoy.sh); without it the envoy rows are
@@ -42,6 +42,8 @@ import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from results import replace_section  # noqa: E402
 
 from hotload.router.envoy import INSTALL_HINT, bootstrap_config, find_envoy  # noqa: E402
 
@@ -255,8 +257,6 @@ def main() -> None:
         ]
     )
     lines = [
-        "# Router benchmark",
-        "",
         f"Command: `{command}`",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} vCPUs (shared; load average "
@@ -290,7 +290,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        (REPO / "benchmarks" / "RESULTS-router.md").write_text(text)
+        # Only the generated run: the hand-written "Current figures" opening stays.
+        replace_section(REPO / "benchmarks" / "RESULTS-router.md", "bench_router", text)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ engine load; bytes fetched come from the loader, peak memory from the loader pro
     .venv/bin/python benchmarks/bench_sidecar.py            # ~1 GiB model
     .venv/bin/python benchmarks/bench_sidecar.py --scale 0.1  # quick smoke run
 
-Results go to benchmarks/RESULTS-sidecar.md.
+The run goes to benchmarks/RESULTS-sidecar.md, between its bench_sidecar markers.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from results import replace_section
+
 from hotload.arc import encode
 from hotload.bucket import open_bucket, upload_snapshot
 from hotload.ledger import Ledger, NewEntry
@@ -229,11 +231,9 @@ def report(  # noqa: PLR0917 - one call site, every value is a measurement
     peak: int,
     engine_peak: int,
 ) -> None:
-    """Write the markdown results."""
+    """Write the run into the results file (between its bench_sidecar markers)."""
     mib = 2**20
     lines = [
-        "# Loader sidecar benchmark",
-        "",
         f"Command: `python benchmarks/bench_sidecar.py{' --scale ' + str(args.scale) if args.scale != 1.0 else ''}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"{time.strftime('%Y-%m-%d')}. Shared and noisy: read the split, not the last digit.",
@@ -272,9 +272,9 @@ def report(  # noqa: PLR0917 - one call site, every value is a measurement
         "```json",
         json.dumps(rows, indent=2),
         "```",
-        "",
     ]
-    args.out.write_text("\n".join(lines))
+    # Only the generated run: the hand-written figures and the other runs stay.
+    replace_section(args.out, "bench_sidecar", "\n".join(lines))
 
 
 if __name__ == "__main__":

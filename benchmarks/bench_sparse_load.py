@@ -26,8 +26,9 @@ and a trainer publishing deltas back to back
 (`sparse_modes.py`, `sparse_runs.py`); their sections of the results file are rewritten, the
 others kept.
 
-Results go to benchmarks/RESULTS-sparse-load.md. The work folder (models, the bucket, the
-volumes: up to 26 GiB for `--mode issue26`, checked before starting) is a temporary folder
+Each mode writes only its run in benchmarks/RESULTS-sparse-load.md, between its markers
+(`bench_sparse_load-compare`, `-scaling`, `-cadence`; benchmarks/results.py). The work
+folder (models, the bucket, the volumes: up to 26 GiB for `--mode issue26`, checked before starting) is a temporary folder
 removed at the end, unless `--workdir` or `--keep` is given.
 """
 
@@ -46,6 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_sidecar import append, proc_status_bytes, vm_hwm
+from results import replace_section
 from sparse_common import build_model, upload
 
 from hotload.arc.patch import prepare_patch
@@ -59,7 +61,6 @@ from support.vllm_server import INSTALL_HINT, VLLMServer, vllm_python
 HERE = Path(__file__).resolve().parent
 DELTAS = ("step-1", "step-2")
 FULL = "step-3"
-ANALYSIS = "## What the numbers say"
 
 
 def reset_hwm(pid: int) -> None:
@@ -411,7 +412,7 @@ def report(
     uploads: dict[str, float],
     results: dict[str, dict[str, Any]],
 ) -> None:
-    """Write the markdown results."""
+    """Write the compare run into the results file (between its bench_sparse_load-compare markers)."""
     mib = 2**20
     command = "python benchmarks/bench_sparse_load.py"
     if args.scale != 1.0:
@@ -421,8 +422,6 @@ def report(
     if args.engines != "reference,vllm":
         command += f" --engines {args.engines}"
     lines = [
-        "# Sparse hot loads: benchmark",
-        "",
         f"Command: `nice -n 10 {command}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, {time.strftime('%Y-%m-%d')}. Shared and noisy: compare "
@@ -501,14 +500,10 @@ def report(
             indent=2,
         ),
         "```",
-        "",
     ]
-    # The reading of the numbers is written by hand below the generated part; a rerun keeps it
-    # (to be checked against the new numbers).
-    kept = args.out.read_text().partition(ANALYSIS)[2] if args.out.exists() else ""
-    if kept:
-        lines += [ANALYSIS + kept.rstrip("\n"), ""]
-    args.out.write_text("\n".join(lines))
+    # Only the generated run: the hand-written figures and the reading of the numbers stay (to
+    # be checked against the new numbers).
+    replace_section(args.out, "bench_sparse_load-compare", "\n".join(lines))
 
 
 def goals(

@@ -8,13 +8,13 @@ import argparse
 import json
 import os
 import platform
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench_sidecar import layers_at
+from results import replace_section
 from sparse_common import NARROW_HIDDEN, WIDE_HIDDEN, build_model
 from sparse_modes import cadence, rolling_steps, scaling_size
 
@@ -38,10 +38,14 @@ def run_issue26(
     try:
         if args.mode in ("scaling", "issue26"):
             scaling = run_scaling(args, kinds, work, engines, server)
-            write_section(args.out, "scaling", scaling_report(args, scaling))
+            replace_section(
+                args.out, "bench_sparse_load-scaling", "\n".join(scaling_report(args, scaling))
+            )
         if args.mode in ("cadence", "issue26"):
             result = run_cadence(args, kinds, work, engines, server)
-            write_section(args.out, "cadence", cadence_report(args, result))
+            replace_section(
+                args.out, "bench_sparse_load-cadence", "\n".join(cadence_report(args, result))
+            )
     finally:
         server.stop()
     print(args.out.read_text())
@@ -304,7 +308,7 @@ def engine_steps_table(sizes: dict[str, Any], labels: list[str]) -> list[str]:
 def cadence_report(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
     """The cadence section."""
     lines = [
-        "## Cadence: deltas published back to back (issue 26)",
+        "### Cadence: deltas published back to back (issue 26)",
         "",
         f"Command: `nice -n 10 python benchmarks/bench_sparse_load.py --mode {args.mode}`  ",
         f"Model {result['full_bytes'] / 2**30:.2f} GiB bf16, {args.fraction:.1%} moved per step, "
@@ -350,19 +354,6 @@ def cadence_report(args: argparse.Namespace, result: dict[str, Any]) -> list[str
         )
     lines += ["", "```json", json.dumps(result, indent=2), "```"]
     return lines
-
-
-def write_section(out: Path, name: str, lines: list[str]) -> None:
-    """Replace the section `name` of the results file (between its markers), or add it."""
-    begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
-    block = "\n".join([begin, *lines, end])
-    text = out.read_text() if out.exists() else "# Sparse hot loads: benchmark\n"
-    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _m: block, text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    out.write_text(text)
 
 
 def _tensors_changed(patch: Path) -> int:
