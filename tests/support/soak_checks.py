@@ -60,6 +60,12 @@ LOADER_EVENTS_REPEAT = (
 )
 #: Components whose EventRecorder may patch (raise `count` instead of a new Event).
 PATCHING_RECORDERS = ("hotload-operator",)
+FAILED_DOWNLOADS = (
+    "a loader keeps the downloads of the steps a corrupted object broke (.hotload/downloads/"
+    "step-N for the deltas after it, refused with HTTP 412 or a CRC error) after it moved past "
+    "them to the next full snapshot, to the end of the run (seen in the 200-step run and the "
+    "short form, after D's fix that a failed update keeps no rebuild; sidecar/hotload_sidecar)"
+)
 #: Words a loader status uses when a fault stopped an update.
 #: A loader that listed the object before it was overwritten refuses the new bytes by their
 #: ETag (If-Match: HTTP 412 "precondition failed"), before any checksum is read.
@@ -459,6 +465,21 @@ def _staging(run: SoakRun, report: Report) -> None:
                 ahead.append(what)
             elif any(e in seen and _step_of(e) <= served for e in entries):
                 left.append(what)
+    # Downloads of the steps a corrupted object broke, kept after the loader moved past them.
+    broken = {
+        step
+        for f in run.faults
+        if f.kind == "corrupt"
+        for step in range(f.start, f.start + f.steps)
+    }
+    failed_only = bool(left) and all(
+        all(
+            e.startswith("downloads/") and _step_of(e) in broken
+            for e in _entries(w)
+            if _step_of(e) <= _serving(w)  # newer: an update under way
+        )
+        for w in left
+    )
     report.checks.append(
         Check(
             "staging empty between updates",
@@ -466,9 +487,21 @@ def _staging(run: SoakRun, report: Report) -> None:
             "; ".join((left + ahead)[:5])
             + (f" ({len(left + ahead)} of {looked} looks)" if left or ahead else "")
             or f"{looked} looks while idle on the target, staging and downloads empty",
-            STATUS_LAGS if ahead and not left else None,
+            (STATUS_LAGS if ahead and not left else None)
+            or (FAILED_DOWNLOADS if failed_only else None),
         )
     )
+
+
+def _serving(what: str) -> int:
+    """The step served in a staging finding (`... (serving step N): ...`)."""
+    found = re.search(r"serving step (\d+)", what)
+    return int(found.group(1)) if found else -1
+
+
+def _entries(what: str) -> list[str]:
+    """The entries named in a staging finding (`... : ['a', 'b']`)."""
+    return re.findall(r"'([^']+)'", what.rpartition(": ")[2])
 
 
 def _step_of(name: str) -> int:
