@@ -12,6 +12,7 @@ then stops; each test publishes and calls the flow itself, so nothing else moves
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from hotload.bucket import open_bucket
+from hotload.api.names import LoadFailureReasons
+from hotload.bucket import Bucket, open_bucket
 from hotload.engine import Engine
 from hotload.ledger import Ledger, LedgerEntry
 from hotload_sidecar.ahead import PatchesAhead
@@ -219,6 +221,32 @@ async def test_a_patch_the_engine_refuses_is_loaded_in_full(
         assert s.loads() == {"full": 1, "sparse": 0, "fallback:engine_unsupported": 1}
         last = s.reporter.status.last_load
         assert last is not None and last.sparse_fallback == "engine_unsupported"
+
+
+@pytest.mark.asyncio
+async def test_a_full_volume_fails_the_update_and_says_so(
+    fulls: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every download refused by the volume (ENOSPC): the sparse load falls back, the full
+    load fails, the engine keeps step-000 and the status names the full volume; with room
+    again, the next update serves the head. (Once the loop crashed on it.)"""
+    async with serving_step_0(fulls, tmp_path) as s:
+        head = await s.publish(1)
+        real = Bucket.download_file_async
+
+        async def full(self: Bucket, *args: Any, **kwargs: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(Bucket, "download_file_async", full)
+        await s.loader.flow.update(head)
+        assert s.engine.served.identity == "step-000"
+        assert s.loads().get("fallback:write_failed") == 1
+        status = s.reporter.status
+        assert status.failure_reason == LoadFailureReasons.VOLUME_FULL
+        assert "No space left on device" in status.last_error
+        monkeypatch.setattr(Bucket, "download_file_async", real)
+        await s.loader.flow.update(head)
+        assert s.engine.served.identity == "step-001"
 
 
 @pytest.mark.asyncio

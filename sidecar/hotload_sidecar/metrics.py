@@ -31,6 +31,7 @@ SPARSE_FALLBACK_REASONS = (
     "needs_parent",
     "delta_not_verified",
     "fetch_failed",
+    "write_failed",
     "engine_failed",
 )
 
@@ -232,7 +233,8 @@ def failure_reason(stage: str, err: BaseException) -> str:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
     for e in chain:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        # A file size limit (EFBIG) is fixed the same way as a full volume: more room.
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             return F.VOLUME_FULL
         if isinstance(e, ChecksumMismatchError) or getattr(e, "corruptions", None):
             return F.CHECKSUM_MISMATCH

@@ -257,6 +257,11 @@ class SparseLoads:
                     return self._refused(target, "too_dense", got)
                 if isinstance(got, HotloadError):
                     return self._refused(target, "delta_not_verified", got)
+                if isinstance(got, OSError):
+                    # The volume refused the download (full, over quota, a file size limit):
+                    # a failed update whose status says so, never the loop's crash; the full
+                    # load that follows fails the same way if the volume is still full.
+                    return self._refused(target, "write_failed", got)
                 if isinstance(got, BaseException):
                     raise got
                 folder, nbytes, new, earlier = got
