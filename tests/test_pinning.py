@@ -36,8 +36,8 @@ from hotload_operator.meta import pin_object_key
 from hotload_operator.pods import loader_env
 from hotload_operator.reports import PodReport, read_pod
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot
+from hotload_sidecar.cache_policy import move_cache_policy
 from hotload_sidecar.config import ConfigError, load_settings
-from hotload_sidecar.loader import move_cache_policy
 from support.cluster import install_crds
 from support.fleet import PROMPT_IDS, Replica, Trainer, wait_for
 from support.kubeapi import KubeAPI
