@@ -463,7 +463,10 @@ class Soak:
         elif fault.kind in ("apiserver_restart", "leader_kill", "leader_freeze"):
             self._begin_cluster(fault, step)
         elif fault.kind == "volume_full" and r is not None and r.loader is not None:
-            limit = (r.root / "loader.log").stat().st_size + 512 * 1024
+            # Room for the log (the same process writes it) and nothing the size of a delta's
+            # shard: 512 KiB let a tiny model's deltas (~190 KB per file) through untouched, and
+            # the fault then hit nothing (the 200-step run: no status named it).
+            limit = (r.root / "loader.log").stat().st_size + 64 * 1024
             _, hard = resource.prlimit(r.loader.pid, resource.RLIMIT_FSIZE)
             resource.prlimit(r.loader.pid, resource.RLIMIT_FSIZE, (limit, hard))
             self.limited[fault.replica or 0] = r.loader.pid

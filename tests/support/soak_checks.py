@@ -42,6 +42,14 @@ LOADER_GROWS = (
     "still shows +10-16% RSS and one loader 20 -> 28 fds; what holds them is not established "
     "(an open bug, sidecar/hotload_sidecar)"
 )
+STANDBY_STALLS = (
+    "after overlapping API-server restarts and leader faults a standby sometimes takes the "
+    "Lease late or not within the run: takeovers of 50 s and 115 s for an 8 s Lease in the "
+    "200-step run, none in 25 steps in one short run (there the soak froze op-a as the leader "
+    "while op-a's own log shows op-b holding the Lease; op-a later exited 1 without a log line "
+    "and its restart logged nothing); an open bug, not investigated "
+    "(operator/hotload_operator/leader.py, or the soak's own leader tracking)"
+)
 STATUS_LAGS = (
     "the loader had begun the next step (its download or staging folder there) while its "
     "status still said idle and current on the step before: the status shows an update a "
@@ -694,6 +702,7 @@ def _fencing(run: SoakRun, report: Report) -> None:
     leases = [e for e in events if (e.get("objectRef") or {}).get("resource") == "leases"]
     problems: list[str] = []
     seen: list[str] = []
+    untaken: list[str] = []
     for d in cluster.deposals:
         took = next(
             (e for e in leases if audit.seconds(e) > d.at
@@ -701,7 +710,7 @@ def _fencing(run: SoakRun, report: Report) -> None:
             None,
         )  # fmt: skip
         if took is None:
-            problems.append(
+            untaken.append(
                 f"{d.how} of {d.identity} at step {d.step}: no other replica took the Lease"
             )
             continue
@@ -738,8 +747,16 @@ def _fencing(run: SoakRun, report: Report) -> None:
     report.checks.append(
         Check(
             "a deposed leader writes nothing after the new leader took the Lease (audit log)",
-            bool(cluster.deposals) and not problems,
-            "; ".join(problems) or "; ".join(seen) or "no leader was deposed",
+            bool(seen) and not problems,
+            "; ".join(problems) or "; ".join(seen) or "no leader was deposed and succeeded",
+        )
+    )
+    report.checks.append(
+        Check(
+            "a standby takes the Lease after the leader is killed or frozen",
+            not untaken,
+            "; ".join(untaken) or f"{len(seen)} takeovers",
+            STANDBY_STALLS if untaken else None,
         )
     )
 
