@@ -265,19 +265,8 @@ async def test_a_frozen_leader_woken_after_the_takeover_writes_nothing(
     async with api.client() as kube:
         await install_crds(kube)
         with replicas(api, tmp_path) as started:
-            started["op-a"] = Replica("op-a", api, tmp_path)
-            await eventually("op-a leading", lambda: _holds(kube, ns, "op-a"), timeout=60)
-            started["op-b"] = Replica("op-b", api, tmp_path)
-            await eventually("op-b standing by", lambda: _says(started["op-b"], "standing by"))
-
-            await kube.create(hld_path(ns), hld_body("fleet", bucket_dir, 3))
+            pods = await _two_replicas_serving_step_0(api, kube, started, bucket_dir)
             deployment = resource_path("apps/v1", "deployments", ns, "fleet")
-            pods = await _pods(kube, ns)
-            await kube.create(snapshot_path(ns), snapshot_body("step-0", "fleet"))
-            await eventually("step-0 accepted", lambda: _accepted(kube, ns, "step-0"))
-            for pod in pods:
-                await play_loader(kube, ns, pod, serving("step-0", 1), ready=True)
-            await eventually("3 replicas shown", lambda: _shown(kube, ns, "step-0", 3))
 
             # op-a freezes; op-b takes the Lease once it expired; meanwhile the spec changes
             # (3 -> 4 replicas), a snapshot is published, one is refused (an Event), and the
@@ -339,6 +328,30 @@ async def test_a_frozen_leader_woken_after_the_takeover_writes_nothing(
             assert [e.identity for e in state.document.entries] == ["step-0", "step-1"]
             refusals = re.findall(r"not sending [A-Z]+ \S+", started["op-a"].log.read_text())
             print("op-a refused after waking:", refusals)
+
+
+async def _two_replicas_serving_step_0(
+    api: KubeAPI,
+    kube: KubeClient,
+    started: dict[str, Replica],
+    bucket_dir: Path,
+    kubeconfig_a: Path | None = None,
+) -> list[str]:
+    """op-a leading (through `kubeconfig_a` when given), op-b standing by, deployment `fleet` of
+    3 replicas whose loaders serve step-0 as its status shows; its pods."""
+    ns = api.namespace
+    started["op-a"] = Replica("op-a", api, bucket_dir.parent, kubeconfig=kubeconfig_a)
+    await eventually("op-a leading", lambda: _holds(kube, ns, "op-a"), timeout=60)
+    started["op-b"] = Replica("op-b", api, bucket_dir.parent)
+    await eventually("op-b standing by", lambda: _says(started["op-b"], "standing by"))
+    await kube.create(hld_path(ns), hld_body("fleet", bucket_dir, 3))
+    pods = await _pods(kube, ns)
+    await kube.create(snapshot_path(ns), snapshot_body("step-0", "fleet"))
+    await eventually("step-0 accepted", lambda: _accepted(kube, ns, "step-0"))
+    for pod in pods:
+        await play_loader(kube, ns, pod, serving("step-0", 1), ready=True)
+    await eventually("3 replicas shown", lambda: _shown(kube, ns, "step-0", 3))
+    return pods
 
 
 async def _holds(kube: KubeClient, ns: str, identity: str) -> bool:
@@ -483,19 +496,8 @@ async def test_a_leader_cut_off_from_the_api_server_writes_nothing_once_it_heals
                 cluster["cluster"]["server"] = f"https://127.0.0.1:{partition.port}"
             behind.write_text(yaml.safe_dump(doc))
             with replicas(api, tmp_path) as started:
-                started["op-a"] = Replica("op-a", api, tmp_path, kubeconfig=behind)
-                await eventually("op-a leading", lambda: _holds(kube, ns, "op-a"), timeout=60)
-                started["op-b"] = Replica("op-b", api, tmp_path)
-                await eventually("op-b standing by", lambda: _says(started["op-b"], "standing by"))
-
-                await kube.create(hld_path(ns), hld_body("fleet", bucket_dir, 3))
+                await _two_replicas_serving_step_0(api, kube, started, bucket_dir, behind)
                 deployment = resource_path("apps/v1", "deployments", ns, "fleet")
-                pods = await _pods(kube, ns)
-                await kube.create(snapshot_path(ns), snapshot_body("step-0", "fleet"))
-                await eventually("step-0 accepted", lambda: _accepted(kube, ns, "step-0"))
-                for pod in pods:
-                    await play_loader(kube, ns, pod, serving("step-0", 1), ready=True)
-                await eventually("3 replicas shown", lambda: _shown(kube, ns, "step-0", 3))
 
                 partition.cut()
                 # A trainer appends without a Snapshot object: op-a's head poll (the bucket is

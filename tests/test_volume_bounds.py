@@ -9,6 +9,7 @@ import asyncio
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hotload.bucket import open_bucket
@@ -62,19 +63,26 @@ async def test_early_fetch_keeps_only_the_newest_hinted_full_snapshot(tmp_path: 
         await early.close()
 
 
+async def _published_s0(
+    tmp_path: Path,
+) -> tuple[Ledger, dict[str, np.ndarray], WeightsFolder, Materializer]:
+    """A folder bucket whose ledger holds the full snapshot s0 (its weights), and an empty
+    volume with its materializer."""
+    ledger = Ledger(open_bucket(str(tmp_path / "bucket")), "policy")
+    base = weights(0)
+    await publish_folder_async(ledger, full(tmp_path / "s0", base))
+    local = WeightsFolder(tmp_path / "weights")
+    local.prepare()
+    return ledger, base, local, Materializer(ledger.bucket, local, threads=1)
+
+
 @pytest.mark.asyncio
 async def test_a_failed_update_keeps_one_rebuilt_snapshot_and_reuses_it(tmp_path: Path) -> None:
     """The engine serves s0; the ledger moved to a new chain f1, d2, d3, d4 with d4 corrupted
     in the bucket. Every attempt fails at d4; what stays of it is the newest snapshot it
     rebuilt (d3, where the next attempt starts), not f1 beside it: the volume holds s0 and d3
     after each attempt, however many there are."""
-    ledger = Ledger(open_bucket(str(tmp_path / "bucket")), "policy")
-    base = weights(0)
-    s0 = full(tmp_path / "s0", base)
-    await publish_folder_async(ledger, s0)
-    local = WeightsFolder(tmp_path / "weights")
-    local.prepare()
-    materializer = Materializer(ledger.bucket, local, threads=1)
+    ledger, base, local, materializer = await _published_s0(tmp_path)
     document = (await ledger.read_async()).document
     await materializer.build(document, "s0")
     local.switch("s0")  # what the engine serves
@@ -102,16 +110,10 @@ async def test_a_compaction_under_way_is_shown_not_taken_for_a_leftover(tmp_path
     """The soak saw `staging/.step-N.tmp-PID` while the loader said idle on step N: the deltas
     of the served snapshot being folded into it in the background. The volume names that work
     (`folding`, the status's `compacting`) while it runs, and nothing stays after it."""
-    ledger = Ledger(open_bucket(str(tmp_path / "bucket")), "policy")
-    base = weights(0)
-    s0 = full(tmp_path / "s0", base)
-    await publish_folder_async(ledger, s0)
-    local = WeightsFolder(tmp_path / "weights")
-    local.prepare()
-    materializer = Materializer(ledger.bucket, local, threads=1)
+    ledger, base, local, materializer = await _published_s0(tmp_path)
     await materializer.build((await ledger.read_async()).document, "s0")
     local.switch("s0")
-    prev = s0
+    prev = tmp_path / "s0"
     for step in (1, 2):
         target = full(tmp_path / "fulls" / f"f{step}", nudged(base, step))
         folder = delta(prev, target, tmp_path / f"d{step}")
