@@ -31,6 +31,7 @@ import math
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -153,13 +154,17 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(device: str, fn: Any) -> tuple[Any, float]:
-    """Run `fn()`; return its result and the seconds it took, the device synchronised."""
+def timed(device: str, fn: Any, label: str = "") -> tuple[Any, float]:
+    """Run `fn()`; return its result and the seconds it took, the device synchronised. A
+    labelled step prints its time to stderr as it ends (the 8B run takes minutes)."""
     sync(device)
     t0 = time.perf_counter()
     result = fn()
     sync(device)
-    return result, time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    if label:
+        print(f"  {label}: {seconds:.3f} s", file=sys.stderr, flush=True)
+    return result, seconds
 
 
 def pinned_copy_seconds(targets: dict[str, torch.Tensor], device: str) -> float:
@@ -185,30 +190,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     threads = os.cpu_count() or 1
     try:
         (base, child, delta), build_s = timed(
-            "cpu", lambda: build(work, shape, args.fraction, device)
+            "cpu", lambda: build(work, shape, args.fraction, device), "build"
         )
-        _, encode_s = timed("cpu", lambda: encode(base, child, delta, threads=threads))
+        _, encode_s = timed("cpu", lambda: encode(base, child, delta, threads=threads), "encode")
         patch = work / "child.patch"
         stats, prepare_s = timed(
             "cpu",
             lambda: prepare_patch(None, delta, patch, identity="child", expected_parent="base"),
+            "prepare_patch",
         )
         specs = checkpoint_specs(base)
-        targets, load_s = timed(device, lambda: load(base, device))
+        targets, load_s = timed(device, lambda: load(base, device), "cold load")
         patcher = Patcher(IdentityHost(lambda: targets), scrub_rate=0)
         try:
             patcher.weights_changed(specs)
-            _, sums_s = timed(device, patcher.served)
+            _, sums_s = timed(device, patcher.served, "served sums")
             served = patcher.served()
             after_load = patcher.counters.to_json()
             staged, stage_s = timed(
                 device,
                 lambda: patcher.stage(str(patch), identity="child", parent="base").result(),
+                "stage",
             )
             with PatchFile(patch, runs=False) as pf:
                 checks = checks_of(pf.tensors)
-            _, verify_s = timed(device, lambda: verify(checks, served, staged.deltas))
-            _, pause_s = timed(device, patcher.apply)
+            _, verify_s = timed(device, lambda: verify(checks, served, staged.deltas), "verify")
+            _, pause_s = timed(device, patcher.apply, "pause")
             derived, derive_s = timed(device, lambda: derive(served, staged.deltas))
             meter = Meter(Counters())
             reread, reread_s = timed(
@@ -217,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             counters = patcher.counters.to_json()
         finally:
             patcher.close()
-        full, full_s = timed(device, lambda: load(child, device))
+        full, full_s = timed(device, lambda: load(child, device), "full load of the child")
         exact = all(
             torch.equal(targets[n].view(torch.int16), full[n].view(torch.int16)) for n in full
         )
