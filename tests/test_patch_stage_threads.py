@@ -1,0 +1,69 @@
+"""Staging a patch's tensors in threads (`staging.stage(threads=N)`, the default for weights on
+an accelerator): the same staged writes, sums and result as one thread, and the same error (the
+first failing tensor in the patch's order)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hotload_patch import PatchError, staging
+from hotload_patch.format import PatchFile
+from hotload_patch.placement import LoaderHost
+from support.patch_models import CFG, bits, load_ranks, same_bits
+from support.patches import build_chain, rewrite_patch, set_first
+
+
+def _same_staged(a: staging.Staged, b: staging.Staged) -> None:
+    assert (a.changed, a.checks) == (b.changed, b.checks)
+    assert [(d.tensor, d.region, d.a, d.b) for d in a.deltas] == [
+        (d.tensor, d.region, d.a, d.b) for d in b.deltas
+    ]
+    assert [w.param for w in a.writes] == [w.param for w in b.writes]
+    for wa, wb in zip(a.writes, b.writes, strict=True):
+        assert torch.equal(wa.index, wb.index)
+        assert same_bits(wa.new, wb.new)
+        assert [(p.tensor, p.slot, p.start, p.stop) for p in wa.parts] == [
+            (p.tensor, p.slot, p.start, p.stop) for p in wb.parts
+        ]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_staging_in_threads_stages_what_one_thread_stages(tmp_path: Path, world: int) -> None:
+    chain = build_chain(tmp_path, "BF16")
+    children = load_ranks(chain.child, CFG, world, torch.float32)
+    for rank, model in enumerate(load_ranks(chain.parent, CFG, world, torch.float32)):
+        host = LoaderHost(model)
+        one = staging.stage(host, chain.patch, identity="step-1", parent="step-0", threads=1)
+        four = staging.stage(host, chain.patch, identity="step-1", parent="step-0", threads=4)
+        assert len({d.tensor for d in four.deltas}) > 1  # several tensors: the pool ran
+        _same_staged(one, four)
+        staging.apply(four, host.parameters())
+        child = dict(children[rank].named_parameters())
+        for name, param in model.named_parameters():
+            assert torch.equal(bits(param), bits(child[name])), name
+
+
+def test_a_threaded_stage_refuses_with_the_first_failing_tensor(tmp_path: Path) -> None:
+    chain = build_chain(tmp_path, "BF16")
+    host = LoaderHost(load_ranks(chain.parent, CFG, 1, torch.float32)[0])
+    with PatchFile(chain.patch) as pf:
+        # Changed tensors the engine holds, in the patch's order.
+        held = [t.name for t in pf.tensors if t.changed and host.place(t.name, t.shape, t.dtype)]
+    first, last = held[0], held[-1]
+    nan = 0x7FC0
+    once = rewrite_patch(chain.patch, tmp_path / "once.patch", last, set_first(nan))
+    both = rewrite_patch(once, tmp_path / "both.patch", first, set_first(nan))
+    for patch, expected in ((once, last), (both, first)):
+        with pytest.raises(PatchError) as exc:
+            staging.stage(host, patch, identity="step-1", parent="step-0", threads=4)
+        assert (exc.value.reason, exc.value.tensor) == ("not_finite", expected)
+
+
+def test_threads_default_to_one_for_weights_on_the_cpu() -> None:
+    # A CPU engine serves on those cores while a patch stages.
+    params = {"w": torch.zeros(4)}
+    assert staging._stage_threads(params) == 1
+    assert staging.STAGE_THREADS >= 1
