@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from support.soak import SoakConfig, run_soak
-from support.soak_checks import evaluate
+from support.soak_checks import evaluate, outage_within
 from support.soak_faults import KINDS
 
 
@@ -38,3 +38,11 @@ def test_a_short_soak_meets_every_check(tmp_path: Path) -> None:
     missed = "\n".join(f"- {c.name}: {c.detail}" for c in report.unexplained())
     log = "\n".join(run.fault_log)
     assert not missed, f"soak checks missed:\n{missed}\nfaults:\n{log}"
+
+
+def test_takeovers_are_judged_net_of_api_server_outages() -> None:
+    # No Lease changes hands while the API server is down: only the overlap is taken off.
+    outages = [(10.0, 50.0), (100.0, 110.0)]
+    assert outage_within(outages, 5.0, 60.0) == 40.0
+    assert outage_within(outages, 20.0, 105.0) == 30.0 + 5.0
+    assert outage_within(outages, 60.0, 90.0) == 0.0

@@ -148,7 +148,9 @@ class LeaderElector:
             try:
                 renewed = await wait_for_cancellable(self._try(), left)
             except (KubeError, TimeoutError) as err:
-                log.warning("cannot renew lease %s: %s", self.settings.name, err or "timed out")
+                log.warning(
+                    "cannot renew lease %s: %s", self.settings.name, str(err) or "timed out"
+                )
                 renewed = False
             taken = self.holder() not in ("", self.settings.identity)
             if not renewed and (taken or not self.leading()):
@@ -180,7 +182,7 @@ class LeaderElector:
         try:
             return await wait_for_cancellable(self._try(), 2 * self.settings.retry)
         except (KubeError, TimeoutError) as err:
-            log.warning("cannot take lease %s: %s", self.settings.name, err or "timed out")
+            log.warning("cannot take lease %s: %s", self.settings.name, str(err) or "timed out")
             return False
 
     def _lost(self) -> None:

@@ -43,13 +43,21 @@ LOADER_GROWS = (
     "(an open bug, sidecar/hotload_sidecar)"
 )
 STANDBY_STALLS = (
-    "after overlapping API-server restarts and leader faults a standby sometimes takes the "
-    "Lease late or not within the run: takeovers of 50 s and 115 s for an 8 s Lease in the "
-    "200-step run, none in 25 steps in one short run (there the soak froze op-a as the leader "
-    "while op-a's own log shows op-b holding the Lease; op-a later exited 1 without a log line "
-    "and its restart logged nothing); an open bug, not investigated "
-    "(operator/hotload_operator/leader.py, or the soak's own leader tracking)"
+    "a standby took the Lease later than the Lease's duration and its retries allow, net of "
+    "the API server's outages: not explained (operator/hotload_operator/leader.py). The slow "
+    "takeovers of the 200-step run were explained by the operators' logs: 50 s was an API-server "
+    "restart (stopped 9 s after the kill, ready 40 s later; the standby took the Lease 1 s "
+    "after), 115 s was the killed leader, started again after 2 steps, taking its own Lease "
+    "back under the same identity 6 s after the kill; the soak now waits for another holder "
+    "before it restarts a killed leader, and judges takeovers net of outages"
 )
+#: Seconds a standby may take, net of API-server outages, from a leader's fault to holding the
+#: Lease: the Lease's duration (8 s) after the last renewal it saw, a wait of at most two retry
+#: periods (1 s each) between looks, and 5 s for a loaded 2-core machine.
+TAKEOVER_BOUND = 8.0 + 2 * 1.0 + 5.0
+#: More for a successor that was itself starting again at the fault: its imports and its first
+#: read of the Lease (whose age it cannot know, so it waits the whole duration from then).
+BOOT_ALLOWANCE = 10.0
 STATUS_LAGS = (
     "the loader had begun the next step (its download or staging folder there) while its "
     "status still said idle and current on the step before: the status shows an update a "
@@ -703,6 +711,7 @@ def _fencing(run: SoakRun, report: Report) -> None:
     problems: list[str] = []
     seen: list[str] = []
     untaken: list[str] = []
+    slow: list[str] = []
     for d in cluster.deposals:
         took = next(
             (e for e in leases if audit.seconds(e) > d.at
@@ -716,6 +725,19 @@ def _fencing(run: SoakRun, report: Report) -> None:
             continue
         d.successor = audit.replica(took)
         start = audit.seconds(took)
+        # Timed from the fault, or from the successor's own start when it was starting again
+        # then, net of the API server's outages: no Lease changes hands without either.
+        began = max([d.at] + [t for t in getattr(cluster, "operator_starts", {}).get(
+            d.successor, []) if t < start])  # fmt: skip
+        down = outage_within(getattr(cluster, "apiserver_down", []), began, start)
+        bound = TAKEOVER_BOUND + (BOOT_ALLOWANCE if began > d.at else 0.0)
+        if start - began - down > bound:
+            restarted = f" (its process started {began - d.at:.1f}s after)" if began > d.at else ""
+            slow.append(
+                f"{d.how} of {d.identity} at step {d.step}: {d.successor} took the Lease "
+                f"{start - d.at:.1f}s later{restarted}, {start - began - down:.1f}s net of its "
+                f"start and the API server's outages (bound {bound:g}s)"
+            )
         if d.woken_at is not None and d.woken_at < start:
             problems.append(
                 f"{d.how} of {d.identity} at step {d.step}: woken {d.woken_at - d.at:.1f}s "
@@ -733,9 +755,13 @@ def _fencing(run: SoakRun, report: Report) -> None:
         ]  # fmt: skip
         late = [e for e in deposed if (e.get("objectRef") or {}).get("resource") != "leases"]
         refused = [e for e in deposed if e not in late]
+        outage = f" ({down:.1f}s of it with the API server down)" if down else ""
+        if began > d.at:
+            outage += f" (the successor itself started {began - d.at:.1f}s after the fault)"
         seen.append(
             f"{d.how} of {d.identity} at step {d.step}: {d.successor} took the Lease "
-            f"{start - d.at:.1f}s later; {len(refused)} Lease writes of the deposed refused"
+            f"{start - d.at:.1f}s later{outage}; {len(refused)} Lease writes of the deposed "
+            "refused"
         )
         if late:
             kinds = sorted({f"{audit.kind(e)} ({audit.code(e)})" for e in late})
@@ -753,12 +779,19 @@ def _fencing(run: SoakRun, report: Report) -> None:
     )
     report.checks.append(
         Check(
-            "a standby takes the Lease after the leader is killed or frozen",
-            not untaken,
-            "; ".join(untaken) or f"{len(seen)} takeovers",
-            STANDBY_STALLS if untaken else None,
+            f"a standby takes the Lease after the leader is killed or frozen, within "
+            f"{TAKEOVER_BOUND:g}s net of the API server's outages ({BOOT_ALLOWANCE:g}s more for "
+            "a standby starting again)",
+            not untaken and not slow,
+            "; ".join(untaken + slow) or f"{len(seen)} takeovers",
+            STANDBY_STALLS if untaken or slow else None,
         )
     )
+
+
+def outage_within(outages: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of `outages` (wall-clock intervals) that fall between `start` and `end`."""
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in outages)
 
 
 def _events(run: SoakRun, report: Report) -> None:

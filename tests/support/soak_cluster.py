@@ -84,8 +84,10 @@ class OperatorProcess:
     after a kill, as the kubelet restarts a pod's container."""
 
     def __init__(self, identity: str, kubeconfig: Path, namespace: str, env: dict[str, str],
-                 logs: Path) -> None:  # fmt: skip
+                 logs: Path, *, wall_starts: list[float] | None = None) -> None:  # fmt: skip
         self.identity = identity
+        #: Wall-clock time of each start (the record's list, kept for the checks).
+        self.wall_starts = [] if wall_starts is None else wall_starts
         self.log = logs / f"operator-{identity}.log"
         self.env = env | {"KUBECONFIG": str(kubeconfig), "HOTLOAD_ROLLUP_INTERVAL": "1"}
         self.command = [
@@ -106,6 +108,7 @@ class OperatorProcess:
                 env=self.env, stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         self.starts.append(time.monotonic())
+        self.wall_starts.append(time.time())
 
     def alive(self) -> bool:
         """Whether its process runs."""
@@ -170,6 +173,12 @@ class ClusterRecord:
     final_seconds: float | None = None
     final_error: str | None = None
     apiserver_restarts: int = 0
+    #: Wall-clock (stopped, ready again) of each API-server outage: no Lease can change hands
+    #: then, so a takeover's time is judged net of them.
+    apiserver_down: list[tuple[float, float]] = field(default_factory=list)
+    #: Wall-clock starts of each operator process, by identity: a successor that was itself
+    #: starting again (a leader exits once it cannot renew) is timed from its start.
+    operator_starts: dict[str, list[float]] = field(default_factory=dict)
 
 
 class SoakCluster:
@@ -188,6 +197,7 @@ class SoakCluster:
         self.operators: dict[str, OperatorProcess] = {}
         self.record = ClusterRecord(audit_log=self.state / "audit.log")
         self.apiserver_down_since: float | None = None
+        self._down_wall = 0.0
         self._apiserver_cmd: list[str] = []
         self._ready: dict[str, bool] = {}
         self.last_holder = ""
@@ -216,7 +226,10 @@ class SoakCluster:
         self.record.namespace = ns
         self.loop.call(self._install(), 120)
         for identity in IDENTITIES:
-            op = OperatorProcess(identity, self.api.kubeconfig, ns, self.env, self.root)
+            op = OperatorProcess(
+                identity, self.api.kubeconfig, ns, self.env, self.root,
+                wall_starts=self.record.operator_starts.setdefault(identity, []),
+            )  # fmt: skip
             self.operators[identity] = op
             op.start()
             if identity == IDENTITIES[0]:
@@ -438,6 +451,7 @@ class SoakCluster:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.apiserver_down_since = time.monotonic()
+        self._down_wall = time.time()
 
     def start_apiserver(self, timeout: float = 120.0) -> float:
         """Start kube-apiserver again with the same flags on the same etcd (as `cluster.sh up`
@@ -461,6 +475,7 @@ class SoakCluster:
                                    check=False, capture_output=True)  # fmt: skip
         self.apiserver_down_since = None
         self.record.apiserver_restarts += 1
+        self.record.apiserver_down.append((self._down_wall, time.time()))
         return time.monotonic() - began
 
     def _start_apiserver_if_down(self) -> None:
