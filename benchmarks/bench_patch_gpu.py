@@ -71,6 +71,8 @@ SHAPES = {
     "8b": Shape(4096, 32, 14336, 32, 8, 128256),
     # Llama-3.2-3B's sizes with untied embeddings: 3.61 B parameters.
     "3b": Shape(3072, 28, 8192, 24, 8, 128256),
+    # Llama-3.2-1B's sizes with untied embeddings: 1.50 B parameters (a CPU-sized run).
+    "1b": Shape(2048, 16, 8192, 32, 8, 128256),
     "tiny": Shape(64, 2, 160, 4, 2, 512),
 }
 
@@ -208,7 +210,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _, sums_s = timed(device, patcher.served, "served sums")
             served = patcher.served()
             after_load = patcher.counters.to_json()
-            # The same staging on one thread, for comparison (staging only reads the weights).
+            # The same staging on one thread and on `--stage-threads`, for comparison (staging
+            # only reads the weights).
+            many = args.stage_threads or STAGE_THREADS
             _, stage_one_s = timed(
                 device,
                 lambda: stage(
@@ -216,6 +220,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     threads=1,
                 ),
                 "stage, one thread",
+            )  # fmt: skip
+            _, stage_many_s = timed(
+                device,
+                lambda: stage(
+                    IdentityHost(lambda: targets), patch, identity="child", parent="base",
+                    threads=many,
+                ),
+                f"stage, {many} threads",
             )  # fmt: skip
             staged, stage_s = timed(
                 device,
@@ -258,7 +270,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "served_sums_after_load": round(sums_s, 3),
                 "stage": round(stage_s, 3),
                 "stage_one_thread": round(stage_one_s, 3),
-                "stage_threads": STAGE_THREADS if device.startswith("cuda") else 1,
+                "stage_threaded": round(stage_many_s, 3),
+                "stage_threads": many,
+                "engine_stage_threads": STAGE_THREADS if device.startswith("cuda") else 1,
                 "verify": round(verify_s, 3),
                 "pause": round(pause_s, 6),
                 "served_sums_derived": round(derive_s, 6),
@@ -295,8 +309,10 @@ def report(r: dict[str, Any]) -> str:
         f"{r['patch_bytes'] / r['delta_bytes']:.2f}x the delta) | {s['prepare_patch']:.2f} |",
         f"| cold load (read + copy to the device) | {s['cold_load']:.2f} |",
         f"| served sums after the load (on the device) | {s['served_sums_after_load']:.2f} |",
-        f"| stage the patch while serving ({s['stage_threads']} threads) | {s['stage']:.3f} |",
+        f"| stage the patch while serving (the engine's {s['engine_stage_threads']} threads) | "
+        f"{s['stage']:.3f} |",
         f"| (the same staging on one thread) | {s['stage_one_thread']:.3f} |",
+        f"| (the same staging on {s['stage_threads']} threads) | {s['stage_threaded']:.3f} |",
         f"| verify over the region sums | {s['verify']:.3f} |",
         f"| **the pause (writes only)** | **{s['pause']:.4f}** |",
         f"| served checksums after the patch: derived | {s['served_sums_derived']:.4f} |",
@@ -324,6 +340,12 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.015)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument(
+        "--stage-threads",
+        type=int,
+        default=0,
+        help="threads for the threaded staging row (default: the engines' STAGE_THREADS)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the numbers here too")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():

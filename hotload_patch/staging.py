@@ -158,7 +158,9 @@ def stage(
     problems = host.problems()
     if problems:
         raise PatchError("; ".join(problems), reason="kernel_format", path=where)
-    with PatchFile(path) as pf:
+    params = host.parameters()
+    workers = max(1, _stage_threads(params) if threads is None else threads)
+    with PatchFile(path, threads=workers) as pf:
         for what, want, got in (
             ("produces", identity, pf.identity),
             ("applies to", parent, pf.parent),
@@ -169,7 +171,6 @@ def stage(
                 )
         if specs is not None:
             _check_specs(pf.tensors, specs, where)
-        params = host.parameters()
         parts: dict[str, list[_Item]] = {}
         deltas: list[RegionSum] = []
         checks: dict[str, TensorCheck] = {}
@@ -184,9 +185,10 @@ def stage(
                 jobs.append((t, slots))
             # else nothing to place or convert: a tensor the step left alone costs its check
             # (`verify`: parent checksum held, result promised equal), no more.
-        workers = min(len(jobs), _stage_threads(params) if threads is None else threads)
-        if workers > 1:
-            with ThreadPoolExecutor(workers, thread_name_prefix="hotload-stage") as pool:
+        if min(workers, len(jobs)) > 1:
+            with ThreadPoolExecutor(
+                min(workers, len(jobs)), thread_name_prefix="hotload-stage"
+            ) as pool:
                 # `map` gives the results in the tensors' order and raises the first tensor's
                 # error in that order, as staging them one by one would.
                 staged = list(

@@ -67,3 +67,41 @@ def test_threads_default_to_one_for_weights_on_the_cpu() -> None:
     params = {"w": torch.zeros(4)}
     assert staging._stage_threads(params) == 1
     assert staging.STAGE_THREADS >= 1
+
+
+def _first_plane_offset(entry: object) -> int | None:
+    """The data offset of the first plane named anywhere in a tensor's header entry."""
+    if isinstance(entry, dict):
+        planes = entry.get("planes")
+        if isinstance(planes, list) and planes:
+            return int(planes[0][0])
+        for value in entry.values():
+            found = _first_plane_offset(value)
+            if found is not None:
+                return found
+    return None
+
+
+def test_a_patch_decoded_in_threads_reads_what_one_thread_reads(tmp_path: Path) -> None:
+    chain = build_chain(tmp_path, "BF16")
+    with PatchFile(chain.patch) as one, PatchFile(chain.patch, threads=4) as four:
+        assert [t.name for t in one.tensors] == [t.name for t in four.tensors]
+        for a, b in zip(one.tensors, four.tensors, strict=True):
+            for pa, pb in zip(a.changes(), b.changes(), strict=True):
+                assert pa.tolist() == pb.tolist(), a.name
+    # Damaged planes in two tensors: the first in the file's order is the error, as with one.
+    with PatchFile(chain.patch, runs=False) as pf:
+        entries = {e["name"]: e for e in pf.header["tensors"]}
+        changed = [t.name for t in pf.tensors if _first_plane_offset(entries[t.name]) is not None]
+    first, last = changed[0], changed[-1]
+    data = bytearray(chain.patch.read_bytes())
+    for name in (last, first):
+        at = _first_plane_offset(entries[name])
+        assert at is not None
+        data[at] ^= 0xFF
+        damaged = tmp_path / f"damaged-{name}.patch"
+        damaged.write_bytes(data)
+        for threads in (1, 4):
+            with pytest.raises(PatchError) as exc:
+                PatchFile(damaged, threads=threads)
+            assert (exc.value.reason, exc.value.tensor) == ("patch_corrupt", name)
