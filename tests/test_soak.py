@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support.soak import SoakConfig, run_soak
+from support.soak import SoakConfig, folder_bytes, run_soak
 from support.soak_checks import evaluate, outage_within
 from support.soak_faults import KINDS
 
@@ -46,3 +46,25 @@ def test_takeovers_are_judged_net_of_api_server_outages() -> None:
     assert outage_within(outages, 5.0, 60.0) == 40.0
     assert outage_within(outages, 20.0, 105.0) == 30.0 + 5.0
     assert outage_within(outages, 60.0, 90.0) == 0.0
+
+
+def test_a_volumes_bytes_by_entry_count_each_inode_once(tmp_path: Path) -> None:
+    # What a volume over its bound holds, by snapshot and work folder (hard links once).
+    (tmp_path / "snapshots" / "a").mkdir(parents=True)
+    (tmp_path / "snapshots" / "b").mkdir()
+    (tmp_path / ".hotload" / "downloads" / "step-3").mkdir(parents=True)
+    (tmp_path / "snapshots" / "a" / "w.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "snapshots" / "b" / "w.safetensors").hardlink_to(
+        tmp_path / "snapshots" / "a" / "w.safetensors"
+    )
+    (tmp_path / "snapshots" / "b" / "v.safetensors").write_bytes(b"y" * 30)
+    (tmp_path / ".hotload" / "downloads" / "step-3" / "d").write_bytes(b"z" * 7)
+    (tmp_path / ".hotload" / "ledger.json").write_bytes(b"{}")
+    entries: dict[str, int] = {}
+    assert folder_bytes(tmp_path, entries) == 100 + 30 + 7 + 2
+    assert entries == {
+        "snapshots/a": 100,
+        "snapshots/b": 30,
+        ".hotload/downloads/step-3": 7,
+        ".hotload": 2,
+    }

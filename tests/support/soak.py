@@ -88,6 +88,9 @@ class Sample:
     procs: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     #: replica -> bytes of its weights folder (hard links counted once).
     volume: dict[str, int] = field(default_factory=dict)
+    #: replica -> those bytes by entry (`folder_bytes`): the evidence when a look is over the
+    #: volume's bound (the 200-step run had two such looks that nothing then could explain).
+    volume_entries: dict[str, dict[str, int]] = field(default_factory=dict)
     #: replica -> bytes of those under .hotload/early (snapshots fetched before admission).
     early: dict[str, int] = field(default_factory=dict)
     #: replica -> entries in .hotload/staging and .hotload/downloads while it was idle on
@@ -174,11 +177,13 @@ def cpu_ticks(pid: int) -> int | None:
         return None
 
 
-def folder_bytes(root: Path) -> int:
-    """Allocated bytes of the files under `root` (each inode once: hard links share)."""
+def folder_bytes(root: Path, by_entry: dict[str, int] | None = None) -> int:
+    """Allocated bytes of the files under `root` (each inode once: hard links share); with
+    `by_entry`, also the bytes each inode was first met under, by the top-level entry (and
+    `.hotload/<sub>/<entry>`) it lies in: what a volume over its bound holds."""
     seen: set[int] = set()
     total = 0
-    for dirpath, _dirs, files in os.walk(root):
+    for dirpath, _dirs, files in sorted(os.walk(root)):
         for name in files:
             try:
                 st = os.lstat(os.path.join(dirpath, name))
@@ -187,7 +192,18 @@ def folder_bytes(root: Path) -> int:
             if st.st_ino not in seen:
                 seen.add(st.st_ino)
                 total += st.st_size
+                if by_entry is not None:
+                    key = _entry_of(Path(dirpath, name).relative_to(root))
+                    by_entry[key] = by_entry.get(key, 0) + st.st_size
     return total
+
+
+def _entry_of(rel: Path) -> str:
+    """The folder a file of a volume lies in, to one level below the top (`snapshots/<id>`),
+    two under `.hotload` (`.hotload/downloads/<step>`); a file at the top is its own entry."""
+    parts = rel.parts
+    depth = 3 if parts[0] == ".hotload" else 2  # snapshots/<id>, .hotload/<work>/<entry>
+    return "/".join(parts[: min(depth, len(parts) - 1) or 1])
 
 
 # --- the trainer process ----------------------------------------------------------------------
@@ -671,7 +687,9 @@ class Soak:
                     usage = proc_usage(proc.pid)
                     if usage is not None:
                         s.procs[f"{r.name}/{what}"] = (proc.pid, *usage)
-            s.volume[r.name] = folder_bytes(r.weights)
+            entries_bytes: dict[str, int] = {}
+            s.volume[r.name] = folder_bytes(r.weights, entries_bytes)
+            s.volume_entries[r.name] = entries_bytes
             s.early[r.name] = folder_bytes(r.weights / ".hotload" / "early")
             before = self._status(r)
             work = r.weights / ".hotload"

@@ -411,6 +411,10 @@ def _volume(run: SoakRun, report: Report) -> None:
             elif _failed_lately(run, s.step, name):
                 after_failure.append(what)
             else:
+                held = getattr(s, "volume_entries", {}).get(name, {})
+                largest = sorted(held.items(), key=lambda kv: -kv[1])[:6]
+                if largest:
+                    what += " holding " + ", ".join(f"{k} {v / full:.2f}" for k, v in largest)
                 bad.append(what)
         over_before = over_now
     report.figures["volume_max_in_fulls"] = {k: round(v, 2) for k, v in worst.items()}
