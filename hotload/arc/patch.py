@@ -20,10 +20,11 @@ are then read from the parent snapshot); otherwise `PatchNeedsParentError`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import mmap
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import numpy as np
 
 from hotload.arc import chunk as ck
 from hotload.arc.checksum import format_checksum, parse_checksum
-from hotload.arc.container import read_header
+from hotload.arc.container import ArcHeader, read_header
 from hotload.arc.decoder import stored_chunk
 from hotload.arc.encodings import DENSE, RAW, SPARSE, SPARSE_EXP
 from hotload.arc.lanes import ChunkRunner, Lanes, released_scratch
@@ -40,6 +41,7 @@ from hotload.arc.plan import ChunkTask, check_delta, elements, plan_chunks
 from hotload.errors import ArcError, SnapshotError, WrongParentError
 from hotload.parse_cache import parse_once
 from hotload.snapshot.dtypes import uint_view_dtype
+from hotload.snapshot.reader import Snapshot
 from hotload.snapshot.safetensors_io import SafetensorsFile
 from hotload.snapshot.validate import validate_snapshot
 
@@ -70,14 +72,54 @@ class PatchStats:
     deltas: int = 1
 
 
-def delta_changes(delta: str | Path) -> tuple[int, int]:
+@dataclass(frozen=True)
+class DeltaFolder:
+    """An incremental snapshot's folder validated once, with every shard's header as read then:
+    what the checks, the density count and the patch of one update share, so an update reads
+    each delta header once (`read`), not once per step."""
+
+    path: Path
+    snapshot: Snapshot
+    headers: dict[str, ArcHeader]
+
+    @classmethod
+    def read(cls, folder: str | Path) -> DeltaFolder:
+        """Validate `folder` (`validate_snapshot`) and keep the headers it read; raises as
+        `validate_snapshot` does."""
+        headers: dict[str, ArcHeader] = {}
+        snap = validate_snapshot(folder, arc_headers=headers)
+        return cls(Path(folder), snap, headers)
+
+    @property
+    def kind(self) -> str:
+        """The snapshot's kind (`Snapshot.kind`), known from the headers read."""
+        shards = self.snapshot.shard_files
+        return "incremental" if shards and shards[0] in self.headers else self.snapshot.kind
+
+    def moved(self, path: Path) -> DeltaFolder:
+        """The same files after their folder was renamed to `path` (committed to the volume)."""
+        snap = copy.copy(self.snapshot)
+        snap.path = path
+        return replace(self, path=path, snapshot=snap)
+
+    def header(self, shard: str) -> ArcHeader:
+        """The header of `shard`, read when the folder was (or now, for a full shard, which
+        raises `CorruptDeltaError` as not an arc_v2 file)."""
+        known = self.headers.get(shard)
+        return known if known is not None else read_header(self.path / shard)
+
+
+def _opened(delta: str | Path | DeltaFolder) -> DeltaFolder:
+    return delta if isinstance(delta, DeltaFolder) else DeltaFolder.read(delta)
+
+
+def delta_changes(delta: str | Path | DeltaFolder) -> tuple[int, int]:
     """(changed elements, all elements) of an incremental snapshot, from its shard headers alone:
     a sparse chunk counts its changed elements, a dense or raw chunk all of its elements."""
-    folder = Path(delta)
-    snap = validate_snapshot(folder)
+    opened = _opened(delta)
     changed = total = 0
-    for shard in snap.shard_files:
-        checked = check_delta(read_header(folder / shard), shard, None)
+    for shard in opened.snapshot.shard_files:
+        checked = check_delta(opened.header(shard), shard, None)
         plan, _ = plan_chunks(checked, shard)
         for _info, s, e, meta in plan:
             total += e - s
@@ -91,18 +133,20 @@ def delta_changes(delta: str | Path) -> tuple[int, int]:
     return changed, total
 
 
-def check_delta_files(delta: str | Path, expected_parent: str | None = None) -> int:
+def check_delta_files(delta: str | Path | DeltaFolder, expected_parent: str | None = None) -> int:
     """Check an incremental snapshot's files without its parent: every shard header (the
     parent it names, when `expected_parent` is given), every chunk inside its payload and its
     stored bytes against their CRC-32. Returns the chunks checked; raises `CorruptDeltaError`,
     `WrongParentError` or `SnapshotError`."""
-    folder = Path(delta)
-    snap = validate_snapshot(folder)
-    if snap.kind != "incremental":
-        raise SnapshotError(f"expected an incremental snapshot, not {snap.kind}", path=str(folder))
+    opened = _opened(delta)
+    folder, snap = opened.path, opened.snapshot
+    if opened.kind != "incremental":
+        raise SnapshotError(
+            f"expected an incremental snapshot, not {opened.kind}", path=str(folder)
+        )
     chunks = 0
     for shard in snap.shard_files:
-        header = read_header(folder / shard)
+        header = opened.header(shard)
         plan, _ = plan_chunks(check_delta(header, shard, expected_parent), shard)
         with (folder / shard).open("rb") as f:
             delta_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -123,7 +167,7 @@ def _count(run: object) -> int:
 
 def prepare_patch(
     parent: str | Path | None,
-    delta: str | Path | Sequence[str | Path],
+    delta: str | Path | DeltaFolder | Sequence[str | Path | DeltaFolder],
     out: str | Path,
     *,
     identity: str | None = None,
@@ -138,36 +182,38 @@ def prepare_patch(
     `sparse_exp` chunks. `identity` and `expected_parent` are recorded in the patch (default:
     the deltas' header fields, and for the identity else the last delta folder's name);
     `expected_parent` is also checked against the first delta's headers, and each later delta
-    must name the one before it. With `max_changed_fraction`, deltas changing more than that
+    must name the one before it. A `DeltaFolder` is used as read (its headers are not read
+    again). With `max_changed_fraction`, deltas changing more than that
     fraction of the elements (summed over the deltas, from their chunk entries) are refused
     (`PatchTooDenseError`) before anything is decoded. Raises `CorruptDeltaError`,
     `WrongParentError`, `SnapshotError` or `PatchNeedsParentError` otherwise.
     """
     started = time.perf_counter()
-    folders = [Path(delta)] if isinstance(delta, str | Path) else [Path(d) for d in delta]
-    if not folders:
+    given = [delta] if isinstance(delta, str | Path | DeltaFolder) else list(delta)
+    if not given:
         raise SnapshotError("a patch needs at least one delta")
     with parse_once():
-        snaps = [validate_snapshot(f) for f in folders]
-        for snap in snaps:
-            if snap.kind != "incremental":
+        opened = [_opened(d) for d in given]
+        folders = [d.path for d in opened]
+        snaps = [d.snapshot for d in opened]
+        for d in opened:
+            if d.kind != "incremental":
                 raise SnapshotError(
-                    f"a patch is made of incremental snapshots, not {snap.kind}",
-                    path=str(snap.path),
+                    f"a patch is made of incremental snapshots, not {d.kind}", path=str(d.path)
                 )
-            if snap.shard_files != snaps[0].shard_files:
+            if d.snapshot.shard_files != snaps[0].shard_files:
                 raise SnapshotError(
-                    "the deltas of one patch must have the same shards", path=str(snap.path)
+                    "the deltas of one patch must have the same shards", path=str(d.path)
                 )
         shards = snaps[0].shard_files
-        firsts = [read_header(f / shards[0]) if shards else None for f in folders]
+        firsts = [d.header(shards[0]) if shards else None for d in opened]
         names = [
             (h.identity if h is not None else None) or f.name
             for h, f in zip(firsts, folders, strict=True)
         ]
         parents = [expected_parent or (firsts[0].parent if firsts[0] else None), *names[:-1]]
         if max_changed_fraction is not None:
-            counted = [delta_changes(f) for f in folders]
+            counted = [delta_changes(d) for d in opened]
             changed, total = sum(c for c, _ in counted), counted[0][1]
             if changed > max_changed_fraction * total:
                 what = "the deltas change" if len(folders) > 1 else "the delta changes"
@@ -180,7 +226,11 @@ def prepare_patch(
             results = Lanes(threads).each_shard(
                 shards,
                 lambda shard, runner: _patch_shard(
-                    [f / shard for f in folders], parents, use_parent, writer, runner
+                    [(d.path / shard, d.header(shard)) for d in opened],
+                    parents,
+                    use_parent,
+                    writer,
+                    runner,
                 ),
             )
             entries = [e for shard_entries, _, _ in results for e in shard_entries]
@@ -215,21 +265,20 @@ Changes = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _patch_shard(
-    deltas: list[Path],
+    deltas: list[tuple[Path, ArcHeader]],
     parents: list[str | None],
     parent: Path | None,
     writer: PatchWriter,
     pool: ChunkRunner,
 ) -> tuple[list[dict[str, Any]], int, int]:
-    """One shard over every delta: its chunks' changes, composed, written; returns (entries,
-    elements, changed)."""
-    shard = deltas[0].name
+    """One shard over every delta (its file and header): its chunks' changes, composed,
+    written; returns (entries, elements, changed)."""
+    shard = deltas[0][0].name
     composed: dict[str, Changes] = {}
     first: dict[str, Any] = {}
     last: dict[str, Any] = {}
     infos: dict[str, Any] = {}
-    for path, want in zip(deltas, parents, strict=True):
-        header = read_header(path)
+    for (path, header), want in zip(deltas, parents, strict=True):
         checked = check_delta(header, shard, want)
         if infos and {n: (i.dtype, i.shape) for n, i in checked.infos.items()} != {
             n: (i.dtype, i.shape) for n, i in infos.items()

@@ -150,12 +150,15 @@ def content_digest(path: str | Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def check_content(path: str | Path, expected: str | None, identity: str) -> None:
+def check_content(
+    path: str | Path, expected: str | None, identity: str, *, got: str | None = None
+) -> None:
     """Raise `ChecksumMismatchError` naming the snapshot unless the folder's `content_digest`
-    is `expected` (the ledger entry's); an entry without one (an older ledger) passes."""
+    is `expected` (the ledger entry's); an entry without one (an older ledger) passes. `got`:
+    the folder's digest when already computed (`describe_snapshot`), so no header is re-read."""
     if expected is None:
         return
-    got = content_digest(path)
+    got = got if got is not None else content_digest(path)
     if got != expected:
         raise ChecksumMismatchError(
             f"files of {identity!r} have content digest {got}, the ledger recorded {expected}: "
@@ -195,9 +198,12 @@ def describe_snapshot(path: str | Path) -> SnapshotDescription:
     # An adapter's weights are small and have no tensor_map: its digest pins their headers
     # (and through them the per-tensor checksums) as well as the config.
     digest = adapter_digest(snap.path) if snap.is_adapter else manifest_digest(snap.path, manifests)
+    # `Snapshot.parent` would find the kind again: one read of the first shard's magic fewer.
+    kind = snap.kind
+    first = snap.path / snap.shard_files[0] if kind == "incremental" else None
     return SnapshotDescription(
-        kind=snap.kind,
-        parent=snap.parent,
+        kind=kind,
+        parent=read_header(first).parent if first is not None else None,
         files=files,
         manifest_files=manifests,
         manifest_digest=digest,

@@ -92,11 +92,14 @@ def validate_snapshot(
     identity: str | None = None,
     base_config: Mapping[str, Any] | None = None,
     ignore_config_fields: Iterable[str] = (),
+    arc_headers: dict[str, ArcHeader] | None = None,
 ) -> Snapshot:
     """Check a full or incremental snapshot folder's structure; return it opened, or raise.
 
     Checks required files, that `weight_map`, `tensor_map` and the shards agree, that no shard
     mixes layers, the identity, and (with `base_config`) config.json against the base.
+    `arc_headers` receives each delta shard's header read on the way (by shard name), so that
+    a caller uses them rather than reading every header again.
     """
     root = Path(path)
     problems = _Problems()
@@ -186,6 +189,8 @@ def validate_snapshot(
                 problems.add(shard_path, None, f"unreadable: {exc}")
                 continue
             parents[shard] = delta.parent
+            if arc_headers is not None:
+                arc_headers[shard] = delta
         try:
             stored = _shard_tensors(shard_path, delta)
         except HotloadError as exc:

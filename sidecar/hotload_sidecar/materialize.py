@@ -88,14 +88,15 @@ def check_digest(entry: LedgerEntry, folder: Path) -> None:
     """Raise `SnapshotError` unless the manifests fetched into `folder` are the ones the ledger
     admitted for `entry`, and `ChecksumMismatchError` (a corruption) unless its files match the
     entry's content digest when it has one."""
-    digest = describe_snapshot(folder).manifest_digest
+    described = describe_snapshot(folder)  # reads every data header once, for both digests
+    digest = described.manifest_digest
     if digest != entry.manifest_digest:
         raise SnapshotError(
             f"manifests of {entry.identity!r} in the bucket have digest {digest}, the ledger "
             f"recorded {entry.manifest_digest} (the snapshot was replaced after publishing)",
             path=str(folder),
         )
-    check_content(folder, entry.content_digest, entry.identity)
+    check_content(folder, entry.content_digest, entry.identity, got=described.content_digest)
 
 
 class MaterializeError(HotloadError):

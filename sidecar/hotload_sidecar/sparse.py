@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hotload.arc.patch import (
+    DeltaFolder,
     PatchNeedsParentError,
     PatchStats,
     PatchTooDenseError,
@@ -224,8 +225,9 @@ class SparseLoads:
         not (an `Outcome` with a reason). `nice`: the patch is written in threads that much
         less urgent (a patch prepared ahead yields the CPU to the engine's update under way);
         `threads`: how many write it (default: the loader's `--threads`)."""
-        # Each delta's headers are read by the checks, the density count and the patch:
-        # parsed once (a delta is a file per layer, so this is per-file work).
+        # Each delta's headers are read once, when it arrives (or is taken from the volume),
+        # and handed to the checks, the density count and the patch (a delta is a file per
+        # layer, so a re-read is per-file work); the manifests' JSON is parsed once too.
         with parse_once():
             return await self._prepare(steps, nice, threads or self.threads)
 
@@ -242,7 +244,7 @@ class SparseLoads:
         assert parent is not None
         t0 = time.perf_counter()
         patch = self._patch_file(steps)
-        folders: list[Path] = []
+        folders: list[DeltaFolder] = []
         fetched = wrote = 0
         self._drop_stale(steps)
         try:
@@ -385,7 +387,7 @@ class SparseLoads:
         )
         return Outcome(patched=done)
 
-    def _within_density(self, folders: list[Path]) -> int:
+    def _within_density(self, folders: list[DeltaFolder]) -> int:
         """How many of `folders` (deltas in order) to compose at once: as many as change, all
         together, at most `max_changed` of the elements (counted from their chunk headers,
         an upper bound of what their composition changes), and at least one."""
@@ -399,15 +401,16 @@ class SparseLoads:
             count += 1
         return count
 
-    async def _delta(self, entry: LedgerEntry) -> tuple[Path, int, int, int]:
-        """The delta `entry` on the volume: (its folder, bytes fetched, bytes written, bytes
+    async def _delta(self, entry: LedgerEntry) -> tuple[DeltaFolder, int, int, int]:
+        """The delta `entry` on the volume: (its folder as read, bytes fetched, bytes written, bytes
         written before, by an early fetch or an earlier try, and counted then). One
         already there is used as it is (checked when it arrived, and at
         start-up); else it is fetched, refused when too dense (`PatchTooDenseError`: the full
         path takes it, and its files, see `hand_over`), its manifests and chunks checked, and
         committed."""
         if self.weights.has_delta(entry.identity):
-            return self.weights.delta_path(entry.identity), 0, 0, 0
+            held = self.weights.delta_path(entry.identity)
+            return await asyncio.to_thread(DeltaFolder.read, held), 0, 0, 0
         folder = self.weights.download(entry.identity)
         try:
             crash_point("fetch")
@@ -423,17 +426,22 @@ class SparseLoads:
                 )
                 fetched = got.bytes
             check_digest(entry, folder)
-            changed, total = await asyncio.to_thread(delta_changes, folder)
+            opened = await asyncio.to_thread(DeltaFolder.read, folder)
+            changed, total = await asyncio.to_thread(delta_changes, opened)
             refusal = self.density_refusal(entry.identity, changed, total)
             if refusal:
                 self._set_aside(entry.identity, folder, count=early is None)
                 raise PatchTooDenseError(refusal)
-            await asyncio.to_thread(check_delta_files, folder, entry.previous)
+            await asyncio.to_thread(check_delta_files, opened, entry.previous)
             # Bytes fetched early were counted (fetched, written) when they arrived.
             new = written_bytes(folder) if early is None else 0
             earlier = written_bytes(folder) if early is not None else 0
             crash_point("commit")
-            return self.weights.commit_delta(folder, entry.identity), fetched, new, earlier
+            kept = self.weights.has_delta(entry.identity)  # then its files, not these, stay
+            committed = self.weights.commit_delta(folder, entry.identity)
+            if kept:
+                opened = await asyncio.to_thread(DeltaFolder.read, committed)
+            return opened.moved(committed), fetched, new, earlier
         except BaseException:
             remove_tree(folder)
             raise
