@@ -76,7 +76,7 @@ def read_header(path: Path) -> ArcHeader:
             prefix = f.read(PREFIX_LEN)
             if len(prefix) < PREFIX_LEN or prefix[: len(MAGIC)] != MAGIC:
                 raise CorruptDeltaError("not an arc_v2 delta (bad magic or truncated)", shard=name)
-            frame_len, frame_crc = struct.unpack("<QI", prefix[len(MAGIC) :])
+            (frame_len,) = struct.unpack("<Q", prefix[len(MAGIC) : len(MAGIC) + 8])
             f.seek(0, 2)
             size = f.tell()
             if PREFIX_LEN + frame_len > size:
@@ -87,6 +87,20 @@ def read_header(path: Path) -> ArcHeader:
             frame = f.read(frame_len)
     except FileNotFoundError:
         raise CorruptDeltaError("file not found", shard=name) from None
+    return header_from_bytes(prefix + frame, size, name)
+
+
+def header_from_bytes(stored: bytes, size: int, name: str) -> ArcHeader:
+    """Check and parse the header of a delta shard of `size` bytes from `stored`, its bytes as
+    the file holds them (magic, length, CRC-32 and frame: what `data_header` reads), so a
+    header read once for a digest is not read again; errors name the shard `name`."""
+    prefix = stored[:PREFIX_LEN]
+    if len(prefix) < PREFIX_LEN or prefix[: len(MAGIC)] != MAGIC:
+        raise CorruptDeltaError("not an arc_v2 delta (bad magic or truncated)", shard=name)
+    frame_len, frame_crc = struct.unpack("<QI", prefix[len(MAGIC) :])
+    frame = stored[PREFIX_LEN:]
+    if PREFIX_LEN + frame_len > size or len(frame) != frame_len:
+        raise CorruptDeltaError("header runs past the end of the file (truncated)", shard=name)
     if zlib.crc32(frame) != frame_crc:
         raise CorruptDeltaError("header is corrupted (CRC-32 mismatch)", shard=name)
     known = parsed("header", frame)

@@ -32,7 +32,7 @@ import numpy as np
 
 from hotload.arc import chunk as ck
 from hotload.arc.checksum import format_checksum, parse_checksum
-from hotload.arc.container import ArcHeader, read_header
+from hotload.arc.container import MAGIC, ArcHeader, header_from_bytes, read_header
 from hotload.arc.decoder import stored_chunk
 from hotload.arc.encodings import DENSE, RAW, SPARSE, SPARSE_EXP
 from hotload.arc.lanes import ChunkRunner, Lanes, released_scratch
@@ -83,10 +83,16 @@ class DeltaFolder:
     headers: dict[str, ArcHeader]
 
     @classmethod
-    def read(cls, folder: str | Path) -> DeltaFolder:
+    def read(cls, folder: str | Path, stored: dict[str, bytes] | None = None) -> DeltaFolder:
         """Validate `folder` (`validate_snapshot`) and keep the headers it read; raises as
-        `validate_snapshot` does."""
+        `validate_snapshot` does. `stored`: data files' headers as read just before (by
+        `content_digest`), parsed from there rather than read again."""
+        root = Path(folder)
         headers: dict[str, ArcHeader] = {}
+        for name, raw in (stored or {}).items():
+            if "/" not in name and raw.startswith(MAGIC):
+                size = (root / name).stat().st_size
+                headers[name] = header_from_bytes(raw, size, name)
         snap = validate_snapshot(folder, arc_headers=headers)
         return cls(Path(folder), snap, headers)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from hotload.arc.container import MAGIC, PREFIX_LEN, is_arc_file, read_header
+from hotload.arc.container import MAGIC, PREFIX_LEN, header_from_bytes, is_arc_file, read_header
 from hotload.errors import ChecksumMismatchError, SnapshotError
 from hotload.snapshot import layout
 from hotload.snapshot.lora import adapter_digest
@@ -129,7 +129,7 @@ def data_header(path: Path) -> bytes:
     return prefix[:start] + body
 
 
-def content_digest(path: str | Path) -> str:
+def content_digest(path: str | Path, headers: dict[str, bytes] | None = None) -> str:
     """Return "sha256:<hex>" over every file of the snapshot folder, by sorted relative name:
     the name and, for a data file (`*.safetensors`: a full shard, an adapter's weights or an
     arc_v2 delta shard), the sha256 of its header; for any other file the sha256 of its bytes.
@@ -140,12 +140,18 @@ def content_digest(path: str | Path) -> str:
     and an arc_v2 header's zstd frame (itself under the prefix's CRC-32) holds each chunk's
     `crc32` and each rebuilt tensor's `checksum`, checked by the decoder. So a file with other
     bytes either changes this digest or fails its checksums; it reads headers only for data,
-    and gives the same answer on a header-only (skeleton) copy."""
+    and gives the same answer on a header-only (skeleton) copy. `headers` receives each data
+    file's header bytes as read (by relative name), for a caller that checks them next."""
     root = Path(path)
     h = hashlib.sha256()
     for name in sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()):
         file = root / name
-        part = data_header(file) if name.endswith(".safetensors") else file.read_bytes()
+        if name.endswith(".safetensors"):
+            part = data_header(file)
+            if headers is not None:
+                headers[name] = part
+        else:
+            part = file.read_bytes()
         h.update(name.encode() + b"\0" + hashlib.sha256(part).hexdigest().encode() + b"\n")
     return "sha256:" + h.hexdigest()
 
@@ -181,8 +187,11 @@ def digest_of_manifests(contents: list[tuple[str, bytes]]) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def describe_snapshot(path: str | Path) -> SnapshotDescription:
-    """Describe a snapshot folder: kind, parent, files, manifests (uploaded last) and sizes."""
+def describe_snapshot(
+    path: str | Path, headers: dict[str, bytes] | None = None
+) -> SnapshotDescription:
+    """Describe a snapshot folder: kind, parent, files, manifests (uploaded last) and sizes.
+    `headers` receives each data file's header bytes as read (`content_digest`)."""
     snap = Snapshot(path)
     files = snap.files()
     if snap.is_adapter:
@@ -198,16 +207,29 @@ def describe_snapshot(path: str | Path) -> SnapshotDescription:
     # An adapter's weights are small and have no tensor_map: its digest pins their headers
     # (and through them the per-tensor checksums) as well as the config.
     digest = adapter_digest(snap.path) if snap.is_adapter else manifest_digest(snap.path, manifests)
-    # `Snapshot.parent` would find the kind again: one read of the first shard's magic fewer.
-    kind = snap.kind
-    first = snap.path / snap.shard_files[0] if kind == "incremental" else None
+    seen: dict[str, bytes] = {} if headers is None else headers
+    content = content_digest(snap.path, seen)
+    # The kind and the parent from the first shard's header as the digest read it: each data
+    # header is read once here (`Snapshot.kind` and `.parent` would read it twice more).
+    shards = snap.shard_files
+    raw = seen.get(shards[0]) if shards and not snap.is_adapter else None
+    if raw is None:
+        kind, parent = snap.kind, snap.parent
+    elif raw.startswith(MAGIC):
+        first = snap.path / shards[0]
+        kind, parent = (
+            "incremental",
+            header_from_bytes(raw, first.stat().st_size, first.name).parent,
+        )
+    else:
+        kind, parent = "full", None
     return SnapshotDescription(
         kind=kind,
-        parent=read_header(first).parent if first is not None else None,
+        parent=parent,
         files=files,
         manifest_files=manifests,
         manifest_digest=digest,
         shipped_bytes=shipped,
         full_bytes=full,
-        content_digest=content_digest(snap.path),
+        content_digest=content,
     )

@@ -99,7 +99,8 @@ def validate_snapshot(
     Checks required files, that `weight_map`, `tensor_map` and the shards agree, that no shard
     mixes layers, the identity, and (with `base_config`) config.json against the base.
     `arc_headers` receives each delta shard's header read on the way (by shard name), so that
-    a caller uses them rather than reading every header again.
+    a caller uses them rather than reading every header again; a shard's header already there
+    (read by the caller) is used, not read.
     """
     root = Path(path)
     problems = _Problems()
@@ -179,18 +180,19 @@ def validate_snapshot(
         if not shard_path.is_file():
             problems.add(shard_path, None, "shard named in weight_map is missing")
             continue
-        is_delta = is_arc_file(shard_path)
+        delta: ArcHeader | None = arc_headers.get(shard) if arc_headers is not None else None
+        is_delta = delta is not None or is_arc_file(shard_path)
         kinds.add(is_delta)
-        delta: ArcHeader | None = None
-        if is_delta:
+        if is_delta and delta is None:
             try:
                 delta = read_arc_header(shard_path)
             except HotloadError as exc:
                 problems.add(shard_path, None, f"unreadable: {exc}")
                 continue
-            parents[shard] = delta.parent
             if arc_headers is not None:
                 arc_headers[shard] = delta
+        if delta is not None:
+            parents[shard] = delta.parent
         try:
             stored = _shard_tensors(shard_path, delta)
         except HotloadError as exc:

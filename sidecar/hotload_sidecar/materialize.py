@@ -84,11 +84,12 @@ def release_frames(err: BaseException) -> None:
         todo += [e.__cause__, e.__context__]
 
 
-def check_digest(entry: LedgerEntry, folder: Path) -> None:
+def check_digest(entry: LedgerEntry, folder: Path, headers: dict[str, bytes] | None = None) -> None:
     """Raise `SnapshotError` unless the manifests fetched into `folder` are the ones the ledger
     admitted for `entry`, and `ChecksumMismatchError` (a corruption) unless its files match the
-    entry's content digest when it has one."""
-    described = describe_snapshot(folder)  # reads every data header once, for both digests
+    entry's content digest when it has one. `headers` receives the data files' header bytes
+    the digest read (`describe_snapshot`), so the checks after it need not read them again."""
+    described = describe_snapshot(folder, headers)  # reads every data header once, for both digests
     digest = described.manifest_digest
     if digest != entry.manifest_digest:
         raise SnapshotError(

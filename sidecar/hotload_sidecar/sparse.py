@@ -425,8 +425,9 @@ class SparseLoads:
                     self.bucket, entry.identity, folder, progress=self.progress
                 )
                 fetched = got.bytes
-            check_digest(entry, folder)
-            opened = await asyncio.to_thread(DeltaFolder.read, folder)
+            stored: dict[str, bytes] = {}
+            check_digest(entry, folder, stored)
+            opened = await asyncio.to_thread(DeltaFolder.read, folder, stored)
             changed, total = await asyncio.to_thread(delta_changes, opened)
             refusal = self.density_refusal(entry.identity, changed, total)
             if refusal:
