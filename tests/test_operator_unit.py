@@ -352,6 +352,7 @@ def test_loader_role_grants_exactly_what_the_loader_needs() -> None:
         ("pods", "get"),
         ("pods/status", "patch"),
         ("events", "create"),
+        ("events", "patch"),
         ("hotloadheads", "get"),
         ("hotloadheads", "list"),
         ("hotloadheads", "watch"),

@@ -118,6 +118,12 @@ class EventRecorder:
                 except KubeForbiddenError:
                     # A Role that grants only `create` on events: one Event per occurrence.
                     self._can_patch = False
+                    log.warning(
+                        "cannot patch events in %s (forbidden): every repeat of an Event is a "
+                        "new Event from now on; grant patch on events to %s's Role",
+                        involved.get("namespace"),
+                        self.component,
+                    )
                     written = await self._create(involved, type_, reason, message, now)
             else:
                 written = await self._create(involved, type_, reason, message, now)

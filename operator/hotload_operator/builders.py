@@ -81,7 +81,8 @@ def build_service(hld: HotLoadDeployment) -> JSON:
 
 def build_loader_rbac(hld: HotLoadDeployment) -> list[JSON]:
     """ServiceAccount, Role and RoleBinding of the loader: get pods, patch pods/status (its
-    report, metadata included, is one status patch), create events, in its namespace, and read
+    report, metadata included, is one status patch), create and patch events (a repeat raises
+    the count of one Event), in its namespace, and read
     (get, list, watch) its deployment's `HotLoadHead` (the head handoff); nothing more (not the
     HotLoadDeployment: its status, every replica's, would reach every loader)."""
     name = loader_service_account(hld)
@@ -92,7 +93,8 @@ def build_loader_rbac(hld: HotLoadDeployment) -> list[JSON]:
     role_rules = [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
-        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+        # patch: the same Event again raises its count (`EventRecorder`) instead of adding one.
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
         # Its deployment's head handoff only (`build_head_object`), by name: list and watch
         # with a fieldSelector on metadata.name are authorized against resourceNames.
         {

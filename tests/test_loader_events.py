@@ -1,0 +1,97 @@
+"""The loader's Events under its own Role (the one the operator grants it): a repeat of the same
+(object, reason, message, reporter) raises the count of one Event, a different message is a new
+Event, and an Event that expired (404 on the patch) is created again."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from hotload.api.models import HotLoadDeployment
+from hotload.kube import KubeClient, resource_path
+from hotload.kube.events import format_kube_time
+from hotload_operator.builders import build_loader_rbac
+from hotload_sidecar.kube_report import KubernetesReporter
+from support.kubeapi import KubeAPI
+from support.pods import make_pod
+
+JSON = dict[str, Any]
+T0 = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+FAILED = "checksum mismatch in model-00001-of-00002.safetensors"
+
+
+def _plural(kind: str) -> str:
+    return {"ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings"}[
+        kind
+    ]
+
+
+async def loader_client(kube_api: KubeAPI) -> KubeClient:
+    """A client that authenticates as the loader's service account, bound to the Role the
+    operator builds for it (`build_loader_rbac`)."""
+    ns = kube_api.namespace
+    hld = HotLoadDeployment.model_validate(
+        {
+            "apiVersion": "hotload.dev/v1alpha1",
+            "kind": "HotLoadDeployment",
+            "metadata": {"name": "fleet", "namespace": ns, "uid": "u"},
+            "spec": {"bucket": {"url": "s3://b/p"}, "engine": {"image": "e"}},
+        }
+    )
+    objects = build_loader_rbac(hld)
+    async with kube_api.client() as kube:
+        for obj in objects:
+            body = {**obj, "metadata": {"name": obj["metadata"]["name"]}}  # no owner in a test
+            group = "rbac.authorization.k8s.io/v1" if obj["kind"] != "ServiceAccount" else "v1"
+            await kube.create(resource_path(group, _plural(obj["kind"]), ns), body)
+    (account,) = [o for o in objects if o["kind"] == "ServiceAccount"]
+    config = await kube_api.service_account_config(account["metadata"]["name"])
+    return KubeClient(config, retries=1, backoff=0.01)
+
+
+async def pod_events(kube_api: KubeAPI, pod: str) -> list[JSON]:
+    async with kube_api.client() as kube:
+        listed = await kube.list(
+            resource_path("v1", "events", kube_api.namespace),
+            field_selector=f"involvedObject.name={pod}",
+        )
+    return sorted(listed["items"], key=lambda e: (e["message"], e["firstTimestamp"]))
+
+
+@pytest.mark.asyncio
+async def test_repeats_raise_one_events_count_under_the_loaders_role(kube_api: KubeAPI) -> None:
+    pod = (await make_pod(kube_api))["metadata"]["name"]
+    now = [T0]
+    reporter = KubernetesReporter(
+        await loader_client(kube_api), kube_api.namespace, pod, clock=lambda: now[0]
+    )
+    try:
+        for _ in range(3):
+            await reporter.event("Warning", "LoadFailed", FAILED)
+            now[0] += timedelta(seconds=10)
+        await reporter.event("Warning", "LoadFailed", "no space left on device")
+        events = await pod_events(kube_api, pod)
+        assert [(e["reason"], e["message"], e["count"]) for e in events] == [
+            ("LoadFailed", FAILED, 3),
+            ("LoadFailed", "no space left on device", 1),
+        ]
+        repeated = events[0]
+        assert repeated["reportingComponent"] == "hotload-loader"
+        assert repeated["firstTimestamp"] == format_kube_time(T0)
+        assert repeated["lastTimestamp"] == format_kube_time(T0 + timedelta(seconds=20))
+
+        # The Event expired (the API server's TTL): the next repeat's patch answers 404, and
+        # the loader creates it anew instead of losing it.
+        async with kube_api.client() as kube:
+            meta = repeated["metadata"]
+            await kube.delete(resource_path("v1", "events", meta["namespace"], meta["name"]))
+        now[0] += timedelta(seconds=10)
+        await reporter.event("Warning", "LoadFailed", FAILED)
+        again = [e for e in await pod_events(kube_api, pod) if e["message"] == FAILED]
+        assert [(e["count"], e["firstTimestamp"]) for e in again] == [
+            (1, format_kube_time(now[0]))
+        ]
+    finally:
+        await reporter.aclose()
