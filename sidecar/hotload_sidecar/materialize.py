@@ -446,6 +446,7 @@ class Materializer:
         }
         applied: list[str] = []
         parent = base
+        stopped = ""
         try:
             for entry in steps:
                 clock.step = entry.identity
@@ -498,11 +499,25 @@ class Materializer:
                 self._discard_intermediate(parent, applied)
                 applied.append(entry.identity)
                 parent = entry
+        except BaseException as err:
+            stopped = f"the update stopped at {clock.step}: {str(err) or type(err).__name__}"
+            raise
         finally:
             for task in downloads.values():
                 task.cancel()
             await asyncio.gather(*downloads.values(), return_exceptions=True)
+            self._drop_downloads(list(downloads), stopped)
         return applied
+
+    def _drop_downloads(self, identities: list[str], why: str) -> None:
+        """Remove what is left of this build's downloads (those of the steps after the one
+        that failed, fetched in parallel): whatever the error, none outlives the build, and the
+        next update (perhaps from a later full snapshot) never comes back for them."""
+        left = [i for i in identities if (self.weights.downloads_root / i).exists()]
+        for identity in left:
+            remove_tree(self.weights.downloads_root / identity)
+        if left:
+            log.info("removed the downloads of %s (%s)", ", ".join(left), why or "unused")
 
     def _wrote(self, clock: _Clock, nbytes: int) -> None:
         clock.written += nbytes
