@@ -70,9 +70,9 @@ FAILED_KEEPS = (
     "its gc runs: up to 5 full snapshots on the volume for a while (seen in the short form)"
 )
 LOADER_EVENTS_REPEAT = (
-    "the loader's Events are one per occurrence: its Role grants create only, so its "
-    "EventRecorder cannot raise a count (docs/operations.md, Events); they are bounded by the "
-    "API server's Event TTL (an hour), not by de-duplication"
+    "the loader's Events were one per occurrence while its Role granted create only (its "
+    "EventRecorder could not raise a count); issue 36 grants it patch on events "
+    "(docs/operations.md, Events): a repeat seen after that is not explained by it"
 )
 #: Components whose EventRecorder may patch (raise `count` instead of a new Event).
 PATCHING_RECORDERS = ("hotload-operator",)
@@ -80,7 +80,8 @@ FAILED_DOWNLOADS = (
     "a loader keeps the downloads of the steps a corrupted object broke (.hotload/downloads/"
     "step-N for the deltas after it, refused with HTTP 412 or a CRC error) after it moved past "
     "them to the next full snapshot, to the end of the run (seen in the 200-step run and the "
-    "short form, after D's fix that a failed update keeps no rebuild; sidecar/hotload_sidecar)"
+    "short form; a build refused with a BucketError such as HTTP 412 kept them; since issue 36 "
+    "a build removes its downloads however it ends: a finding after that is not explained by it)"
 )
 #: Words a loader status uses when a fault stopped an update.
 #: A loader that listed the object before it was overwritten refuses the new bytes by their
