@@ -90,8 +90,6 @@ async def test_repeats_raise_one_events_count_under_the_loaders_role(kube_api: K
         now[0] += timedelta(seconds=10)
         await reporter.event("Warning", "LoadFailed", FAILED)
         again = [e for e in await pod_events(kube_api, pod) if e["message"] == FAILED]
-        assert [(e["count"], e["firstTimestamp"]) for e in again] == [
-            (1, format_kube_time(now[0]))
-        ]
+        assert [(e["count"], e["firstTimestamp"]) for e in again] == [(1, format_kube_time(now[0]))]
     finally:
         await reporter.aclose()
