@@ -500,6 +500,15 @@ class Soak:
         assert self.cluster is not None
         log = self.run.fault_log
         if fault.kind == "apiserver_restart":
+            if self.api_outage is not None:
+                # Still down from an earlier stop (steps go fast while it is): one outage,
+                # lasting from now its full length again.
+                log.append(
+                    f"step {step}: kube-apiserver still stopped (since step "
+                    f"{self.api_outage[0]}): down {self.cfg.apiserver_outage_seconds:g}s more"
+                )
+                self.api_outage = (self.api_outage[0], time.monotonic())
+                return
             self.cluster.stop_apiserver()
             self.api_outage = (step, time.monotonic())
             log.append(

@@ -439,8 +439,13 @@ class SoakCluster:
     # --- faults ----------------------------------------------------------------------------
 
     def stop_apiserver(self) -> None:
-        """Stop kube-apiserver (SIGTERM, then SIGKILL); etcd and the controller-manager stay."""
+        """Stop kube-apiserver (SIGTERM, then SIGKILL); etcd and the controller-manager stay.
+        The outage counts from the signal: the server stops listening at once, though its
+        watches may stream on while it drains (14 s seen)."""
+        if self.apiserver_down_since is not None:
+            return  # still down from an earlier stop: its outage goes on
         pid = int((self.state / "apiserver.pid").read_text())
+        self._down_wall = time.time()
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         for _ in range(200):
@@ -451,7 +456,6 @@ class SoakCluster:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.apiserver_down_since = time.monotonic()
-        self._down_wall = time.time()
 
     def start_apiserver(self, timeout: float = 120.0) -> float:
         """Start kube-apiserver again with the same flags on the same etcd (as `cluster.sh up`
