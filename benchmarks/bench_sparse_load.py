@@ -295,6 +295,12 @@ def main() -> None:
         "files, 3x the bytes) against narrow",
     )
     parser.add_argument("--cadence-deltas", type=int, default=30)
+    parser.add_argument(
+        "--periods",
+        default="",
+        help="cadence: trainer periods in seconds, comma-separated (e.g. 1.0,1.5): one run per "
+        "period and engine, a delta appended every period, instead of the paced and burst runs",
+    )
     parser.add_argument("--engines", default="reference,vllm", help="comma-separated")
     parser.add_argument(
         "--workdir",
@@ -307,6 +313,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "RESULTS-sparse-load.md")
     args = parser.parse_args()
     args.sizes = [z.strip() for z in args.sizes.split(",") if z.strip()]
+    try:
+        args.periods = [float(p) for p in args.periods.split(",") if p.strip()]
+    except ValueError:
+        parser.error(f"--periods: seconds, comma-separated, not {args.periods!r}")
+    if any(p <= 0 for p in args.periods):
+        parser.error(f"--periods: each above 0 s, not {args.periods}")
     if not args.sizes or set(args.sizes) - {"small", "large", "local", "narrow", "wide"}:
         parser.error(f"--sizes: small, large, local, narrow and/or wide, not {args.sizes}")
     kinds = [k.strip() for k in args.engines.split(",") if k.strip()]

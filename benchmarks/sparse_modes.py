@@ -228,11 +228,13 @@ def cadence(
     *,
     name: str,
     encodes: list[float] | None,
+    period: float | None = None,
 ) -> dict[str, Any]:
     """Publish every delta one after the other while one replica follows (module docstring):
-    with `encodes`, each delta waits as long as it took to encode before its upload (the
-    trainer's own loop: encode, upload, append, next); without, as fast as the bucket takes
-    them (a burst)."""
+    with `period`, a trainer appending one delta every `period` seconds (the upload inside
+    it, never earlier); with `encodes`, each delta waits as long as it took to encode before
+    its upload (the trainer's own loop: encode, upload, append, next); with neither, as fast
+    as the bucket takes them (a burst)."""
     env = {**os.environ, **server.env, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     ledger = Ledger(open_bucket(server.url(f"cadence-{name}")), name)
     url = f"{server.url(f'cadence-{name}')}/{name}"
@@ -261,8 +263,12 @@ def cadence(
         watcher.start()
         published: dict[str, float] = {}
         uploads: list[float] = []
+        start = time.perf_counter()
         for k, folder in enumerate(deltas, start=1):
-            if encodes is not None:
+            if period is not None:
+                # A fixed clock, so that a slow upload does not stretch every later period.
+                time.sleep(max(0.0, start + (k - 1) * period - time.perf_counter()))
+            elif encodes is not None:
                 time.sleep(encodes[k - 1])  # the trainer encoding it
             uploads.append(upload(ledger, folder, f"step-{k}"))
             published[f"step-{k}"] = append(ledger, folder, f"step-{k}")
@@ -285,7 +291,8 @@ def cadence(
         if live is not None:
             lags[identity] = round(live - published[identity], 3)
     return {
-        "paced": encodes is not None,
+        "paced": encodes is not None or period is not None,
+        "period": period,
         "deltas": len(deltas),
         "publish_seconds": round(max(published.values()) - min(published.values()), 3),
         "upload_s_mean": round(sum(uploads) / len(uploads), 3),

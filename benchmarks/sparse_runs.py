@@ -159,6 +159,7 @@ def run_cadence(
     for f in fulls:
         _rm(f)
     out: dict[str, Any] = {
+        "load_before": f"{os.getloadavg()[0]:.2f}",
         "full_bytes": full_bytes,
         "delta_bytes_mean": sum(describe_snapshot(d).shipped_bytes for d in deltas) / len(deltas),
         "engines": {},
@@ -166,10 +167,21 @@ def run_cadence(
     for kind in kinds:
         engine = engines[kind](work / f"{kind}-cadence")
         try:
-            for how, paced in (("paced", encodes), ("burst", None)):
+            runs: list[tuple[str, list[float] | None, float | None]] = (
+                [(f"every {p:g} s", None, p) for p in args.periods]
+                if args.periods
+                else [("paced", encodes, None), ("burst", None, None)]
+            )
+            for n, (how, paced, period) in enumerate(runs):
                 print(f"cadence: {kind}, {how}", flush=True)
                 out["engines"][f"{kind} ({how})"] = cadence(
-                    server, engine, first, deltas, name=f"{kind}-{how}", encodes=paced
+                    server,
+                    engine,
+                    first,
+                    deltas,
+                    name=f"{kind}-{n}",
+                    encodes=paced,
+                    period=period,
                 )
         finally:
             engine.close()
@@ -310,7 +322,12 @@ def cadence_report(args: argparse.Namespace, result: dict[str, Any]) -> list[str
     lines = [
         "### Cadence: deltas published back to back (issue 26)",
         "",
-        f"Command: `nice -n 10 python benchmarks/bench_sparse_load.py --mode {args.mode}`  ",
+        f"Command: `nice -n 10 python benchmarks/bench_sparse_load.py --mode {args.mode}"
+        + (f" --periods {','.join(f'{p:g}' for p in args.periods)}" if args.periods else "")
+        + (f" --engines {','.join(k.split()[0] for k in dict.fromkeys(result['engines']))}")
+        + f"`, commit {_commit()}, {time.strftime('%Y-%m-%d %H:%M')} UTC, load average before "
+        f"{result.get('load_before', '?')}, after {os.getloadavg()[0]:.2f} (a shared machine: "
+        "other engineers' tests beside it; compare within this run)  ",
         f"Model {result['full_bytes'] / 2**30:.2f} GiB bf16, {args.fraction:.1%} moved per step, "
         f"deltas of {result['delta_bytes_mean'] / MIB:.1f} MiB on average, published one after "
         "the other while one replica follows. Paced: the trainer's own loop, back to back: "
@@ -319,7 +336,9 @@ def cadence_report(args: argparse.Namespace, result: dict[str, Any]) -> list[str
         "faster; a stress test: the replica cannot keep this pace, it must only never fall "
         "back). Lag of a delta: from its append until the engine serves it or a later one "
         "(polled every 20 ms): a delta skipped ahead of is live once a patch including it is. "
-        "Prepared ahead: patches the loader wrote while the engine applied the one before.",
+        "Prepared ahead: patches the loader wrote while the engine applied the one before. "
+        "Every P s: a trainer appending one delta every P seconds on a fixed clock (the upload "
+        "inside the period).",
         "",
         "| engine | deltas | published over | served (of them) | skipped ahead | sparse loads | "
         "prepared ahead | full loads | fallbacks | lag of the first | lag of the last | "
