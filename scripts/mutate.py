@@ -101,11 +101,13 @@ MODULES: tuple[Module, ...] = (
         ("tests/test_patch_core.py", "tests/test_patch_mutants.py"),
         "forkserver",
     ),
-    # test_arc_native.py decodes sparse chunks by the numpy path and the C kernel alike.
+    # One small shard with every encoding and parent path, by the numpy path and the C kernel,
+    # and each damage alone: seconds, where test_arc_codec.py + test_arc_native.py (hypothesis
+    # included) took the whole limit before the first mutant.
     Module(
         "arc-decoder",
         "hotload/arc/decoder.py",
-        ("tests/test_arc_codec.py", "tests/test_arc_native.py"),
+        ("tests/test_arc_decoder_mutants.py",),
         "forkserver",
     ),
     # test_arc_patch.py reads dense and raw chunks' changes without their parent.
