@@ -364,6 +364,23 @@ def test_a_parent_with_other_data_is_a_wrong_parent(
     # Both checksums named: the parent's as read, the one the delta was made against.
     assert format_checksum(adler32(parent)) in str(err)
     assert case.entry(tensor)["base_checksum"] in str(err)
+    assert "this delta was made against another snapshot" in str(err)
+
+
+def test_a_delta_for_another_parent_is_refused_naming_the_shard(case: Case) -> None:
+    with pytest.raises(WrongParentError) as exc:
+        case.decode(case.out, expected_parent="step-9")
+    assert exc.value.shard == SHARD and "'prev', not 'step-9'" in str(exc.value)
+    assert _listing(case.out_dir) == []
+
+
+def test_a_chunk_pointing_past_the_payload_is_refused_naming_the_shard(case: Case) -> None:
+    def edit(fields: dict[str, Any]) -> None:
+        next(e for e in fields["tensors"] if e["name"] == "d.raw")["chunks"][1]["length"] += 10**6
+
+    _rewrite(case.delta, edit)
+    err = _refused(case, CorruptDeltaError, "d.raw")
+    assert "points outside the payload" in str(err)
 
 
 def test_the_wrong_parent_is_named_before_a_damaged_chunk(case: Case, path: str) -> None:
