@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import threading
 from collections import Counter
@@ -291,8 +292,14 @@ async def test_loaders_follow_the_operators_head_and_poll_the_origin_once_it_is_
                     assert loader.metrics.head_sequence._value.get() == 2
                 assert took < 2 + 10, f"publish -> serving took {took:.1f}s"
                 await until("the last ledgerHead seen", lambda: seen[-1]["identity"] == "step-001")
-                # One ledgerHead per head: step-000, then step-001, nothing between.
-                assert [h["identity"] for h in seen] == ["step-000", "step-001"], seen
+                # The heads handed over: step-000, then step-001, nothing between. A head may be
+                # handed again with something new only: the hint of an upload under way (an
+                # upload slower than the operator's 2 s poll, as on a loaded machine, is seen).
+                heads = [identity for identity, _ in itertools.groupby(h["identity"] for h in seen)]
+                assert heads == ["step-000", "step-001"], seen
+                for before, after in itertools.pairwise(seen):
+                    if before["identity"] == after["identity"]:
+                        assert before["uploading"] != after["uploading"], seen
 
                 # A pin, handed over too: the loaders read the pin object at the origin (never
                 # the ledger) and go back to the pinned snapshot; unpinned, to the head.
