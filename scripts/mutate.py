@@ -95,10 +95,35 @@ MODULES: tuple[Module, ...] = (
         ("tests/test_patch_core.py", "tests/test_patch_mutants.py"),
         "forkserver",
     ),
+    # The staging tests of test_patch_core.py by name (the whole file's region, placement and
+    # loader-host tests took most of the limit without reaching staging), the threaded staging
+    # and test_patch_mutants.py.
     Module(
         "patch-staging",
         "hotload_patch/staging.py",
-        ("tests/test_patch_core.py", "tests/test_patch_mutants.py"),
+        (
+            "tests/test_patch_mutants.py",
+            "tests/test_patch_stage_threads.py",
+            *(
+                f"tests/test_patch_core.py::test_{name}"
+                for name in (
+                    "a_patch_on_every_rank_gives_what_a_full_load_of_the_child_gives"
+                    "[bf16-as-f32-dense-ranges]",
+                    "a_patch_on_every_rank_gives_what_a_full_load_of_the_child_gives[bf16-2ranks]",
+                    "a_failed_write_puts_every_value_back",
+                    "staging_keeps_old_values_only_where_the_patch_sets_them",
+                    "a_float32_checkpoint_held_as_bfloat16_is_refused",
+                    "a_patch_writing_nan_is_refused_on_every_rank",
+                    "a_patch_for_another_snapshot_is_a_wrong_patch",
+                    "a_host_with_problems_is_a_kernel_format_refusal",
+                    "tied_names_patched_differently_are_a_weights_mismatch",
+                    "patcher_stages_verifies_applies_and_rolls_back",
+                    "a_flipped_value_in_the_patch_is_a_checksum_mismatch",
+                    "a_tensor_whose_changes_are_lost_from_the_patch_is_a_checksum_mismatch",
+                    "write_threads_run_on_every_cpu_of_a_pinned_process",
+                )
+            ),
+        ),
         "forkserver",
     ),
     # One small shard with every encoding and parent path, by the numpy path and the C kernel,
