@@ -29,7 +29,12 @@ from hotload.arc.decoder import decode_shard, stored_chunk
 from hotload.arc.encoder import encode_shard
 from hotload.arc.lanes import Inline, Lanes
 from hotload.arc.plan import ShardStats, check_delta, plan_chunks
-from hotload.errors import ChecksumMismatchError, CorruptDeltaError, WrongParentError
+from hotload.errors import (
+    ArcError,
+    ChecksumMismatchError,
+    CorruptDeltaError,
+    WrongParentError,
+)
 from hotload.snapshot.safetensors_io import RawTensor, write_safetensors
 from hotload.snapshot.safetensors_io import read_header as read_st_header
 
@@ -364,7 +369,7 @@ def test_a_parent_with_other_data_is_a_wrong_parent(
     # Both checksums named: the parent's as read, the one the delta was made against.
     assert format_checksum(adler32(parent)) in str(err)
     assert case.entry(tensor)["base_checksum"] in str(err)
-    assert "this delta was made against another snapshot" in str(err)
+    assert str(err).endswith(": this delta was made against another snapshot")
 
 
 def test_a_delta_for_another_parent_is_refused_naming_the_shard(case: Case) -> None:
@@ -381,6 +386,44 @@ def test_a_chunk_pointing_past_the_payload_is_refused_naming_the_shard(case: Cas
     _rewrite(case.delta, edit)
     err = _refused(case, CorruptDeltaError, "d.raw")
     assert "points outside the payload" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ("dtype", ArcError, "delta rebuilds F64[1000] but the parent holds I64[1000]"),
+        ("shape", ArcError, "delta rebuilds F64[1000] but the parent holds F64[10, 100]"),
+        ("missing", WrongParentError, "tensor is not in the parent shard"),
+    ],
+)
+def test_a_parent_holding_the_tensor_otherwise_is_refused_naming_it(
+    case: Case, change: str, error: type[Exception], message: str
+) -> None:
+    tensors = [
+        (name, RawTensor(DTYPES[name][0], (int(u.size),), u.view(np.uint8)))
+        for name, u in case.prev_w.items()
+    ]
+    at = next(i for i, (name, _) in enumerate(tensors) if name == "e.f64")
+    raw = tensors[at][1]
+    if change == "missing":
+        del tensors[at]
+    else:
+        dtype, shape = ("I64", raw.shape) if change == "dtype" else ("F64", (10, 100))
+        tensors[at] = ("e.f64", RawTensor(dtype, shape, raw.data))
+    write_safetensors(case.prev, tensors)
+    assert message in str(_refused(case, error, "e.f64"))
+
+
+def test_a_failing_progress_callback_ends_the_decode_with_its_own_error(case: Case) -> None:
+    # The error's traceback holds views into the delta's map: its close must not replace the
+    # caller's error with a BufferError.
+    def progress(nbytes: int) -> None:
+        raise RuntimeError("stopped by the caller")
+
+    for out in (case.out, None):
+        with pytest.raises(RuntimeError, match="stopped by the caller"):
+            case.decode(out, progress=progress)
+        assert _listing(case.out_dir) == []
 
 
 def test_the_wrong_parent_is_named_before_a_damaged_chunk(case: Case, path: str) -> None:
