@@ -324,7 +324,7 @@ def cadence_report(args: argparse.Namespace, result: dict[str, Any]) -> list[str
         "",
         f"Command: `nice -n 10 python benchmarks/bench_sparse_load.py --mode {args.mode}"
         + (f" --periods {','.join(f'{p:g}' for p in args.periods)}" if args.periods else "")
-        + (f" --engines {','.join(k.split()[0] for k in dict.fromkeys(result['engines']))}")
+        + (f" --engines {','.join(dict.fromkeys(k.split()[0] for k in result['engines']))}")
         + f"`, commit {_commit()}, {time.strftime('%Y-%m-%d %H:%M')} UTC, load average before "
         f"{result.get('load_before', '?')}, after {os.getloadavg()[0]:.2f} (a shared machine: "
         "other engineers' tests beside it; compare within this run)  ",
