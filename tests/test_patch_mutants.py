@@ -9,6 +9,7 @@ tests/README.md "Mutation testing").
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -25,8 +26,10 @@ import torch
 
 from hotload_patch import PatchError, staging
 from hotload_patch.format import PatchFile, PatchTensor, Run, format_checksum, position_width
-from hotload_patch.placement import IdentityHost
+from hotload_patch.placement import IdentityHost, Slot
+from hotload_patch.served import Counters
 from hotload_patch.sums import Region, RegionSum
+from hotload_patch.verify import TensorCheck
 
 JSON = dict[str, Any]
 Edit = Callable[[JSON], None]
@@ -99,17 +102,24 @@ def tensor(name: str, dtype: str, shape: list[int], **runs: JSON) -> JSON:
     }
 
 
+def header_of(tensors: list[JSON], identity: str = "step-1") -> JSON:
+    """A patch header producing `identity` from step-0."""
+    return {
+        "format": "hotload_patch",
+        "version": 2,
+        "identity": identity,
+        "parent": "step-0",
+        "tensors": tensors,
+    }
+
+
 def write_patch(path: Path, edit: Edit | None = None) -> Path:
     """The patch of this module's tensors, `edit` applied to its header first."""
     w = Writer(path)
     add_at, diffs = W_ADD
     set_at, bits = W_SET
-    header: JSON = {
-        "format": "hotload_patch",
-        "version": 2,
-        "identity": "step-1",
-        "parent": "step-0",
-        "tensors": [
+    header = header_of(
+        [
             tensor(
                 "w",
                 "BF16",
@@ -128,8 +138,8 @@ def write_patch(path: Path, edit: Edit | None = None) -> Path:
             ),
             tensor("empty", "F32", [0, 8]),
             tensor("same", "F32", [3]),
-        ],
-    }
+        ]
+    )
     if edit is not None:
         edit(header)
     return w.finish(header)
@@ -573,3 +583,275 @@ def test_a_staged_patch_summarises_what_it_holds() -> None:
         "staged_bytes": 26,
         "stage_seconds": 0.123457,
     }
+
+
+# --- staging, writing and undoing (`hotload_patch.staging`) on a reference engine -------------
+#
+# The tensors of `_staging_patch`, held whole by an `IdentityHost` as `_targets` makes them: what
+# staging must write comes from the patch's runs and these values, computed here.
+
+W_HELD = np.arange(32, dtype=np.uint16) + 0x3F00  # finite bfloat16 patterns
+F8_HELD = [0.5, 0.25, 2.0, 4.0]
+F8_ONE = 0x38  # 1.0 in float8_e4m3fn
+
+
+def _staging_patch(
+    path: Path, w_set: list[int] | None = None, f8_set: int = F8_ONE, identity: str = "step-1"
+) -> Path:
+    """A patch of tensors an engine can hold (none of `write_patch`'s 4 GiB one): `w` added to
+    and set, `full` set whole, one float8 element set, two tensors left alone."""
+    w = Writer(path)
+    add_at, diffs = W_ADD
+    set_at, bits = W_SET
+    changed = [
+        tensor(
+            "w",
+            "BF16",
+            [4, 8],
+            add=w.run(add_at, [_zigzag(d) for d in diffs], 2, 32),
+            set=w.run(set_at, w_set or bits, 2, 32),
+        ),
+        tensor("full", "U8", [4], set=w.run([0, 1, 2, 3], [9, 8, 7, 6], 1, 4)),
+        tensor("f8", "F8_E4M3", [4], set=w.run([1], [f8_set], 1, 4)),
+    ]
+    alone = [tensor("empty", "F32", [0, 8]), tensor("same", "F32", [3])]
+    return w.finish(header_of(changed + alone, identity))
+
+
+def _targets() -> dict[str, torch.Tensor]:
+    return {
+        "w": torch.from_numpy(W_HELD.view(np.int16).copy()).view(torch.bfloat16).reshape(4, 8),
+        "full": torch.tensor([1, 2, 3, 4], dtype=torch.uint8),
+        "f8": torch.tensor(F8_HELD).to(torch.float8_e4m3fn),
+        "empty": torch.zeros(0, 8),
+        "same": torch.tensor([1.0, 2.0, 3.0]),
+    }
+
+
+def _held_bits(targets: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Each target's bit patterns, copied."""
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    return {
+        n: t.reshape(-1).view(width[t.element_size()]).numpy().copy() for n, t in targets.items()
+    }
+
+
+def _patched_bits() -> dict[str, np.ndarray]:
+    """What the patch makes of `_targets`, from the runs `_staging_patch` writes."""
+    want = _held_bits(_targets())
+    w = want["w"].view(np.uint16)
+    for at, diff in zip(*W_ADD, strict=True):
+        w[at] = (int(w[at]) + diff) % 2**16
+    for at, bits in zip(*W_SET, strict=True):
+        w[at] = bits
+    want["full"][:] = [9, 8, 7, 6]
+    want["f8"][1] = F8_ONE
+    return want
+
+
+def _equal_bits(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> bool:
+    return got.keys() == want.keys() and all(np.array_equal(got[n], want[n]) for n in want)
+
+
+def test_staging_on_the_cpu_holds_the_checks_and_writes_what_the_patch_says(
+    tmp_path: Path,
+) -> None:
+    patch = _staging_patch(tmp_path / "p.patch")
+    targets = _targets()
+    held = _held_bits(targets)
+    counters = Counters()
+    staged = staging.stage(
+        IdentityHost(lambda: targets), patch, identity="step-1", parent="step-0", counters=counters
+    )
+    # Every tensor's promise, the ones left alone too; nothing copied from a device.
+    assert staged.checks == {
+        name: TensorCheck(numel, nbytes, 0xABCD, 0x12345678)
+        for name, numel, nbytes in (
+            ("w", 32, 64),
+            ("full", 4, 4),
+            ("f8", 4, 4),
+            ("empty", 0, 0),
+            ("same", 3, 12),
+        )
+    }
+    assert counters.host_bytes == 0
+    assert staged.changed == len(W_ADD[0]) + len(W_SET[0]) + 4 + 1
+    assert (staged.path, staged.identity, staged.parent) == (str(patch), "step-1", "step-0")
+    assert _equal_bits(_held_bits(targets), held)  # staging wrote nothing
+
+    staging.apply(staged, targets)
+    assert _equal_bits(_held_bits(targets), _patched_bits())
+    staging.undo(staged, targets)
+    assert _equal_bits(_held_bits(targets), held)
+    assert staged.written == []
+    staging.undo(staged, targets)  # nothing left to undo: a second undo changes nothing
+    assert _equal_bits(_held_bits(targets), held)
+
+
+class _Repacked(IdentityHost):
+    def problems(self) -> list[str]:
+        return ["w is repacked", "full is quantised"]
+
+
+def test_an_engine_that_cannot_take_patches_is_refused_saying_why(tmp_path: Path) -> None:
+    patch = _staging_patch(tmp_path / "p.patch")
+    with pytest.raises(PatchError) as info:
+        staging.stage(_Repacked(_targets), patch, identity="step-1", parent="step-0")
+    assert (info.value.reason, info.value.message, info.value.path) == (
+        "kernel_format",
+        "w is repacked; full is quantised",
+        str(patch),
+    )
+
+
+@pytest.mark.parametrize(
+    ("identity", "parent", "message"),
+    [
+        ("step-2", "step-0", "the patch produces 'step-1', not 'step-2'"),
+        ("step-1", "step-9", "the patch applies to 'step-0', not 'step-9'"),
+    ],
+)
+def test_a_patch_for_another_step_is_a_wrong_patch(
+    tmp_path: Path, identity: str, parent: str, message: str
+) -> None:
+    patch = _staging_patch(tmp_path / "p.patch")
+    with pytest.raises(PatchError) as info:
+        staging.stage(IdentityHost(_targets), patch, identity=identity, parent=parent)
+    assert (info.value.reason, info.value.message, info.value.path) == (
+        "wrong_patch",
+        message,
+        str(patch),
+    )
+
+
+@pytest.mark.parametrize(
+    ("tensor_name", "w_set", "f8_set"),
+    [("w", [0x3F80, 0x7FC0], F8_ONE), ("f8", None, 0x7F)],  # a bfloat16 NaN, a float8 NaN
+)
+def test_a_patch_writing_nan_is_refused_naming_the_tensor(
+    tmp_path: Path, tensor_name: str, w_set: list[int] | None, f8_set: int
+) -> None:
+    patch = _staging_patch(tmp_path / "p.patch", w_set=w_set, f8_set=f8_set)
+    with pytest.raises(PatchError) as info:
+        staging.stage(IdentityHost(_targets), patch, identity="step-1", parent="step-0")
+    assert (info.value.reason, info.value.tensor, info.value.message, info.value.path) == (
+        "not_finite",
+        tensor_name,
+        "the patch writes NaN or infinite values",
+        str(patch),
+    )
+
+
+class _Flaky(dict[str, torch.Tensor]):
+    """Parameters by name, where looking up `name` fails the first `times` times."""
+
+    def __init__(self, params: dict[str, torch.Tensor], name: str, times: int) -> None:
+        super().__init__(params)
+        self.name, self.times = name, times
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key == self.name and self.times > 0:
+            self.times -= 1
+            raise RuntimeError(f"{key} is not there now")
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_failed_write_says_what_failed_and_what_was_not_put_back(
+    tmp_path: Path, times: int
+) -> None:
+    patch = _staging_patch(tmp_path / "p.patch")
+    targets = _targets()
+    held = _held_bits(targets)
+    staged = staging.stage(IdentityHost(lambda: targets), patch, identity="step-1", parent="step-0")
+    assert [w.param for w in staged.writes] == ["w", "full", "f8"]
+    with pytest.raises(PatchError) as info:
+        staging.apply(staged, _Flaky(targets, "f8", times))
+    message = "writing the patch failed: RuntimeError: f8 is not there now"
+    if times == 2:  # the lookup fails again as undo puts the values back
+        message += (
+            "; the old values of f8 could not be put back: the engine's weights are not known;"
+            " load a full snapshot"
+        )
+    assert (info.value.reason, info.value.message, info.value.path) == (
+        "write_failed",
+        message,
+        str(patch),
+    )
+    assert _equal_bits(_held_bits(targets), held)
+
+
+def _one_param_patch(path: Path, changes: dict[str, int]) -> Path:
+    """A patch adding `changes[name]` to element 1 of each F32 tensor `name` of 4 elements."""
+    w = Writer(path)
+    return w.finish(
+        header_of(
+            [
+                tensor(name, "F32", [4], add=w.run([1], [_zigzag(diff)], 4, 4))
+                for name, diff in changes.items()
+            ]
+        )
+    )
+
+
+def _stage_error(host: IdentityHost, patch: Path) -> tuple[str, str | None, str]:
+    """The refusal staging `patch` for `host` raises: reason, tensor, message."""
+    with pytest.raises(PatchError) as info:
+        staging.stage(host, patch, identity="step-1", parent="step-0")
+    return info.value.reason, info.value.tensor, info.value.message
+
+
+def test_tied_names_changed_alike_write_once_and_changed_differently_are_refused(
+    tmp_path: Path,
+) -> None:
+    tied = torch.zeros(4)
+    host = IdentityHost(lambda: {"a": tied, "b": tied})
+    alike = _one_param_patch(tmp_path / "alike.patch", {"a": 3, "b": 3})
+    staged = staging.stage(host, alike, identity="step-1", parent="step-0")
+    assert [(w.param, w.index.tolist()) for w in staged.writes] == [("a", [1])]
+    # The same element, other values: a difference in values alone is refused.
+    unlike = _one_param_patch(tmp_path / "unlike.patch", {"a": 3, "b": 4})
+    assert _stage_error(host, unlike) == (
+        "weights_mismatch",
+        "b",
+        "is tied to a in the model but the patch changes it differently",
+    )
+
+
+@pytest.mark.parametrize("offset", [4, 2])
+def test_two_tensors_in_one_parameter_are_written_together_unless_they_overlap(
+    tmp_path: Path, offset: int
+) -> None:
+    # A mixture of experts' stacked parameter: `x` at elements 0..3, `y` from `offset`.
+    param = torch.zeros(8)
+    slots = {
+        name: [Slot(name, "p", Region.whole((4,)), Region(start, (4,), (1,)))]
+        for name, start in (("x", 0), ("y", offset))
+    }
+    host = IdentityHost(lambda: {"p": param}, converted=lambda: slots)
+    patch = _one_param_patch(tmp_path / "p.patch", {"x": 1, "y": 2})
+    if offset == 2:
+        assert _stage_error(host, patch) == (
+            "unmappable",
+            "x",
+            "two checkpoint tensors overlap in p",
+        )
+        return
+    staged = staging.stage(host, patch, identity="step-1", parent="step-0")
+    assert [(w.param, w.index.tolist()) for w in staged.writes] == [("p", [1, 5])]
+    assert [(p.tensor, p.start, p.stop) for w in staged.writes for p in w.parts] == [
+        ("x", 0, 1),
+        ("y", 1, 2),
+    ]
+    staging.apply(staged, {"p": param})
+    assert param.view(torch.int32).tolist() == [0, 1, 0, 0, 0, 2, 0, 0]
+
+
+def test_parameter_checksums_are_the_sha256_of_the_bytes_held() -> None:
+    bf16 = torch.from_numpy(W_HELD.view(np.int16).copy()).view(torch.bfloat16)
+    transposed = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()  # not contiguous
+    want = {
+        "w": hashlib.sha256(W_HELD.tobytes()).hexdigest(),
+        "t": hashlib.sha256(np.arange(6, dtype=np.float32).reshape(2, 3).T.tobytes()).hexdigest(),
+    }
+    assert staging.parameter_checksums({"w": bf16, "t": transposed}) == want
