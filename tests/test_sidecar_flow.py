@@ -26,16 +26,18 @@ from hotload.api.names import LoadFailureReasons
 from hotload.bucket import Bucket, open_bucket
 from hotload.engine import Engine
 from hotload.ledger import Ledger, LedgerEntry
+from hotload_sidecar import sparse as sparse_module
 from hotload_sidecar.ahead import PatchesAhead
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import ReferenceAdapter
 from hotload_sidecar.engines.base import PatchRefusedError
 from hotload_sidecar.loader import Loader
-from hotload_sidecar.sparse import Prepared
-from hotload_sidecar.status import LocalReporter
+from hotload_sidecar.sparse import Prepared, SparseLoads
+from hotload_sidecar.status import LocalReporter, ReplicaStatus
 from support.engines import engine_of, serve
 from support.fleet import Trainer, wait_until
 from support.metrics import scraped
+from support.snapshots import flip_payload_byte
 from support.tiny_llm import bf16_training_steps
 
 
@@ -58,6 +60,28 @@ class RefusingPatches(ReferenceAdapter):
         )
 
 
+class StateLog(LocalReporter):
+    """A reporter that also keeps the state and target of every status published: the
+    transient states (`fetching`, `loading`) are replaced before a test could read them."""
+
+    def __init__(self) -> None:
+        super().__init__(keep_events=500)
+        self.states: list[tuple[str, str | None]] = []
+
+    async def report(self, status: ReplicaStatus) -> None:
+        """Note `status`'s state and target, then keep it as the latest."""
+        self.states.append((status.state, status.target_identity))
+        await super().report(status)
+
+    def since(self, start: int) -> list[tuple[str, str | None]]:
+        """The states published from the `start`-th on, each repeat of the one before left out."""
+        out: list[tuple[str, str | None]] = []
+        for state in self.states[start:]:
+            if not out or out[-1] != state:
+                out.append(state)
+        return out
+
+
 @dataclass
 class Served:
     """A loader whose engine serves step-000, its trainer, engine and reporter."""
@@ -65,7 +89,7 @@ class Served:
     loader: Loader
     trainer: Trainer
     engine: Engine
-    reporter: LocalReporter
+    reporter: StateLog
     url: str
     tmp_path: Path
 
@@ -123,7 +147,7 @@ async def serving_step_0(
     async with serve(fulls[0], "step-000", dtype="bfloat16", numerics="fast") as client:
         url = str(client.make_url("")).rstrip("/")
         adapter = kind(url)
-        reporter = LocalReporter(keep_events=500)
+        reporter = StateLog()
         loader = Loader(
             _settings(tmp_path, url, **options),
             ledger=trainer.ledger,
@@ -162,9 +186,16 @@ async def test_the_deltas_after_the_served_snapshot_go_as_one_sparse_patch(
     async with serving_step_0(fulls, tmp_path) as s:
         await s.publish(1)
         head = await s.publish(2)
+        start = len(s.reporter.states)
         await s.loader.flow.update(head)
         assert s.engine.served.identity == "step-002"
         assert s.loads() == {"full": 0, "sparse": 1}
+        # Fetching the deltas, the engine taking the patch, then done: each names the head.
+        assert s.reporter.since(start) == [
+            ("fetching", "step-002"),
+            ("loading", "step-002"),
+            ("idle", "step-002"),
+        ]
         status = s.reporter.status
         assert (status.identity, status.state) == ("step-002", "idle")
         assert status.last_load is not None and status.last_load.method == "sparse"
@@ -184,9 +215,15 @@ async def test_a_full_snapshot_on_the_way_is_loaded_in_full(
 ) -> None:
     async with serving_step_0(fulls, tmp_path) as s:
         head = await s.publish(1, full=True)
+        start = len(s.reporter.states)
         await s.loader.flow.update(head)
         assert s.engine.served.identity == "step-001"
         assert s.loads() == {"full": 1, "sparse": 0}
+        assert s.reporter.since(start) == [
+            ("fetching", "step-001"),
+            ("loading", "step-001"),
+            ("idle", "step-001"),
+        ]
         last = s.reporter.status.last_load
         assert last is not None and (last.method, last.sparse_fallback) == ("full", "")
         assert s.loader.weights.current() == "step-001"
@@ -266,6 +303,45 @@ async def test_a_patch_folds_the_deltas_once_they_add_up(fulls: list[Path], tmp_
 
 
 @pytest.mark.asyncio
+async def test_a_fold_that_fails_is_reported_and_the_engine_keeps_serving(
+    fulls: list[Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """step-001's delta rotten on the volume and gone from the bucket once step-001 is
+    served: the fold after step-002's patch cannot be made. The loader counts a compact
+    failure, raises a Warning naming the fold and logs it; the engine serves step-002, the
+    status is not failed (the update succeeded) and `current` stays step-000."""
+    async with serving_step_0(fulls, tmp_path) as s:
+        first = await s.publish(1)
+        await s.loader.flow.update(first)  # the default fraction: nothing folded yet
+        weights = s.loader.weights
+        assert weights.local_deltas() == {"step-001"}
+        flip_payload_byte(weights.delta_path("step-001"))
+        bucket = tmp_path / "bucket"
+        for stored in list(bucket.rglob("*")):
+            if stored.is_file() and "step-001" in stored.relative_to(bucket).parts:
+                stored.unlink()
+        s.loader.volume.compact_fraction = 1e-9
+        head = await s.publish(2)
+        with caplog.at_level(logging.ERROR, "hotload_sidecar.loader"):
+            await s.loader.flow.update(head)
+            await s.loader.volume.settle()
+        assert s.engine.served.identity == "step-002"
+        assert s.loads() == {"full": 0, "sparse": 2}
+        failures = scraped(s.loader.metrics)
+        assert failures[("hotload_loader_failures_total", (("stage", "compact"),))] == 1
+        kind, message = _event(s, "CompactionFailed")
+        assert kind == "Warning"
+        assert message.startswith("compacting the deltas on the volume into step-002 failed: ")
+        assert "step-001" in message  # the error says which delta it could not read
+        assert message in caplog.text
+        assert "VolumeCompacted" not in _events(s)
+        status = s.reporter.status
+        assert (status.identity, status.state) == ("step-002", "idle")
+        # Engine restarts still boot the snapshot the volume verified.
+        assert not weights.has("step-002") and weights.current() == "step-000"
+
+
+@pytest.mark.asyncio
 async def test_a_scrub_reload_loads_the_served_snapshot_in_full(
     fulls: list[Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -280,6 +356,14 @@ async def test_a_scrub_reload_loads_the_served_snapshot_in_full(
         s.loader.backoff.failed("step-000")
         assert not await s.loader.flow.reload_served("again")
         assert s.engine.loads == before + 1
+        # A loader that serves nothing yet has nothing to reload.
+        idle = s.another(tmp_path / "idle")
+        idle.weights.prepare()
+        await idle.refresh_ledger()
+        assert idle.status.identity is None
+        assert not await idle.flow.reload_served("its weights changed")
+        assert s.engine.loads == before + 1
+        await idle.adapter.aclose()
 
 
 @pytest.mark.asyncio
@@ -315,6 +399,12 @@ def _ahead(s: Served) -> PatchesAhead:
     return ahead
 
 
+def _sparse(s: Served) -> SparseLoads:
+    sparse = s.loader.sparse
+    assert sparse is not None
+    return sparse
+
+
 @pytest.mark.asyncio
 async def test_the_ledger_is_followed_while_the_engine_takes_a_patch(
     fulls: list[Path], tmp_path: Path
@@ -348,15 +438,14 @@ async def test_a_patch_prepared_ahead_is_taken_only_when_it_begins_the_deltas(
         first = await s.publish(1)
         second = await s.publish(2)
         ahead = _ahead(s)
-        sparse = s.loader.sparse
-        assert sparse is not None
+        sparse = _sparse(s)
         staging = s.loader.weights.staging_root
         assert await ahead.take([first, second]) is None  # nothing prepared
-        # Written from step-001 while the engine still serves step-000: it does not fit.
+        # Written from step-001 while the engine still serves step-000: it does not fit, and
+        # is waited for and removed.
         ahead.held = ("step-002", asyncio.create_task(sparse.prepare([second])))
         assert await ahead.take([first, second]) is None
         assert ahead.held is None
-        await ahead.drop()  # waits for the one left to finish: it removed its file
         assert list(staging.glob("*.patch*")) == []
         # The same patch when the engine serves step-001: it is the update's.
         ahead.held = ("step-002", asyncio.create_task(sparse.prepare([second])))
@@ -368,3 +457,110 @@ async def test_a_patch_prepared_ahead_is_taken_only_when_it_begins_the_deltas(
         await ahead.drop()
         assert ahead.held is None
         assert list(staging.glob("*.patch*")) == []
+
+
+@pytest.mark.asyncio
+async def test_an_update_sends_the_patch_prepared_ahead_for_its_deltas(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    """A patch of step-001 written ahead while the engine serves step-000: the update of
+    step-001 sends it as it is (counted as prepared ahead) and it is gone from staging."""
+    async with serving_step_0(fulls, tmp_path) as s:
+        first = await s.publish(1)
+        await _update_beside_a_patch_ahead(s, first, first)
+        assert scraped(s.loader.metrics)[("hotload_loader_patches_prepared_ahead_total", ())] == 1
+        assert _ahead(s).held is None
+
+
+async def _update_beside_a_patch_ahead(s: Served, ahead: LedgerEntry, target: LedgerEntry) -> None:
+    """Hold the patch of the delta `ahead` as prepared ahead (under way), update to `target`:
+    the engine serves it and no patch file is left in staging."""
+    _ahead(s).held = (ahead.identity, asyncio.create_task(_sparse(s).prepare([ahead])))
+    await s.loader.flow.update(target)
+    assert s.engine.served.identity == target.identity
+    assert list(s.loader.weights.staging_root.glob("*.patch*")) == []
+
+
+@pytest.mark.asyncio
+async def test_a_target_backing_off_is_not_prepared_ahead(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    """The head step-002 failed a moment ago and waits for its retry: following the ledger
+    while the engine takes step-001 prepares nothing for it."""
+    async with serving_step_0(fulls, tmp_path) as s:
+        first = await s.publish(1)
+        ahead = _ahead(s)
+        s.loader.backoff.failed("step-002")
+        await s.publish(2)
+        patching: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        ahead.look_ahead(first, patching)
+        await asyncio.sleep(0.5)  # ten polls
+        assert ahead.held is None
+        patching.cancel()
+        await ahead.stop_following(cancel=False)
+        assert ahead.held is None
+
+
+@pytest.mark.asyncio
+async def test_a_failure_ahead_is_logged_and_never_the_updates(
+    fulls: list[Path],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Following the ledger fails with an error the loop does not expect, and the patch
+    written ahead fails: each is a warning naming the error, `take` hands the update no
+    patch (it prepares its own) and nothing is left in staging. Stopping while the follower
+    still runs ends it."""
+    async with serving_step_0(fulls, tmp_path) as s:
+        first = await s.publish(1)
+        second = await s.publish(2)
+        ahead = _ahead(s)
+        sparse = _sparse(s)
+
+        async def broken() -> None:
+            raise RuntimeError("the ledger copy broke")
+
+        real = s.loader.refresh_ledger
+        monkeypatch.setattr(s.loader, "refresh_ledger", broken)
+        patching: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        with caplog.at_level(logging.WARNING, "hotload_sidecar.loader"):
+            ahead.look_ahead(first, patching)
+            await asyncio.sleep(0.05)  # its first read of the ledger
+            patching.cancel()
+            await ahead.stop_following(cancel=False)
+        assert "following the ledger ahead failed: the ledger copy broke" in caplog.text
+        monkeypatch.setattr(s.loader, "refresh_ledger", real)
+
+        def writer_broke(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("the patch writer broke")
+
+        monkeypatch.setattr(sparse_module, "prepare_patch", writer_broke)
+        ahead.held = ("step-002", asyncio.create_task(sparse.prepare([second])))
+        with caplog.at_level(logging.WARNING, "hotload_sidecar.loader"):
+            assert await ahead.take([second]) is None
+        assert "preparing the next patch ahead failed: the patch writer broke" in caplog.text
+        assert list(s.loader.weights.staging_root.glob("*.patch*")) == []
+        # The loader stops while the follower waits for the engine: it ends, nothing held.
+        patching = asyncio.get_running_loop().create_future()
+        ahead.look_ahead(first, patching)
+        await asyncio.sleep(0.1)
+        await ahead.drop()
+        assert ahead.held is None
+        patching.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_patch_prepared_ahead_that_does_not_fit_spoils_no_download_of_the_update(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    """A patch of step-002 written from step-001 while the engine still serves step-000 (the
+    patch to step-001 failed) is still fetching step-002 when the update of step-002 begins:
+    the update's own patch of both deltas serves step-002, never a full load. (Left to run
+    beside the update, the two fetches of step-002 shared one download folder and the update
+    fell back to a full load, write_failed or delta_not_verified, in 2 of 3 runs.)"""
+    async with serving_step_0(fulls, tmp_path) as s:
+        await s.publish(1)
+        second = await s.publish(2)
+        await _update_beside_a_patch_ahead(s, second, second)
+        assert s.loads() == {"full": 0, "sparse": 1}

@@ -40,8 +40,6 @@ class PatchesAhead:
         self.backoff = backoff
         #: The patch being prepared: the first delta it holds, and its task.
         self.held: tuple[str, asyncio.Task[Prepared | Outcome]] | None = None
-        #: Preparations that no longer fit, left to finish and remove what they wrote.
-        self._abandoned: set[asyncio.Task[Prepared | Outcome]] = set()
         self._following: asyncio.Task[None] | None = None
 
     @property
@@ -86,18 +84,20 @@ class PatchesAhead:
 
     async def take(self, steps: list[LedgerEntry] | None) -> Prepared | None:
         """The patch prepared ahead, once written, when it begins `steps` (the deltas after
-        what the engine serves now); None when there is none, it does not fit (left to finish
-        and be removed, without waiting for it), or it could not be made (the update then
-        prepares its own and reports why)."""
+        what the engine serves now); None when there is none, it does not fit (waited for,
+        then removed), or it could not be made (the update then prepares its own and reports
+        why)."""
         await self.stop_following(cancel=False)
         held, self.held = self.held, None
         if held is None:
             return None
         first, ahead = held
         if not steps or steps[0].identity != first:
-            self._abandoned.add(ahead)
-            ahead.add_done_callback(self._abandoned.discard)
-            ahead.add_done_callback(_discard_result)
+            # Waited for: its deltas may be the update's too, and a second fetch of a delta
+            # under way empties the first one's download folder (the update then fell back to
+            # a full load). What it fetched is committed on the volume, and taken from there.
+            await asyncio.wait({ahead})
+            _discard_result(ahead)
             return None
         try:
             got = await ahead
@@ -114,8 +114,6 @@ class PatchesAhead:
         if held is not None:
             await asyncio.wait({held[1]})
             _discard_result(held[1])
-        if self._abandoned:
-            await asyncio.wait(set(self._abandoned))  # each removes its own file
 
 
 def _discard_result(task: asyncio.Task[Prepared | Outcome]) -> None:
