@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -368,7 +369,7 @@ async def test_a_scrub_reload_loads_the_served_snapshot_in_full(
 
 @pytest.mark.asyncio
 async def test_start_up_resumes_from_the_volume_else_builds_the_head(
-    fulls: list[Path], tmp_path: Path
+    fulls: list[Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with serving_step_0(fulls, tmp_path) as s:
         head = await s.publish(1)
@@ -378,9 +379,21 @@ async def test_start_up_resumes_from_the_volume_else_builds_the_head(
         again = s.another(tmp_path / "weights")
         again.weights.prepare()
         await again.refresh_ledger()
-        assert await again.flow.start(head)
+        started = time.perf_counter()
+        with caplog.at_level(logging.INFO, "hotload_sidecar.loader"):
+            assert await again.flow.start(head)
+        elapsed = time.perf_counter() - started
         assert again.status.resumed_from == "step-001"
         assert scraped(again.metrics)[("hotload_loader_bytes_fetched_total", ())] == 0
+        said = f"step-001 (sequence {head.sequence}) was on the volume from an earlier run "
+        said += "(snapshot step-000 plus 1 delta(s))"
+        assert any(r.getMessage().startswith(f"resumed: {said}") for r in caplog.records)
+        assert isinstance(again.reporter, LocalReporter)
+        resumed = [e for e in again.reporter.events if e["reason"] == "ResumedFromVolume"]
+        assert [(e["type"], e["message"].startswith(said)) for e in resumed] == [("Normal", True)]
+        # The checks' seconds, within the start's own.
+        verify = again.status.resume_verify_seconds
+        assert verify is not None and 0 <= verify <= round(elapsed, 3)
         # A loader on an empty volume builds the head (its engine runs: `current` is set).
         fresh = s.another(tmp_path / "fresh")
         fresh.weights.prepare()
@@ -389,7 +402,18 @@ async def test_start_up_resumes_from_the_volume_else_builds_the_head(
         assert fresh.status.resumed_from is None
         assert fresh.weights.has("step-001")
         assert scraped(fresh.metrics)[("hotload_loader_bytes_fetched_total", ())] > 0
-        for loader in (again, fresh):
+        # Pinned to step-001 with the volume holding deltas up to the head step-002: it
+        # resumes to the pin, not the head.
+        await s.loader.flow.update(await s.publish(2))
+        assert s.loader.weights.local_deltas() == {"step-001", "step-002"}
+        pinned = s.another(tmp_path / "weights", pin="step-001")
+        pinned.weights.prepare()
+        await pinned.refresh_ledger()
+        target = pinned.target().entry
+        assert target is not None and target.identity == "step-001"
+        assert await pinned.flow.start(target)
+        assert pinned.status.resumed_from == "step-001"
+        for loader in (again, fresh, pinned):
             await loader.adapter.aclose()
 
 
