@@ -33,12 +33,15 @@ from support.fleet import PROMPT_IDS, Replica, http_json
 from support.paths import REPO
 from support.seaweedfs import SeaweedFS
 from support.soak_cluster import ClusterRecord, ClusterSample, Deposal, SoakCluster
-from support.soak_faults import Fault, schedule
+from support.soak_faults import CORRUPT_WORDS, Fault, schedule, status_words
 from support.soak_trainer import identity as step_identity
 
 TESTS = REPO / "tests"
 #: The longest a frozen leader stays frozen waiting for the standby to take the Lease.
 FREEZE_CAP = 120.0
+#: The longest the soak waits after corrupting an object for a loader to name it (a head's
+#: handoff and a delta's download and check take seconds; a minute means a loader stuck).
+CORRUPT_READ_SECONDS = 60.0
 
 
 @dataclass
@@ -657,10 +660,28 @@ class Soak:
             finally:
                 for r in self.replicas:
                     r.resume_loader()
+            self.run.fault_log.append(f"step {step}: {self._await_corruption_read(step)}")
         elif "trainer_kill" in kinds:
             self.publish(step, kill_after=self.rng.uniform(0.3, 2.0))
         else:
             self.publish(step)
+
+    def _await_corruption_read(self, step: int, timeout: float = CORRUPT_READ_SECONDS) -> str:
+        """Wait until a loader's status names the corrupted object of `step`: the next steps
+        (and a leader fault they may start, which stops the head's handoff) come only after a
+        loader read it; a CI run whose leader froze two steps later saw loaders skip the
+        whole broken chain for the next full snapshot."""
+        began = time.monotonic()
+        while time.monotonic() - began < timeout:
+            for r in self.replicas:
+                status = self._status(r)
+                if status is not None and any(w in status_words(status) for w in CORRUPT_WORDS):
+                    self.run.corrupt_statuses.append({"step": step, "replica": r.name, **status})
+                    waited = time.monotonic() - began
+                    return f"{r.name}'s status named the corrupted object after {waited:.1f}s"
+            time.sleep(0.5)
+            self.tick()
+        return f"no loader status named the corrupted object within {timeout:g}s"
 
     def _corrupt(self, step: int) -> str:
         import obstore

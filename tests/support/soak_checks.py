@@ -17,6 +17,7 @@ from support import audit
 from support.audit import AuditLog
 from support.soak import Sample, SoakRun
 from support.soak_cluster import status_on
+from support.soak_faults import CORRUPT_WORDS, FULL_WORDS, status_words
 
 #: Per process: the last window's median may exceed the first's by this much at most.
 GROWTH = 0.10
@@ -85,11 +86,6 @@ FAILED_DOWNLOADS = (
     "short form; a build refused with a BucketError such as HTTP 412 kept them; since issue 36 "
     "a build removes its downloads however it ends: a finding after that is not explained by it)"
 )
-#: Words a loader status uses when a fault stopped an update.
-#: A loader that listed the object before it was overwritten refuses the new bytes by their
-#: ETag (If-Match: HTTP 412 "precondition failed"), before any checksum is read.
-CORRUPT_WORDS = ("checksum", "crc", "corrupt", "mismatch", "verif", "precondition failed")
-FULL_WORDS = ("file too large", "no space", "efbig", "enospc")
 
 
 @dataclass
@@ -608,10 +604,21 @@ def _faults(run: SoakRun, report: Report) -> None:
             took = expect[kind] in log
         if not took:
             problems.append(f"{kind} never took effect")
-    named = [s for s in run.corrupt_statuses if any(w in _words(s) for w in CORRUPT_WORDS)]
+    named = [s for s in run.corrupt_statuses if any(w in status_words(s) for w in CORRUPT_WORDS)]
     if "corrupt" in kinds and not named:
-        problems.append("no loader status named the corrupted object")
-    full = [s for s in run.volume_full_statuses if any(w in _words(s) for w in FULL_WORDS)]
+        seen = sorted(
+            {
+                f"step {s.get('step')} {s.get('replica')}: {s.get('state')} on "
+                f"{s.get('identity')} -> {s.get('target_identity')} ({s.get('reason')})"
+                for s in run.corrupt_statuses
+            }
+        )
+        problems.append(
+            "no loader status named the corrupted object (statuses while it was in force: "
+            + ("; ".join(seen[:12]) or "none answered")
+            + ")"
+        )
+    full = [s for s in run.volume_full_statuses if any(w in status_words(s) for w in FULL_WORDS)]
     if "volume_full" in kinds and not full:
         problems.append("no loader status named the full volume")
     overlaps = sum(
@@ -630,10 +637,6 @@ def _faults(run: SoakRun, report: Report) -> None:
             f"named in {len(named)} statuses, the full volume in {len(full)}",
         )
     )
-
-
-def _words(status: dict[str, Any]) -> str:
-    return " ".join(str(status.get(k) or "") for k in ("reason", "last_error", "events")).lower()
 
 
 # --- the control plane ------------------------------------------------------------------------

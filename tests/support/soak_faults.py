@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass
+from typing import Any
 
 KINDS = (
     "loader_kill",
@@ -34,6 +35,18 @@ KINDS = (
 #: Steps before a corrupted step in which no leader fault starts: a takeover (up to ~20 s on the
 #: shared 2 cores, a few steps) must be over before the step is published.
 CORRUPT_CLEARANCE = 8
+#: Words a loader status uses when a fault stopped an update.
+#: A loader that listed the object before it was overwritten refuses the new bytes by their
+#: ETag (If-Match: HTTP 412 "precondition failed"), before any checksum is read.
+CORRUPT_WORDS = ("checksum", "crc", "corrupt", "mismatch", "verif", "precondition failed")
+FULL_WORDS = ("file too large", "no space", "efbig", "enospc")
+
+
+def status_words(status: dict[str, Any]) -> str:
+    """The words of a loader status that name a fault: its reason, last error and Events."""
+    return " ".join(str(status.get(k) or "") for k in ("reason", "last_error", "events")).lower()
+
+
 #: Kinds that act on the operator's leader: never two at once (each needs a standby to lead).
 LEADER_KINDS = ("leader_kill", "leader_freeze")
 
