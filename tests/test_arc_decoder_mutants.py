@@ -454,14 +454,20 @@ def test_a_chunk_whose_fields_lie_is_refused_naming_its_elements(
     assert f"{SHARD}: tensor {tensor!r}: elements {first}..{last}" in str(err)
 
 
-@pytest.mark.parametrize("tensor", ["a.same", "b.sparse", "d.raw", "f.empty"])
-def test_a_forged_result_checksum_is_a_checksum_mismatch(case: Case, tensor: str) -> None:
-    forged = format_checksum(adler32(case.cur_w[tensor].view(np.uint8)) ^ 1)
+def _forge_checksum(case: Case, tensor: str, key: str, weights: np.ndarray) -> str:
+    """Rewrite `tensor`'s `key` checksum in the delta's header to one that `weights` fail."""
+    forged = format_checksum(adler32(weights.view(np.uint8)) ^ 1)
 
     def edit(fields: dict[str, Any]) -> None:
-        next(e for e in fields["tensors"] if e["name"] == tensor)["checksum"] = forged
+        next(e for e in fields["tensors"] if e["name"] == tensor)[key] = forged
 
     _rewrite(case.delta, edit)
+    return forged
+
+
+@pytest.mark.parametrize("tensor", ["a.same", "b.sparse", "d.raw", "f.empty"])
+def test_a_forged_result_checksum_is_a_checksum_mismatch(case: Case, tensor: str) -> None:
+    forged = _forge_checksum(case, tensor, "checksum", case.cur_w[tensor])
     err = _refused(case, ChecksumMismatchError, tensor)
     assert forged in str(err)
     assert format_checksum(adler32(case.cur_w[tensor].view(np.uint8))) in str(err)
@@ -469,12 +475,7 @@ def test_a_forged_result_checksum_is_a_checksum_mismatch(case: Case, tensor: str
 
 @pytest.mark.parametrize("tensor", ["a.same", "c.dense", "f.empty"])
 def test_a_forged_base_checksum_is_a_wrong_parent(case: Case, tensor: str) -> None:
-    forged = format_checksum(adler32(case.prev_w[tensor].view(np.uint8)) ^ 1)
-
-    def edit(fields: dict[str, Any]) -> None:
-        next(e for e in fields["tensors"] if e["name"] == tensor)["base_checksum"] = forged
-
-    _rewrite(case.delta, edit)
+    forged = _forge_checksum(case, tensor, "base_checksum", case.prev_w[tensor])
     err = _refused(case, WrongParentError, tensor)
     assert forged in str(err)
 
