@@ -135,11 +135,21 @@ MODULES: tuple[Module, ...] = (
         ("tests/test_arc_decoder_mutants.py",),
         "forkserver",
     ),
-    # test_arc_patch.py reads dense and raw chunks' changes without their parent.
+    # Each field and path of one chunk (test_arc_chunk_mutants.py), small chunks decoded by
+    # every path (test_arc_decoder_mutants.py), both decoders against each other
+    # (test_arc_native.py), sparse_exp (test_arc_compact.py) and the changes read without the
+    # parent (test_arc_patch.py): seconds a mutant, where test_arc_codec.py's round trips took
+    # most of the limit.
     Module(
         "arc-chunk",
         "hotload/arc/chunk.py",
-        ("tests/test_arc_codec.py", "tests/test_arc_native.py", "tests/test_arc_patch.py"),
+        (
+            "tests/test_arc_chunk_mutants.py",
+            "tests/test_arc_decoder_mutants.py",
+            "tests/test_arc_native.py",
+            "tests/test_arc_compact.py",
+            "tests/test_arc_patch.py",
+        ),
         "forkserver",
     ),
 )
