@@ -29,7 +29,7 @@ from hotload.arc.checksum import adler32, format_checksum, parse_checksum
 from hotload.arc.container import read_header
 from hotload.arc.decoder import stored_chunk
 from hotload.arc.encodings import scratch
-from hotload.arc.files import copy_manifests, copy_side_files, link_or_copy, staging
+from hotload.arc.files import copy_manifests, link_or_copy, rebuild_side_files, staging
 from hotload.arc.lanes import ChunkRunner, Lanes, released_scratch
 from hotload.arc.plan import DeltaShard, check_delta, check_parent, combine, elements, plan_chunks
 from hotload.errors import ArcError, ChecksumMismatchError, SnapshotError, WrongParentError
@@ -82,7 +82,7 @@ def decode_chain(
         expected: list[str | None] = list(parents) if parents else [None] * len(deltas)
         last = deltas[-1]
         with released_scratch(), staging(out_path, overwrite) as tmp:
-            copy_side_files(last, tmp, prev.shard_files)
+            rebuild_side_files(parent_path, deltas, tmp, prev.shard_files)
             done = Lanes(threads).each_shard(
                 prev.shard_files,
                 lambda shard, runner: _chain_shard(

@@ -17,7 +17,7 @@ from pathlib import Path
 from hotload.arc.checksum import adler32, format_checksum, parse_checksum
 from hotload.arc.decoder import decode_shard
 from hotload.arc.encoder import encode_shard
-from hotload.arc.files import copy_manifests, copy_side_files, staging
+from hotload.arc.files import copy_manifests, rebuild_side_files, ship_side_files, staging
 from hotload.arc.lanes import Lanes, default_threads, released_scratch
 from hotload.arc.plan import (
     DEFAULT_CHUNK_ELEMENTS,
@@ -56,7 +56,8 @@ def encode(
     Both inputs must be valid full snapshots with the same weight map and dtypes. The parent
     identity recorded in every shard defaults to the name of the `previous` folder. `compact`
     lets float tensors use the parent's exponents as context (`sparse_exp`): about a quarter
-    smaller on optimizer updates, about three times slower to decode.
+    smaller on optimizer updates, about three times slower to decode. Side files the parent
+    holds byte for byte (tokenizer files) are recorded as inherited, not shipped again.
     """
     started = time.perf_counter()
     prev_path, cur_path, out_path = Path(previous), Path(current), Path(out)
@@ -79,7 +80,7 @@ def encode(
     validate_transition(prev, cur)
     stats = CodecStats()
     with staging(out_path, overwrite) as tmp, released_scratch():
-        copy_side_files(cur_path, tmp, cur.shard_files)
+        ship_side_files(prev_path, cur_path, tmp, cur.shard_files)
         stats.shards = Lanes(threads).each_shard(
             cur.shard_files,
             lambda shard, runner: encode_shard(
@@ -158,6 +159,7 @@ def _decode(
     lanes = Lanes(threads)
     with released_scratch():
         if out is None:
+            rebuild_side_files(prev_path, [delta_path], None, dsnap.shard_files)
             stats.shards = lanes.each_shard(
                 dsnap.shard_files,
                 lambda shard, runner: decode_shard(
@@ -171,7 +173,7 @@ def _decode(
             )
         else:
             with staging(Path(out), overwrite) as tmp:
-                copy_side_files(delta_path, tmp, dsnap.shard_files)
+                rebuild_side_files(prev_path, [delta_path], tmp, dsnap.shard_files)
                 stats.shards = lanes.each_shard(
                     dsnap.shard_files,
                     lambda shard, runner: decode_shard(

@@ -3,13 +3,15 @@ copies between files."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from hotload.errors import SnapshotError
+from hotload.errors import ChecksumMismatchError, CorruptDeltaError, SnapshotError
 from hotload.snapshot import layout
 
 
@@ -42,14 +44,128 @@ def link_or_copy(src: Path, dst: Path) -> bool:
         return False
 
 
-def copy_side_files(src: Path, dst: Path, shards: list[str]) -> None:
-    """Link or copy what is neither a shard nor a manifest (config, tokenizer files) to dst."""
-    skip = set(shards) | set(layout.MANIFEST_FILES)
-    for path in sorted(src.rglob("*")):
-        name = str(path.relative_to(src))
-        if path.is_file() and name not in skip and not path.name.startswith("."):
-            (dst / name).parent.mkdir(parents=True, exist_ok=True)
-            link_or_copy(path, dst / name)
+def side_files(folder: Path, shards: Sequence[str]) -> list[str]:
+    """The side files of a snapshot folder (config, tokenizer files): what is neither a shard,
+    a manifest, a hidden file nor a delta's record of inherited files; sorted relative names."""
+    skip = {*shards, *layout.MANIFEST_FILES, layout.INHERITED_FILE}
+    return [
+        name
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+        and not path.name.startswith(".")
+        and (name := path.relative_to(folder).as_posix()) not in skip
+    ]
+
+
+def ship_side_files(parent: Path, current: Path, dst: Path, shards: Sequence[str]) -> list[str]:
+    """Link or copy into delta folder `dst` the side files of `current` that its `parent` does
+    not hold byte for byte; record the others in `layout.INHERITED_FILE` with their sha256 (a
+    Llama-3 tokenizer.json, ~9 MB, is not shipped again with every delta). config.json is always
+    shipped: every snapshot's checks read it. Returns the inherited names."""
+    inherited: dict[str, str] = {}
+    for name in side_files(current, shards):
+        src, old = current / name, parent / name
+        if name != layout.CONFIG_FILE and old.is_file() and _same_bytes(src, old):
+            inherited[name] = _sha256(src)
+        else:
+            _place(src, dst / name)
+    if inherited:
+        record = {"from_parent": dict(sorted(inherited.items()))}
+        (dst / layout.INHERITED_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    return sorted(inherited)
+
+
+def rebuild_side_files(
+    parent: Path, deltas: Sequence[Path], dst: Path | None, shards: Sequence[str]
+) -> None:
+    """Give `dst` the side files of the snapshot `deltas[-1]` rebuilds from full snapshot
+    `parent` through every delta in order: each delta's own, and the ones it inherits from the
+    snapshot before it, checked against their recorded sha256 (`ChecksumMismatchError` naming
+    the file: a local parent that rotted is fetched again by the loader's fallback). With
+    `dst=None` only checks. A malformed record is a `CorruptDeltaError` naming it."""
+    have = {name: parent / name for name in side_files(parent, shards)}
+    digests: dict[Path, str] = {}  # a file inherited down a chain is hashed once
+    for delta in deltas:
+        now = {name: delta / name for name in side_files(delta, shards)}
+        for name, digest in inherited_files(delta).items():
+            src = have.get(name)
+            if src is None:
+                raise ChecksumMismatchError(
+                    f"inherits {name!r} from its parent, which has no such file",
+                    shard=str(delta / layout.INHERITED_FILE),
+                )
+            got = digests.get(src) or digests.setdefault(src, _sha256(src))
+            if got != digest:
+                raise ChecksumMismatchError(
+                    f"inherits {name!r} with {digest}, the parent's copy {src} has {got}",
+                    shard=str(delta / layout.INHERITED_FILE),
+                )
+            now[name] = src
+        have = now
+    if dst is not None:
+        for name, src in sorted(have.items()):
+            _place(src, dst / name)
+
+
+def inherited_files(delta: Path) -> dict[str, str]:
+    """A delta folder's record of inherited side files (name -> "sha256:<hex>"); empty when it
+    ships every side file. `CorruptDeltaError` naming the record when it is malformed."""
+    path = delta / layout.INHERITED_FILE
+    if not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CorruptDeltaError(f"is not JSON: {err}", shard=str(path)) from None
+    files = doc.get("from_parent") if isinstance(doc, dict) else None
+    if not isinstance(files, dict):
+        raise CorruptDeltaError('has no "from_parent" object', shard=str(path))
+    for name, digest in files.items():
+        parts = PurePosixPath(name).parts
+        if (
+            not name
+            or name.startswith("/")
+            or ".." in parts
+            or name in (layout.CONFIG_FILE, layout.INHERITED_FILE, *layout.MANIFEST_FILES)
+            or name.endswith(".safetensors")
+        ):
+            raise CorruptDeltaError(f"names {name!r}, which no delta may inherit", shard=str(path))
+        if not (isinstance(digest, str) and _is_sha256(digest)):
+            raise CorruptDeltaError(
+                f"records {digest!r} for {name!r}, not sha256:<64 hex digits>", shard=str(path)
+            )
+    return dict(files)
+
+
+def _place(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    link_or_copy(src, dst)
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with a.open("rb") as fa, b.open("rb") as fb:
+        while True:
+            x, y = fa.read(1 << 20), fb.read(1 << 20)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _is_sha256(digest: str) -> bool:
+    hexpart = digest.removeprefix("sha256:")
+    return (
+        digest.startswith("sha256:")
+        and len(hexpart) == 64
+        and all(c in "0123456789abcdef" for c in hexpart)
+    )
 
 
 def copy_manifests(src: Path, dst: Path) -> None:

@@ -35,6 +35,7 @@ from hotload.arc.checksum import format_checksum, parse_checksum
 from hotload.arc.container import MAGIC, ArcHeader, header_from_bytes, read_header
 from hotload.arc.decoder import stored_chunk
 from hotload.arc.encodings import DENSE, RAW, SPARSE, SPARSE_EXP
+from hotload.arc.files import inherited_files
 from hotload.arc.lanes import ChunkRunner, Lanes, released_scratch
 from hotload.arc.patch_file import PatchTensor, PatchWriter, Run, tensor_entry
 from hotload.arc.plan import ChunkTask, check_delta, elements, plan_chunks
@@ -150,6 +151,7 @@ def check_delta_files(delta: str | Path | DeltaFolder, expected_parent: str | No
         raise SnapshotError(
             f"expected an incremental snapshot, not {opened.kind}", path=str(folder)
         )
+    inherited_files(folder)  # a malformed record is refused here, before any parent is read
     chunks = 0
     for shard in snap.shard_files:
         header = opened.header(shard)

@@ -31,6 +31,11 @@ TOKENIZER_FILES = (
 # The manifests name what a snapshot holds; they are written (and uploaded) last.
 MANIFEST_FILES = (INDEX_FILE, SPEC_FILE)
 
+# A delta's record of the side files it does not ship because its parent holds the same bytes
+# (name -> "sha256:<hex>"); a decoder takes the parent's copy after checking it (docs/arc_v2.md
+# §2.2). Never part of a full snapshot.
+INHERITED_FILE = "hotload.inherited.json"
+
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 
 SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
