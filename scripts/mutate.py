@@ -54,6 +54,27 @@ class Module:
     isolation: str = "fork"
 
 
+def _core(*names: str) -> tuple[str, ...]:
+    """Tests of tests/test_patch_core.py by name (each with all its parameters)."""
+    return tuple(f"tests/test_patch_core.py::test_{name}" for name in names)
+
+
+#: A patch staged, verified and written on every rank of each engine layout (test_patch_core.py).
+EVERY_RANK = ("a_patch_on_every_rank_gives_what_a_full_load_of_the_child_gives",)
+#: The scrub's in-process tests (its `hotload serve` flags run in a process of their own).
+SCRUB = tuple(
+    f"tests/test_patch_scrub.py::test_{name}"
+    for name in (
+        "derived_sums_equal_a_full_reread_after_patches",
+        "a_scrub_finds_a_flipped_bit_and_patches_are_refused_until_a_full_load",
+        "the_scrub_reads_at_its_rate_and_rereads_what_a_patch_changed_under_it",
+        "sums_on_the_device_equal_zlibs",
+        "by_default_the_scrub_rests_an_hour_after_a_full_load",
+        "a_scrub_with_a_short_period_rests_between_passes_and_finds_a_flipped_bit_within_it",
+        "a_pass_that_skips_a_region_says_so_and_does_not_count_it_as_read",
+    )
+)
+
 MODULES: tuple[Module, ...] = (
     Module("ledger-model", "hotload/ledger/model.py", ("tests/test_ledger.py",)),
     Module(
@@ -81,18 +102,114 @@ MODULES: tuple[Module, ...] = (
         ("tests/test_sidecar_flow.py", "tests/test_sidecar_pipeline.py"),
         "forkserver",
     ),
-    # test_arc_patch.py reads patch files the writer made and damaged ones; test_patch_mutants.py
-    # every field and check of the reader.
+    # test_patch_mutants.py reads every field and check of the reader; test_arc_patch.py patch
+    # files the writer made and damaged ones; test_patch_stage_threads.py a patch decoded in
+    # threads (test_patch_core.py as a whole left a third of the sample unchecked in 540 s).
     Module(
         "patch-format",
         "hotload_patch/format.py",
-        ("tests/test_patch_core.py", "tests/test_arc_patch.py", "tests/test_patch_mutants.py"),
+        (
+            "tests/test_patch_mutants.py",
+            "tests/test_arc_patch.py",
+            "tests/test_patch_stage_threads.py",
+        ),
         "forkserver",
     ),
+    # The regions' and sums' tests of test_patch_core.py by name, the sums on the device and
+    # derived after patches (test_patch_scrub.py), test_patch_mutants.py.
     Module(
         "patch-sums",
         "hotload_patch/sums.py",
-        ("tests/test_patch_core.py", "tests/test_patch_mutants.py"),
+        (
+            "tests/test_patch_mutants.py",
+            *_core(
+                "region_of_narrow_transpose_select_views_matches_as_strided",
+                "region_of_any_slice_view_matches_as_strided",
+                "nested_accepts_step_slices",
+                "region_whole_and_overlap",
+                "partial_sums_of_shards_combine_into_adler32",
+                "replicas_that_differ_are_a_parent_mismatch_and_gaps_a_weights_mismatch",
+                "delta_partial_moves_adler32_as_the_edit_does",
+                "delta_partial_of_a_tensor_too_big_to_build",
+                "served_sums_do_not_depend_on_how_much_is_read_at_once",
+                *EVERY_RANK,
+            ),
+            "tests/test_patch_scrub.py::test_sums_on_the_device_equal_zlibs",
+            "tests/test_patch_scrub.py::test_derived_sums_equal_a_full_reread_after_patches",
+        ),
+        "forkserver",
+    ),
+    # The parent and result checks over every rank's sums: each check on sums made from bytes
+    # (test_patch_verify_mutants.py), the tests of test_patch_core.py that call `verify` or
+    # stage through a `Patcher`, and test_patch_mutants.py.
+    Module(
+        "patch-verify",
+        "hotload_patch/verify.py",
+        (
+            "tests/test_patch_verify_mutants.py",
+            "tests/test_patch_mutants.py",
+            *_core(
+                *EVERY_RANK,
+                "a_rank_not_serving_the_parent_is_a_parent_mismatch",
+                "a_flipped_value_in_the_patch_is_a_checksum_mismatch",
+                "a_tensor_whose_changes_are_lost_from_the_patch_is_a_checksum_mismatch",
+                "patcher_stages_verifies_applies_and_rolls_back",
+                "the_worker_extension_patches_every_rank_over_json",
+            ),
+        ),
+        "forkserver",
+    ),
+    # The served weights' sums on the CPU and by the device's integer path (test_patch_scrub.py
+    # runs the latter on the CPU), the held dtype's checks, the counters.
+    Module(
+        "patch-served",
+        "hotload_patch/served.py",
+        (
+            "tests/test_patch_mutants.py",
+            *_core(
+                *EVERY_RANK,
+                "served_sums_do_not_depend_on_how_much_is_read_at_once",
+                "a_float32_checkpoint_held_as_bfloat16_is_refused",
+                "a_rank_not_serving_the_parent_is_a_parent_mismatch",
+                "patcher_stages_verifies_applies_and_rolls_back",
+            ),
+            *SCRUB,
+        ),
+        "forkserver",
+    ),
+    # `Patcher` and `derive`: its tests in test_patch_core.py and the scrub's, which run one.
+    Module(
+        "patch-session",
+        "hotload_patch/session.py",
+        (
+            *_core(
+                "patcher_stages_verifies_applies_and_rolls_back",
+                "the_worker_extension_patches_every_rank_over_json",
+                "a_host_with_problems_is_a_kernel_format_refusal",
+            ),
+            *SCRUB,
+        ),
+        "forkserver",
+    ),
+    # Where each checkpoint tensor lies in an engine's parameters: the loader-host and
+    # identity-host tests of test_patch_core.py, and the staging tests that place through them.
+    Module(
+        "patch-placement",
+        "hotload_patch/placement.py",
+        (
+            "tests/test_patch_mutants.py",
+            "tests/test_patch_stage_threads.py",
+            *_core(
+                "loader_host_follows_fused_sharded_padded_and_tied_weights",
+                "loader_host_follows_views_of_the_checkpoint",
+                "loader_host_refuses_loaders_that_compute_values",
+                "loader_host_places_setitem_through_an_index_tensor_where_it_writes",
+                "a_host_with_problems_is_a_kernel_format_refusal",
+                "identity_host_refuses_unknown_and_reshaped_weights",
+                "tied_names_patched_differently_are_a_weights_mismatch",
+                *EVERY_RANK,
+            ),
+        ),
         "forkserver",
     ),
     # The staging tests of test_patch_core.py by name (the whole file's region, placement and
