@@ -116,11 +116,13 @@ MODULES: tuple[Module, ...] = (
         "forkserver",
     ),
     # The regions' and sums' tests of test_patch_core.py by name, the sums on the device and
-    # derived after patches (test_patch_scrub.py), test_patch_mutants.py.
+    # derived after patches (test_patch_scrub.py), test_patch_mutants.py and
+    # test_patch_sums_mutants.py.
     Module(
         "patch-sums",
         "hotload_patch/sums.py",
         (
+            "tests/test_patch_sums_mutants.py",
             "tests/test_patch_mutants.py",
             *_core(
                 "region_of_narrow_transpose_select_views_matches_as_strided",
