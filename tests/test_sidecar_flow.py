@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -391,9 +392,10 @@ async def test_start_up_resumes_from_the_volume_else_builds_the_head(
         assert isinstance(again.reporter, LocalReporter)
         resumed = [e for e in again.reporter.events if e["reason"] == "ResumedFromVolume"]
         assert [(e["type"], e["message"].startswith(said)) for e in resumed] == [("Normal", True)]
-        # The checks' seconds, within the start's own.
+        # The checks' seconds, within the start's own, are the ones the Event reports.
         verify = again.status.resume_verify_seconds
         assert verify is not None and 0 <= verify <= round(elapsed, 3)
+        assert f" and verified in {verify:.2f}s: " in resumed[0]["message"]
         # A loader on an empty volume builds the head (its engine runs: `current` is set).
         fresh = s.another(tmp_path / "fresh")
         fresh.weights.prepare()
@@ -588,3 +590,59 @@ async def test_a_patch_prepared_ahead_that_does_not_fit_spoils_no_download_of_th
         second = await s.publish(2)
         await _update_beside_a_patch_ahead(s, second, second)
         assert s.loads() == {"full": 0, "sparse": 1}
+
+
+@pytest.mark.asyncio
+async def test_a_restart_boots_a_resumed_snapshot_only_when_no_engine_runs(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    """The volume holds the head step-001 (a full snapshot, built) while `current` still
+    names step-000, which the engine serves (the previous run stopped before loading it). A
+    restarted loader resumes step-001 either way; with its engine running, `current` stays
+    what the engine serves; with no engine up, `current` moves to step-001, which the engine
+    then boots."""
+    async with serving_step_0(fulls, tmp_path) as s:
+        head = await s.publish(1, full=True)
+        document = s.loader.document
+        assert document is not None
+        await s.loader.materializer.build(document, head.identity)
+        weights = s.loader.weights
+        assert weights.has("step-001") and weights.current() == "step-000"
+        live = s.another(tmp_path / "weights")
+        await live.refresh_ledger()
+        assert await live.flow.start(head)
+        assert live.status.resumed_from == "step-001"
+        assert weights.current() == "step-000"
+        await live.adapter.aclose()
+        # The same volume, the engine down (nothing listens on its port).
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            down = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        settings = _settings(tmp_path, down, weights=tmp_path / "weights")
+        booting = Loader(
+            settings,
+            ledger=s.trainer.ledger,
+            adapter=ReferenceAdapter(down),
+            reporter=LocalReporter(),
+        )
+        await booting.refresh_ledger()
+        assert await booting.flow.start(head)
+        assert booting.status.resumed_from == "step-001"
+        assert weights.current() == "step-001"
+        await booting.adapter.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_patch_ahead_that_could_not_be_made_leaves_the_update_its_own_attempt(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    """A patch may change one element in a billion: the patch of step-001 written ahead is
+    refused as too dense (an `Outcome`, not a patch). The update is handed no patch, makes
+    its own attempt, falls back for the same reason and loads step-001 in full."""
+    async with serving_step_0(fulls, tmp_path, sparse_max_changed=1e-9) as s:
+        first = await s.publish(1)
+        await _update_beside_a_patch_ahead(s, first, first)
+        assert s.loads() == {"full": 1, "sparse": 0, "fallback:too_dense": 1}
+        last = s.reporter.status.last_load
+        assert last is not None and (last.method, last.sparse_fallback) == ("full", "too_dense")
+        assert scraped(s.loader.metrics)[("hotload_loader_patches_prepared_ahead_total", ())] == 0
