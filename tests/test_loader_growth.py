@@ -1,0 +1,89 @@
+"""What a loader holds must not grow with the updates it gives up.
+
+Issue 36's soak: a loader whose update failed while it downloaded a chain in parallel (a
+corrupted delta stops the rest) kept the temp files of the cancelled downloads open after
+removing them: 13 fds of deleted files after one corrupted step of a 200-step run, one more
+set per failed retry. `asyncio.to_thread(os.open, ...)` cancelled while its thread runs loses
+the fd the thread opened. Here real downloads from SeaweedFS are cancelled exactly there: the
+loop's worker threads hand their results back late, as on a busy machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hotload.bucket import open_bucket
+from hotload.bucket.local import TMP_MARK
+from support.seaweedfs import SeaweedFS
+
+T = TypeVar("T")
+
+#: Downloads cancelled, each while its temp file's open had run but not yet been handed back.
+CANCELLED = 8
+#: How late a worker thread hands back its result (the cancellation lands half-way).
+LATE = 0.2
+
+
+class LateExecutor(ThreadPoolExecutor):
+    """Worker threads that hand back each result `LATE` seconds after the call returned, as
+    on a loaded machine where the event loop hears of it late."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        def late() -> T:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                time.sleep(LATE)
+
+        return super().submit(late)
+
+
+def held_temp_files() -> list[str]:
+    """The download temp files this process holds open (removed or not)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed while we looked
+        if TMP_MARK in target:
+            held.append(target)
+    return held
+
+
+def test_cancelled_downloads_hold_no_temp_files(s3_env: SeaweedFS, tmp_path: Path) -> None:
+    """Each of `CANCELLED` downloads is cancelled while its temp file's open is in flight: none
+    leaves its temp file open or on disk, and an uncancelled download still lands whole."""
+    bucket = open_bucket(s3_env.url(f"growth-{uuid.uuid4().hex[:8]}"))
+    payload = os.urandom(3 * 1024 * 1024 + 17)
+    bucket.put("shard.safetensors", payload)
+    info = bucket.head("shard.safetensors")
+    before = held_temp_files()
+
+    async def run() -> None:
+        asyncio.get_running_loop().set_default_executor(LateExecutor(4))
+        for i in range(CANCELLED):
+            task = asyncio.ensure_future(
+                bucket.download_file_async(
+                    info.key, tmp_path / f"d{i}" / "shard.safetensors", size=info.size
+                )
+            )
+            await asyncio.sleep(LATE / 2)  # the open ran; its result is not back yet
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            assert task.cancelled(), f"download {i} ended before its cancellation"
+        await bucket.download_file_async(info.key, tmp_path / "whole" / "shard.safetensors")
+
+    asyncio.run(run())
+    leaked = [t for t in held_temp_files() if t not in before]
+    assert not leaked, f"{len(leaked)} of {CANCELLED} cancelled downloads left open: {leaked}"
+    left = sorted(p.name for p in tmp_path.rglob(f"*{TMP_MARK}*"))
+    assert not left, left
+    assert (tmp_path / "whole" / "shard.safetensors").read_bytes() == payload
