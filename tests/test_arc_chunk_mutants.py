@@ -561,3 +561,20 @@ def test_a_sparse_exp_run_leaving_its_set_is_refused_naming_the_chunk(run: str) 
     with pytest.raises(CorruptDeltaError) as exc:
         ck.decode_chunk(meta, memoryview(payload), old, WHAT, "BF16")
     assert str(exc.value) == f"{WHAT}: a gap between changed positions exceeds the chunk"
+
+
+def test_a_remainder_carrying_a_gap_past_the_chunk_is_refused(path: str) -> None:
+    # Shift 4 in a chunk of 1000: quotient 62 passes its own bound (999 >> 4), but with the
+    # remainder 15 the gap is 62 * 16 + 15 = 1007, past the chunk's last element.
+    old = _old()
+    meta, payload = _sparse([1007], [1], 4, 2)
+    for call in (
+        lambda: ck.chunk_changes(meta, memoryview(payload), N, old.dtype, WHAT),
+        lambda: ck.decode_chunk(meta, memoryview(payload), old, WHAT, out=np.empty_like(old)),
+    ):
+        with pytest.raises(CorruptDeltaError) as exc:
+            call()
+        # The kernel adds which change: "(change 0)".
+        assert str(exc.value).startswith(
+            f"{WHAT}: a gap between changed positions exceeds the chunk"
+        )
