@@ -1,15 +1,15 @@
 """The soak (issue 36): a trainer publishing `--steps` steps (a full snapshot every 25) to a real
-SeaweedFS, replicas (loader + reference engine) following it, retention after every publish, the
-operator's two replicas on a real API server (a HotLoadDeployment on the soak's ledger, the
+SeaweedFS, replicas (loader + reference engine; the last `--vllm` of them a real vLLM CPU engine
+from .venv-vllm/ with its loader `--engine vllm`) following it, retention after every publish,
+the operator's two replicas on a real API server (a HotLoadDeployment on the soak's ledger, the
 loaders reporting to its pods and following its head handoff), and overlapping faults from a
-seeded schedule (the API server restarted, the operator's leader killed and frozen among them);
-every check with its figures.
+seeded schedule (the API server restarted, the operator's leader killed and frozen among them;
+the first engine and loader kill on a vLLM replica); every check with its figures.
 
     .venv/bin/python benchmarks/soak.py --steps 300 --seed 0
 
 writes benchmarks/RESULTS-soak.md (`--out`) and the raw figures beside it (`.json`). The engine
 of it is tests/support/soak.py; tests/test_soak.py runs a short form of it in `make test`.
-Not in this version: a vLLM replica.
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ def markdown(run: SoakRun, report: Report, command: str) -> str:
         f"{run.base_bytes / 2**20:.1f} MiB of float32 tensors; each step changes 0.5% of three "
         f"tensors (the embedding always). Wall time {run.wall_seconds / 60:.1f} min.",
         "",
-        "Not in this version: a vLLM CPU replica (`--vllm` is not built yet). Retention is the "
-        "trainer's Publisher `retain=` (no `--deployment` given to it: it keeps the last entries "
-        "and the chain from the latest full snapshot, not what replicas serve).",
+        _vllm_line(run),
+        "",
+        "Retention is the trainer's Publisher `retain=` (no `--deployment` given to it: it keeps "
+        "the last entries and the chain from the latest full snapshot, not what replicas serve).",
         "",
         f"**{met} of {len(report.checks)} checks met.**",
         "",
@@ -141,6 +142,27 @@ def markdown(run: SoakRun, report: Report, command: str) -> str:
     return "\n".join(lines)
 
 
+def _vllm_line(run: SoakRun) -> str:
+    """What the results say about the vLLM replicas."""
+    names = sorted(getattr(run, "vllm", set()))
+    if not names:
+        return "No vLLM replica in this run (`--vllm 0`): every engine is `hotload serve`."
+    unversioned = getattr(run, "unversioned", {})
+    moved = "; ".join(getattr(run, "retargeted", [])) or "none moved"
+    return (
+        f"vLLM CPU replicas: {', '.join(names)} (`.venv-vllm/`, dev mode, the hotload worker "
+        "extension the loader copies to the volume, booted from `weights/current`; the pod's "
+        "readiness probe is its `/health`). Their clients pair each completion with vLLM's "
+        "weight version (`/weight_info` before and after it); answers from the weights a boot "
+        "loaded, before the loader named them (`default`): "
+        + (", ".join(f"{k} {v}" for k, v in sorted(unversioned.items())) or "none")
+        + ". Their weights are compared through the extension's per-parameter sha256 with the "
+        "trainer's in vLLM's layout (fused qkv and gate/up rows, vocabulary padded to 64 rows "
+        f"with zeros); their processes are the API server, the engine core and its model worker. "
+        f"Kills: {moved}."
+    )
+
+
 def _cluster_lines(report: Report) -> list[str]:
     """The control plane's figures: leader changes, Events per object."""
     if "events" not in report.figures:
@@ -183,6 +205,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300, help="steps published (default 300)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     ap.add_argument("--replicas", type=int, default=3, help="replicas (default 3)")
+    ap.add_argument(
+        "--vllm",
+        type=int,
+        default=1,
+        help="how many of the replicas (the last ones) run a vLLM CPU engine (default 1; "
+        "needs .venv-vllm/ from scripts/install_vllm.sh; 0: reference engines only)",
+    )
     ap.add_argument("--full-every", type=int, default=25, help="a full snapshot every N steps")
     ap.add_argument("--retain", type=int, default=8, help="the Publisher's retain= (gc --keep)")
     ap.add_argument("--outage-seconds", type=float, default=30.0, help="SeaweedFS stopped for")
@@ -214,6 +243,7 @@ def main() -> int:
             steps=args.steps,
             seed=args.seed,
             replicas=args.replicas,
+            vllm=args.vllm,
             full_every=args.full_every,
             retain=args.retain,
             outage_seconds=args.outage_seconds,

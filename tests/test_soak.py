@@ -1,19 +1,20 @@
 """The soak's short form (issue 36): 60 steps published by a trainer process to a real SeaweedFS,
-three replicas (loader + reference engine processes) following it, retention after every
-publish, and at least one of each fault in scope, overlapping: loader and engine SIGKILL, the
-object store stopped and started again, a loader's volume full, an object corrupted in the
-bucket, the trainer killed mid-publish; the operator's two replicas on a real API server (the
-soak's own control plane) with the API server restarted, the leader killed and the leader frozen
-past its renew deadline and woken. The same code as `benchmarks/soak.py` (the 300-step
-form); every check must be met. No timing is asserted (the machine is shared)."""
+three replicas (loader + engine processes: two reference engines and one real vLLM CPU engine,
+which the first engine kill restarts) following it, retention after every publish, and at least
+one of each fault in scope, overlapping: loader and engine SIGKILL, the object store stopped and
+started again, a loader's volume full, an object corrupted in the bucket, the trainer killed
+mid-publish; the operator's two replicas on a real API server (the soak's own control plane)
+with the API server restarted, the leader killed and the leader frozen past its renew deadline
+and woken. The same code as `benchmarks/soak.py` (the 300-step form); every check must be met.
+No timing is asserted (the machine is shared)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from support.soak import SoakConfig, folder_bytes, run_soak
+from support.soak import SoakConfig, folder_bytes, retarget, run_soak
 from support.soak_checks import evaluate, outage_within
-from support.soak_faults import KINDS
+from support.soak_faults import KINDS, Fault
 
 
 def test_a_short_soak_meets_every_check(tmp_path: Path) -> None:
@@ -22,6 +23,7 @@ def test_a_short_soak_meets_every_check(tmp_path: Path) -> None:
         steps=60,
         seed=0,
         replicas=3,
+        vllm=1,
         full_every=25,
         outage_seconds=8.0,
         apiserver_outage_seconds=5.0,
@@ -68,3 +70,18 @@ def test_a_volumes_bytes_by_entry_count_each_inode_once(tmp_path: Path) -> None:
         ".hotload/downloads/step-3": 7,
         ".hotload": 2,
     }
+
+
+def test_the_first_kills_go_to_a_vllm_replica() -> None:
+    # r2 is the vLLM replica: the first engine kill moves there, the first loader kill cannot
+    # (r2's volume is full meanwhile: a kill would hide the fault), later kills stay.
+    faults = [
+        Fault("engine_kill", 10, 3, 0),
+        Fault("engine_kill", 30, 3, 1),
+        Fault("loader_kill", 20, 2, 1),
+        Fault("volume_full", 22, 4, 2),
+    ]
+    moved = retarget(faults, 2, 3)
+    assert [f.replica for f in faults] == [2, 1, 1, 2]
+    assert len(moved) == 2 and "left" in moved[1]
+    assert retarget(faults, 3, 3) == []  # no vLLM replica: nothing moves

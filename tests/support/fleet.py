@@ -8,6 +8,7 @@ Everything here is a real process talking HTTP: `python -m hotload_sidecar` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from hotload.arc import encode
 from hotload.ledger import Ledger, LedgerEntry
@@ -177,6 +178,9 @@ class Replica:
     engine_args: list[str] = field(default_factory=list)
     loader: subprocess.Popen[bytes] | None = None
     engine: subprocess.Popen[bytes] | None = None
+    #: The engine's readiness probe (the operator's pod template: `/ready` for the reference
+    #: engine, `/health` for vLLM).
+    ready_path: ClassVar[str] = "/ready"
 
     @property
     def weights(self) -> Path:
@@ -372,6 +376,19 @@ class Replica:
                 proc.kill()
                 proc.wait(timeout=10)
 
+    def engine_processes(self) -> dict[str, int]:
+        """The engine's running processes by role ("engine": the one serving HTTP)."""
+        if self.engine is None or self.engine.poll() is not None:
+            return {}
+        return {"engine": self.engine.pid}
+
+    def served_checksums(self, timeout: float = 60.0) -> tuple[int, dict[str, Any] | str]:
+        """(HTTP status, `{"identity", "checksums"}`) of the weights the engine holds, read
+        together (`GET /hotload/v1/checksums`); the answer's text on a status other than 200.
+        Connection errors raise OSError."""
+        code, body = http_json("GET", self.full_api_url + "/hotload/v1/checksums", timeout=timeout)
+        return (code, body) if code == 200 and isinstance(body, dict) else (code, str(body))
+
     def logs(self) -> str:
         """The tail of both logs, for assertion messages."""
         out = []
@@ -389,6 +406,122 @@ class Replica:
                 raise AssertionError(
                     f"{self.name} {what} exited with {proc.returncode}\n{self.logs()}"
                 )
+
+
+@dataclass
+class VLLMReplica(Replica):
+    """A replica whose engine is a real vLLM CPU server (`.venv-vllm/`, `support.vllm_server`)
+    with the hotload worker extension the loader (`--engine vllm`) copies to the volume, booted
+    from `weights/current` as the operator's vLLM pod boots it. `start_engine` does not wait for
+    the 70-100 s boot (a kubelet does not either): the loader waits for the engine."""
+
+    ready_path: ClassVar[str] = "/health"
+    #: The name vLLM serves the model under (`--served-model-name`).
+    served_name: str = "tiny"
+
+    def __post_init__(self) -> None:
+        if "--engine" not in self.loader_args:
+            self.loader_args = ["--engine", "vllm", *self.loader_args]
+
+    def start_engine(self) -> None:
+        """Start vLLM on `weights/current` with the extension on its PYTHONPATH, in its own
+        process group (the API server and its engine core: one container to kill)."""
+        from hotload.api.names import ENGINE_PYTHONPATH_DIR, VLLM_WORKER_EXTENSION
+        from support.vllm_server import INSTALL_HINT, vllm_command, vllm_env, vllm_python
+
+        python = vllm_python()
+        if python is None:
+            raise AssertionError(INSTALL_HINT)
+        extension = str(self.weights / ENGINE_PYTHONPATH_DIR)
+        args = ("--worker-extension-cls", VLLM_WORKER_EXTENSION, "--enforce-eager")
+        log = open(self.root / "engine.log", "ab")  # noqa: SIM115 - owned by the process
+        # Started outside the repository: `python -m` puts its working directory first on the
+        # path, which would import this checkout's hotload_patch instead of the volume's copy.
+        self.engine = subprocess.Popen(
+            [
+                *vllm_command(python, self.weights / "current", self.engine_port, args),
+                "--served-model-name",
+                self.served_name,
+            ],
+            cwd=self.root,
+            env=vllm_env(1, {"PYTHONPATH": extension}),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def kill_engine(self) -> None:
+        """SIGKILL the engine's whole process group (the container crashes: its engine core
+        goes with it)."""
+        if self.engine is not None:
+            self._end_engine(signal.SIGKILL)
+
+    def _end_engine(self, sig: signal.Signals) -> None:
+        assert self.engine is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.engine.pid, sig)
+        try:
+            self.engine.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.engine.pid, signal.SIGKILL)
+            self.engine.wait(timeout=10)
+        # The engine core can outlive the API server: the group goes either way.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.engine.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        """Stop the engine's process group (SIGTERM, then SIGKILL), then the loader."""
+        if self.engine is not None:
+            self._end_engine(signal.SIGTERM)
+        super().stop()
+
+    def engine_processes(self) -> dict[str, int]:
+        """The API server ("engine") and, once started, its engine core ("engine-core") and
+        model worker ("engine-worker", which holds the weights)."""
+        from support.vllm_server import engine_processes
+
+        out = super().engine_processes()
+        return {**out, **engine_processes(out["engine"])} if out else out
+
+    def weight_version(self, timeout: float = 10.0) -> str | None:
+        """The weight version vLLM serves (`GET /weight_info`): the identity the loader set
+        after its last load, `default` for the weights it booted with; None when not answered.
+        Connection errors raise OSError."""
+        code, body = http_json("GET", self.engine_url + "/weight_info", timeout=timeout)
+        version = body.get("weight_version") if code == 200 and isinstance(body, dict) else None
+        return version if isinstance(version, str) else None
+
+    def paused(self, timeout: float = 10.0) -> bool | None:
+        """Whether vLLM is paused (a load in progress), None when not answered."""
+        code, body = http_json("GET", self.engine_url + "/is_paused", timeout=timeout)
+        value = body.get("is_paused") if code == 200 and isinstance(body, dict) else None
+        return value if isinstance(value, bool) else None
+
+    def served_checksums(self, timeout: float = 60.0) -> tuple[int, dict[str, Any] | str]:
+        """`Replica.served_checksums` for vLLM: the extension's per-parameter sha256 (vLLM's
+        fused layout) between two reads of the weight version, both unpaused and equal (a load
+        pauses vLLM and sets the version before it resumes, so equal unpaused reads around the
+        checksums mean no load ran under them); tried again while a load runs."""
+        deadline = time.monotonic() + timeout
+        last = "no read"
+        while time.monotonic() < deadline:
+            before = self.weight_version(), self.paused()
+            code, body = http_json(
+                "POST",
+                self.engine_url + "/collective_rpc",
+                {"method": "hotload_parameter_checksums", "args": [], "kwargs": {}},
+                timeout=timeout,
+            )
+            after = self.weight_version(), self.paused()
+            results = body.get("results") if code == 200 and isinstance(body, dict) else None
+            if not isinstance(results, list) or not results or not isinstance(results[0], dict):
+                return code, f"collective_rpc hotload_parameter_checksums: {str(body)[:300]}"
+            if before == after and before[1] is False:
+                return 200, {"identity": before[0], "checksums": results[0].get("checksums")}
+            last = f"weight version/paused {before} before, {after} after"
+            time.sleep(0.5)
+        return 0, f"no read outside a load within {timeout:g}s ({last})"
 
 
 #: A prompt as token ids of the tiny Llama's WordPiece vocabulary (`support.tiny_llm`).

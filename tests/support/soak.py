@@ -1,5 +1,6 @@
 """The soak: a trainer process publishing hundreds of steps to a real SeaweedFS, replicas (loader
-`python -m hotload_sidecar` + reference engine `hotload serve`) following it, retention after
+`python -m hotload_sidecar` + reference engine `hotload serve`, the last `SoakConfig.vllm` of
+them a real vLLM CPU engine with its loader `--engine vllm`) following it, retention after
 every publish, the operator's two replicas on a real API server (`soak_cluster`: a
 HotLoadDeployment on the soak's ledger, one pod per replica that its loader reports to and whose
 head handoff it follows), and a seeded schedule of overlapping faults (`soak_faults`).
@@ -8,7 +9,15 @@ head handoff it follows), and a seeded schedule of overlapping faults (`soak_fau
 per replica, which `soak_checks.evaluate` turns into the checks. `benchmarks/soak.py` is the
 long form (results to RESULTS-soak.md), `tests/test_soak.py` the short one.
 
-Not in this version: a vLLM replica.
+A vLLM replica is judged like the others, read its own way: its clients pair each completion with
+vLLM's weight version (`GET /weight_info`, read before and after it, equal: vLLM's answers do not
+name the weights), an answer from the weights it booted with (version `default`, until its loader
+loads and names them) is counted apart (`SoakRun.unversioned`); its weights are read back through
+the hotload extension's per-parameter sha256 and compared with the trainer's in vLLM's layout
+(`soak_trainer.vllm_sha256s`); its RSS and fds are sampled for the API server, the engine core and
+the model worker; a killed vLLM boots again (70-100 s) while the soak goes on, as a kubelet
+restarts a container, and its loader waits for it. The first engine and loader kill of the schedule
+go to a vLLM replica (`retarget`).
 """
 
 from __future__ import annotations
@@ -29,12 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from support.fleet import PROMPT_IDS, Replica, http_json
+from support.fleet import PROMPT_IDS, Replica, VLLMReplica, http_json
 from support.paths import REPO
 from support.seaweedfs import SeaweedFS
 from support.soak_cluster import ClusterRecord, ClusterSample, Deposal, SoakCluster
 from support.soak_faults import CORRUPT_WORDS, Fault, schedule, status_words
 from support.soak_trainer import identity as step_identity
+from support.vllm_server import START_TIMEOUT, write_tiny_llama
 
 TESTS = REPO / "tests"
 #: The longest a frozen leader stays frozen waiting for the standby to take the Lease.
@@ -42,18 +52,26 @@ FREEZE_CAP = 120.0
 #: The longest the soak waits after corrupting an object for a loader to name it (a head's
 #: handoff and a delta's download and check take seconds; a minute means a loader stuck).
 CORRUPT_READ_SECONDS = 60.0
+#: The files of the soak's model besides its weights (the trainer's `side_files_from`).
+SIDE_FILES = (
+    "config.json", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
+    "vocab.txt",
+)  # fmt: skip
 
 
 @dataclass
 class SoakConfig:
     """What to run: `steps` published (a full snapshot every `full_every`), `replicas`
-    replicas, the bucket's retention (`retain`: the Publisher's `retain=`), the object store
-    stopped for `outage_seconds` per outage, idle CPU over `idle_seconds` at the end."""
+    replicas (the last `vllm` of them vLLM CPU engines), the bucket's retention (`retain`: the
+    Publisher's `retain=`), the object store stopped for `outage_seconds` per outage, idle CPU
+    over `idle_seconds` at the end."""
 
     root: Path
     steps: int = 300
     seed: int = 0
     replicas: int = 3
+    #: How many of the replicas (the last ones) run a vLLM CPU engine instead of the reference.
+    vllm: int = 0
     full_every: int = 25
     retain: int = 8
     outage_seconds: float = 30.0
@@ -73,6 +91,8 @@ class Published:
     identity: str
     kind: str
     sha256: dict[str, str]
+    #: The same weights' sha256 in vLLM's layout (fused projections, padded vocabulary).
+    vllm_sha256: dict[str, str]
     full_bytes: int
     shipped_bytes: int
     sent: float  # monotonic time the publish was asked for
@@ -154,6 +174,20 @@ class SoakRun:
     cluster: ClusterRecord | None = None
     #: replica -> its pod's name.
     pods: dict[str, str] = field(default_factory=dict)
+    #: The replicas whose engine is vLLM.
+    vllm: set[str] = field(default_factory=set)
+    #: replica -> answers from weights no loader had named yet (vLLM's `default` version after
+    #: a boot): which snapshot answered is unknown, so they are not in `served`.
+    unversioned: dict[str, int] = field(default_factory=dict)
+    #: The fault schedule's changes for the vLLM replicas (`retarget`).
+    retargeted: list[str] = field(default_factory=list)
+
+    def expected(self, name: str, published: Published) -> dict[str, str]:
+        """The sha256 replica `name`'s engine must report for `published`'s weights, by the
+        names that engine reports them under."""
+        # A run pickled before vLLM replicas existed has neither field.
+        vllm = getattr(self, "vllm", set())
+        return published.vllm_sha256 if name in vllm else published.sha256
 
 
 # --- /proc ------------------------------------------------------------------------------------
@@ -315,23 +349,51 @@ class Clients:
             t.join(60)
 
     def _one(self, r: Replica) -> None:
-        body = {"prompt": PROMPT_IDS, "max_tokens": 1, "return_token_ids": True}
+        body: dict[str, Any] = {"prompt": PROMPT_IDS, "max_tokens": 1, "return_token_ids": True}
+        if isinstance(r, VLLMReplica):
+            body["model"] = r.served_name
         while not self.stopping.is_set():
             try:
-                code, answer = http_json("POST", r.engine_url + "/v1/completions", body, timeout=30)
-            except OSError:
-                code, answer = 0, None
-            if code == 200 and isinstance(answer, dict):
-                model = str(answer.get("model", ""))
-                ident = model.partition("@")[2]
-                if ident.startswith("step-") and ident[5:].isdigit():
-                    self.run.served[r.name].append((time.monotonic(), int(ident[5:])))
+                ident: str | None = None
+                if isinstance(r, VLLMReplica):
+                    code, ident = self._vllm_answer(r, body)
                 else:
-                    self.run.unknown_identities.append(f"{r.name}: {model}")
-            else:
+                    code, answer = http_json(
+                        "POST", r.engine_url + "/v1/completions", body, timeout=30
+                    )
+                    if code == 200 and isinstance(answer, dict):
+                        ident = str(answer.get("model", ""))
+            except OSError:
+                code, ident = 0, None
+            if code == 200 and ident is not None:
+                self._record(r.name, ident)
+            elif code != -1:
                 self.run.client_errors[r.name] += 1
                 time.sleep(0.2)
             time.sleep(0.05)
+
+    @staticmethod
+    def _vllm_answer(r: VLLMReplica, body: dict[str, Any]) -> tuple[int, str | None]:
+        """A completion from vLLM and the weights that answered it, as `tiny@<version>`: the
+        weight version read before and after it (a load sets it while vLLM is paused, so equal
+        reads mean one version answered); code -1 when a load ran in between (asked again)."""
+        before = r.weight_version()
+        code, answer = http_json("POST", r.engine_url + "/v1/completions", body, timeout=30)
+        if code != 200 or not isinstance(answer, dict) or not answer.get("choices"):
+            return code or 0, None
+        after = r.weight_version()
+        if before is None or before != after:
+            return -1, None
+        return 200, f"{r.served_name}@{before}"
+
+    def _record(self, name: str, model: str) -> None:
+        ident = model.partition("@")[2]
+        if ident.startswith("step-") and ident[5:].isdigit():
+            self.run.served[name].append((time.monotonic(), int(ident[5:])))
+        elif name in self.run.vllm and ident == "default":
+            self.run.unversioned[name] = self.run.unversioned.get(name, 0) + 1
+        else:
+            self.run.unknown_identities.append(f"{name}: {model}")
 
 
 # --- the soak ---------------------------------------------------------------------------------
@@ -343,7 +405,11 @@ class Soak:
     def __init__(self, cfg: SoakConfig) -> None:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed + 1)
+        if not 0 <= cfg.vllm <= cfg.replicas:
+            raise ValueError(f"vllm={cfg.vllm}: must be between 0 and replicas={cfg.replicas}")
         self.run = SoakRun(cfg, schedule(cfg.steps, cfg.seed, cfg.full_every, cfg.replicas))
+        self.run.vllm = {f"r{i}" for i in range(cfg.replicas - cfg.vllm, cfg.replicas)}
+        self.run.retargeted = retarget(self.run.faults, cfg.replicas - cfg.vllm, cfg.replicas)
         self.seaweed: SeaweedFS | None = None
         self.seaweed_up = threading.Event()
         self.replicas: list[Replica] = []
@@ -372,19 +438,20 @@ class Soak:
 
     def start(self) -> None:
         """The base model, SeaweedFS, the trainer with step 0 published, the replicas."""
-        from support.tiny_llm import build_tiny_llm
-
         root = self.cfg.root
-        model = build_tiny_llm(root / "model", 0)
-        self.run.base_bytes = model.nbytes
+        # A tiny Llama vLLM's CPU attention serves (head_dim 32), for every replica alike.
+        base = write_tiny_llama(root / "model" / "base", self.cfg.seed)
+        side = root / "model" / "_side_files"
+        side.mkdir(parents=True, exist_ok=True)
+        for name in SIDE_FILES:
+            (side / name).write_bytes((base / name).read_bytes())
+        self.run.base_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
         self.seaweed = SeaweedFS.start(root / "seaweed")
         self.seaweed_up.set()
         self.store = self.seaweed.store(timeout="20s")
         env = {**os.environ, **self.seaweed.env, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         url = self.seaweed.url(self.prefix)
-        self.trainer = TrainerProcess(
-            url, (model.snapshots[0], model.root / "_side_files"), root / "trainer", self.cfg, env
-        )
+        self.trainer = TrainerProcess(url, (base, side), root / "trainer", self.cfg, env)
         (root / "trainer").mkdir(parents=True, exist_ok=True)
         self.trainer.start()
         self.publish(0)
@@ -393,9 +460,8 @@ class Soak:
         pods = self.cluster.start()
         for i in range(self.cfg.replicas):
             args = self.cluster.loader_args(pods[i], root / f"r{i}")
-            self.replicas.append(
-                Replica(f"r{i}", root / f"r{i}", f"{url}/policy", env, loader_args=args)
-            )
+            kind = VLLMReplica if f"r{i}" in self.run.vllm else Replica
+            self.replicas.append(kind(f"r{i}", root / f"r{i}", f"{url}/policy", env, args))
             self.run.pods[f"r{i}"] = pods[i]
         for r in self.replicas:
             r.start_loader()
@@ -403,7 +469,8 @@ class Soak:
             r.wait_started(300)
             self.start_engine(r)
         for r in self.replicas:
-            r.wait_serving(step_identity(0), 300)
+            # vLLM boots in 70-100 s on 2 idle cores (HOTLOAD_VLLM_START_TIMEOUT for slower).
+            r.wait_serving(step_identity(0), START_TIMEOUT if r.name in self.run.vllm else 300)
         self.clients = Clients(self.replicas, self.run)
         self.clients.start()
 
@@ -456,6 +523,7 @@ class Soak:
             identity=str(answer["identity"]),
             kind=str(answer["kind"]),
             sha256=dict(answer["sha256"]),
+            vllm_sha256=dict(answer["vllm_sha256"]),
             full_bytes=int(answer["full_bytes"]),
             shipped_bytes=int(answer["shipped_bytes"]),
             sent=sent,
@@ -704,7 +772,7 @@ class Soak:
         s = Sample(step, time.monotonic())
         if self.cluster is not None:
             self.cluster.supervise(self.run.fault_log, step, self.operators_down)
-            self.cluster.kubelet({self.run.pods[r.name]: r.engine_url for r in self.replicas})
+            self.cluster.kubelet(self._probes())
             # Before the loaders' statuses: what the operator's status names was served by then.
             s.cluster = self.cluster.sample()
             for name, pid in self.cluster.processes().items():
@@ -712,11 +780,10 @@ class Soak:
                 if usage is not None:
                     s.procs[name] = (pid, *usage)
         for r in self.replicas:
-            for what, proc in (("loader", r.loader), ("engine", r.engine)):
-                if proc is not None and proc.poll() is None:
-                    usage = proc_usage(proc.pid)
-                    if usage is not None:
-                        s.procs[f"{r.name}/{what}"] = (proc.pid, *usage)
+            for what, pid in self._processes(r).items():
+                usage = proc_usage(pid)
+                if usage is not None:
+                    s.procs[f"{r.name}/{what}"] = (pid, *usage)
             entries_bytes: dict[str, int] = {}
             s.volume[r.name] = folder_bytes(r.weights, entries_bytes)
             s.volume_entries[r.name] = entries_bytes
@@ -749,6 +816,19 @@ class Soak:
                 self._bucket(s)
         self.run.samples.append(s)
 
+    def _probes(self) -> dict[str, str]:
+        """Each pod's engine readiness probe URL (the kubelet's part)."""
+        return {self.run.pods[r.name]: r.engine_url + r.ready_path for r in self.replicas}
+
+    @staticmethod
+    def _processes(r: Replica) -> dict[str, int]:
+        """`r`'s running processes by role: its loader, its engine's (vLLM: API server and
+        engine core and model worker)."""
+        out = {}
+        if r.loader is not None and r.loader.poll() is None:
+            out["loader"] = r.loader.pid
+        return {**out, **r.engine_processes()}
+
     @staticmethod
     def _status(r: Replica) -> dict[str, Any] | None:
         try:
@@ -777,12 +857,13 @@ class Soak:
         """Compare one random replica's served weights with the trainer's record."""
         r = self.rng.choice(self.replicas)
         try:
-            code, body = http_json("GET", r.full_api_url + "/hotload/v1/checksums", timeout=60)
+            code, body = r.served_checksums(timeout=60)
         except OSError as err:
             self.run.spot_checks.append(SpotCheck(step, r.name, None, [], f"unreachable: {err}"))
             return
-        if code != 200:
-            self.run.spot_checks.append(SpotCheck(step, r.name, None, [], f"HTTP {code}"))
+        if not isinstance(body, dict):
+            error = f"HTTP {code}: {body[:200]}"
+            self.run.spot_checks.append(SpotCheck(step, r.name, None, [], error))
             return
         self.run.spot_checks.append(self.compare(step, r.name, body))
 
@@ -793,7 +874,7 @@ class Soak:
         record = next((p for p in self.run.published.values() if p.identity == ident), None)
         if record is None:
             return SpotCheck(step, name, ident, [], f"serves {ident!r}, which was never published")
-        bad = sorted(k for k, v in record.sha256.items() if got.get(k) != v)
+        bad = sorted(k for k, v in self.run.expected(name, record).items() if got.get(k) != v)
         return SpotCheck(step, name, ident, bad)
 
     def idle_cpu(self) -> None:
@@ -803,9 +884,7 @@ class Soak:
         if self.trainer is not None and self.trainer.proc is not None:
             pids["trainer"] = self.trainer.proc.pid
         for r in self.replicas:
-            for what, proc in (("loader", r.loader), ("engine", r.engine)):
-                if proc is not None:
-                    pids[f"{r.name}/{what}"] = proc.pid
+            pids.update({f"{r.name}/{what}": pid for what, pid in self._processes(r).items()})
         if self.cluster is not None:
             pids.update(self.cluster.processes())
         start = {k: cpu_ticks(p) for k, p in pids.items()}
@@ -835,7 +914,7 @@ class Soak:
             deadline = time.monotonic() + self.cfg.converge_timeout
             began_status = time.monotonic()
             while time.monotonic() < deadline:
-                self.cluster.kubelet({self.run.pods[r.name]: r.engine_url for r in self.replicas})
+                self.cluster.kubelet(self._probes())
                 self.cluster.wait_head(head.identity, 2.0)
                 if self.cluster.record.final_error is None:
                     self.cluster.record.final_seconds = time.monotonic() - began_status
@@ -845,12 +924,40 @@ class Soak:
         for r in self.replicas:
             self.run.final_status[r.name] = self._status(r) or {}
             with contextlib.suppress(OSError):
-                code, body = http_json("GET", r.full_api_url + "/hotload/v1/checksums", timeout=60)
-                if code == 200:
+                _code, body = r.served_checksums(timeout=60)
+                if isinstance(body, dict):
                     self.run.final_checksums[r.name] = {
                         "identity": str(body.get("identity")),
                         **{f"sha:{k}": str(v) for k, v in (body.get("checksums") or {}).items()},
                     }
+
+
+def retarget(faults: list[Fault], first_vllm: int, replicas: int) -> list[str]:
+    """Move the schedule's first engine kill and first loader kill to the first vLLM replica
+    (`first_vllm`; none when it is `replicas`), so that every run restarts a vLLM engine and its
+    loader; not where a full volume on that replica overlaps the kill (the schedule keeps kills
+    off a replica whose loader must write). Returns what was moved, for the results."""
+    moved: list[str] = []
+    if first_vllm >= replicas:
+        return moved
+    for kind in ("engine_kill", "loader_kill"):
+        kill = min((f for f in faults if f.kind == kind), key=lambda f: f.start, default=None)
+        if kill is None or kill.replica == first_vllm:
+            continue
+        clash = any(
+            f.kind == "volume_full"
+            and f.replica == first_vllm
+            and kill.start < f.start + f.steps
+            and f.start < kill.start + kill.steps + 3
+            for f in faults
+        )
+        if clash:
+            moved.append(f"{kill.label()}: left (a full volume on r{first_vllm} overlaps it)")
+            continue
+        was = kill.label()
+        kill.replica = first_vllm
+        moved.append(f"{was} -> r{first_vllm} (a vLLM replica)")
+    return moved
 
 
 def run_soak(cfg: SoakConfig) -> SoakRun:

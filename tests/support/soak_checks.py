@@ -163,7 +163,7 @@ def _head(run: SoakRun, report: Report) -> None:
             continue
         if got["identity"] != head.identity:
             problems.append(f"{name} serves {got['identity']}, the head is {head.identity}")
-        bad = sorted(k for k, v in head.sha256.items() if got.get(f"sha:{k}") != v)
+        bad = sorted(k for k, v in run.expected(name, head).items() if got.get(f"sha:{k}") != v)
         if bad:
             problems.append(f"{name}: {len(bad)} tensors differ from the trainer's ({bad[:3]})")
     took = (
@@ -235,7 +235,11 @@ def _spot(run: SoakRun, report: Report) -> None:
         now = by_identity.get(c.identity or "")
         before = run.published.get(now.step - 1) if now is not None else None
         changed = (
-            sorted(k for k, v in now.sha256.items() if before.sha256.get(k) != v)
+            sorted(
+                k
+                for k, v in run.expected(c.replica, now).items()
+                if run.expected(c.replica, before).get(k) != v
+            )
             if now is not None and before is not None
             else None
         )

@@ -307,15 +307,15 @@ class SoakCluster:
 
     # --- the kubelet's part ----------------------------------------------------------------
 
-    def kubelet(self, engines: dict[str, str]) -> None:
+    def kubelet(self, probes: dict[str, str]) -> None:
         """Write each pod's `Ready` as the kubelet would: its engine's readiness probe
-        (`engines`: pod -> engine URL) answers 200 and its readiness gate, the loader's
-        `SnapshotLoaded`, is True; written only when it changes."""
+        (`probes`: pod -> the probe's URL, `/ready` or vLLM's `/health`) answers 200 and its
+        readiness gate, the loader's `SnapshotLoaded`, is True; written only when it changes."""
         if self.apiserver_down_since is not None:
             return
-        for pod, url in engines.items():
+        for pod, url in probes.items():
             try:
-                code, _ = http_json("GET", url + "/ready", timeout=5)
+                code, _ = http_json("GET", url, timeout=5)
             except OSError:
                 code = 0
             with contextlib.suppress(Exception):

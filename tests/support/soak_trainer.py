@@ -5,7 +5,9 @@ Run as `python -m support.soak_trainer BUCKET_URL BASE SIDE WORKDIR --full-every
 --seed S` (with `tests/` on PYTHONPATH). It reads one step number per line on stdin and answers
 one JSON line per step on stdout: `{"step", "identity", "ok": true, "kind", "sha256": {...}}`
 once published, `{"ok": false, "error": ...}` when the publish failed (the caller asks again),
-or `"resumed": true` when a trainer killed earlier had already landed the step in the ledger.
+or `"resumed": true` when a trainer killed earlier had already landed the step in the ledger;
+`vllm_sha256` holds the same weights' digests in vLLM's layout (`vllm_sha256s`), what a vLLM
+replica's engine must hold.
 
 The weights of step `k` are a pure function of the base snapshot, `--seed` and `k` (sparse
 noise per step), so a restarted trainer rebuilds exactly the weights it was publishing.
@@ -62,6 +64,46 @@ def sha256s(state: dict[str, np.ndarray]) -> dict[str, str]:
     return {
         k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in state.items()
     }
+
+
+#: vLLM's Llama fuses these projections into one parameter, rows in this order.
+VLLM_FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+#: vLLM pads the vocabulary's rows (embedding and LM head) to a multiple of this, with zeros.
+VLLM_VOCAB_PADDING = 64
+VLLM_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def vllm_sha256s(state: dict[str, np.ndarray]) -> dict[str, str]:
+    """sha256 of every parameter as vLLM holds the same weights (float32, one rank): the fused
+    projections' tensors concatenated by rows, the vocabulary padded with zero rows; what the
+    hotload extension's `hotload_parameter_checksums` reads back from a vLLM engine."""
+    out: dict[str, str] = {}
+    fused_parts = {part: fused for fused, parts in VLLM_FUSED.items() for part in parts}
+    done: set[str] = set()
+    for name in sorted(state):
+        module, _, leaf = name.rpartition(".")
+        prefix, _, proj = module.rpartition(".")
+        if proj in fused_parts:
+            fused = fused_parts[proj]
+            target = f"{prefix}.{fused}.{leaf}"
+            if target not in done:
+                digest = hashlib.sha256()
+                for part in VLLM_FUSED[fused]:
+                    digest.update(np.ascontiguousarray(state[f"{prefix}.{part}.{leaf}"]).tobytes())
+                out[target] = digest.hexdigest()
+                done.add(target)
+            continue
+        tensor = np.ascontiguousarray(state[name])
+        digest = hashlib.sha256(tensor.tobytes())
+        if name in VLLM_VOCAB:
+            rows = tensor.shape[0]
+            padded = -(-rows // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+            digest.update(bytes((padded - rows) * tensor[0].nbytes))
+        out[name] = digest.hexdigest()
+    return out
 
 
 class Weights:
@@ -124,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 answer.update(ok=True, kind=handle.kind, resumed=False)
                 answer.update(full_bytes=handle.full_bytes, shipped_bytes=handle.shipped_bytes)
             answer["sha256"] = sha256s(state)
+            answer["vllm_sha256"] = vllm_sha256s(state)
         except Exception as err:  # reported to the soak, which asks again
             answer.update(ok=False, error=f"{type(err).__name__}: {err}")
         print(json.dumps(answer), flush=True)

@@ -134,6 +134,68 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 60.0) -> Any:
         return json.loads(resp.read() or b"null")
 
 
+def vllm_env(kv_cache_gib: int = 1, extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment vLLM runs in: dev mode, `kv_cache_gib` of KV cache, offline, plus
+    `extra_env` (e.g. PYTHONPATH: the extension's shipped copy)."""
+    # The main venv's variables must not leak into vLLM's interpreter.
+    base = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    return {
+        **base,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        # Everything is local: never reach for a hub, never send usage stats.
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+        **(extra_env or {}),
+    }
+
+
+def vllm_command(
+    python: Path, model_dir: Path, port: int, extra_args: tuple[str, ...] = ()
+) -> list[str]:
+    """The command line of vLLM's OpenAI server on `model_dir` (float32) on loopback `port`."""
+    return [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--dtype", "float32",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", "512",
+        *extra_args,
+    ]  # fmt: skip
+
+
+#: vLLM's process titles (`/proc/PID/comm`, 15 characters) by the role the soak names them for.
+PROCESS_TITLES = {"engine-core": "VLLM::EngineCor", "engine-worker": "VLLM::Worker"}
+
+
+def engine_processes(api_server: int) -> dict[str, int]:
+    """vLLM's engine core and model worker among the descendants of its API server process
+    `api_server`, by role (`PROCESS_TITLES`; the first of each); absent while not started."""
+    found: dict[str, int] = {}
+    todo, seen = [api_server], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            children = [
+                int(c)
+                for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()
+            ]
+        except (OSError, ValueError):
+            continue
+        for role, title in PROCESS_TITLES.items():
+            if comm.startswith(title):
+                found.setdefault(role, pid)
+        todo.extend(sorted(children))
+    return found
+
+
 @dataclass
 class VLLMServer:
     """A running vLLM OpenAI-compatible server in dev mode; `url` is its base URL."""
@@ -163,28 +225,8 @@ class VLLMServer:
         if python is None:
             raise RuntimeError(INSTALL_HINT)
         port = port or free_port()
-        # The main venv's variables must not leak into vLLM's interpreter (`extra_env` may set
-        # PYTHONPATH: the extension's shipped copy).
-        base = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-        env = {
-            **base,
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-            # Everything is local: never reach for a hub, never send usage stats.
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "PYTHONUNBUFFERED": "1",
-            **(extra_env or {}),
-        }
-        cmd = [
-            str(python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--dtype", "float32",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "512",
-            *extra_args,
-        ]  # fmt: skip
+        env = vllm_env(kv_cache_gib, extra_env)
+        cmd = vllm_command(python, model_dir, port, extra_args)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "wb")  # noqa: SIM115  (closed in stop())
         t0 = time.monotonic()
