@@ -85,19 +85,23 @@ def gated_loader(
     *,
     threads: int | None = None,
     kind: type[GatedAdapter] = GatedAdapter,
+    reporter: LocalReporter | None = None,
+    **options: Any,
 ) -> tuple[Loader, GatedAdapter, LocalReporter]:
     """A loader following `trainer`'s ledger (in `tmp_path/bucket`) for the engine behind
-    `client`, its patches held at the gate of its adapter (a `kind`); polls every 50 ms."""
+    `client`, its patches held at the gate of its adapter (a `kind`); polls every 50 ms unless
+    `options` (more `Settings`) say otherwise."""
     adapter = kind(str(client.make_url("")))
+    options.setdefault("poll_seconds", 0.05)
     settings = Settings(
         ledger_url=f"{tmp_path / 'bucket'}/policy",
         weights_dir=tmp_path / "weights",
         engine_url=str(client.make_url("")),
         hint_ttl_seconds=0,
-        poll_seconds=0.05,
         threads=threads,
+        **options,
     )
-    reporter = LocalReporter()
+    reporter = reporter or LocalReporter()
     loader = Loader(settings, ledger=trainer.ledger, adapter=adapter, reporter=reporter)
     return loader, adapter, reporter
 

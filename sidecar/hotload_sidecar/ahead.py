@@ -6,7 +6,10 @@ takes does not stretch the replica's lag by the preparation each time.
 
 `PatchesAhead` holds that one patch prepared ahead: `look_ahead` starts following (the hook
 `SparseLoads.send` calls as a patch goes to the engine), `take` hands the patch to the next
-update when it begins that update's deltas, `drop` removes it when the loader stops."""
+update when it begins that update's deltas, `drop` removes it when the loader stops. From the
+moment its writing begins until it is taken or dropped, the status board knows it
+(`StatusBoard.ahead`): once the engine answers, the replica reads `fetching` towards its target,
+not idle on the snapshot it serves."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import logging
 
 from hotload.errors import BucketError, LedgerError
 from hotload.ledger import LedgerEntry
+from hotload_sidecar.board import Ahead, StatusBoard
 from hotload_sidecar.engines import LoadResult
 from hotload_sidecar.pacing import Backoff
 from hotload_sidecar.replica import LedgerFollow
@@ -34,10 +38,13 @@ AHEAD_NICE = 10
 class PatchesAhead:
     """The next patch, prepared while the engine takes this one (see the module doc)."""
 
-    def __init__(self, sparse: SparseLoads, follow: LedgerFollow, backoff: Backoff) -> None:
+    def __init__(
+        self, sparse: SparseLoads, follow: LedgerFollow, backoff: Backoff, board: StatusBoard
+    ) -> None:
         self.sparse = sparse
         self.follow = follow
         self.backoff = backoff
+        self.board = board
         #: The patch being prepared: the first delta it holds, and its task.
         self.held: tuple[str, asyncio.Task[Prepared | Outcome]] | None = None
         self._following: asyncio.Task[None] | None = None
@@ -67,6 +74,7 @@ class PatchesAhead:
                 if steps:
                     ahead = self.sparse.prepare(steps, nice=AHEAD_NICE, threads=1)
                     self.held = (steps[0].identity, asyncio.create_task(ahead))
+                    self.board.ahead = Ahead(after.identity, entry)
                     return
             await asyncio.wait({patching}, timeout=self.follow.interval())
 
@@ -89,6 +97,7 @@ class PatchesAhead:
         why)."""
         await self.stop_following(cancel=False)
         held, self.held = self.held, None
+        self.board.ahead = None
         if held is None:
             return None
         first, ahead = held
@@ -111,6 +120,7 @@ class PatchesAhead:
         a second at most, is waited for so that no file is left behind)."""
         await self.stop_following(cancel=True)
         held, self.held = self.held, None
+        self.board.ahead = None
         if held is not None:
             await asyncio.wait({held[1]})
             _discard_result(held[1])

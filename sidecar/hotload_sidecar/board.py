@@ -1,11 +1,16 @@
 """The replica status a loader keeps: every change goes through `StatusBoard.set`, which fills
-in the `SnapshotLoaded` condition, updates the gauges and hands the status to the reporter."""
+in the `SnapshotLoaded` condition, updates the gauges and hands the status to the reporter.
+
+A patch prepared ahead (`ahead.PatchesAhead`: written while the engine takes the patch before it)
+is the next update already under way: while it begins at the snapshot the engine serves, a
+status that would say `idle` says `fetching` towards its target (`Ahead`)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from hotload.errors import HotloadError
@@ -58,6 +63,15 @@ class BehindClock:
         return self._clock() - self._pending[0][1] if self._pending else 0.0
 
 
+@dataclass(frozen=True)
+class Ahead:
+    """The next update's patch, prepared ahead: it patches `parent` and moves towards `target`
+    (the ledger head, or the pin, when its preparation began)."""
+
+    parent: str
+    target: LedgerEntry
+
+
 class StatusBoard:
     """One replica's status, published on every change; reporting never stops loading."""
 
@@ -65,6 +79,11 @@ class StatusBoard:
         self.reporter = reporter
         self.metrics = metrics
         self.status = ReplicaStatus()
+        #: The patch prepared ahead of its update (`PatchesAhead` sets it as the patch is begun
+        #: and clears it when the update takes it or it is dropped); None when there is none.
+        self.ahead: Ahead | None = None
+        #: Whether the published state says `fetching` only because of `ahead` (else idle).
+        self._ahead_shown = False
         #: Whether the engine answered its last health check (the condition's first input).
         self.engine_live = True
         self.behind = BehindClock()
@@ -84,7 +103,30 @@ class StatusBoard:
             # A failure is about the target it happened on: once the head moves on, the pod
             # must not read as failing the new target (roll-ups attribute failures by target).
             status = status.evolve(state="idle")
-        await self.publish(status)
+        await self.publish(self._show_ahead(status, changes))
+
+    def _show_ahead(self, status: ReplicaStatus, changes: dict[str, Any]) -> ReplicaStatus:
+        """`status`, saying `fetching` towards the target of the patch prepared ahead where it
+        would say idle and that patch begins at what the engine serves: the replica is not idle,
+        it prepares its next update, which the loop's next step sends. Re-judged on every change
+        that sets no state, so it reads idle again once the patch is taken or no longer fits."""
+        idle = status.state == "idle" or (self._ahead_shown and "state" not in changes)
+        self._ahead_shown = False
+        ahead = self.ahead
+        if not idle:
+            return status
+        if ahead is not None and status.identity == ahead.parent:
+            stale = status.target_sequence is None or status.target_sequence < ahead.target.sequence
+            if stale and "target_identity" not in changes:
+                # The head the loader read while the engine took the patch before: no poll has
+                # published it yet.
+                status = status.evolve(
+                    target_identity=ahead.target.identity, target_sequence=ahead.target.sequence
+                )
+            if not status.loaded:
+                self._ahead_shown = True
+                return status.evolve(state="fetching")
+        return status.evolve(state="idle")
 
     async def failed(self, message: str, reason: str) -> None:
         """Publish a failed update: its message, kept as the last error, and why

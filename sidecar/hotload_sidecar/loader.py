@@ -183,7 +183,11 @@ class Loader:
         self.document: LedgerDocument | None = None
         self._etag: str | None = None
         self.backoff = Backoff(settings.retry_seconds)
-        ahead = PatchesAhead(self.sparse, self, self.backoff) if self.sparse is not None else None
+        ahead = (
+            PatchesAhead(self.sparse, self, self.backoff, self.board)
+            if self.sparse is not None
+            else None
+        )
         self.full = FullLoads(
             settings=settings,
             replica=self,

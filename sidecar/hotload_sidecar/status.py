@@ -120,6 +120,9 @@ class ReplicaStatus:
     #: The snapshot the loader is moving towards: the ledger head, or the pin.
     target_identity: str | None = None
     target_sequence: int | None = None
+    #: What the loader does: `idle` (no update under way), `fetching`/`rebuilding`/`loading` (an
+    #: update towards the target; `fetching` also from the engine's answer until the next update
+    #: takes the patch prepared ahead for it, `StatusBoard.ahead`), `starting`, `failed`.
     state: LoadingState = "starting"
     #: Condition status and reason (one of the REASON_* constants) and a human message.
     ready: bool = False
