@@ -29,7 +29,7 @@ log = logging.getLogger("hotload_sidecar")
 #: malloc arenas the loader's threads share (glibc's default is 8 per core). Issue 36: each
 #: arena kept the largest buffers an update freed in it (a shard's tensors, ~8 MiB for the tiny
 #: soak model), and with 16 arenas on 2 cores a loader grew 84 -> 149 MiB over a 200-step run
-#: while 82 MiB of its arenas were free; capped at 2, 83 -> 95 MiB.
+#: while 82 MiB of its arenas were free; capped at 2, 76 -> 88 MiB (medians 86 -> 95 MiB).
 MALLOC_ARENAS = 2
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number
 
