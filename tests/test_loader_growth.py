@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from hotload.bucket import open_bucket
 from hotload.bucket.local import TMP_MARK
-from hotload_sidecar.app import MALLOC_ARENAS
+from hotload_sidecar.malloc import MALLOC_ARENAS
 from support.seaweedfs import SeaweedFS
 
 T = TypeVar("T")
@@ -98,8 +98,8 @@ def test_cancelled_downloads_hold_no_temp_files(s3_env: SeaweedFS, tmp_path: Pat
 ARENAS_PROBE = """
 import ctypes, os, sys, tempfile, threading
 if sys.argv[1] == "cap":
-    from hotload_sidecar.app import cap_malloc_arenas
-    print("cap", cap_malloc_arenas())
+    from hotload_sidecar.malloc import cap_arenas
+    print("cap", cap_arenas())
 together = threading.Barrier(int(sys.argv[2]))
 def work():
     block = bytearray(1 << 20)
@@ -144,3 +144,42 @@ def test_loader_caps_its_malloc_arenas() -> None:
     loader's cap holds them to `MALLOC_ARENAS`."""
     assert _arenas(cap=False) >= min(THREADS, 8 * (os.cpu_count() or 1)) + 1
     assert _arenas(cap=True) <= MALLOC_ARENAS
+
+
+#: A process that frees `BLOCKS` blocks of 4 MiB between ones still in use (so that malloc
+#: keeps them), then calls the loader's `malloc.trim`; it prints its anonymous RSS before and after.
+TRIM_PROBE = """
+import sys
+from hotload_sidecar import malloc
+def rss_anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+big = bytearray(8 << 20)
+del big  # freed from its own mapping: glibc now serves blocks this large from the heap
+blocks, pins = [], []
+for _ in range(int(sys.argv[1])):
+    blocks.append(bytearray(4 << 20))
+    pins.append(bytearray(256 << 10))  # after each block: freed blocks cannot merge into the top
+del blocks
+before = rss_anon()
+malloc.trim()
+print(before, rss_anon())
+"""
+
+BLOCKS = 20
+
+
+def test_trim_hands_freed_memory_back() -> None:
+    """What was freed below memory still in use stays resident until `malloc.trim`, which the
+    loader calls after each update: the anonymous RSS drops by most of the blocks freed."""
+    done = subprocess.run(
+        [sys.executable, "-c", TRIM_PROBE, str(BLOCKS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    before, after = (int(x) for x in done.stdout.split())
+    freed = BLOCKS * (4 << 20)
+    assert before - after >= freed * 3 // 4, (before, after, freed)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
-import os
 import signal
 
 from aiohttp import web
@@ -20,46 +18,11 @@ from hotload_sidecar.engines import Timeouts, make_adapter
 from hotload_sidecar.extension import prepare_engine_extension
 from hotload_sidecar.head_watch import HeadWatch
 from hotload_sidecar.loader import Loader
+from hotload_sidecar.malloc import cap_arenas
 from hotload_sidecar.server import create_app
 from hotload_sidecar.status import LocalReporter, Reporter
 
 log = logging.getLogger("hotload_sidecar")
-
-
-#: malloc arenas the loader's threads share (glibc's default is 8 per core). Issue 36: each
-#: arena kept the largest buffers an update freed in it (a shard's tensors, ~8 MiB for the tiny
-#: soak model), and with 16 arenas on 2 cores a loader grew 84 -> 149 MiB over a 200-step run
-#: while 82 MiB of its arenas were free; capped at 2, 76 -> 88 MiB (medians 86 -> 95 MiB).
-MALLOC_ARENAS = 2
-_M_ARENA_MAX = -8  # glibc's mallopt parameter number
-
-
-def cap_malloc_arenas() -> int | None:
-    """Cap glibc's malloc arenas at `MALLOC_ARENAS` before any thread allocates (call it
-    first); return the cap now in force (None when unknown). `MALLOC_ARENA_MAX` set in the
-    environment wins (glibc read it itself); without glibc's `mallopt` it warns and goes on."""
-    chosen = os.environ.get("MALLOC_ARENA_MAX", "")
-    if chosen:
-        return int(chosen) if chosen.isdigit() else None
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError) as err:
-        log.warning(
-            "cannot cap malloc arenas (%s): the loader's memory may grow with its threads' "
-            "arenas; set MALLOC_ARENA_MAX=%d in its environment",
-            err,
-            MALLOC_ARENAS,
-        )
-        return None
-    if mallopt(_M_ARENA_MAX, MALLOC_ARENAS) != 1:
-        log.warning(
-            "mallopt(M_ARENA_MAX, %d) refused by this C library: the loader's memory may grow "
-            "with its threads' arenas; set MALLOC_ARENA_MAX=%d in its environment",
-            MALLOC_ARENAS,
-            MALLOC_ARENAS,
-        )
-        return None
-    return MALLOC_ARENAS
 
 
 class LoaderCrashedError(HotloadError):
@@ -144,9 +107,9 @@ def _head_watch(settings: Settings, ledger: str) -> HeadWatch | None:
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     """Run the loader and its endpoints until `stop` is set (or SIGTERM/SIGINT arrives); raise
     `LoaderCrashedError` as soon as the loader loop dies on its own. First the malloc arenas
-    are capped (`cap_malloc_arenas`); then, for an engine that
+    are capped (`malloc.cap_arenas`); then, for an engine that
     imports hotload's extension from the volume (vLLM), copy it there (`extension.py`)."""
-    cap_malloc_arenas()
+    cap_arenas()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -51,6 +51,7 @@ from hotload.ledger import (
 from hotload.ledger.fields import format_time, utc_now
 from hotload.ledger.handoff import Handoff, merge_handed
 from hotload.ledger.hints import Hint
+from hotload_sidecar import malloc
 from hotload_sidecar.adapters import AdapterSync
 from hotload_sidecar.ahead import PatchesAhead
 from hotload_sidecar.board import StatusBoard
@@ -289,6 +290,8 @@ class Loader:
         moving = entry is not None and entry.identity != self.status.identity
         if entry is not None and moving and self.backoff.may_try(entry.identity):
             await self.flow.update(entry)
+            # Its buffers were freed at once and would stay in malloc's free lists (malloc.py).
+            malloc.trim()
         await self._sync_adapters()
 
     async def _sync_adapters(self) -> None:
