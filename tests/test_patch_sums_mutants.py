@@ -48,3 +48,21 @@ def test_a_tensor_held_in_part_says_how_much_is_held() -> None:
         combine_regions([_half(DATA, 6)], {"t": (12, 12)})
     assert (exc.value.reason, exc.value.tensor) == ("weights_mismatch", "t")
     assert exc.value.message == "the engine holds 6 of its 12 elements"
+
+
+@pytest.mark.parametrize(
+    ("sizes", "strides"),
+    [
+        ((2, 3), (3, 1)),  # rows of a contiguous matrix
+        ((3, 2), (1, 3)),  # its transpose
+        ((2, 3), (4, 1)),  # a column slice: gaps between rows
+        ((2, 3), (2, 1)),  # rows of 3 two apart: offset 2 is in both
+        ((3, 2), (1, 2)),  # the same, transposed
+        ((2, 2), (1, 1)),  # every offset twice
+    ],
+)
+def test_nested_is_whether_no_two_elements_share_an_offset(
+    sizes: tuple[int, int], strides: tuple[int, int]
+) -> None:
+    offsets = [i * strides[0] + j * strides[1] for i in range(sizes[0]) for j in range(sizes[1])]
+    assert Region(0, sizes, strides).nested() == (len(set(offsets)) == len(offsets))
