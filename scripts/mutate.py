@@ -8,8 +8,11 @@ Each module runs only the tests that exercise it, under a wall-clock limit; muta
 unchecked when the limit ends the run are counted and reported, never silently dropped.
 
     usage: .venv/bin/python scripts/mutate.py [--modules NAME,NAME] [--limit SECONDS]
-                                              [--work DIR] [--jobs N]
-    make mutate [MODULES=ledger-model,rollup] [MUTATE_LIMIT=900]
+                                              [--work DIR] [--jobs N] [--sample DIGITS]
+    make mutate [MODULES=ledger-model,rollup] [MUTATE_LIMIT=900] [MUTATE_SAMPLE=05]
+
+`hotload_patch/vllm.py` is not a module here: it runs only inside a vLLM worker, which its
+tests start in a process of its own, so no mutant of it would ever be reached.
 """
 
 from __future__ import annotations
