@@ -22,6 +22,9 @@ from hotload.arc.checksum import adler32
 from hotload.arc.encodings import FLOAT_LAYOUTS, WRITE_THROUGH_BYTES
 from hotload.errors import CorruptDeltaError
 
+# `path`: a test using it runs with the C kernel and with the numpy decoder.
+from test_arc_decoder_mutants import path  # noqa: F401
+
 WHAT = "m.safetensors: tensor 'w': elements 0..1000"
 N = 1000
 # Changes of a U16 chunk: position -> new minus old (wrapping). Gaps 0, 2, 296, 698 at
@@ -75,20 +78,11 @@ def _child(old: np.ndarray, changes: dict[int, int]) -> np.ndarray:
     return new
 
 
-@pytest.fixture(params=["kernel", "numpy"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test runs with the C kernel and with the numpy decoder."""
-    if request.param == "numpy":
-        monkeypatch.setattr(ck, "native", None)
-    else:
-        assert ck.native is not None, "hotload.arc._native is not built: see test_arc_native.py"
-    return str(request.param)
-
-
 # --- what a chunk gives ---------------------------------------------------------------------------
 
 
-def test_a_sparse_chunk_gives_its_changes_without_the_parent(path: str) -> None:
+@pytest.mark.usefixtures("path")
+def test_a_sparse_chunk_gives_its_changes_without_the_parent() -> None:
     old = _old()
     meta, payload = _sparse(list(CHANGES), list(CHANGES.values()), SHIFT, 2)
     for first in (0, 5000):
@@ -101,7 +95,8 @@ def test_a_sparse_chunk_gives_its_changes_without_the_parent(path: str) -> None:
         assert diffs.tolist() == [d % 65536 for d in CHANGES.values()]
 
 
-def test_a_sparse_chunk_rebuilds_the_child_every_way(path: str) -> None:
+@pytest.mark.usefixtures("path")
+def test_a_sparse_chunk_rebuilds_the_child_every_way() -> None:
     old = _old()
     new = _child(old, CHANGES)
     meta, payload = _sparse(list(CHANGES), list(CHANGES.values()), SHIFT, 2)
@@ -128,7 +123,8 @@ def test_a_sparse_chunk_rebuilds_the_child_every_way(path: str) -> None:
     assert np.array_equal(old, _old())  # the parent given apart is never written
 
 
-def test_a_sparse_chunk_changing_every_element_rebuilds_the_child(path: str) -> None:
+@pytest.mark.usefixtures("path")
+def test_a_sparse_chunk_changing_every_element_rebuilds_the_child() -> None:
     # count == the chunk's elements is the bound's upper end, and one more is refused.
     n = 16
     old = _old(2, n)
@@ -139,7 +135,8 @@ def test_a_sparse_chunk_changing_every_element_rebuilds_the_child(path: str) -> 
     assert out.changed == n
 
 
-def test_a_gap_at_the_widest_shift_reads_back(path: str) -> None:
+@pytest.mark.usefixtures("path")
+def test_a_gap_at_the_widest_shift_reads_back() -> None:
     # shift 56 (seven remainder planes) is the widest the format allows; 57 is refused below.
     old = _old()
     changes = {0: 1, 700: 2}
@@ -151,7 +148,8 @@ def test_a_gap_at_the_widest_shift_reads_back(path: str) -> None:
     assert decoded.dense is not None and np.array_equal(decoded.dense, _child(old, changes))
 
 
-def test_the_same_dense_and_raw_chunks_give_the_child(path: str) -> None:
+@pytest.mark.usefixtures("path")
+def test_the_same_dense_and_raw_chunks_give_the_child() -> None:
     old = _old()
     same = {"encoding": "same"}
     assert ck.chunk_changes(same, memoryview(b""), N, old.dtype, WHAT) == ("same", None, None)
@@ -359,9 +357,8 @@ SPARSE_DAMAGE: list[tuple[str, Edit, str]] = [
 @pytest.mark.parametrize(
     ("edit", "text"), [d[1:] for d in SPARSE_DAMAGE], ids=[d[0] for d in SPARSE_DAMAGE]
 )
-def test_a_sparse_chunk_with_a_wrong_field_is_refused_saying_which(
-    path: str, edit: Edit, text: str
-) -> None:
+@pytest.mark.usefixtures("path")
+def test_a_sparse_chunk_with_a_wrong_field_is_refused_saying_which(edit: Edit, text: str) -> None:
     old = _old()
     meta, payload = edit(*_sparse(list(CHANGES), list(CHANGES.values()), SHIFT, 2))
     data = memoryview(payload)
@@ -563,7 +560,8 @@ def test_a_sparse_exp_run_leaving_its_set_is_refused_naming_the_chunk(run: str) 
     assert str(exc.value) == f"{WHAT}: a gap between changed positions exceeds the chunk"
 
 
-def test_a_remainder_carrying_a_gap_past_the_chunk_is_refused(path: str) -> None:
+@pytest.mark.usefixtures("path")
+def test_a_remainder_carrying_a_gap_past_the_chunk_is_refused() -> None:
     # Shift 4 in a chunk of 1000: quotient 62 passes its own bound (999 >> 4), but with the
     # remainder 15 the gap is 62 * 16 + 15 = 1007, past the chunk's last element.
     old = _old()
