@@ -5,7 +5,7 @@ next allocation there. With glibc's default of 8 arenas per core each kept the l
 an update freed in it (a shard's tensors, ~8 MiB for the tiny soak model): on 2 cores a loader
 grew 84 -> 149 MiB over a 200-step run with two corrupted steps, while 82 MiB of its 16 arenas
 were free. Capped at 2 arenas it went 76 -> 88 MiB (medians of steps 30-100 and 130-200: 86
-and 95 MiB); with a `malloc_trim` after each update as well, medians 82 and 85 MiB.
+and 95 MiB); with a `malloc_trim` after each update as well, 75 -> 80 MiB (medians 78 and 80).
 """
 
 from __future__ import annotations
