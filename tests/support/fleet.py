@@ -2,7 +2,8 @@
 and a trainer that publishes a chain (a full snapshot every N steps, arc_v2 deltas between).
 
 Everything here is a real process talking HTTP: `python -m hotload_sidecar` and
-`python -m hotload serve`, both from this repo, on loopback ports.
+`python -m hotload serve`, both from this repo, on loopback ports; `VLLMReplica` runs a real vLLM
+CPU server (`.venv-vllm/`) as the engine instead.
 """
 
 from __future__ import annotations

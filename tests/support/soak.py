@@ -780,7 +780,12 @@ class Soak:
                 if usage is not None:
                     s.procs[name] = (pid, *usage)
         for r in self.replicas:
+            live = self._live(r)
             for what, pid in self._processes(r).items():
+                if what != "loader" and not live:
+                    # Booting (a vLLM boot takes minutes on a loaded machine): its RSS and fds
+                    # are its imports', not a running engine's.
+                    continue
                 usage = proc_usage(pid)
                 if usage is not None:
                     s.procs[f"{r.name}/{what}"] = (pid, *usage)
@@ -815,6 +820,14 @@ class Soak:
             with contextlib.suppress(Exception):
                 self._bucket(s)
         self.run.samples.append(s)
+
+    @staticmethod
+    def _live(r: Replica) -> bool:
+        """Whether `r`'s engine answers its liveness probe (`/health`, both engines)."""
+        try:
+            return http_json("GET", r.engine_url + "/health", timeout=5)[0] == 200
+        except OSError:
+            return False
 
     def _probes(self) -> dict[str, str]:
         """Each pod's engine readiness probe URL (the kubelet's part)."""

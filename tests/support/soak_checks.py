@@ -334,7 +334,9 @@ def _processes(run: SoakRun, report: Report) -> None:
         warm, n = windows(run, len(seen))
         if n < 5:
             short = f"{key} sampled only {len(seen)} times in its longest life"
-            if key.endswith(("/loader", "/engine")):
+            # A vLLM engine killed in a short run boots for minutes: too short a life to judge.
+            vllm = key.partition("/")[0] in getattr(run, "vllm", set())
+            if key.endswith(("/loader", "/engine")) and not vllm:
                 rss_bad.append(short)
             else:
                 # A control-plane process a fault restarted late: too short a life to judge.
