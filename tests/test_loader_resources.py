@@ -49,6 +49,18 @@ def _deleted_files(pid: int) -> list[str]:
     return held
 
 
+def _file_fds(pid: int) -> int:
+    """Open fds of `pid` that are not sockets (sockets are judged by the pool's cap: idle
+    connections come and go with the load, up to `POOL_MAX_IDLE_PER_HOST`)."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += not os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")
+        except OSError:
+            continue  # closed while we looked
+    return count
+
+
 def _connections(pid: int, port: int) -> int:
     """Established TCP connections of `pid` to `port` on the loopback (SeaweedFS's S3 port)."""
     inodes = set()
@@ -78,9 +90,10 @@ def test_repeated_failing_updates_hold_no_files_and_few_connections(
 ) -> None:
     """A corrupted delta fails every attempt (sparse, then the full path, then the fallback),
     and the trainer goes on publishing deltas after it (each attempt fetches a longer chain,
-    in parallel): after each, the loader holds no file it deleted, its fds do not grow with the
-    attempts, and its connections to the bucket stay within the pool's idle cap (uncapped, the
-    pool kept every connection the busiest attempt opened: 68 after six deltas, tried)."""
+    in parallel): after each, the loader holds no file it deleted, its fds other than sockets do
+    not grow with the attempts, and its connections to the bucket stay within the pool's idle
+    cap (uncapped, the pool kept every connection the busiest attempt opened: 68 after six
+    deltas, tried)."""
     env = {**env, **s3_env.env}
     url = s3_env.url(f"leak-{uuid.uuid4().hex[:8]}")
     ledger = Ledger(open_bucket(url), "policy")
@@ -124,7 +137,8 @@ def test_repeated_failing_updates_hold_no_files_and_few_connections(
         connections = _connections(pid, port)
         # Idle connections are capped; a ledger or hint poll may have one more in flight.
         assert connections <= POOL_MAX_IDLE_PER_HOST + 2, (attempt, connections)
-        fds.append(len(os.listdir(f"/proc/{pid}/fd")))
+        fds.append(_file_fds(pid))
         if attempt + 2 < len(tiny6.snapshots):
             trainer.publish(attempt + 2)  # on the corrupted step: every attempt fails
-    assert fds[-1] <= fds[0] + 2, f"open fds after each failed attempt: {fds}"
+    # Sockets apart (a loaded machine kept 10 -> 14 connections open, within the cap).
+    assert fds[-1] <= fds[0] + 2, f"open fds other than sockets after each failed attempt: {fds}"
