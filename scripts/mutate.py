@@ -170,6 +170,7 @@ MODULES: tuple[Module, ...] = (
         "patch-served",
         "hotload_patch/served.py",
         (
+            "tests/test_patch_served_mutants.py",
             "tests/test_patch_mutants.py",
             *_core(
                 *EVERY_RANK,
