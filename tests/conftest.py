@@ -83,3 +83,16 @@ def replicas() -> Iterator[list[Replica]]:
     for r in started:
         print(f"--- {r.name} ---\n{r.logs()}")
         r.stop()
+
+
+@pytest.fixture(params=["kernel", "numpy"])
+def arc_decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test with the codec's C kernel and again with its numpy path (the kernel
+    disabled): both decoders must give the same bytes and the same refusals."""
+    from hotload.arc import chunk
+
+    if request.param == "numpy":
+        monkeypatch.setattr(chunk, "native", None)
+    else:
+        assert chunk.native is not None, "hotload.arc._native is not built: see test_arc_native.py"
+    return str(request.param)

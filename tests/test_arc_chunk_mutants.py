@@ -22,9 +22,6 @@ from hotload.arc.checksum import adler32
 from hotload.arc.encodings import FLOAT_LAYOUTS, WRITE_THROUGH_BYTES
 from hotload.errors import CorruptDeltaError
 
-# `path`: a test using it runs with the C kernel and with the numpy decoder.
-from test_arc_decoder_mutants import path  # noqa: F401
-
 WHAT = "m.safetensors: tensor 'w': elements 0..1000"
 N = 1000
 # Changes of a U16 chunk: position -> new minus old (wrapping). Gaps 0, 2, 296, 698 at
@@ -81,7 +78,7 @@ def _child(old: np.ndarray, changes: dict[int, int]) -> np.ndarray:
 # --- what a chunk gives ---------------------------------------------------------------------------
 
 
-@pytest.mark.usefixtures("path")
+@pytest.mark.usefixtures("arc_decoder")
 def test_a_sparse_chunk_gives_its_changes_without_the_parent() -> None:
     old = _old()
     meta, payload = _sparse(list(CHANGES), list(CHANGES.values()), SHIFT, 2)
@@ -95,7 +92,7 @@ def test_a_sparse_chunk_gives_its_changes_without_the_parent() -> None:
         assert diffs.tolist() == [d % 65536 for d in CHANGES.values()]
 
 
-@pytest.mark.usefixtures("path")
+@pytest.mark.usefixtures("arc_decoder")
 def test_a_sparse_chunk_rebuilds_the_child_every_way() -> None:
     old = _old()
     new = _child(old, CHANGES)
@@ -123,7 +120,7 @@ def test_a_sparse_chunk_rebuilds_the_child_every_way() -> None:
     assert np.array_equal(old, _old())  # the parent given apart is never written
 
 
-@pytest.mark.usefixtures("path")
+@pytest.mark.usefixtures("arc_decoder")
 def test_a_sparse_chunk_changing_every_element_rebuilds_the_child() -> None:
     # count == the chunk's elements is the bound's upper end, and one more is refused.
     n = 16
@@ -135,7 +132,7 @@ def test_a_sparse_chunk_changing_every_element_rebuilds_the_child() -> None:
     assert out.changed == n
 
 
-@pytest.mark.usefixtures("path")
+@pytest.mark.usefixtures("arc_decoder")
 def test_a_gap_at_the_widest_shift_reads_back() -> None:
     # shift 56 (seven remainder planes) is the widest the format allows; 57 is refused below.
     old = _old()
@@ -148,7 +145,7 @@ def test_a_gap_at_the_widest_shift_reads_back() -> None:
     assert decoded.dense is not None and np.array_equal(decoded.dense, _child(old, changes))
 
 
-@pytest.mark.usefixtures("path")
+@pytest.mark.usefixtures("arc_decoder")
 def test_the_same_dense_and_raw_chunks_give_the_child() -> None:
     old = _old()
     same = {"encoding": "same"}
@@ -357,7 +354,7 @@ SPARSE_DAMAGE: list[tuple[str, Edit, str]] = [
 @pytest.mark.parametrize(
     ("edit", "text"), [d[1:] for d in SPARSE_DAMAGE], ids=[d[0] for d in SPARSE_DAMAGE]
 )
-@pytest.mark.usefixtures("path")
+@pytest.mark.usefixtures("arc_decoder")
 def test_a_sparse_chunk_with_a_wrong_field_is_refused_saying_which(edit: Edit, text: str) -> None:
     old = _old()
     meta, payload = edit(*_sparse(list(CHANGES), list(CHANGES.values()), SHIFT, 2))
@@ -560,7 +557,7 @@ def test_a_sparse_exp_run_leaving_its_set_is_refused_naming_the_chunk(run: str) 
     assert str(exc.value) == f"{WHAT}: a gap between changed positions exceeds the chunk"
 
 
-@pytest.mark.usefixtures("path")
+@pytest.mark.usefixtures("arc_decoder")
 def test_a_remainder_carrying_a_gap_past_the_chunk_is_refused() -> None:
     # Shift 4 in a chunk of 1000: quotient 62 passes its own bound (999 >> 4), but with the
     # remainder 15 the gap is 62 * 16 + 15 = 1007, past the chunk's last element.

@@ -153,16 +153,6 @@ def case(tmp_path: Path) -> Case:
     return _encode(tmp_path, *_weights())
 
 
-@pytest.fixture(params=["kernel", "numpy"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test runs with the C kernel and with the numpy decoder."""
-    if request.param == "numpy":
-        monkeypatch.setattr(ck, "native", None)
-    else:
-        assert ck.native is not None, "hotload.arc._native is not built: see test_arc_native.py"
-    return str(request.param)
-
-
 def _rewrite(delta: Path, edit: Any) -> None:
     """Apply `edit` to the delta's header fields and write the shard again, payload unchanged."""
     header = read_header(delta)
@@ -247,7 +237,7 @@ def test_the_shard_exercises_every_encoding_and_parent_path(case: Case) -> None:
 # --- decoding -------------------------------------------------------------------------------------
 
 
-def test_decode_rebuilds_the_child_byte_for_byte(case: Case, path: str) -> None:
+def test_decode_rebuilds_the_child_byte_for_byte(case: Case, arc_decoder: str) -> None:
     seen: list[int] = []
     stats = case.decode(case.out, progress=seen.append)
     assert case.out.read_bytes() == case.cur.read_bytes()
@@ -277,7 +267,7 @@ def test_decode_without_fsync_and_on_threads_gives_the_same_bytes(case: Case) ->
     assert case.out.read_bytes() == case.cur.read_bytes()
 
 
-def test_verify_only_writes_nothing_and_counts_the_same(case: Case, path: str) -> None:
+def test_verify_only_writes_nothing_and_counts_the_same(case: Case, arc_decoder: str) -> None:
     seen: list[int] = []
     stats = case.decode(None, progress=seen.append)
     assert _listing(case.out_dir) == []
@@ -338,7 +328,7 @@ CHUNKS = [
 
 @pytest.mark.parametrize(("tensor", "index", "first"), CHUNKS)
 def test_a_damaged_payload_byte_is_refused_naming_the_tensor(
-    case: Case, path: str, tensor: str, index: int, first: int
+    case: Case, arc_decoder: str, tensor: str, index: int, first: int
 ) -> None:
     length = case.entry(tensor)["chunks"][index]["length"]
     _flip(case.delta, _chunk_offset(case, tensor, index) + length // 2)
@@ -360,7 +350,7 @@ def test_a_damaged_payload_byte_is_refused_naming_the_tensor(
     ],
 )
 def test_a_parent_with_other_data_is_a_wrong_parent(
-    case: Case, path: str, tensor: str, element: int
+    case: Case, arc_decoder: str, tensor: str, element: int
 ) -> None:
     _flip(case.prev, _parent_offset(case, tensor, element))
     parent = case.prev_w[tensor].copy().view(np.uint8)
@@ -426,13 +416,15 @@ def test_a_failing_progress_callback_ends_the_decode_with_its_own_error(case: Ca
         assert _listing(case.out_dir) == []
 
 
-def test_the_wrong_parent_is_named_before_a_damaged_chunk(case: Case, path: str) -> None:
+def test_the_wrong_parent_is_named_before_a_damaged_chunk(case: Case, arc_decoder: str) -> None:
     _flip(case.delta, _chunk_offset(case, "b.sparse", 0) + 3)
     _flip(case.prev, _parent_offset(case, "e.f64", 10))
     _refused(case, WrongParentError, "e.f64")
 
 
-def test_a_damaged_chunk_with_its_parent_right_is_no_wrong_parent(case: Case, path: str) -> None:
+def test_a_damaged_chunk_with_its_parent_right_is_no_wrong_parent(
+    case: Case, arc_decoder: str
+) -> None:
     # The damaged chunk's own parent elements are summed even though it failed: else its
     # tensor's parent would not match and the damage would read as a wrong parent.
     _flip(case.delta, _chunk_offset(case, "e.f64", 0) + 3)
@@ -441,7 +433,7 @@ def test_a_damaged_chunk_with_its_parent_right_is_no_wrong_parent(case: Case, pa
 
 @pytest.mark.parametrize(("tensor", "index", "first"), [CHUNKS[0], CHUNKS[1], CHUNKS[4]])
 def test_a_chunk_whose_fields_lie_is_refused_naming_its_elements(
-    case: Case, path: str, tensor: str, index: int, first: int
+    case: Case, arc_decoder: str, tensor: str, index: int, first: int
 ) -> None:
     # The stored bytes pass their CRC; the chunk claims far more changes than they hold.
     def edit(fields: dict[str, Any]) -> None:

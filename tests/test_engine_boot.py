@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from hotload.engine.boot import chain_after
-from support.engines import PROMPTS, complete, serve
+from support.engines import PROMPTS, checksums, complete, serve
 from support.snapshots import flip_payload_byte
 from support.tiny_llm import build_tiny_llm, sparse_steps
-from test_engine_patch import checksums
 
 
 def _volume(root: Path, fulls: list[Path], deltas: list[Path], kept: int) -> Path:

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from hotload.arc.patch import prepare_patch
 from hotload.engine.server import create_app
 from hotload_patch.format import PatchFile
-from support.engines import PROMPTS, complete, engine_of, load, serve
+from support.engines import PROMPTS, checksums, complete, engine_of, load, serve
 from support.patches import flip_first_difference, rewrite_patch
 from support.tiny_llm import build_tiny_llm, sparse_steps
 
@@ -28,15 +28,6 @@ async def patch(client: Any, path: Path, identity: str, sequence: int, parent: s
     body = {"path": str(path), "identity": identity, "sequence": sequence, "parent": parent}
     resp = await client.post("/hotload/v1/patch", json=body)
     return resp.status, await resp.json()
-
-
-async def checksums(client: Any) -> dict[str, str]:
-    """GET /hotload/v1/checksums: sha256 of every weight as the engine holds it."""
-    resp = await client.get("/hotload/v1/checksums")
-    assert resp.status == 200
-    body = await resp.json()
-    assert body["algorithm"] == "sha256"
-    return dict(body["checksums"])
 
 
 def _chain(root: Path, ckpt: str, steps: int = 2) -> tuple[list[Path], list[Path]]:

@@ -26,27 +26,12 @@ from hotload_operator.policy import build_loader_admission_policy
 from hotload_operator.reports import AdapterReport, PodReport, read_pod
 from hotload_operator.rollup import rollup_deployment, rollup_snapshot, snapshot_settled
 from hotload_sidecar.kube_report import build_pod_metadata_patch
-from support.operator import ledger_entries, serving
+from support.operator import deployment, ledger_entries, serving
 from support.operator import status_condition as cond
 from support.snapshots import CONFIG, delta, full, nudged, weights
 
 JSON = dict[str, Any]
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
-
-
-def deployment(**spec: Any) -> HotLoadDeployment:
-    """A deployment model as the API server would hand it to the operator."""
-    body = {
-        "bucket": {"url": "s3://rl/prod"},
-        "engine": {"image": "registry.example/engine:1"},
-        **spec,
-    }
-    return HotLoadDeployment.model_validate(
-        {
-            "metadata": {"name": "fleet", "namespace": "ml", "uid": "u-1", "generation": 3},
-            "spec": body,
-        }
-    )
 
 
 # --- builders -----------------------------------------------------------------------------------

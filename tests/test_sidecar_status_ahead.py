@@ -29,11 +29,10 @@ from hotload_sidecar.kube_report import build_pod_metadata_patch
 from hotload_sidecar.metrics import LoaderMetrics
 from hotload_sidecar.status import LocalReporter, ReplicaStatus
 from support.engines import engine_of, serve
-from support.operator import ledger_entries
+from support.operator import deployment, ledger_entries
 from support.operator import status_condition as cond
+from support.pipeline import gated_loader, step_0_published, until
 from support.tiny_llm import bf16_training_steps
-from test_operator_unit import deployment
-from test_sidecar_pipeline import gated_loader, step_0_published, until
 
 #: The loader's poll interval: what an update ready to go waits for without a head handoff.
 POLL = 0.5

@@ -187,3 +187,12 @@ def new_engine_replica(tiny: TinyLLM) -> EngineReplica:
         )
     )
     return EngineReplica(engine, free_port())
+
+
+async def checksums(client: Any) -> dict[str, str]:
+    """GET /hotload/v1/checksums: sha256 of every weight as the engine holds it."""
+    resp = await client.get("/hotload/v1/checksums")
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["algorithm"] == "sha256"
+    return dict(body["checksums"])

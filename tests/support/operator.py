@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from hotload.api.models import HotLoadDeployment
 from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
 from hotload.errors import KubeNotFoundError
 from hotload.kube import KubeClient, resource_path
@@ -304,3 +305,18 @@ async def get_or_none(kube: KubeClient, path: str) -> JSON | None:
         return dict(await kube.get(path))
     except KubeNotFoundError:
         return None
+
+
+def deployment(**spec: Any) -> HotLoadDeployment:
+    """A deployment model as the API server would hand it to the operator."""
+    body = {
+        "bucket": {"url": "s3://rl/prod"},
+        "engine": {"image": "registry.example/engine:1"},
+        **spec,
+    }
+    return HotLoadDeployment.model_validate(
+        {
+            "metadata": {"name": "fleet", "namespace": "ml", "uid": "u-1", "generation": 3},
+            "spec": body,
+        }
+    )
