@@ -370,3 +370,18 @@ def test_two_way_layers_import_in_any_order() -> None:
     )
     assert run.returncode == 0, run.stderr
     assert not run.stdout, "modules that fail when imported first:\n" + run.stdout
+
+
+def test_no_test_module_imports_another() -> None:
+    # Shared test helpers live in tests/support/ (one helper for each thing), never in a test
+    # module another one imports: that would run its tests' module fixtures and hide the helper.
+    tests = REPO / "tests"
+    names = {p.stem for p in tests.glob("test_*.py")}
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module in names:
+                found.append(f"{path.name}:{node.lineno} imports {node.module}")
+            elif isinstance(node, ast.Import):
+                found += [f"{path.name}:{node.lineno}" for a in node.names if a.name in names]
+    assert names and not found, found
