@@ -780,11 +780,12 @@ class Soak:
                 if usage is not None:
                     s.procs[name] = (pid, *usage)
         for r in self.replicas:
-            live = self._live(r)
+            # A booting vLLM (minutes on a loaded machine) is not sampled: its RSS and fds are
+            # its imports', not a running engine's. A reference engine boots in seconds, and
+            # its /health may miss 5 s mid-load on a loaded machine: every look counts.
+            booting = r.name in self.run.vllm and not self._live(r)
             for what, pid in self._processes(r).items():
-                if what != "loader" and not live:
-                    # Booting (a vLLM boot takes minutes on a loaded machine): its RSS and fds
-                    # are its imports', not a running engine's.
+                if what != "loader" and booting:
                     continue
                 usage = proc_usage(pid)
                 if usage is not None:
@@ -823,7 +824,7 @@ class Soak:
 
     @staticmethod
     def _live(r: Replica) -> bool:
-        """Whether `r`'s engine answers its liveness probe (`/health`, both engines)."""
+        """Whether `r`'s engine answers its liveness probe (`/health`)."""
         try:
             return http_json("GET", r.engine_url + "/health", timeout=5)[0] == 200
         except OSError:
