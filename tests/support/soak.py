@@ -107,8 +107,9 @@ class Sample:
 
     step: int
     time: float
-    #: (replica, "loader"|"engine") -> (pid, RSS bytes, open fds); absent when not running.
-    procs: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    #: (replica, "loader"|"engine") -> (pid, RSS bytes, open fds, of them sockets); absent when
+    #: not running.
+    procs: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     #: replica -> bytes of its weights folder (hard links counted once).
     volume: dict[str, int] = field(default_factory=dict)
     #: replica -> those bytes by entry (`folder_bytes`): the evidence when a look is over the
@@ -193,14 +194,20 @@ class SoakRun:
 # --- /proc ------------------------------------------------------------------------------------
 
 
-def proc_usage(pid: int) -> tuple[int, int] | None:
-    """(RSS bytes, open file descriptors) of `pid`, None when it is gone."""
+def proc_usage(pid: int) -> tuple[int, int, int] | None:
+    """(RSS bytes, open file descriptors, how many of them are sockets) of `pid`, None when it
+    is gone."""
     try:
         rss = 0
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 rss = int(line.split()[1]) * 1024
-        return rss, len(os.listdir(f"/proc/{pid}/fd"))
+        fds = os.listdir(f"/proc/{pid}/fd")
+        sockets = 0
+        for fd in fds:
+            with contextlib.suppress(OSError):  # closed while we looked
+                sockets += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")
+        return rss, len(fds), sockets
     except (OSError, ValueError):
         return None
 
