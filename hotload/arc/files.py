@@ -65,8 +65,10 @@ def ship_side_files(parent: Path, current: Path, dst: Path, shards: Sequence[str
     inherited: dict[str, str] = {}
     for name in side_files(current, shards):
         src, old = current / name, parent / name
-        if name != layout.CONFIG_FILE and old.is_file() and _same_bytes(src, old):
-            inherited[name] = _sha256(src)
+        same_size = old.is_file() and old.stat().st_size == src.stat().st_size
+        digest = _sha256(src) if name != layout.CONFIG_FILE and same_size else None
+        if digest is not None and digest == _sha256(old):
+            inherited[name] = digest
         else:
             _place(src, dst / name)
     if inherited:
@@ -140,18 +142,6 @@ def inherited_files(delta: Path) -> dict[str, str]:
 def _place(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     link_or_copy(src, dst)
-
-
-def _same_bytes(a: Path, b: Path) -> bool:
-    if a.stat().st_size != b.stat().st_size:
-        return False
-    with a.open("rb") as fa, b.open("rb") as fb:
-        while True:
-            x, y = fa.read(1 << 20), fb.read(1 << 20)
-            if x != y:
-                return False
-            if not x:
-                return True
 
 
 def _sha256(path: Path) -> str:
