@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -205,3 +207,46 @@ async def test_a_refused_lease_watch_is_said_and_the_standby_still_takes_over(
 
 async def _said(said: list[bool]) -> bool:
     return bool(said)
+
+
+@pytest.mark.asyncio
+async def test_a_not_found_answered_before_its_own_create_does_not_hide_the_lease_it_holds(
+    kube_api: KubeAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The standby's first GET of the Lease is answered "not found", then it creates the Lease,
+    and the GET's reply is handled only after the create's: the replica still names itself as
+    holder (a 503 from the Fireworks API said `"leader": ""` in CI when this went wrong)."""
+    async with kube_api.client() as ka:
+        a = LeaderElector(ka, settings(kube_api, "replica-a"))
+        real_get = ka.get
+        answered, created = asyncio.Event(), asyncio.Event()
+
+        async def late_get(path: str) -> Any:
+            if answered.is_set():
+                return await real_get(path)
+            try:
+                return await real_get(path)  # the Lease does not exist yet: "not found"
+            finally:
+                answered.set()
+                await created.wait()  # its reply is handled after the create's
+
+        async def no_events(*args: Any, **kwargs: Any) -> AsyncIterator[tuple[str, Any]]:
+            # acquire() cancels its watcher as soon as it holds the Lease: no watch event ever
+            # corrects what the late reply left behind.
+            await asyncio.Event().wait()
+            yield ("ADDED", {})
+
+        monkeypatch.setattr(ka, "get", late_get)
+        monkeypatch.setattr(ka, "watch", no_events)
+        watcher = asyncio.create_task(a._observe())
+        try:
+            await asyncio.wait_for(answered.wait(), 30)
+            assert await a._try()
+            assert a.holder() == "replica-a"
+            created.set()
+            await asyncio.sleep(2 * RETRY)  # the watcher handles the late reply
+            assert a.holder() == "replica-a"
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher

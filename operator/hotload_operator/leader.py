@@ -95,6 +95,8 @@ class LeaderElector:
     _renewed_at: float | None = None
     _lease: JSON | None = None
     _seen: _Seen | None = None
+    #: Counts observations: a GET answered before a later one (a create's reply) is stale.
+    _seen_count: int = 0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -194,6 +196,7 @@ class LeaderElector:
 
     def _see(self, lease: JSON | None) -> None:
         version = str(((lease or {}).get("metadata") or {}).get("resourceVersion") or "")
+        self._seen_count += 1
         if self._seen is None or self._seen.version != version or lease is None:
             self._seen = _Seen(lease, version, self.clock())
             self._changed.set()
@@ -279,11 +282,17 @@ class LeaderElector:
         collection = resource_path(LEASE_API, "leases", s.namespace)
         while True:
             try:
+                before = self._seen_count
                 try:
                     lease: JSON | None = await self.kube.get(self.path)
                 except KubeNotFoundError:
                     lease = None
-                self._see(lease)
+                # A GET answered before this replica's own create (or a renewal) can be handled
+                # after it: `acquire` gets the create's reply a loop turn later (wait_for runs it
+                # as a task) and cancels this watcher then, so a stale "not found" would stay
+                # the last word and `holder()` say "" for a Lease this replica holds.
+                if self._seen_count == before:
+                    self._see(lease)
                 version = str(((lease or {}).get("metadata") or {}).get("resourceVersion") or "")
                 async for kind, obj in self.kube.watch(
                     collection,
