@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ from hotload.bucket import open_bucket
 from hotload.ledger import Ledger
 from hotload.sdk import sharded
 from hotload.sdk.sharded import plan_shards
-from hotload.snapshot import Snapshot, write_snapshot
+from hotload.snapshot import Snapshot, layout, write_snapshot
 from hotload_sidecar.materialize import Materializer
 from hotload_sidecar.weights import WeightsFolder
 
@@ -38,6 +39,8 @@ HIDDEN = 32
 VOCAB = 64
 STEPS = 3  # published: step 0 (full), steps 1 and 2 (deltas)
 CONFIG = {"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS}
+TOKENIZER_CONFIG = '{"chat_template": "{{ messages }}"}'
+TOKENIZER_CONFIG_NEW = '{"chat_template": "{{ messages }} v2"}'
 
 
 class Block(nn.Module):
@@ -135,10 +138,17 @@ def _rank(rank: int, bucket_url: str, out: str, env: dict[str, str]) -> None:
         model = _sharded_model()
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         pub = sharded.ShardedPublisher(
-            bucket_url, ledger="policy", config=CONFIG, workdir=f"{out}/work", threads=1
+            bucket_url,
+            ledger="policy",
+            config=CONFIG,
+            side_files_from=f"{out}/tokenizer",
+            workdir=f"{out}/work",
+            threads=1,
         )
         gen = torch.Generator().manual_seed(rank)
         for step in range(STEPS):
+            if step == STEPS - 1 and rank == 0:  # the last step changes the chat template
+                Path(f"{out}/tokenizer/tokenizer_config.json").write_text(TOKENIZER_CONFIG_NEW)
             if step:
                 tokens = torch.randint(0, VOCAB, (4, 8), generator=gen)
                 loss = torch.nn.functional.cross_entropy(
@@ -193,6 +203,11 @@ def test_fsdp_ranks_publish_their_layers_and_a_replica_rebuilds_the_unsharded_mo
     bucket_url: str, tmp_path: Path
 ) -> None:
     env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    vocab = json.dumps({"model": {"vocab": {f"t{i}": i for i in range(VOCAB)}}})
+    (tokenizer / "tokenizer.json").write_text(vocab)
+    (tokenizer / "tokenizer_config.json").write_text(TOKENIZER_CONFIG)
     _spawn(_rank, tmp_path, bucket_url, str(tmp_path), env)
 
     ledger = Ledger(open_bucket(bucket_url), "policy")
@@ -234,9 +249,39 @@ def test_fsdp_ranks_publish_their_layers_and_a_replica_rebuilds_the_unsharded_mo
 
     # The committed layout is the single-process writer's, byte for byte: the same manifests
     # (so the same ledger digest) and, for the full step, the same shard files.
-    single = write_snapshot(tmp_path / "single", expected[0], config=CONFIG).path
+    original = tmp_path / "tokenizer-0"
+    original.mkdir()
+    (original / "tokenizer.json").write_text(vocab)
+    (original / "tokenizer_config.json").write_text(TOKENIZER_CONFIG)
+    single = write_snapshot(
+        tmp_path / "single", expected[0], config=CONFIG, side_files_from=original
+    ).path
     for name in sorted(p.name for p in single.iterdir()):
         assert bucket.get(f"step-00000000/{name}").data == (single / name).read_bytes(), name
+
+    # The deltas ship config.json and what changed of the tokenizer; what did not change is
+    # recorded as inherited (docs/arc_v2.md §2.2), with the sha256 of the file it stands for.
+    def sha(text: str) -> str:
+        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+    def inherited(step: int) -> dict[str, str]:
+        got = bucket.get(f"step-0000000{step}/{layout.INHERITED_FILE}").data
+        return dict(json.loads(got)["from_parent"])
+
+    def shipped(step: int, name: str) -> bool:
+        return bool(bucket.exists(f"step-0000000{step}/{name}"))
+
+    assert inherited(1) == {
+        "tokenizer.json": sha(vocab),
+        "tokenizer_config.json": sha(TOKENIZER_CONFIG),
+    }
+    assert not shipped(1, "tokenizer.json") and not shipped(1, "tokenizer_config.json")
+    assert inherited(2) == {"tokenizer.json": sha(vocab)}
+    assert bucket.get("step-00000002/tokenizer_config.json").data == TOKENIZER_CONFIG_NEW.encode()
+    assert all(shipped(s, "config.json") for s in range(STEPS))
+    # The entry's full size still counts the files a full snapshot would hold.
+    assert document.entries[1].full_bytes == document.entries[0].full_bytes
+    assert document.entries[1].shipped_bytes < document.entries[0].shipped_bytes
 
     # A replica rebuilds step 1 and then step 2 from the ledger: bit for bit the unsharded model.
     weights = WeightsFolder(tmp_path / "replica")
@@ -249,6 +294,8 @@ def test_fsdp_ranks_publish_their_layers_and_a_replica_rebuilds_the_unsharded_mo
     assert built.identity == "step-00000002" and built.applied == ["step-00000002"]
     assert _tensors(built.path) == _as_stored(expected[2])
     assert _tensors(built.path) != _as_stored(expected[0])  # the training steps changed it
+    assert (built.path / "tokenizer.json").read_text() == vocab
+    assert (built.path / "tokenizer_config.json").read_text() == TOKENIZER_CONFIG_NEW
 
 
 def _failing_rank(rank: int, bucket_url: str, out: str) -> None:

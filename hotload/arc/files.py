@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
@@ -71,10 +71,36 @@ def ship_side_files(parent: Path, current: Path, dst: Path, shards: Sequence[str
             inherited[name] = digest
         else:
             _place(src, dst / name)
+    _record_inherited(dst, inherited)
+    return sorted(inherited)
+
+
+def side_file_sums(folder: Path, names: Sequence[str]) -> dict[str, str]:
+    """The sha256 ("sha256:<hex>") of each of `names` in `folder`: what a publisher that keeps
+    no parent folder remembers of a step's side files, to inherit them in the next delta."""
+    return {name: _sha256(folder / name) for name in names}
+
+
+def inherit_side_files(folder: Path, names: Sequence[str], parent: Mapping[str, str]) -> list[str]:
+    """In delta folder `folder`, holding side files `names`, replace by a `layout.INHERITED_FILE`
+    record each one whose sha256 equals the parent's (`parent`: name -> sha256, from
+    `side_file_sums`); config.json stays. Returns the names still shipped, sorted."""
+    inherited: dict[str, str] = {}
+    for name in names:
+        if name == layout.CONFIG_FILE or name not in parent:
+            continue
+        digest = _sha256(folder / name)
+        if digest == parent[name]:
+            inherited[name] = digest
+            (folder / name).unlink()
+    _record_inherited(folder, inherited)
+    return sorted(set(names) - set(inherited))
+
+
+def _record_inherited(folder: Path, inherited: Mapping[str, str]) -> None:
     if inherited:
         record = {"from_parent": dict(sorted(inherited.items()))}
-        (dst / layout.INHERITED_FILE).write_text(json.dumps(record, indent=1) + "\n")
-    return sorted(inherited)
+        (folder / layout.INHERITED_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def rebuild_side_files(

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hotload.arc.encoder import encode_shard
+from hotload.arc.files import inherit_side_files, side_file_sums
 from hotload.arc.lanes import default_threads
 from hotload.bucket import run_sync
 from hotload.bucket.transfer import snapshot_present_async
@@ -196,6 +197,8 @@ class ShardedPublisher(PublisherCore):
         self.workdir.mkdir(parents=True, exist_ok=True)
         #: (identity, folder of this rank's full shards, plan digest): the next delta's parent.
         self._parent: tuple[str, Path, str] | None = None
+        #: Rank 0: (identity, sha256 of each side file) of the last snapshot it committed.
+        self._side_sums: tuple[str, dict[str, str]] | None = None
         #: What this rank did in the last `publish`.
         self.last_report = RankReport(self.rank)
 
@@ -457,11 +460,20 @@ class ShardedPublisher(PublisherCore):
             side = write_side_files(
                 folder, side_files_from=self.side_files_from, config=self.config
             )
+            sums = side_file_sums(folder, side)
+            side_bytes = sum((folder / n).stat().st_size for n in side)  # as a full one holds
+            if job.kind == "incremental" and self._side_sums and self._side_sums[0] == previous:
+                # A tokenizer the step did not change is not shipped again (docs/arc_v2.md
+                # §2.2): the delta records it as inherited from its parent.
+                side = inherit_side_files(folder, side, self._side_sums[1])
+                if (folder / layout.INHERITED_FILE).is_file():
+                    side.append(layout.INHERITED_FILE)
             write_manifests(
                 folder, [(s.name, s.tensors) for s in plan.shards], plan.spec, plan.total_bytes
             )
             manifests = [layout.SPEC_FILE, layout.INDEX_FILE]  # the index (commit) last
-            others = sum((folder / n).stat().st_size for n in [*side, *manifests])
+            manifest_bytes = sum((folder / n).stat().st_size for n in manifests)
+            others = sum((folder / n).stat().st_size for n in side) + manifest_bytes
             # Header-only copies of the shards (never uploaded from here): what the content
             # digest reads of a data file.
             for name, header in job.headers.items():
@@ -471,7 +483,7 @@ class ShardedPublisher(PublisherCore):
                 kind="full" if job.kind == "full" else "incremental",
                 manifest_digest=manifest_digest(folder, list(layout.MANIFEST_FILES)),
                 shipped_bytes=shipped_shards + others,
-                full_bytes=plan.total_bytes + others,
+                full_bytes=plan.total_bytes + side_bytes + manifest_bytes,
                 previous=previous,
                 prompt_cache=policy,
                 content_digest=content_digest(folder),
@@ -500,6 +512,7 @@ class ShardedPublisher(PublisherCore):
                 await self.cluster.wait_accepted(ident, self.accept_timeout)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+        self._side_sums = (ident, sums)
         # Rank 0 alone, once the snapshot is committed: a gc never fails the publish.
         await self.retain_async()
         return {
