@@ -19,13 +19,16 @@ from safetensors.numpy import load_file as load
 
 from hotload.arc import decode, encode
 from hotload.arc.chain import decode_chain
+from hotload.arc.files import changed_side_files
 from hotload.arc.patch import check_delta_files
 from hotload.bucket import open_bucket
 from hotload.errors import ChecksumMismatchError, CorruptDeltaError
 from hotload.ledger import Ledger
-from hotload.sdk import publish_folder
-from hotload.snapshot import layout
+from hotload.sdk import publish_folder, publish_folder_async
+from hotload.snapshot import Snapshot, layout
+from hotload_sidecar.engines import make_adapter
 from hotload_sidecar.materialize import Materializer
+from hotload_sidecar.sparse import Prepared, SparseLoads
 from hotload_sidecar.weights import WeightsFolder
 from support.seaweedfs import BUCKET, SeaweedFS
 from support.snapshots import full, nudged, weights
@@ -216,3 +219,54 @@ def test_a_loader_builds_the_side_files_of_a_delta_that_did_not_ship_them_from_t
     assert built.identity == "step-002"
     assert _files(built.path) == _files(fulls[2])
     assert _tensors(built.path) == _tensors(fulls[2])
+
+
+def test_changed_side_files_are_those_a_recording_delta_ships_besides_config(
+    tmp_path: Path,
+) -> None:
+    prev = _step(tmp_path / "step-000", 0, SIDE)
+    cur = _step(tmp_path / "step-001", 1, {**SIDE, "nested/chat_template.jinja": "{{y}}"})
+    same = _step(tmp_path / "step-002", 2, {**SIDE, "nested/chat_template.jinja": "{{y}}"})
+    changed = _delta(prev, cur, tmp_path / "d" / "step-001")
+    shards = Snapshot(changed).shard_files
+    assert changed_side_files(changed, shards) == ["nested/chat_template.jinja"]
+    assert changed_side_files(_delta(cur, same, tmp_path / "d" / "step-002"), shards) == []
+    # A delta that records nothing ships every side file (an older publisher): none is
+    # taken for a change.
+    (changed / layout.INHERITED_FILE).unlink()
+    assert changed_side_files(changed, shards) == []
+
+
+@pytest.mark.asyncio
+async def test_the_sparse_path_says_when_a_delta_changes_what_the_engine_keeps(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A patch replaces weights only: a delta that changes the chat template is patched in, and
+    the loader says the engine keeps the template it started with (a delta that changes no side
+    file says nothing)."""
+    prev = _step(tmp_path / "f" / "step-000", 0, SIDE)
+    cur = _step(tmp_path / "f" / "step-001", 1, {**SIDE, "nested/chat_template.jinja": "{{y}}"})
+    same = _step(tmp_path / "f" / "step-002", 2, {**SIDE, "nested/chat_template.jinja": "{{y}}"})
+    ledger = Ledger(open_bucket(str(tmp_path / "bucket")), "policy")
+    await publish_folder_async(ledger, prev)
+    await publish_folder_async(ledger, _delta(prev, cur, tmp_path / "d" / "step-001"))
+    await publish_folder_async(ledger, _delta(cur, same, tmp_path / "d" / "step-002"))
+    document = (await ledger.read_async()).document
+    local = WeightsFolder(tmp_path / "weights")
+    local.prepare()
+    adapter = make_adapter("reference", "http://127.0.0.1:9")  # only `prepare` is called
+    loads = SparseLoads(ledger.bucket, local, adapter, max_changed=0.5, threads=1)
+    said: dict[str, list[str]] = {}
+    for ident in ("step-001", "step-002"):
+        entry = document.find(ident)
+        assert entry is not None
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hotload_sidecar.sparse"):
+            ready = await loads.prepare([entry])
+        assert isinstance(ready, Prepared), ready
+        ready.discard()
+        said[ident] = [r.getMessage() for r in caplog.records]
+    assert len(said["step-001"]) == 1, said
+    assert "step-001 changes nested/chat_template.jinja" in said["step-001"][0]
+    assert "restart the pod" in said["step-001"][0]
+    assert said["step-002"] == []

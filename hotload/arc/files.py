@@ -103,6 +103,15 @@ def _record_inherited(folder: Path, inherited: Mapping[str, str]) -> None:
         (folder / layout.INHERITED_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
 
+def changed_side_files(delta: Path, shards: Sequence[str]) -> list[str]:
+    """The side files other than config.json that delta folder `delta` ships although it records
+    inherited ones: its publisher inherits what did not change, so these changed (a tokenizer,
+    a chat template). Empty for a delta that records nothing (it ships every side file)."""
+    if not (delta / layout.INHERITED_FILE).is_file():
+        return []
+    return [n for n in side_files(delta, shards) if n != layout.CONFIG_FILE]
+
+
 def rebuild_side_files(
     parent: Path, deltas: Sequence[Path], dst: Path | None, shards: Sequence[str]
 ) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hotload.arc.files import changed_side_files
 from hotload.arc.patch import (
     DeltaFolder,
     PatchNeedsParentError,
@@ -434,6 +435,16 @@ class SparseLoads:
                 self._set_aside(entry.identity, folder, count=early is None)
                 raise PatchTooDenseError(refusal)
             await asyncio.to_thread(check_delta_files, opened, entry.previous)
+            changed_side = changed_side_files(folder, opened.snapshot.shard_files)
+            if changed_side:
+                # Engines keep the tokenizer and chat template they started with (a patch or a
+                # hot full load replaces weights only): say so rather than serve them silently.
+                log.warning(
+                    "%s changes %s: the engine keeps the tokenizer and chat template it started "
+                    "with; restart the pod to serve them",
+                    entry.identity,
+                    ", ".join(changed_side),
+                )
             # Bytes fetched early were counted (fetched, written) when they arrived.
             new = written_bytes(folder) if early is None else 0
             earlier = written_bytes(folder) if early is not None else 0
