@@ -253,7 +253,25 @@ class SparseLoads:
             got_all = await asyncio.gather(
                 *(self._delta(entry) for entry in steps), return_exceptions=True
             )
+            expected = (BucketError, HotloadError, OSError)
             for got in got_all:
+                if isinstance(got, BaseException) and not isinstance(got, expected):
+                    raise got
+            for i, got in enumerate(got_all):
+                if isinstance(got, BaseException) and i > 0:
+                    # The deltas before it are on the volume, checked: patch them now (after an
+                    # engine restart, back to what the replica served) and meet this one again
+                    # as the next update's first, which falls back if it still fails.
+                    log.warning(
+                        "%s cannot be patched in (%s): patching the %d delta(s) before it now",
+                        steps[i].identity,
+                        got,
+                        i,
+                    )
+                    steps = steps[:i]
+                    target = steps[-1]
+                    patch = self._patch_file(steps)
+                    break
                 if isinstance(got, BucketError):
                     return self._refused(target, "fetch_failed", got)
                 if isinstance(got, PatchTooDenseError):
@@ -265,8 +283,7 @@ class SparseLoads:
                     # a failed update whose status says so, never the loop's crash; the full
                     # load that follows fails the same way if the volume is still full.
                     return self._refused(target, "write_failed", got)
-                if isinstance(got, BaseException):
-                    raise got
+                assert not isinstance(got, BaseException)
                 folder, nbytes, new, earlier = got
                 folders.append(folder)
                 fetched += nbytes
