@@ -183,11 +183,13 @@ MODULES: tuple[Module, ...] = (
         ),
         "forkserver",
     ),
-    # `Patcher` and `derive`: its tests in test_patch_core.py and the scrub's, which run one.
+    # `Patcher` and `derive`: its tests in test_patch_core.py and the scrub's, which run one,
+    # and test_patch_session_mutants.py (its messages, source, thread, busy writes, close).
     Module(
         "patch-session",
         "hotload_patch/session.py",
         (
+            "tests/test_patch_session_mutants.py",
             *_core(
                 "patcher_stages_verifies_applies_and_rolls_back",
                 "the_worker_extension_patches_every_rank_over_json",
