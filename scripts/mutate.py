@@ -199,12 +199,14 @@ MODULES: tuple[Module, ...] = (
         ),
         "forkserver",
     ),
-    # Where each checkpoint tensor lies in an engine's parameters: the loader-host and
-    # identity-host tests of test_patch_core.py, and the staging tests that place through them.
+    # Where each checkpoint tensor lies in an engine's parameters: test_patch_placement_mutants.py
+    # (each host's refusals, messages and probe), the loader-host and identity-host tests of
+    # test_patch_core.py, and the staging tests that place through them.
     Module(
         "patch-placement",
         "hotload_patch/placement.py",
         (
+            "tests/test_patch_placement_mutants.py",
             "tests/test_patch_mutants.py",
             "tests/test_patch_stage_threads.py",
             *_core(
