@@ -212,6 +212,13 @@ class _Recorder(TorchFunctionMode):
         first = args[0] if args else None
         if op in _SAME_ELEMENTS and self._probe_view(first):
             return first
+        if self._probe_view(first) and (
+            op == "__setitem__" or (op.endswith("_") and not op.endswith("__"))
+        ):
+            # The loader changes the checkpoint tensor before it places it (a scale folded in):
+            # the engine then holds values computed from the checkpoint, not its elements.
+            self.problems.append(f"its loader modifies the checkpoint tensor with {op}")
+            return first if op != "__setitem__" else None
         owner = self._owner(first)
         if owner is not None and isinstance(first, torch.Tensor):
             if op == "copy_" and len(args) >= 2:

@@ -147,3 +147,29 @@ def test_a_write_through_an_overlapping_view_is_unmappable_naming_the_parameter(
     before = bits(model.weight).clone()
     assert _unmappable(model, (3, 4)) == "its loader writes weight through an overlapping view"
     assert torch.equal(bits(model.weight), before)
+
+
+def _scaled_in_place(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    loaded.mul_(2)  # e.g. a loader folding a scale into the weight it was handed
+    param.data.copy_(loaded)
+
+
+def _zeroed_row_in_place(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    loaded[0] = 0  # e.g. a loader masking a row of the weight it was handed
+    param.data.copy_(loaded)
+
+
+@pytest.mark.parametrize("loader", [_scaled_in_place, _zeroed_row_in_place])
+def test_a_loader_that_changes_the_checkpoint_tensor_in_place_is_unmappable(
+    loader: Callable[[nn.Parameter, torch.Tensor], None],
+) -> None:
+    """Found by reading a placement mutant: such a loader was placed as a plain copy, and a patch
+    would have written the checkpoint's values where the engine holds computed ones."""
+    model = ScriptedModel((6, 4), loader)
+    real = torch.ones(6, 4)
+    model.load_weights([("w", real.clone())])
+    assert not torch.equal(model.weight.data, real)  # the engine holds values computed from it
+    with pytest.raises(PatchError) as exc:
+        LoaderHost(model).place("w", (6, 4), "F32")
+    assert exc.value.reason == "unmappable"
+    assert "modifies the checkpoint tensor" in str(exc.value)
