@@ -81,20 +81,22 @@ def side_file_sums(folder: Path, names: Sequence[str]) -> dict[str, str]:
     return {name: _sha256(folder / name) for name in names}
 
 
-def inherit_side_files(folder: Path, names: Sequence[str], parent: Mapping[str, str]) -> list[str]:
-    """In delta folder `folder`, holding side files `names`, replace by a `layout.INHERITED_FILE`
-    record each one whose sha256 equals the parent's (`parent`: name -> sha256, from
-    `side_file_sums`); config.json stays. Returns the names still shipped, sorted."""
-    inherited: dict[str, str] = {}
-    for name in names:
-        if name == layout.CONFIG_FILE or name not in parent:
-            continue
-        digest = _sha256(folder / name)
-        if digest == parent[name]:
-            inherited[name] = digest
-            (folder / name).unlink()
+def inherit_side_files(
+    folder: Path, current: Mapping[str, str], parent: Mapping[str, str]
+) -> list[str]:
+    """In delta folder `folder`, holding the side files `current` (name -> sha256, from
+    `side_file_sums`), replace by a `layout.INHERITED_FILE` record each one whose sha256 equals
+    the parent's (`parent`, the same for the parent snapshot); config.json stays. Returns the
+    names still shipped, sorted."""
+    inherited = {
+        name: digest
+        for name, digest in current.items()
+        if name != layout.CONFIG_FILE and parent.get(name) == digest
+    }
+    for name in inherited:
+        (folder / name).unlink()
     _record_inherited(folder, inherited)
-    return sorted(set(names) - set(inherited))
+    return sorted(set(current) - set(inherited))
 
 
 def _record_inherited(folder: Path, inherited: Mapping[str, str]) -> None:

@@ -465,7 +465,7 @@ class ShardedPublisher(PublisherCore):
             if job.kind == "incremental" and self._side_sums and self._side_sums[0] == previous:
                 # A tokenizer the step did not change is not shipped again (docs/arc_v2.md
                 # §2.2): the delta records it as inherited from its parent.
-                side = inherit_side_files(folder, side, self._side_sums[1])
+                side = inherit_side_files(folder, sums, self._side_sums[1])
                 if (folder / layout.INHERITED_FILE).is_file():
                     side.append(layout.INHERITED_FILE)
             write_manifests(
