@@ -348,6 +348,12 @@ def test_loader_role_grants_exactly_what_the_loader_needs() -> None:
     assert own["resourceNames"] == ["fleet"]
 
 
+def _loader_port(pod: JSON) -> int:
+    """The port the pod's loader listens on, as its container declares it."""
+    ports = _container(pod, "loader", "initContainers")["ports"]
+    return int(next(p["containerPort"] for p in ports if p["name"] == "loader"))
+
+
 def _flag(command: list[str], flag: str) -> str:
     return command[command.index(flag) + 1]
 
@@ -530,6 +536,7 @@ def test_only_the_inference_api_reaches_the_serving_port(kind: str) -> None:
         front = _container(pod, "front")
         assert front["command"] == [
             "hotload", "front", "--engine-url", "http://127.0.0.1:18000",
+            "--gate-url", f"http://127.0.0.1:{_loader_port(pod)}/serving",
             "--host", "0.0.0.0", "--port", "9000",
         ]  # fmt: skip
         # From the loader's image, as the loader; restarted on its own liveness.

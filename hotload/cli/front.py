@@ -29,6 +29,8 @@ forwarded (exact paths):
   /ready, /metrics; plus each --allow PATH
 answered by the front itself:
   GET /front/healthz (liveness of the front, without the engine)
+  with --gate-url, while the loader holds the engine: 503 engine_held with its reason for
+  every forwarded path but /health and /metrics
 
 example:
   hotload front --engine-url http://127.0.0.1:18000 --host 0.0.0.0 --port 8000
@@ -60,6 +62,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="also forward this exact path (repeatable), e.g. --allow /v1/responses",
     )
     p.add_argument(
+        "--gate-url",
+        metavar="URL",
+        help="the loader's serving gate (GET /serving, e.g. http://127.0.0.1:8081/serving): "
+        "while it answers 503 (the engine restarted on weights older than this replica "
+        "served), inference gets 503 with its reason; read every second (default: no gate)",
+    )
+    p.add_argument(
         "--read-timeout",
         type=float,
         metavar="SECONDS",
@@ -79,7 +88,9 @@ def _run(args: argparse.Namespace) -> int:
         paths = allowed_paths(args.allow)
     except ValueError as exc:
         raise HotloadError(f"--allow: {exc}") from None
-    config = FrontConfig(paths=paths, read_timeout=args.read_timeout)
+    if args.gate_url is not None and not args.gate_url.startswith(("http://", "https://")):
+        raise HotloadError(f"--gate-url must be an http:// URL, got {args.gate_url!r}")
+    config = FrontConfig(paths=paths, read_timeout=args.read_timeout, gate_url=args.gate_url)
     return asyncio.run(_serve(args.engine_url, args.host, args.port, config))
 
 

@@ -71,10 +71,13 @@ def build_router_args(
     return args
 
 
-def build_front_args(engine_url: str, port: int) -> list[str]:
+def build_front_args(engine_url: str, port: int, gate_url: str | None = None) -> list[str]:
     """The container command of an engine front on all interfaces at `port`, passing the
-    inference API to the engine at `engine_url` (on loopback)."""
+    inference API to the engine at `engine_url` (on loopback), held while the loader's
+    serving gate at `gate_url` says so."""
     if not 1 <= port <= 65535:
         raise ValueError(f"port must be between 1 and 65535, got {port}")
     args = ["hotload", "front", "--engine-url", engine_url]
+    if gate_url is not None:
+        args += ["--gate-url", gate_url]
     return [*args, "--host", "0.0.0.0", "--port", str(port)]

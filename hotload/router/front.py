@@ -13,7 +13,11 @@ whole API, and this front takes the pod's serving port:
 - the engine's answer is relayed byte for byte (`relay`): status, headers (`x-hotload-*`,
   `Retry-After`), and SSE chunks as they arrive;
 - an engine that cannot be reached gives 502 with `Retry-After` (the router retries it
-  elsewhere); `GET /front/healthz` is the front's own liveness, answered without the engine.
+  elsewhere); `GET /front/healthz` is the front's own liveness, answered without the engine;
+- with a serving gate (`--gate-url`, the loader's `GET /serving`), while the loader holds the
+  engine (it restarted on weights older than the replica served, `gate.py`) every allowed path
+  but `/health` and `/metrics` gets 503 with the loader's reason and `Retry-After`: a caller
+  that reaches the port directly never gets an answer that goes back in time.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from yarl import URL
 
 from hotload.engine.protocol import INFERENCE_PATHS, ApiError, not_served_here
 from hotload.router import FRONT_HEALTH_PATH
+from hotload.router.gate import ServingGate
 from hotload.router.relay import client_session, forward_headers, health, relay, run_with
 
 log = logging.getLogger("hotload.front")
@@ -49,6 +54,14 @@ class FrontConfig:
     keepalive_timeout: float = 2.0
     max_body: int = 64 * 1024 * 1024
     retry_after: str = "1"
+    #: The loader's `GET /serving` (None: no gate) and how often it is read.
+    gate_url: str | None = None
+    gate_period: float = 1.0
+
+
+#: Paths answered while the gate is closed: liveness (a held engine is not a dead one) and
+#: metrics. Everything else would answer from the held weights, `/ready` included.
+UNGATED_PATHS = frozenset({"/health", "/metrics"})
 
 
 def allowed_paths(extra: Collection[str] = ()) -> frozenset[str]:
@@ -66,16 +79,25 @@ class EngineFront:
         self.engine_url = engine_url.rstrip("/")
         self.config = config or FrontConfig()
         self._client: aiohttp.ClientSession | None = None
+        self.gate = (
+            ServingGate(self.config.gate_url, self.config.gate_period)
+            if self.config.gate_url
+            else None
+        )
 
     async def start(self) -> None:
-        """Open the connection pool to the engine."""
+        """Open the connection pool to the engine and start reading the gate."""
         cfg = self.config
         self._client = client_session(
             cfg.connect_timeout, cfg.read_timeout, keepalive_timeout=cfg.keepalive_timeout
         )
+        if self.gate is not None:
+            await self.gate.start()
 
     async def aclose(self) -> None:
-        """Close the pool."""
+        """Close the pool and stop reading the gate."""
+        if self.gate is not None:
+            await self.gate.aclose()
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -87,6 +109,16 @@ class EngineFront:
         if path not in self.config.paths:
             log.info("refused %s %s from %s", request.method, path, request.remote)
             return _error(not_served_here(request.method, path))
+        gate = self.gate
+        if gate is not None and not gate.open and path not in UNGATED_PATHS:
+            return _error(
+                ApiError(
+                    503,
+                    "engine_held",
+                    f"this replica's engine may not answer yet: {gate.reason}",
+                    headers={"Retry-After": self.config.retry_after},
+                )
+            )
         # The upstream URL is built from the allowed path itself, not from the raw one the
         # client sent: no encoding or dot-segment trick can reach another route.
         query = request.rel_url.raw_query_string

@@ -470,7 +470,8 @@ def _front_container(hld: HotLoadDeployment, images: OperatorImages) -> JSON:
     container of its own, so it restarts without the loader or the engine."""
     engine = hld.spec.engine
     url = f"http://127.0.0.1:{engine_loopback_port(hld)}"
-    command = build_front_args(url, engine.port)
+    # The loader's serving gate: a restarted engine answers nothing older than the pod served.
+    command = build_front_args(url, engine.port, f"http://127.0.0.1:{LOADER_PORT}/serving")
     if images.log_format != "text":
         command += ["--log-format", images.log_format]
     front: JSON = {

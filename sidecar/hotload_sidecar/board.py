@@ -18,6 +18,7 @@ from hotload.ledger import LedgerEntry
 from hotload.ledger.fields import format_time, utc_now
 from hotload_sidecar.materialize import BuildResult
 from hotload_sidecar.metrics import LoaderMetrics
+from hotload_sidecar.serving_gate import ServingFloor, Verdict
 from hotload_sidecar.status import ReplicaStatus, Reporter, condition
 
 log = logging.getLogger("hotload_sidecar.loader")
@@ -87,6 +88,7 @@ class StatusBoard:
         #: Whether the engine answered its last health check (the condition's first input).
         self.engine_live = True
         self.behind = BehindClock()
+        self.floor = ServingFloor()
         # Read at each scrape: a loader stuck in a long fetch publishes nothing meanwhile.
         metrics.behind_seconds.set_function(self.behind.seconds)
 
@@ -128,6 +130,13 @@ class StatusBoard:
                 return status.evolve(state="fetching")
         return status.evolve(state="idle")
 
+    def may_serve(self) -> Verdict:
+        """Whether the engine may answer inference now (`serving_gate`)."""
+        status = self.status
+        return self.floor.verdict(
+            engine_live=self.engine_live, served=status.identity, sequence=status.sequence
+        )
+
     async def failed(self, message: str, reason: str) -> None:
         """Publish a failed update: its message, kept as the last error, and why
         (`LoadFailureReasons`)."""
@@ -149,6 +158,7 @@ class StatusBoard:
         status = status.evolve(ready=ready, reason=reason, updated_time=format_time(utc_now()))
         self.status = status
         self.behind.observe(status.identity, status.target_identity)
+        self.floor.observe(status.identity, status.sequence, status.target_identity)
         self.metrics.staleness.set(status.staleness)
         if status.sequence is not None:
             self.metrics.served_sequence.set(status.sequence)

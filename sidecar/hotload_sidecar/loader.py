@@ -442,6 +442,7 @@ class Loader:
             return
         self.board.engine_live = up
         if not up:
+            self.board.floor.engine_down()
             if self.adapters is not None:
                 self.adapters.engine_restarted()
             log.warning("engine %s is down: %s", self.adapter.url, health.detail)
@@ -512,6 +513,7 @@ class Loader:
         if timings is not None:
             changes["last_load"] = self.sources.stamp(timings)
         await self.board.set(**changes)
+        self.board.floor.confirmed()
         log.info("engine serves %s (sequence %s)", served.identity, sequence)
 
     async def refresh_served(self) -> None:

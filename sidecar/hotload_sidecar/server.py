@@ -13,13 +13,15 @@ EVENTS: web.AppKey[LocalReporter | None] = web.AppKey("events", LocalReporter)
 
 def create_app(loader: Loader, events: LocalReporter | None = None) -> web.Application:
     """`/startup` (200 once `current` holds a verified snapshot), `/healthz`, `/status` (JSON),
-    `/metrics` (Prometheus)."""
+    `/serving` (200 while the engine may answer inference, 503 and why not), `/metrics`
+    (Prometheus)."""
     app = web.Application()
     app[LOADER] = loader
     app[EVENTS] = events
     app.router.add_get("/startup", _startup)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/status", _status)
+    app.router.add_get("/serving", _serving)
     app.router.add_get("/metrics", _metrics)
     return app
 
@@ -52,6 +54,20 @@ async def _status(request: web.Request) -> web.Response:
     if events is not None:
         doc["events"] = events.events
     return web.json_response(doc)
+
+
+async def _serving(request: web.Request) -> web.Response:
+    board = request.app[LOADER].board
+    verdict = board.may_serve()
+    doc: dict[str, object] = {
+        "serve": verdict.serve,
+        "identity": board.status.identity,
+        "sequence": board.status.sequence,
+        "floor": board.floor.sequence,
+    }
+    if not verdict.serve:
+        doc["reason"] = verdict.reason
+    return web.json_response(doc, status=200 if verdict.serve else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -177,6 +177,10 @@ class Replica:
     admin_port: int | None = None
     #: More `hotload serve` options (e.g. `--scrub-bytes-per-second 0`).
     engine_args: list[str] = field(default_factory=list)
+    #: False: the engine boots from the snapshot `current` names, not through the link, so it
+    #: serves that snapshot until the loader patches it, as vLLM does (`hotload/engine/boot.py`
+    #: patches a reference engine booted through the link forward itself).
+    boot_forward: bool = True
     loader: subprocess.Popen[bytes] | None = None
     engine: subprocess.Popen[bytes] | None = None
     #: The engine's readiness probe (the operator's pod template: `/ready` for the reference
@@ -240,6 +244,7 @@ class Replica:
     def start_engine(self) -> None:
         """Start the reference engine on `weights/current` (as the pod's engine container)."""
         log = open(self.root / "engine.log", "ab")  # noqa: SIM115
+        current = self.weights / "current"
         self.engine = subprocess.Popen(
             [
                 sys.executable,
@@ -247,7 +252,7 @@ class Replica:
                 "hotload",
                 "serve",
                 "--model",
-                str(self.weights / "current"),
+                str(current if self.boot_forward else current.resolve()),
                 "--name",
                 "tiny",
                 "--port",

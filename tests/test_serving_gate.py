@@ -1,0 +1,294 @@
+"""A restarted engine never answers from weights older than its replica served (issue 36: in the
+300-step soak a restarted vLLM answered from step 52 after step 73 until its loader patched it).
+
+The loader keeps a floor (`hotload_sidecar.serving_gate`: the newest snapshot the engine served,
+lowered only when the loader reaches a lower target on purpose) and answers `GET /serving`; the
+engine front (`hotload front --gate-url`) reads it every second and, while it is closed, refuses
+inference with 503 `engine_held` and the loader's reason.
+
+- the floor's rules, as plain data;
+- the front against a stub loader: closed, opened, and the last answer kept while the loader
+  cannot be read;
+- real processes: a loader (`python -m hotload_sidecar`) following sparse deltas, a reference
+  engine restarted on the snapshot `current` names without booting forward (as vLLM boots), and
+  `hotload front` before it: a client through the front never gets an older answer, while the
+  engine itself, asked directly, does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from hotload.bucket import open_bucket
+from hotload.ledger import Ledger
+from hotload.router.front import EngineFront, FrontConfig, create_front_app
+from hotload_sidecar.serving_gate import ServingFloor
+from support.fleet import PROMPT_IDS, Replica, Trainer, free_port, http_json, wait_for
+from support.fronts import start_front
+from support.tiny_llm import build_tiny_llm, sparse_steps
+
+# --- the floor ----------------------------------------------------------------------------------
+
+
+def test_without_a_floor_the_engine_answers_whatever_it_serves() -> None:
+    floor = ServingFloor()
+    assert floor.verdict(engine_live=False, served=None, sequence=None).serve
+    floor.observe(None, None, "s9")  # nothing served yet: no floor
+    assert floor.sequence is None
+    assert floor.verdict(engine_live=True, served="s1", sequence=1).serve
+
+
+def test_a_restarted_engine_is_held_until_it_serves_what_the_replica_served() -> None:
+    floor = ServingFloor()
+    floor.observe("s73", 73, "s136")
+    assert (floor.identity, floor.sequence) == ("s73", 73)
+    assert floor.verdict(engine_live=True, served="s73", sequence=73).serve
+
+    floor.engine_down()
+    down = floor.verdict(engine_live=False, served="s73", sequence=73)
+    assert not down.serve and "s73" in down.reason and "went down" in down.reason
+    # Back, but the loader has not asked it yet: the status still names what it served before.
+    assert not floor.verdict(engine_live=True, served="s73", sequence=73).serve
+
+    floor.observe("s52", 52, "s136")  # it booted the older snapshot `current` names
+    floor.confirmed()
+    assert floor.sequence == 73, "an older snapshot that is not the target lowers nothing"
+    older = floor.verdict(engine_live=True, served="s52", sequence=52)
+    assert not older.serve
+    assert "s52 (sequence 52)" in older.reason and "s73 (sequence 73)" in older.reason
+
+    floor.observe("s100", 100, "s136")  # patched forward past it
+    assert floor.verdict(engine_live=True, served="s100", sequence=100).serve
+    assert floor.sequence == 100
+    unknown = floor.verdict(engine_live=True, served="booted", sequence=None)
+    assert not unknown.serve and "booted" in unknown.reason
+
+
+def test_reaching_an_older_target_on_purpose_lowers_the_floor() -> None:
+    floor = ServingFloor()
+    floor.observe("s73", 73, "s73")
+    floor.observe("s40", 40, "s40")  # pinned back to s40 (a rollback)
+    assert (floor.identity, floor.sequence) == ("s40", 40)
+    assert floor.verdict(engine_live=True, served="s40", sequence=40).serve
+
+
+# --- the front against a stub loader --------------------------------------------------------------
+
+
+class StubLoader:
+    """`GET /serving` answering what the test sets."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None  # None: the engine may answer
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/serving", self.serving)
+        return app
+
+    async def serving(self, request: web.Request) -> web.Response:
+        if self.reason is None:
+            return web.json_response({"serve": True})
+        return web.json_response({"serve": False, "reason": self.reason}, status=503)
+
+
+@pytest_asyncio.fixture
+async def servers() -> AsyncIterator[tuple[StubLoader, TestServer, TestServer]]:
+    """A stub loader, a stub engine answering every path with its path, and a front before it
+    that reads the loader's gate every 50 ms."""
+
+    async def engine(request: web.Request) -> web.Response:
+        return web.json_response({"path": request.path})
+
+    engine_app = web.Application()
+    engine_app.router.add_route("*", "/{tail:.*}", engine)
+    engine_server = TestServer(engine_app, host="127.0.0.1")
+    await engine_server.start_server()
+    loader = StubLoader()
+    loader_server = TestServer(loader.app(), host="127.0.0.1")
+    await loader_server.start_server()
+    config = FrontConfig(gate_url=str(loader_server.make_url("/serving")), gate_period=0.05)
+    front = TestServer(
+        create_front_app(EngineFront(str(engine_server.make_url("")).rstrip("/"), config)),
+        host="127.0.0.1",
+    )
+    await front.start_server()
+    try:
+        yield loader, loader_server, front
+    finally:
+        await front.close()
+        await loader_server.close()
+        await engine_server.close()
+
+
+async def _ask(front: TestServer, method: str, path: str) -> tuple[int, Any, str | None]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.request(method, str(front.make_url(path)), json={}) as resp,
+    ):
+        return resp.status, await resp.json(), resp.headers.get("Retry-After")
+
+
+async def _until(front: TestServer, status: int) -> None:
+    for _ in range(200):  # 10 s of 50 ms gate reads
+        if (await _ask(front, "POST", "/v1/completions"))[0] == status:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the front never answered {status}")
+
+
+@pytest.mark.asyncio
+async def test_the_front_holds_inference_while_the_loader_says_so(
+    servers: tuple[StubLoader, TestServer, TestServer],
+) -> None:
+    loader, loader_server, front = servers
+    assert await _ask(front, "POST", "/v1/completions") == (200, {"path": "/v1/completions"}, None)
+
+    loader.reason = "the engine serves s52 (sequence 52), older than s73 (sequence 73)"
+    await _until(front, 503)
+    for method, path in [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                         ("GET", "/v1/models"), ("GET", "/ready")]:  # fmt: skip
+        status, body, retry = await _ask(front, method, path)
+        assert status == 503 and retry == "1", (path, status, body)
+        assert body["error"]["type"] == "engine_held"
+        assert loader.reason in body["error"]["message"]
+    # Liveness and metrics pass: a held engine is not a dead one.
+    for path in ("/health", "/metrics"):
+        assert await _ask(front, "GET", path) == (200, {"path": path}, None)
+
+    # The loader cannot be read (restarting): the last answer stays in force.
+    await loader_server.close()
+    await asyncio.sleep(0.3)
+    assert (await _ask(front, "POST", "/v1/completions"))[0] == 503
+
+
+@pytest.mark.asyncio
+async def test_the_front_passes_again_once_the_loader_lets_it(
+    servers: tuple[StubLoader, TestServer, TestServer],
+) -> None:
+    loader, _, front = servers
+    loader.reason = "held"
+    await _until(front, 503)
+    loader.reason = None
+    await _until(front, 200)
+    assert await _ask(front, "POST", "/v1/completions") == (200, {"path": "/v1/completions"}, None)
+
+
+# --- real processes -------------------------------------------------------------------------------
+
+
+class ClientThread:
+    """Asks the front for a completion all along, recording (status, model or error type)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.seen: list[tuple[int, str]] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        body = {"prompt": PROMPT_IDS, "max_tokens": 1}
+        while not self.stopping.wait(0.05):
+            try:
+                code, answer = http_json("POST", self.url + "/v1/completions", body, timeout=30)
+            except OSError:
+                continue
+            if code == 200 and isinstance(answer, dict):
+                self.seen.append((code, str(answer.get("model"))))
+            elif isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+                self.seen.append((code, str(answer["error"].get("type"))))
+
+    def stop(self) -> list[tuple[int, str]]:
+        self.stopping.set()
+        self.thread.join(60)
+        return self.seen
+
+
+def _direct_model(r: Replica) -> str | None:
+    """The model the engine's own port answers from, None while it cannot answer."""
+    code, answer = http_json(
+        "POST", r.engine_url + "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 1}
+    )
+    return str(answer["model"]) if code == 200 and isinstance(answer, dict) else None
+
+
+def test_a_client_of_the_front_never_sees_a_restarted_engine_go_back(
+    tmp_path: Path, env: dict[str, str], replicas: list[Replica]
+) -> None:
+    base = build_tiny_llm(tmp_path / "m", 0).snapshots[0]
+    fulls, _ = sparse_steps(base, tmp_path / "steps", 2, fraction=0.01, seed=4)
+    bucket = str(tmp_path / "bucket")
+    trainer = Trainer(Ledger(open_bucket(bucket), "policy"), fulls, tmp_path / "t", full_every=100)
+    trainer.publish(0)
+    # Booted from the snapshot `current` names, not through the link: as vLLM boots, it serves
+    # that snapshot until the loader patches it (the reference engine would patch itself).
+    r = Replica(
+        "r0", tmp_path / "r0", f"{bucket}/policy", env, admin_port=free_port(), boot_forward=False
+    )
+    replicas.append(r)
+    r.start()
+    r.wait_serving(Trainer.identity(0), timeout=180)
+    front, front_url = start_front(
+        r.engine_url, tmp_path / "front.log", "--gate-url", r.loader_url + "/serving"
+    )
+    try:
+        for step in (1, 2):
+            trainer.publish(step)
+        head = Trainer.identity(2)
+        r.wait_serving(head, timeout=120)
+        code, gate = http_json("GET", r.loader_url + "/serving")
+        assert code == 200 and gate["floor"] == trainer.published[2].sequence, gate
+        assert (r.weights / "current").resolve().name == Trainer.identity(0), "sparse: no fold"
+        client = ClientThread(front_url)
+        wait_for("an answer through the front", lambda: client.seen, 60)
+
+        r.kill_engine()
+        wait_for(
+            "the loader to hold the dead engine",
+            lambda: http_json("GET", r.loader_url + "/serving")[0] == 503,
+            60,
+        )
+        wait_for(
+            "the front to hold inference",
+            lambda: (
+                http_json("POST", front_url + "/v1/completions", {"prompt": PROMPT_IDS})[0] == 503
+            ),
+            30,
+        )
+        r.pause_loader()  # the engine comes back while its loader cannot patch it yet
+        try:
+            r.start_engine()
+            old = f"tiny@{Trainer.identity(0)}"
+            wait_for(
+                f"the restarted engine answering from {old}", lambda: _direct_model(r) == old, 180
+            )
+            code, held = http_json("POST", front_url + "/v1/completions", {"prompt": PROMPT_IDS})
+            assert code == 503 and held["error"]["type"] == "engine_held", held
+            assert head in held["error"]["message"], held
+            assert http_json("GET", front_url + "/health")[0] == 200
+        finally:
+            r.resume_loader()
+        r.wait_serving(head, timeout=120)
+        wait_for(
+            f"the front answering from {head} again",
+            lambda: any(m == f"tiny@{head}" for _, m in client.seen[-3:]),
+            60,
+        )
+        seen = client.stop()
+    finally:
+        front.stop()
+    answers = [m for code, m in seen if code == 200]
+    assert answers and set(answers) == {f"tiny@{head}"}, sorted(set(answers))
+    assert {m for code, m in seen if code != 200} <= {"engine_held", "engine_unavailable"}
+    assert any(m == "engine_held" for _, m in seen), "the client never met the held engine"
