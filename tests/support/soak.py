@@ -39,10 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from support.fleet import PROMPT_IDS, Replica, VLLMReplica, http_json
+from support.fronts import Server, start_front
 from support.paths import REPO
 from support.seaweedfs import SeaweedFS
 from support.soak_cluster import ClusterRecord, ClusterSample, Deposal, SoakCluster
-from support.soak_faults import CORRUPT_WORDS, Fault, schedule, status_words
+from support.soak_faults import CORRUPT_WORDS, FULL_WORDS, Fault, schedule, status_words
 from support.soak_trainer import identity as step_identity
 from support.vllm_server import START_TIMEOUT, write_tiny_llama
 
@@ -52,6 +53,8 @@ FREEZE_CAP = 120.0
 #: The longest the soak waits after corrupting an object for a loader to name it (a head's
 #: handoff and a delta's download and check take seconds; a minute means a loader stuck).
 CORRUPT_READ_SECONDS = 60.0
+#: The most steps a full volume stays full past its end while its loader has written nothing.
+FULL_HOLD = 30
 #: The files of the soak's model besides its weights (the trainer's `side_files_from`).
 SIDE_FILES = (
     "config.json", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
@@ -333,9 +336,11 @@ class Clients:
     """One client thread per replica asking its engine for a 1-token completion all along and
     recording which snapshot answered."""
 
-    def __init__(self, replicas: list[Replica], run: SoakRun) -> None:
+    def __init__(self, replicas: list[Replica], run: SoakRun, urls: dict[str, str]) -> None:
         self.replicas = replicas
         self.run = run
+        #: Where each replica's clients ask (its engine, or the front before a vLLM engine).
+        self.urls = urls
         self.stopping = threading.Event()
         self.threads = [
             threading.Thread(target=self._one, args=(r,), daemon=True) for r in replicas
@@ -363,10 +368,10 @@ class Clients:
             try:
                 ident: str | None = None
                 if isinstance(r, VLLMReplica):
-                    code, ident = self._vllm_answer(r, body)
+                    code, ident = self._vllm_answer(r, self.urls[r.name], body)
                 else:
                     code, answer = http_json(
-                        "POST", r.engine_url + "/v1/completions", body, timeout=30
+                        "POST", self.urls[r.name] + "/v1/completions", body, timeout=30
                     )
                     if code == 200 and isinstance(answer, dict):
                         ident = str(answer.get("model", ""))
@@ -380,12 +385,12 @@ class Clients:
             time.sleep(0.05)
 
     @staticmethod
-    def _vllm_answer(r: VLLMReplica, body: dict[str, Any]) -> tuple[int, str | None]:
+    def _vllm_answer(r: VLLMReplica, url: str, body: dict[str, Any]) -> tuple[int, str | None]:
         """A completion from vLLM and the weights that answered it, as `tiny@<version>`: the
         weight version read before and after it (a load sets it while vLLM is paused, so equal
         reads mean one version answered); code -1 when a load ran in between (asked again)."""
         before = r.weight_version()
-        code, answer = http_json("POST", r.engine_url + "/v1/completions", body, timeout=30)
+        code, answer = http_json("POST", url + "/v1/completions", body, timeout=30)
         if code != 200 or not isinstance(answer, dict) or not answer.get("choices"):
             return code or 0, None
         after = r.weight_version()
@@ -422,6 +427,9 @@ class Soak:
         self.replicas: list[Replica] = []
         self.trainer: TrainerProcess | None = None
         self.clients: Clients | None = None
+        #: The engine front of each vLLM replica, as its pod has one (`hotload front`, reading
+        #: the loader's serving gate): the clients ask through it.
+        self.fronts: dict[str, Server] = {}
         self.prefix = f"soak-{uuid.uuid4().hex[:8]}"
         self.limited: dict[int, int] = {}  # replica -> loader pid under RLIMIT_FSIZE
         self.store: Any = None
@@ -478,7 +486,14 @@ class Soak:
         for r in self.replicas:
             # vLLM boots in 70-100 s on 2 idle cores (HOTLOAD_VLLM_START_TIMEOUT for slower).
             r.wait_serving(step_identity(0), START_TIMEOUT if r.name in self.run.vllm else 300)
-        self.clients = Clients(self.replicas, self.run)
+        urls = {r.name: r.engine_url for r in self.replicas}
+        for r in self.replicas:
+            if isinstance(r, VLLMReplica):
+                gate = ("--gate-url", r.loader_url + "/serving")
+                self.fronts[r.name], urls[r.name] = start_front(
+                    r.engine_url, r.root / "front.log", *gate
+                )
+        self.clients = Clients(self.replicas, self.run, urls)
         self.clients.start()
 
     def stop(self) -> None:
@@ -488,6 +503,8 @@ class Soak:
         for r in self.replicas:
             r.resume_loader()
             r.stop()
+        for front in self.fronts.values():
+            front.stop()
         if self.trainer is not None:
             self.trainer.stop()
         if self.cluster is not None:
@@ -627,6 +644,26 @@ class Soak:
             f"operator {self.frozen.identity} SIGCONTed after {frozen_for:.1f}s frozen: {why}"
         )
         self.frozen = None
+
+    def holds(self, fault: Fault, step: int) -> bool:
+        """Whether a full volume due to end stays full one more step: its loader has written
+        nothing since it began (no head reached it: an API server outage and the operator's
+        re-election hand none over for ~20 steps), so the fault would have hit nothing. Held
+        for at most `FULL_HOLD` steps past its end."""
+        if fault.kind != "volume_full" or step >= fault.start + fault.steps + FULL_HOLD:
+            return False
+        name = f"r{fault.replica}"
+        named = any(
+            s["step"] >= fault.start
+            and s.get("replica") == name
+            and any(w in status_words(s) for w in FULL_WORDS)
+            for s in self.run.volume_full_statuses
+        )
+        if not named and step == fault.start + fault.steps:
+            self.run.fault_log.append(
+                f"step {step}: {name} volume kept full: its loader has written nothing yet"
+            )
+        return not named
 
     def start_engine(self, r: Replica) -> None:
         """Start `r`'s engine (from `weights/current`, as its container would), noting when."""
@@ -823,7 +860,9 @@ class Soak:
                 if before is not None and f.kind == "corrupt":
                     self.run.corrupt_statuses.append({"step": step, "replica": r.name, **before})
                 if before is not None and f.kind == "volume_full" and f.replica == int(r.name[1:]):
-                    self.run.volume_full_statuses.append({"step": step, **before})
+                    self.run.volume_full_statuses.append(
+                        {"step": step, "replica": r.name, **before}
+                    )
         if self.seaweed_up.is_set():
             with contextlib.suppress(Exception):
                 self._bucket(s)
@@ -993,7 +1032,7 @@ def run_soak(cfg: SoakConfig) -> SoakRun:
         try:
             for step in range(1, cfg.steps):
                 starting = [f for f in soak.run.faults if f.start == step]
-                ending = [f for f in active if not f.active(step)]
+                ending = [f for f in active if not f.active(step) and not soak.holds(f, step)]
                 for f in ending:
                     soak.end(f, step)
                     active.remove(f)
