@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hotload.api.names import REASON_ENGINE_DOWN
 from support.fleet import PROMPT_IDS, Replica, VLLMReplica, http_json
 from support.fronts import Server, start_front
 from support.paths import REPO
@@ -849,11 +850,15 @@ class Soak:
             after = self._status(r)
             if before is not None:
                 s.status[r.name] = before
+            # A loader whose engine is down reads idle but waits on it with its next update
+            # begun (the early fetch of the next full snapshot: one at most, `prefetch.py`),
+            # as mid-update: not an idle look.
             if (
                 before is not None
                 and after is not None
                 and before.get("state") == after.get("state") == "idle"
                 and before.get("identity") == after.get("identity")
+                and REASON_ENGINE_DOWN not in (before.get("reason"), after.get("reason"))
             ):
                 s.staging_idle[r.name] = entries
             for f in active:
@@ -925,6 +930,15 @@ class Soak:
             error = f"HTTP {code}: {body[:200]}"
             self.run.spot_checks.append(SpotCheck(step, r.name, None, [], error))
             return
+        if r.name in self.fronts:
+            # Weights its front holds (an engine restarted on older ones, not yet patched
+            # forward) answer no client: nothing to judge.
+            with contextlib.suppress(OSError):
+                gate, why = http_json("GET", r.loader_url + "/serving", timeout=10)
+                if gate == 503 and isinstance(why, dict):
+                    held = f"held by its serving gate: {str(why.get('reason'))[:200]}"
+                    self.run.spot_checks.append(SpotCheck(step, r.name, None, [], held))
+                    return
         self.run.spot_checks.append(self.compare(step, r.name, body))
 
     def compare(self, step: int, name: str, body: dict[str, Any]) -> SpotCheck:

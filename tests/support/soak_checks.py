@@ -262,7 +262,7 @@ def _spot(run: SoakRun, report: Report) -> None:
             "; ".join(bad + raced)
             + (
                 f" ({len(compared)} checks, {len(run.spot_checks) - len(compared)} skipped: "
-                "engine not answering)"
+                "engine not answering, or held by its front's serving gate)"
             ),
             None,
         )
