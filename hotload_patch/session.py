@@ -142,19 +142,20 @@ class Patcher:
             return self._staging
 
     def state(self) -> dict[str, Any]:
-        """Where the background work stands, as JSON: `served` and `staging` are each "none",
-        "pending", "ready" or "failed" (with `error`)."""
+        """Where the background work stands, as JSON: `served` and `staging` are each "none"
+        (also a job `close` cancelled before it ran), "pending", "ready" or "failed" (with
+        `error`, the served read's first)."""
         out: dict[str, Any] = {}
         with self._lock:
             jobs = {"served": self._served, "staging": self._staging}
         for key, job in jobs.items():
-            if job is None:
+            if job is None or job.cancelled():
                 out[key] = "none"
             elif not job.done():
                 out[key] = "pending"
             elif (exc := job.exception()) is not None:
                 out[key] = "failed"
-                out.setdefault("error", _error_json(exc))
+                out.setdefault("error", _error_json(exc, JOBS[key]))
             else:
                 out[key] = "ready"
         return out
@@ -273,7 +274,15 @@ def _done(value: list[RegionSum]) -> Future[list[RegionSum]]:
     return future
 
 
-def _error_json(exc: BaseException) -> dict[str, Any]:
+#: What each background job does, for the message of an unexpected failure.
+JOBS = {
+    "served": "reading the served weights' checksums",
+    "staging": "staging the patch",
+}
+
+
+def _error_json(exc: BaseException, job: str) -> dict[str, Any]:
     if isinstance(exc, PatchError):
         return exc.to_json()
-    return {"reason": "stage_failed", "message": f"{type(exc).__name__}: {exc}", "tensor": None}
+    message = f"{job} failed: {type(exc).__name__}: {exc}"
+    return {"reason": "stage_failed", "message": message, "tensor": None}

@@ -198,7 +198,8 @@ def test_a_failed_checksum_read_is_reported_and_a_patch_is_written_then_read_aga
         "staging": "ready",
         "error": {
             "reason": "stage_failed",
-            "message": "RuntimeError: the engine's weights are not ready",
+            "message": "reading the served weights' checksums failed: RuntimeError: the "
+            "engine's weights are not ready",
             "tensor": None,
         },
     }
@@ -234,4 +235,32 @@ def test_close_lets_the_read_under_way_finish(chain: Chain, patcher_over: MakePa
     patcher.weights_changed(checkpoint_specs(chain.parent))
     assert entered.wait(30)
     patcher.close()
+    assert patcher.state() == {"served": "ready", "staging": "none"}
+
+
+def test_a_stage_that_close_cancelled_reads_as_none(
+    chain: Chain, patcher_over: MakePatcher
+) -> None:
+    """A stage queued behind the read under way when `close` runs is cancelled: the state says
+    nothing is staged, and asking it raises nothing."""
+    weights = Weights(chain.parent)
+    entered, release = threading.Event(), threading.Event()
+
+    def block_the_first_read() -> None:
+        weights.hook = None
+        entered.set()
+        assert release.wait(30)
+
+    weights.hook = block_the_first_read
+    patcher = patcher_over(weights)
+    patcher.weights_changed(checkpoint_specs(chain.parent))
+    assert entered.wait(30)
+    job = patcher.stage(str(chain.patch), identity="s1", parent="s0")
+    closing = threading.Thread(target=patcher.close)
+    closing.start()
+    while not job.cancelled() and closing.is_alive():  # close cancels the queue, then waits
+        time.sleep(0.01)
+    release.set()
+    closing.join(30)
+    assert job.cancelled()
     assert patcher.state() == {"served": "ready", "staging": "none"}
