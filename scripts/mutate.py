@@ -253,6 +253,42 @@ MODULES: tuple[Module, ...] = (
         ),
         "forkserver",
     ),
+    # The scrub thread: test_patch_scrub_mutants.py (each pass's result and record, the
+    # mismatch kept until a full load, the schedule, the pace, a region re-read) and the
+    # in-process tests of test_patch_scrub.py with the schedule's checks.
+    Module(
+        "patch-scrub",
+        "hotload_patch/scrub.py",
+        (
+            "tests/test_patch_scrub_mutants.py",
+            *SCRUB,
+            "tests/test_patch_scrub.py::"
+            "test_the_vllm_extension_reads_its_scrub_schedule_from_the_environment",
+        ),
+        "forkserver",
+    ),
+    # Element sizes and torch dtypes: test_patch_dtypes_mutants.py (each name's torch dtype
+    # and back), the patch reader and staging (test_patch_mutants.py) and the held dtype
+    # (test_patch_served_mutants.py).
+    Module(
+        "patch-dtypes",
+        "hotload_patch/dtypes.py",
+        (
+            "tests/test_patch_dtypes_mutants.py",
+            "tests/test_patch_mutants.py",
+            "tests/test_patch_served_mutants.py",
+        ),
+        "forkserver",
+    ),
+    # The checkpoint's specs from its safetensors headers: test_patch_checkpoint_mutants.py
+    # (each refusal, with its file and tensor) and the Patcher's tests, which load from a
+    # checkpoint folder (test_patch_session_mutants.py).
+    Module(
+        "patch-checkpoint",
+        "hotload_patch/checkpoint.py",
+        ("tests/test_patch_checkpoint_mutants.py", "tests/test_patch_session_mutants.py"),
+        "forkserver",
+    ),
     # One small shard with every encoding and parent path, by the numpy path and the C kernel,
     # and each damage alone: seconds, where test_arc_codec.py + test_arc_native.py (hypothesis
     # included) took the whole limit before the first mutant.
