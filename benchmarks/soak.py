@@ -68,7 +68,8 @@ def markdown(run: SoakRun, report: Report, command: str) -> str:
         _vllm_line(run),
         "",
         "Retention is the trainer's Publisher `retain=` (no `--deployment` given to it: it keeps "
-        "the last entries and the chain from the latest full snapshot, not what replicas serve).",
+        "the last entries and the chain from the latest full snapshot, not what replicas serve), "
+        f"deleting a dropped entry's files {cfg.retain_grace:g} s after it dropped them.",
         "",
         f"**{met} of {len(report.checks)} checks met.**",
         "",
@@ -214,6 +215,14 @@ def main() -> int:
     )
     ap.add_argument("--full-every", type=int, default=25, help="a full snapshot every N steps")
     ap.add_argument("--retain", type=int, default=8, help="the Publisher's retain= (gc --keep)")
+    ap.add_argument(
+        "--retain-grace",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long the Publisher keeps a dropped entry's files (default 600: a shorter run "
+        "deletes none)",
+    )
     ap.add_argument("--outage-seconds", type=float, default=30.0, help="SeaweedFS stopped for")
     ap.add_argument("--idle-seconds", type=float, default=30.0, help="idle CPU window")
     ap.add_argument(
@@ -246,6 +255,7 @@ def main() -> int:
             vllm=args.vllm,
             full_every=args.full_every,
             retain=args.retain,
+            retain_grace=args.retain_grace,
             outage_seconds=args.outage_seconds,
             idle_seconds=args.idle_seconds,
             apiserver_outage_seconds=args.apiserver_outage_seconds,

@@ -78,6 +78,9 @@ class SoakConfig:
     vllm: int = 0
     full_every: int = 25
     retain: int = 8
+    #: How long the Publisher keeps the files of an entry it dropped (its `retain_grace`,
+    #: default 10 minutes): a run shorter than it never sees retention delete a file.
+    retain_grace: float = 600.0
     outage_seconds: float = 30.0
     idle_seconds: float = 30.0
     #: Chance per step of comparing one replica's served weights with the trainer's.
@@ -267,7 +270,7 @@ class TrainerProcess:
         self.args = [
             sys.executable, "-m", "support.soak_trainer", url, str(base), str(side),
             str(root / "work"), "--full-every", str(cfg.full_every), "--retain", str(cfg.retain),
-            "--seed", str(cfg.seed),
+            "--retain-grace", str(cfg.retain_grace), "--seed", str(cfg.seed),
         ]  # fmt: skip
         self.env = {**env, "PYTHONPATH": os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])}
         self.log = root / "trainer.log"

@@ -548,17 +548,19 @@ def _step_of(name: str) -> int:
     return int(found.group(1)) if found else -1
 
 
-def retain_grace_seconds() -> float:
+def retain_grace_seconds(cfg: object | None = None) -> float:
     """How long the Publisher's `retain=` keeps the files of an entry it dropped from the
-    ledger (`hotload.ledger.retention.DEFAULT_GRACE`, which the soak's trainer uses)."""
+    ledger: the soak's `retain_grace` (`hotload.ledger.retention.DEFAULT_GRACE` for a run
+    recorded before it had one)."""
     from hotload.ledger.retention import DEFAULT_GRACE
 
-    return DEFAULT_GRACE.total_seconds()
+    grace = getattr(cfg, "retain_grace", None)
+    return float(grace) if grace is not None else DEFAULT_GRACE.total_seconds()
 
 
 def _bucket(run: SoakRun, report: Report) -> None:
     cfg = run.config
-    grace = retain_grace_seconds()
+    grace = retain_grace_seconds(cfg)
     kept = cfg.retain + cfg.full_every
     full = max(p.full_bytes for p in run.published.values() if p.kind == "full")
     delta = max((p.shipped_bytes for p in run.published.values() if p.kind != "full"), default=0)

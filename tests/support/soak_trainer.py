@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("workdir", type=Path)
     ap.add_argument("--full-every", type=int, default=25)
     ap.add_argument("--retain", type=int, default=8)
+    ap.add_argument("--retain-grace", type=float, default=600.0, help="seconds")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     weights = Weights(args.base, args.seed)
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=1,
         progress=False,
         retain=args.retain,
+        retain_grace=timedelta(seconds=args.retain_grace),
     )
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
