@@ -18,6 +18,7 @@ import pytest
 from support.soak import SoakConfig, folder_bytes, retarget, run_soak
 from support.soak_checks import evaluate, outage_within
 from support.soak_faults import KINDS, Fault
+from support.soak_trainer import identity
 
 #: vLLM replicas in the short form: 0 in `make test` (CI's time: a vLLM boot is 70-100 s on 2
 #: idle cores, and the engine kill on it boots it again), `HOTLOAD_SOAK_VLLM=1` to run it with one
@@ -39,9 +40,17 @@ def test_a_short_soak_meets_every_check(tmp_path: Path) -> None:
         apiserver_outage_seconds=5.0,
         idle_seconds=10.0,
         spot_check_rate=0.2,
+        # A run of about two minutes: retention deletes dropped entries' files within it.
+        retain_grace=15.0,
     )
     run = run_soak(cfg)
     assert {f.kind for f in run.faults} == set(KINDS)
+    listed = [s for s in run.samples if s.bucket_folders is not None]
+    deleted = sorted(
+        {identity(p.step) for p in run.published.values() if p.step <= listed[-1].step}
+        - set(listed[-1].bucket_folders or [])
+    )
+    assert deleted, "retention deleted no snapshot folder in the run"
     report = evaluate(run)
     # A miss with a known cause (a product bug named in RESULTS-soak.md) is reported, not
     # failed on; any other miss fails.
