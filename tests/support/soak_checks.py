@@ -319,6 +319,13 @@ def _latency(run: SoakRun, report: Report) -> None:
     )
 
 
+def _leads(sample: Any, key: str) -> bool | None:
+    """Whether the operator process `key` held the Lease at `sample` (None: not known)."""
+    cluster = getattr(sample, "cluster", None)
+    holder = getattr(cluster, "holder", None)
+    return None if holder is None else holder == key.partition("/")[0]
+
+
 def _processes(run: SoakRun, report: Report) -> None:
     keys = sorted({k for s in run.samples for k in s.procs})
     figures: dict[str, Any] = {}
@@ -327,10 +334,18 @@ def _processes(run: SoakRun, report: Report) -> None:
         # A process killed by a fault starts again from nothing: each component is judged on
         # the one of its processes that lived longest.
         by_pid: dict[int, list[tuple[int, int, int, int]]] = {}
+        roles: dict[int, list[bool | None]] = {}
         for s in run.samples:
             if key in s.procs:
                 by_pid.setdefault(s.procs[key][0], []).append(s.procs[key])
-        _pid, seen = max(by_pid.items(), key=lambda kv: len(kv[1]))
+                roles.setdefault(s.procs[key][0], []).append(_leads(s, key))
+        pid, seen = max(by_pid.items(), key=lambda kv: len(kv[1]))
+        known = [r for r in roles[pid] if r is not None]
+        if key.endswith("/operator") and known:
+            # A standby that takes the Lease starts the leader's watches, workers and files (a
+            # short run saw 4 -> 7 fds other than sockets): each role against its own samples,
+            # the role it ended in.
+            seen = [x for x, r in zip(seen, roles[pid], strict=True) if r == known[-1]]
         warm, n = windows(run, len(seen))
         if n < 5:
             short = f"{key} sampled only {len(seen)} times in its longest life"
