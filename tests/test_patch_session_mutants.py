@@ -65,6 +65,18 @@ class Weights:
         self.targets = read_checkpoint(folder)
         self.hook: Callable[[], None] | None = None
 
+    def block_first_read(self) -> tuple[threading.Event, threading.Event]:
+        """Hold the next read until the second event is set; the first is set once it waits."""
+        entered, release = threading.Event(), threading.Event()
+
+        def block() -> None:
+            self.hook = None
+            entered.set()
+            assert release.wait(30)
+
+        self.hook = block
+        return entered, release
+
     def __call__(self) -> Mapping[str, torch.Tensor]:
         if self.hook is not None:
             self.hook()
@@ -132,14 +144,7 @@ def test_the_background_work_runs_in_one_thread_a_patch_after_the_read_under_way
     chain: Chain, patcher_over: MakePatcher
 ) -> None:
     weights = Weights(chain.parent)
-    entered, release = threading.Event(), threading.Event()
-
-    def block_the_first_read() -> None:
-        weights.hook = None
-        entered.set()
-        assert release.wait(30)
-
-    weights.hook = block_the_first_read
+    entered, release = weights.block_first_read()
     threads: list[str] = []
     patcher = patcher_over(
         weights, initializer=lambda: threads.append(threading.current_thread().name)
@@ -244,14 +249,7 @@ def test_a_stage_that_close_cancelled_reads_as_none(
     """A stage queued behind the read under way when `close` runs is cancelled: the state says
     nothing is staged, and asking it raises nothing."""
     weights = Weights(chain.parent)
-    entered, release = threading.Event(), threading.Event()
-
-    def block_the_first_read() -> None:
-        weights.hook = None
-        entered.set()
-        assert release.wait(30)
-
-    weights.hook = block_the_first_read
+    entered, release = weights.block_first_read()
     patcher = patcher_over(weights)
     patcher.weights_changed(checkpoint_specs(chain.parent))
     assert entered.wait(30)
