@@ -205,6 +205,7 @@ class PatchFile:
             raise _corrupt("patch file not found", name) from None
         try:
             self.header = self._read_header(size, name)
+            self.kept = self._kept(name)
             entries = self.header["tensors"]
             if runs and threads > 1 and len(entries) > 1:
                 # Decoding is zlib and numpy, which let go of the GIL: an 8B model's patch took
@@ -257,6 +258,8 @@ class PatchFile:
             )
         if not isinstance(header.get("tensors"), list):
             raise _corrupt("header has no tensor list", name)
+        if not isinstance(header.get("kept", []), list):
+            raise _corrupt("header's kept tensors are not a list", name)
         self._data_end = offset
         return header
 
@@ -322,6 +325,23 @@ class PatchFile:
         if kind == "add":
             values = unzigzag(values)
         return Run(positions, values.view(uint_view_dtype(t.dtype)))
+
+    def _kept(self, name: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The tensors of shards every delta left alone (`kept`, docs/arc_v2.md §2.2): name ->
+        (shape, dtype); the engine keeps them as it serves them."""
+        kept: dict[str, tuple[tuple[int, ...], str]] = {}
+        for entry in self.header.get("kept", []) if isinstance(self.header, dict) else []:
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                raise _corrupt("malformed kept entry", name)
+            dtype, shape = entry.get("dtype"), entry.get("shape")
+            if (
+                dtype not in ELEMENT_SIZE
+                or not isinstance(shape, list)
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+            ):
+                raise _corrupt("bad dtype or shape of a kept tensor", name, entry["name"])
+            kept[entry["name"]] = (tuple(shape), dtype)
+        return kept
 
     def _tensor(self, entry: object, name: str) -> PatchTensor:
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):

@@ -170,7 +170,7 @@ def stage(
                     f"the patch {what} {got!r}, not {want!r}", reason="wrong_patch", path=where
                 )
         if specs is not None:
-            _check_specs(pf.tensors, specs, where)
+            _check_specs(pf.tensors, pf.kept, specs, where)
         parts: dict[str, list[_Item]] = {}
         deltas: list[RegionSum] = []
         checks: dict[str, TensorCheck] = {}
@@ -307,25 +307,34 @@ class _Item:
     old: torch.Tensor | None
 
 
-def _check_specs(tensors: list[PatchTensor], specs: Specs, where: str) -> None:
-    names = {t.name for t in tensors}
-    for t in tensors:
-        held = specs.get(t.name)
+def _check_specs(
+    tensors: list[PatchTensor],
+    kept: dict[str, tuple[tuple[int, ...], str]],
+    specs: Specs,
+    where: str,
+) -> None:
+    """Refuse a patch that is not for the served checkpoint: every tensor it changes or keeps
+    (`kept`: a shard the deltas left alone) held with its shape and dtype, and none missing."""
+    described = [(t.name, tuple(t.shape), t.dtype) for t in tensors]
+    described += [(tname, shape, dtype) for tname, (shape, dtype) in kept.items()]
+    for tname, shape, dtype in described:
+        held = specs.get(tname)
         if held is None:
             raise PatchError(
                 "the served checkpoint has no such tensor",
                 reason="weights_mismatch",
-                tensor=t.name,
+                tensor=tname,
                 path=where,
             )
-        if held != (tuple(t.shape), t.dtype):
+        if held != (shape, dtype):
             raise PatchError(
-                f"shape/dtype {list(t.shape)} {t.dtype} differs from the served checkpoint's "
+                f"shape/dtype {list(shape)} {dtype} differs from the served checkpoint's "
                 f"{list(held[0])} {held[1]}",
                 reason="weights_mismatch",
-                tensor=t.name,
+                tensor=tname,
                 path=where,
             )
+    names = {name for name, _, _ in described}
     missing = sorted(specs.keys() - names)
     if missing:
         raise PatchError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import tempfile
@@ -492,12 +493,17 @@ def test_fixture_shapes_the_delta_as_intended(trio: Trio) -> None:
 def test_unchanged_shards_are_hardlinked_and_cheap(trio: Trio) -> None:
     enc = encode(trio.prev, trio.cur, trio.work / "d2", chunk_elements=4096, threads=2)
     by_name = {s.name: s for s in enc.shards}
+    untouched = Snapshot(trio.work / "d2").untouched_shards
     for i in (SAME_SHARD, 4):
         s = by_name[trio.shard(i)]
         assert set(s.encodings) == {"same"} and s.changed == 0
-        assert s.delta_bytes == (trio.work / "d2" / s.name).stat().st_size
-        assert s.delta_bytes < 512, s.delta_bytes  # a few hundred bytes, whatever the shard's size
+        # Left alone: not shipped at all, named with the parent header's sha256 (§2.2).
+        assert not (trio.work / "d2" / s.name).exists() and s.delta_bytes == 0
+        parent = (trio.prev / s.name).read_bytes()
+        stored = parent[: 8 + struct.unpack_from("<Q", parent)[0]]  # length and JSON header
+        assert untouched[s.name] == "sha256:" + hashlib.sha256(stored).hexdigest()
         assert s.full_bytes > 4000
+    assert set(untouched) == {trio.shard(SAME_SHARD), trio.shard(4)}
     assert enc.delta_bytes < enc.full_bytes / 10
     dec = decode(trio.prev, trio.delta, trio.work / "out", threads=2)
     for s in dec.shards:

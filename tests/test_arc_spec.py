@@ -6,6 +6,7 @@ here only to write full snapshots and to encode deltas.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import struct
@@ -31,6 +32,8 @@ from support.arc_spec_decoder import (
     decode_shard_file,
     parse_delta,
     read_delta_header,
+    rebuild_shard,
+    untouched_shards,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,6 +185,17 @@ def _shards(snapshot: Path) -> list[str]:
     return sorted(set(index["weight_map"].values()))
 
 
+def _header_names(shard: Path) -> set[str]:
+    full = shard.read_bytes()
+    (header_len,) = struct.unpack_from("<Q", full)
+    return set(json.loads(full[8 : 8 + header_len])) - {"__metadata__"}
+
+
+def _shipped(delta: Path) -> list[str]:
+    """The shards a delta folder holds: §2.2 leaves out those the step did not touch."""
+    return [s for s in _shards(delta) if s not in untouched_shards(delta)]
+
+
 def _encode(snapshots: tuple[Path, Path], out: Path, chunk_elements: int) -> Path:
     prev, cur = snapshots
     encode(prev, cur, out, identity="step-2", chunk_elements=chunk_elements, threads=2)
@@ -215,9 +229,19 @@ def test_spec_decoder_rebuilds_every_shard_exactly(
     shifts: set[int] = set()
     multi_chunk_tensors = 0
     per_tensor: dict[str, set[str]] = {}
+    untouched = untouched_shards(delta)
     for shard in shards:
-        rebuilt = decode_shard_file(prev / shard, delta / shard, expected_parent="step-1")
+        rebuilt = rebuild_shard(prev, delta, shard, expected_parent="step-1")
         assert rebuilt == (cur / shard).read_bytes(), shard
+        if shard in untouched:
+            # §2.2: left alone, not shipped, and pinned by the parent's header as stored.
+            assert not (delta / shard).exists()
+            full = (prev / shard).read_bytes()
+            (header_len,) = struct.unpack_from("<Q", full)
+            assert (
+                untouched[shard] == "sha256:" + hashlib.sha256(full[: 8 + header_len]).hexdigest()
+            )
+            continue
 
         fields = read_delta_header(delta / shard)
         assert fields["format"] == "arc_v2"
@@ -244,7 +268,10 @@ def test_spec_decoder_rebuilds_every_shard_exactly(
 
     assert set(encodings) == {"same", "sparse", "dense", "raw"}, encodings
     # Each kind of change gets the encoding it was designed to trigger.
-    assert per_tensor["model.embed_tokens.weight"] == {"same"}
+    # The unchanged embeddings' shard is left alone; `same` chunks show in the mixed tensor.
+    embed = next(s for s in shards if "model.embed_tokens.weight" in _header_names(cur / s))
+    assert set(untouched) == {embed}, untouched
+    assert "model.embed_tokens.weight" not in per_tensor
     assert per_tensor["model.layers.0.self_attn.q_proj.weight"] == {"sparse"}  # ~1%
     assert per_tensor["model.layers.1.mlp.down_proj.weight"] == {"dense"}  # ~90%
     assert per_tensor["model.layers.2.mlp.gate_proj.weight"] == {"raw"}  # redrawn
@@ -263,7 +290,7 @@ def test_chunk_layout_matches_the_spec(snapshots: tuple[Path, Path], tmp_path: P
     _, cur = snapshots
     delta = _encode(snapshots, tmp_path / "delta", 1_000)
     spec = json.loads((cur / "model.weight.spec.json").read_text())["tensor_map"]
-    for shard in _shards(delta):
+    for shard in _shipped(delta):
         parsed = parse_delta((delta / shard).read_bytes())
         offset = 0
         for tensor in parsed.fields["tensors"]:
@@ -383,6 +410,11 @@ def test_spec_decoder_rebuilds_compact_deltas_exactly(
             threads=2,
         )
         for shard in _shards(compact_chain[i]):
+            if shard in untouched_shards(delta):
+                rebuilt[shard] = rebuild_shard(compact_chain[i - 1], delta, shard)
+                assert rebuilt[shard] == (compact_chain[i] / shard).read_bytes(), (i, shard)
+                encodings["untouched shard"] += 1
+                continue
             blob = (delta / shard).read_bytes()
             rebuilt[shard] = decode_shard(rebuilt[shard], blob, expected_parent=f"step-{i - 1}")
             assert rebuilt[shard] == (compact_chain[i] / shard).read_bytes(), (i, shard)
@@ -405,7 +437,8 @@ def test_spec_decoder_rebuilds_compact_deltas_exactly(
     # predict, stay `sparse`.
     assert by_dtype["I32"] == {"sparse"}, by_dtype
     assert by_dtype["F32"] == {"sparse"}, by_dtype
-    assert {"same", "sparse_exp"} <= set(encodings), encodings
+    # The unchanged tensors' shards are left alone (§2.2) rather than shipped all `same`.
+    assert "sparse_exp" in encodings and encodings["untouched shard"] >= 1, encodings
 
 
 def _random_float_bits(rng: np.random.Generator, dtype: str, n: int) -> np.ndarray:
@@ -542,7 +575,7 @@ def test_flipped_payload_byte_is_refused(
     rng = np.random.default_rng(3)
     flips: Counter[str] = Counter()
     for prev, delta in _deltas(snapshots, compact_chain, tmp_path):
-        for shard in _shards(delta):
+        for shard in _shipped(delta):
             blob = (delta / shard).read_bytes()
             parent = (prev / shard).read_bytes()
             start = _payload_start(blob)
@@ -560,7 +593,7 @@ def test_flipped_payload_byte_is_refused(
 
     # The same on disk, through the file API: the last payload byte of a changed shard.
     prev, delta = snapshots[0], tmp_path / "delta"
-    shard = next(s for s in _shards(delta) if "layers.1" in _tensor_names(delta / s))
+    shard = next(s for s in _shipped(delta) if "layers.1" in _tensor_names(delta / s))
     damaged = bytearray((delta / shard).read_bytes())
     damaged[-1] ^= 0xFF
     broken = tmp_path / "broken.safetensors"
@@ -575,7 +608,7 @@ def test_tensor_checksums_catch_what_a_matching_crc_lets_through(
     """§8.1: with the chunk CRCs made to match, structure checks and adler32 still refuse."""
     flips: Counter[str] = Counter()
     for prev, delta in _deltas(snapshots, compact_chain, tmp_path):
-        for shard in _shards(delta):
+        for shard in _shipped(delta):
             blob = (delta / shard).read_bytes()
             parent = (prev / shard).read_bytes()
             good = parse_delta(blob)
@@ -704,7 +737,7 @@ def test_wrong_parent_is_refused(
     ):
         changed = [
             s
-            for s in _shards(delta)
+            for s in _shipped(delta)
             if any(c["encoding"] != "same" for c in _chunks(read_delta_header(delta / s)))
         ]
         assert changed

@@ -18,9 +18,10 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from hotload.faults import crash_point
 from hotload.fileio import pwrite_all
 from hotload.parse_cache import parse_once
 from hotload.snapshot.dtypes import uint_view_dtype
+from hotload.snapshot.inherited import header_digest
 from hotload.snapshot.safetensors_io import SafetensorsFile
 from hotload.snapshot.validate import validate_snapshot
 
@@ -83,12 +85,15 @@ def decode_chain(
         last = deltas[-1]
         with released_scratch(), staging(out_path, overwrite) as tmp:
             rebuild_side_files(parent_path, deltas, tmp, prev.shard_files)
+            untouched = [snap.untouched_shards for snap in snaps]
             done = Lanes(threads).each_shard(
                 prev.shard_files,
                 lambda shard, runner: _chain_shard(
                     parent_path / shard,
-                    [d / shard for d in deltas],
-                    expected,
+                    [
+                        _Step(None if shard in u else d / shard, u.get(shard), want)
+                        for d, u, want in zip(deltas, untouched, expected, strict=True)
+                    ],
                     tmp / shard,
                     runner,
                 ),
@@ -99,25 +104,37 @@ def decode_chain(
     )
 
 
+class _Step(NamedTuple):
+    """One delta of a chain as one shard sees it: the delta's file of the shard, or None where
+    the step left it alone (`untouched`: the sha256 the delta records of its header), and the
+    parent identity its header must name."""
+
+    path: Path | None
+    untouched: str | None
+    expected: str | None
+
+
 def _chain_shard(
-    previous: Path,
-    deltas: list[Path],
-    expected: list[str | None],
-    out: Path,
-    pool: ChunkRunner,
+    previous: Path, steps: list[_Step], out: Path, pool: ChunkRunner
 ) -> tuple[int, int]:
     """One shard through every delta; returns (bytes written, elements changed by any)."""
     shard = previous.name
+    deltas = [step.path for step in steps if step.path is not None]
     headers = [read_header(d) for d in deltas]
     checked: list[DeltaShard] = [
-        check_delta(h, shard, want) for h, want in zip(headers, expected, strict=True)
+        check_delta(h, shard, step.expected)
+        for h, step in zip(headers, [s for s in steps if s.path is not None], strict=True)
     ]
     plans = [plan_chunks(c, shard) for c in checked]
     bounds = [[(i.name, s, e) for i, s, e, _ in plan] for plan, _ in plans]
     if any(b != bounds[0] for b in bounds):
         raise ArcError("the deltas of a chain cut their tensors into different chunks", shard=shard)
-    target = checked[-1]
     with SafetensorsFile(previous) as prev:
+        _check_untouched(prev.header_bytes, steps, iter(checked), shard)
+        if not checked:
+            link_or_copy(previous, out)
+            return 0, 0
+        target = checked[-1]
         for c in checked:
             check_parent(prev, c, shard)
         full_bytes = 8 + len(target.target_raw) + target.data_len
@@ -172,6 +189,26 @@ def _chain_shard(
                 f.close()
             out.with_name(out.name + ".tmp").unlink(missing_ok=True)
     return full_bytes, sum(r[1] for r in results)
+
+
+def _check_untouched(
+    header: bytes, steps: list[_Step], checked: Iterator[DeltaShard], shard: str
+) -> None:
+    """Follow the shard's header along the chain (the parent's, then each shipping delta's
+    target) and check it against the sha256 each delta that left the shard alone recorded:
+    a mismatch is a parent that is not the one the delta was made against (`WrongParentError`,
+    which a loader treats as a corrupted local copy)."""
+    for j, step in enumerate(steps):
+        if step.path is not None:
+            header = next(checked).target_raw
+            continue
+        got = header_digest(struct.pack("<Q", len(header)) + header)
+        if got != step.untouched:
+            raise WrongParentError(
+                f"delta {j + 1} of the chain leaves this shard as its parent's, whose header "
+                f"has {step.untouched}; the shard before it has {got}",
+                shard=shard,
+            )
 
 
 def _check(checked: list[DeltaShard], plan: list[Any], sums: list[list[int]], shard: str) -> None:

@@ -17,7 +17,14 @@ from pathlib import Path
 from hotload.arc.checksum import adler32, format_checksum, parse_checksum
 from hotload.arc.decoder import decode_shard
 from hotload.arc.encoder import encode_shard
-from hotload.arc.files import copy_manifests, rebuild_side_files, ship_side_files, staging
+from hotload.arc.encodings import SAME
+from hotload.arc.files import (
+    copy_manifests,
+    link_or_copy,
+    rebuild_side_files,
+    ship_side_files,
+    staging,
+)
 from hotload.arc.lanes import Lanes, default_threads, released_scratch
 from hotload.arc.plan import (
     DEFAULT_CHUNK_ELEMENTS,
@@ -27,10 +34,18 @@ from hotload.arc.plan import (
     target_tensors,
     target_tensors_of,
 )
-from hotload.errors import ChecksumMismatchError, HotloadError, SnapshotError
+from hotload.errors import ChecksumMismatchError, HotloadError, SnapshotError, WrongParentError
 from hotload.parse_cache import parse_once
 from hotload.snapshot import layout
+from hotload.snapshot.inherited import (
+    InheritedRecord,
+    header_digest,
+    read_inherited,
+    write_inherited,
+)
 from hotload.snapshot.lora import adapter_weight_files, verify_adapter
+from hotload.snapshot.reader import data_header
+from hotload.snapshot.safetensors_io import SafetensorsFile
 from hotload.snapshot.validate import validate_snapshot, validate_transition
 from hotload.snapshot.writer import META_CHECKSUMS
 
@@ -98,9 +113,45 @@ def encode(
                 durable=durable,
             ),
         )
+        leave_untouched(prev_path, cur_path, tmp, stats.shards)
         copy_manifests(cur_path, tmp)
     stats.seconds = time.perf_counter() - started
     return stats
+
+
+def leave_untouched(prev: Path, cur: Path, delta: Path, shards: list[ShardStats]) -> list[str]:
+    """In delta folder `delta` (encoded from `prev` to `cur`), replace each shard the step left
+    alone (every chunk `same`, the same header) by an entry in `layout.INHERITED_FILE`: a reader
+    then takes the parent's shard, checked by its header's sha256, and never asks the bucket for
+    it. The first shard stays when every one is untouched: its header names the parent. Returns
+    the shards left out."""
+    same = [
+        s
+        for s in shards
+        if s.changed == 0
+        and set(s.encodings) <= {SAME}
+        and data_header(prev / s.name) == data_header(cur / s.name)
+        and _records_checksums(prev / s.name)
+    ]
+    if len(same) == len(shards):
+        same = same[1:]
+    if not same:
+        return []
+    record = read_inherited(delta)
+    untouched = dict(record.untouched_shards)
+    for s in same:
+        untouched[s.name] = header_digest(data_header(prev / s.name))
+        (delta / s.name).unlink()
+        s.delta_bytes = 0
+    write_inherited(delta, InheritedRecord(record.side_files, untouched))
+    return [s.name for s in same]
+
+
+def _records_checksums(path: Path) -> bool:
+    """Whether a full shard's header holds its tensors' checksums, so that its sha256 pins its
+    data too (shards other tools wrote lack them: such a shard is shipped, never left out)."""
+    with SafetensorsFile(path) as f:
+        return META_CHECKSUMS in f.metadata
 
 
 def decode(
@@ -155,37 +206,37 @@ def _decode(
             f"expected an incremental snapshot, found {dsnap.kind}", path=str(delta_path)
         )
     validate_transition(prev, dsnap)
+    untouched = dsnap.untouched_shards
     stats = CodecStats()
     lanes = Lanes(threads)
-    with released_scratch():
-        if out is None:
-            rebuild_side_files(prev_path, [delta_path], None, dsnap.shard_files)
-            stats.shards = lanes.each_shard(
-                dsnap.shard_files,
-                lambda shard, runner: decode_shard(
+
+    def each_shard(tmp: Path | None) -> list[ShardStats]:
+        """Every shard rebuilt into `tmp` (or only checked): a delta shard decoded, one the
+        step left alone taken from the parent."""
+        rebuild_side_files(prev_path, [delta_path], tmp, dsnap.shard_files)
+        return lanes.each_shard(
+            dsnap.shard_files,
+            lambda shard, runner: (
+                _untouched_shard(prev_path / shard, untouched[shard], tmp and tmp / shard, progress)
+                if shard in untouched
+                else decode_shard(
                     prev_path / shard,
                     delta_path / shard,
-                    None,
+                    tmp and tmp / shard,
                     expected_parent=expected_parent,
                     pool=runner,
                     progress=progress,
-                ),
-            )
+                    durable=durable,
+                )
+            ),
+        )
+
+    with released_scratch():
+        if out is None:
+            stats.shards = each_shard(None)
         else:
             with staging(Path(out), overwrite) as tmp:
-                rebuild_side_files(prev_path, [delta_path], tmp, dsnap.shard_files)
-                stats.shards = lanes.each_shard(
-                    dsnap.shard_files,
-                    lambda shard, runner: decode_shard(
-                        prev_path / shard,
-                        delta_path / shard,
-                        tmp / shard,
-                        expected_parent=expected_parent,
-                        pool=runner,
-                        progress=progress,
-                        durable=durable,
-                    ),
-                )
+                stats.shards = each_shard(tmp)
                 copy_manifests(delta_path, tmp)
     stats.seconds = time.perf_counter() - started
     return stats
@@ -233,46 +284,91 @@ def verify(
         report.shards_checked = len(adapter_weight_files(snap.path))
         return report
     for shard in snap.shard_files:
-        with snap.open_shard(shard) as f:
-            raw = f.metadata.get(META_CHECKSUMS)
-            if raw is None:
-                if not allow_unchecked:
-                    raise SnapshotError(
-                        f"records no tensor checksums (no __metadata__.{META_CHECKSUMS}), so its "
-                        "tensors cannot be verified; rebuild the snapshot with hotload "
-                        "(`hotload snapshot build`), or accept it unverified "
-                        "(allow_unchecked=True, `--allow-unchecked`)",
-                        path=str(snap.path / shard),
-                    )
-                report.unchecked_shards.append(shard)
-                if progress:
-                    progress(sum(i.nbytes for i in f.tensors.values()))
-                continue
-            try:
-                sums = json.loads(raw)
-            except json.JSONDecodeError:
-                sums = None
-            if not isinstance(sums, dict):
-                raise SnapshotError(
-                    "checksum metadata is not a JSON object",
-                    path=str(snap.path / shard),
-                    field=f"__metadata__.{META_CHECKSUMS}",
-                )
-            for tname, info in f.tensors.items():
-                want = parse_checksum(sums.get(tname), shard=shard, tensor=tname)
-                got = adler32(f.raw(info.name))
-                if got != want:
-                    raise ChecksumMismatchError(
-                        f"tensor data has checksum {format_checksum(got)}, the shard records "
-                        f"{format_checksum(want)}",
-                        shard=shard,
-                        tensor=tname,
-                    )
-                report.tensors_checked += 1
-                if progress:
-                    progress(info.nbytes)
+        checked = _verify_full_shard(snap.path / shard, allow_unchecked, progress)
+        if checked is None:
+            report.unchecked_shards.append(shard)
+        else:
+            report.tensors_checked += checked
             report.shards_checked += 1
     return report
+
+
+def _verify_full_shard(
+    path: Path, allow_unchecked: bool, progress: ProgressFn | None
+) -> int | None:
+    """Check every tensor of full shard `path` against its header's recorded checksums; the
+    tensors checked, or None for a shard that records none and `allow_unchecked`."""
+    shard = path.name
+    with SafetensorsFile(path) as f:
+        raw = f.metadata.get(META_CHECKSUMS)
+        if raw is None:
+            if not allow_unchecked:
+                raise SnapshotError(
+                    f"records no tensor checksums (no __metadata__.{META_CHECKSUMS}), so its "
+                    "tensors cannot be verified; rebuild the snapshot with hotload "
+                    "(`hotload snapshot build`), or accept it unverified "
+                    "(allow_unchecked=True, `--allow-unchecked`)",
+                    path=str(path),
+                )
+            if progress:
+                progress(sum(i.nbytes for i in f.tensors.values()))
+            return None
+        try:
+            sums = json.loads(raw)
+        except json.JSONDecodeError:
+            sums = None
+        if not isinstance(sums, dict):
+            raise SnapshotError(
+                "checksum metadata is not a JSON object",
+                path=str(path),
+                field=f"__metadata__.{META_CHECKSUMS}",
+            )
+        for tname, info in f.tensors.items():
+            want = parse_checksum(sums.get(tname), shard=shard, tensor=tname)
+            got = adler32(f.raw(info.name))
+            if got != want:
+                raise ChecksumMismatchError(
+                    f"tensor data has checksum {format_checksum(got)}, the shard records "
+                    f"{format_checksum(want)}",
+                    shard=shard,
+                    tensor=tname,
+                )
+            if progress:
+                progress(info.nbytes)
+        return len(f.tensors)
+
+
+def _untouched_shard(
+    previous: Path, recorded: str, out: Path | None, progress: ProgressFn | None
+) -> ShardStats:
+    """A shard the delta left alone (docs/arc_v2.md §2.2): the parent's, checked against the
+    header sha256 the delta records and its data against that header's checksums, then linked
+    to `out` (or only checked, `out=None`)."""
+    started = time.perf_counter()
+    got = header_digest(data_header(previous))
+    if got != recorded:
+        raise WrongParentError(
+            f"the delta leaves this shard as its parent's, whose header has {recorded}; the "
+            f"parent's copy {previous} has {got}",
+            shard=previous.name,
+        )
+    try:
+        _verify_full_shard(previous, False, progress)
+    except ChecksumMismatchError as exc:
+        # The parent's data differ from its own header: not the parent the delta was made on.
+        raise WrongParentError(
+            "the delta leaves this shard as its parent's, and the parent's tensor data do not "
+            "match the checksums of its header",
+            shard=exc.shard,
+            tensor=exc.tensor,
+        ) from None
+    with SafetensorsFile(previous) as f:
+        elements = sum(info.numel for info in f.tensors.values())
+    stats = ShardStats(previous.name, full_bytes=previous.stat().st_size, elements=elements)
+    if out is not None:
+        stats.hardlinked = link_or_copy(previous, out)
+    stats.seconds = time.perf_counter() - started
+    return stats
 
 
 __all__ = [

@@ -4,15 +4,15 @@ copies between files."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-from hotload.errors import ChecksumMismatchError, CorruptDeltaError, SnapshotError
+from hotload.errors import ChecksumMismatchError, SnapshotError
 from hotload.snapshot import layout
+from hotload.snapshot.inherited import InheritedRecord, read_inherited, write_inherited
 
 
 def copy_range(src: int, dst: int, count: int, src_off: int, dst_off: int) -> None:
@@ -71,7 +71,7 @@ def ship_side_files(parent: Path, current: Path, dst: Path, shards: Sequence[str
             inherited[name] = digest
         else:
             _place(src, dst / name)
-    _record_inherited(dst, inherited)
+    write_inherited(dst, InheritedRecord(inherited))
     return sorted(inherited)
 
 
@@ -95,21 +95,15 @@ def inherit_side_files(
     }
     for name in inherited:
         (folder / name).unlink()
-    _record_inherited(folder, inherited)
+    write_inherited(folder, InheritedRecord(inherited, read_inherited(folder).untouched_shards))
     return sorted(set(current) - set(inherited))
-
-
-def _record_inherited(folder: Path, inherited: Mapping[str, str]) -> None:
-    if inherited:
-        record = {"from_parent": dict(sorted(inherited.items()))}
-        (folder / layout.INHERITED_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def changed_side_files(delta: Path, shards: Sequence[str]) -> list[str]:
     """The side files other than config.json that delta folder `delta` ships although it records
     inherited ones: its publisher inherits what did not change, so these changed (a tokenizer,
     a chat template). Empty for a delta that records nothing (it ships every side file)."""
-    if not (delta / layout.INHERITED_FILE).is_file():
+    if not inherited_files(delta):
         return []
     return [n for n in side_files(delta, shards) if n != layout.CONFIG_FILE]
 
@@ -149,31 +143,7 @@ def rebuild_side_files(
 def inherited_files(delta: Path) -> dict[str, str]:
     """A delta folder's record of inherited side files (name -> "sha256:<hex>"); empty when it
     ships every side file. `CorruptDeltaError` naming the record when it is malformed."""
-    path = delta / layout.INHERITED_FILE
-    if not path.is_file():
-        return {}
-    try:
-        doc = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CorruptDeltaError(f"is not JSON: {err}", shard=str(path)) from None
-    files = doc.get("from_parent") if isinstance(doc, dict) else None
-    if not isinstance(files, dict):
-        raise CorruptDeltaError('has no "from_parent" object', shard=str(path))
-    for name, digest in files.items():
-        parts = PurePosixPath(name).parts
-        if (
-            not name
-            or name.startswith("/")
-            or ".." in parts
-            or name in (layout.CONFIG_FILE, layout.INHERITED_FILE, *layout.MANIFEST_FILES)
-            or name.endswith(".safetensors")
-        ):
-            raise CorruptDeltaError(f"names {name!r}, which no delta may inherit", shard=str(path))
-        if not (isinstance(digest, str) and _is_sha256(digest)):
-            raise CorruptDeltaError(
-                f"records {digest!r} for {name!r}, not sha256:<64 hex digits>", shard=str(path)
-            )
-    return dict(files)
+    return read_inherited(delta).side_files
 
 
 def _place(src: Path, dst: Path) -> None:
@@ -184,15 +154,6 @@ def _place(src: Path, dst: Path) -> None:
 def _sha256(path: Path) -> str:
     with path.open("rb") as f:
         return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _is_sha256(digest: str) -> bool:
-    hexpart = digest.removeprefix("sha256:")
-    return (
-        digest.startswith("sha256:")
-        and len(hexpart) == 64
-        and all(c in "0123456789abcdef" for c in hexpart)
-    )
 
 
 def copy_manifests(src: Path, dst: Path) -> None:

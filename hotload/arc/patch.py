@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import mmap
 import time
 from collections.abc import Sequence
@@ -100,7 +101,7 @@ class DeltaFolder:
     @property
     def kind(self) -> str:
         """The snapshot's kind (`Snapshot.kind`), known from the headers read."""
-        shards = self.snapshot.shard_files
+        shards = self.snapshot.shipped_shards
         return "incremental" if shards and shards[0] in self.headers else self.snapshot.kind
 
     def moved(self, path: Path) -> DeltaFolder:
@@ -124,8 +125,15 @@ def delta_changes(delta: str | Path | DeltaFolder) -> tuple[int, int]:
     """(changed elements, all elements) of an incremental snapshot, from its shard headers alone:
     a sparse chunk counts its changed elements, a dense or raw chunk all of its elements."""
     opened = _opened(delta)
-    changed = total = 0
-    for shard in opened.snapshot.shard_files:
+    snap = opened.snapshot
+    changed = 0
+    # A shard the step left alone is not shipped: its elements count from the manifests.
+    total = sum(
+        math.prod(snap.tensor_map[t].shape)
+        for shard in snap.untouched_shards
+        for t in snap.tensors_of(shard)
+    )
+    for shard in snap.shipped_shards:
         checked = check_delta(opened.header(shard), shard, None)
         plan, _ = plan_chunks(checked, shard)
         for _info, s, e, meta in plan:
@@ -153,7 +161,7 @@ def check_delta_files(delta: str | Path | DeltaFolder, expected_parent: str | No
         )
     inherited_files(folder)  # a malformed record is refused here, before any parent is read
     chunks = 0
-    for shard in snap.shard_files:
+    for shard in snap.shipped_shards:
         header = opened.header(shard)
         plan, _ = plan_chunks(check_delta(header, shard, expected_parent), shard)
         with (folder / shard).open("rb") as f:
@@ -214,12 +222,13 @@ def prepare_patch(
                     "the deltas of one patch must have the same shards", path=str(d.path)
                 )
         shards = snaps[0].shard_files
-        firsts = [d.header(shards[0]) if shards else None for d in opened]
+        shipped = [set(snap.shipped_shards) for snap in snaps]
+        firsts = [d.header(d.snapshot.shipped_shards[0]) for d in opened]
         names = [
             (h.identity if h is not None else None) or f.name
             for h, f in zip(firsts, folders, strict=True)
         ]
-        parents = [expected_parent or (firsts[0].parent if firsts[0] else None), *names[:-1]]
+        parents = [expected_parent or firsts[0].parent, *names[:-1]]
         if max_changed_fraction is not None:
             counted = [delta_changes(d) for d in opened]
             changed, total = sum(c for c, _ in counted), counted[0][1]
@@ -231,26 +240,43 @@ def prepare_patch(
                 )
         use_parent = Path(parent) if parent is not None and len(folders) == 1 else None
         with PatchWriter(out) as writer, released_scratch():
+            # A shard no delta ships was left alone by every step: it changes nothing and has
+            # nothing to check, and the engine keeps what it serves there.
             results = Lanes(threads).each_shard(
-                shards,
+                [shard for shard in shards if any(shard in s for s in shipped)],
                 lambda shard, runner: _patch_shard(
-                    [(d.path / shard, d.header(shard)) for d in opened],
-                    parents,
+                    [
+                        (d.path / shard, d.header(shard), want)
+                        for d, s, want in zip(opened, shipped, parents, strict=True)
+                        if shard in s
+                    ],
                     use_parent,
                     writer,
                     runner,
                 ),
             )
             entries = [e for shard_entries, _, _ in results for e in shard_entries]
+            left_alone = [s for s in shards if not any(s in ship for ship in shipped)]
+            elements = sum(n for _, n, _ in results) + sum(
+                math.prod(snaps[-1].tensor_map[t].shape)
+                for shard in left_alone
+                for t in snaps[-1].tensors_of(shard)
+            )
             ident = identity or names[-1]
             size = writer.finish(
                 {
                     "identity": ident,
                     "parent": parents[0],
                     "deltas": names,
-                    "elements": sum(n for _, n, _ in results),
+                    "elements": elements,
                     "changed": sum(c for _, _, c in results),
                     "tensors": entries,
+                    "kept": [
+                        {"name": t, "dtype": spec.dtype, "shape": list(spec.shape)}
+                        for shard in left_alone
+                        for t in snaps[-1].tensors_of(shard)
+                        for spec in [snaps[-1].tensor_map[t]]
+                    ],
                 }
             )
     return PatchStats(
@@ -258,7 +284,7 @@ def prepare_patch(
         ident,
         parents[0],
         len(entries),
-        sum(n for _, n, _ in results),
+        elements,
         sum(c for _, _, c in results),
         size,
         sum(f.stat().st_size for folder in folders for f in folder.iterdir() if f.is_file()),
@@ -273,20 +299,19 @@ Changes = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _patch_shard(
-    deltas: list[tuple[Path, ArcHeader]],
-    parents: list[str | None],
+    deltas: list[tuple[Path, ArcHeader, str | None]],
     parent: Path | None,
     writer: PatchWriter,
     pool: ChunkRunner,
 ) -> tuple[list[dict[str, Any]], int, int]:
-    """One shard over every delta (its file and header): its chunks' changes, composed,
-    written; returns (entries, elements, changed)."""
+    """One shard over every delta that ships it (its file, header and the parent its header
+    must name): its chunks' changes, composed, written; returns (entries, elements, changed)."""
     shard = deltas[0][0].name
     composed: dict[str, Changes] = {}
     first: dict[str, Any] = {}
     last: dict[str, Any] = {}
     infos: dict[str, Any] = {}
-    for (path, header), want in zip(deltas, parents, strict=True):
+    for path, header, want in deltas:
         checked = check_delta(header, shard, want)
         if infos and {n: (i.dtype, i.shape) for n, i in checked.infos.items()} != {
             n: (i.dtype, i.shape) for n, i in infos.items()

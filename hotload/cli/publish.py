@@ -309,14 +309,22 @@ def _check_published_delta(ledger: Ledger, folder: Path, identity: str) -> None:
     included), so the delta alone is downloaded, never the chain."""
     from hotload.arc.container import read_header
     from hotload.snapshot import Snapshot
+    from hotload.snapshot.inherited import header_digest
+    from hotload.snapshot.reader import data_header
 
     local = Snapshot(folder)
     with tempfile.TemporaryDirectory(prefix="hotload-published-") as tmp:
         download_snapshot(ledger.bucket, identity, tmp)
+        untouched = Snapshot(tmp).untouched_shards
         for shard in local.shard_files:
             remote = Path(tmp) / shard
-            target = read_header(remote).fields.get("target_header") if remote.is_file() else None
-            if target != _safetensors_header(folder / shard):
+            if shard in untouched:
+                # Left alone by the step: the record pins the header the shard kept.
+                same = untouched[shard] == header_digest(data_header(folder / shard))
+            else:
+                target = remote.is_file() and read_header(remote).fields.get("target_header")
+                same = target == _safetensors_header(folder / shard)
+            if not same:
                 raise HotloadError(
                     f"{identity!r} is already published (an arc_v2 delta) with other weights "
                     f"(first difference: {shard}); published snapshots are immutable, so publish "

@@ -298,7 +298,9 @@ def _inspect(args: argparse.Namespace) -> int:
             "layer": (layer_of(tensors[0]) if tensors else None) or "<non-layer>",
             "full_bytes": sum(snap.tensor_map[t].nbytes for t in tensors if t in snap.tensor_map),
         }
-        if desc.kind == "incremental":
+        if shard in snap.untouched_shards:
+            entry["untouched"] = True  # left alone by the step: the parent's (arc_v2.md §2.2)
+        elif desc.kind == "incremental":
             counts: dict[str, int] = {}
             for t in read_header(path).fields.get("tensors", []):
                 for c in t.get("chunks", []):
@@ -338,7 +340,11 @@ def _inspect(args: argparse.Namespace) -> int:
                 str(e["tensors"]),
                 human_bytes(e["bytes"] or 0),
                 human_bytes(e["full_bytes"]),
-                json.dumps(enc) if enc else "",
+                "untouched (the parent's)"
+                if e.get("untouched")
+                else json.dumps(enc)
+                if enc
+                else "",
             )
         stdout.print(table)
     if not snap.path.is_dir():

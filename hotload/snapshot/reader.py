@@ -12,6 +12,7 @@ from typing import Any, Literal
 from hotload.arc.container import MAGIC, PREFIX_LEN, header_from_bytes, is_arc_file, read_header
 from hotload.errors import ChecksumMismatchError, SnapshotError
 from hotload.snapshot import layout
+from hotload.snapshot.inherited import read_inherited
 from hotload.snapshot.lora import adapter_digest
 from hotload.snapshot.manifests import TensorSpec, load_json, parse_tensor_map, parse_weight_map
 from hotload.snapshot.safetensors_io import RawTensor, SafetensorsFile
@@ -29,6 +30,7 @@ class Snapshot:
         self.is_adapter = (self.path / layout.ADAPTER_CONFIG_FILE).exists()
         self.weight_map: dict[str, str] = {}
         self.tensor_map: dict[str, TensorSpec] = {}
+        self._untouched: dict[str, str] | None = None  # read on first use (`untouched_shards`)
         if not self.is_adapter:
             self.weight_map = parse_weight_map(self.path / layout.INDEX_FILE)
             self.tensor_map = parse_tensor_map(self.path / layout.SPEC_FILE)
@@ -47,6 +49,21 @@ class Snapshot:
         """Shard file names named by the weight map, sorted."""
         return sorted(set(self.weight_map.values()))
 
+    @property
+    def untouched_shards(self) -> dict[str, str]:
+        """The shards an incremental snapshot does not ship because the step left them alone
+        (name -> sha256 of the parent's shard header, docs/arc_v2.md §2.2); empty otherwise."""
+        if self._untouched is None:
+            self._untouched = {} if self.is_adapter else read_inherited(self.path).untouched_shards
+        return self._untouched
+
+    @property
+    def shipped_shards(self) -> list[str]:
+        """The shard files the folder holds: every shard of the weight map but the untouched
+        ones, sorted."""
+        untouched = self.untouched_shards
+        return [s for s in self.shard_files if s not in untouched]
+
     def tensors_of(self, shard: str) -> list[str]:
         """Names of the tensors the weight map assigns to `shard`."""
         return [n for n, f in self.weight_map.items() if f == shard]
@@ -56,6 +73,8 @@ class Snapshot:
         """`lora` for an adapter folder, `incremental` for arc_v2 delta shards, else `full`."""
         if self.is_adapter:
             return "lora"
+        if self.untouched_shards:
+            return "incremental"
         files = self.shard_files
         return "incremental" if files and is_arc_file(self.path / files[0]) else "full"
 
@@ -64,7 +83,7 @@ class Snapshot:
         """Identity of the parent snapshot of an incremental snapshot, else None."""
         if self.kind != "incremental":
             return None
-        return read_header(self.path / self.shard_files[0]).parent
+        return read_header(self.path / self.shipped_shards[0]).parent
 
     def open_shard(self, shard: str) -> SafetensorsFile:
         """Memory-map one full shard."""
@@ -211,7 +230,7 @@ def describe_snapshot(
     content = content_digest(snap.path, seen)
     # The kind and the parent from the first shard's header as the digest read it: each data
     # header is read once here (`Snapshot.kind` and `.parent` would read it twice more).
-    shards = snap.shard_files
+    shards = snap.shipped_shards
     raw = seen.get(shards[0]) if shards and not snap.is_adapter else None
     if raw is None:
         kind, parent = snap.kind, snap.parent

@@ -175,8 +175,17 @@ def validate_snapshot(
         )
     kinds = set()
     parents: dict[str, str | None] = {}
+    untouched = _untouched(snap, shards, problems)
     for shard in shards:
         shard_path = root / shard
+        if shard in untouched:
+            if shard_path.exists():
+                problems.add(
+                    shard_path,
+                    None,
+                    f"is shipped, yet {layout.INHERITED_FILE} leaves it out",
+                )
+            continue
         if not shard_path.is_file():
             problems.add(shard_path, None, "shard named in weight_map is missing")
             continue
@@ -220,11 +229,29 @@ def validate_snapshot(
             )
     if len(kinds) > 1:
         problems.add(root, None, "some shards are arc_v2 deltas and others full tensors")
+    if untouched and kinds != {True}:
+        problems.add(
+            root / layout.INHERITED_FILE,
+            "untouched_shards",
+            "a delta that records untouched shards ships at least one arc_v2 delta shard "
+            "(its header names the parent)",
+        )
     if len(set(parents.values())) > 1:
         listed = ", ".join(f"{s}: {p!r}" for s, p in sorted(parents.items()))
         problems.add(root, "parent", f"delta shards name different parents ({listed})")
     problems.raise_if_any()
     return snap
+
+
+def _untouched(snap: Snapshot, shards: list[str], problems: _Problems) -> set[str]:
+    """The shards the folder's record says the step left alone (not shipped); one the weight
+    map does not name is a problem, and a malformed record a `CorruptDeltaError`, as a
+    corrupted delta shard is (a loader fetches it again)."""
+    record = snap.path / layout.INHERITED_FILE
+    untouched = set(snap.untouched_shards)  # a malformed record raises `CorruptDeltaError`
+    for name in sorted(untouched - set(shards)):
+        problems.add(record, f"untouched_shards.{name}", "is not a shard of the weight map")
+    return untouched & set(shards)
 
 
 def validate_transition(parent: str | Path | Snapshot, child: str | Path | Snapshot) -> None:

@@ -7,6 +7,7 @@ shards in memory, which is fine for tests. Section numbers (§) refer to docs/ar
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import struct
@@ -564,3 +565,64 @@ def decode_shard_file(
         Path(delta_shard_path).read_bytes(),
         expected_parent=expected_parent,
     )
+
+
+INHERITED_FILE = "hotload.inherited.json"  # §2.2
+SHARD_NAME = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")  # §2
+
+
+def untouched_shards(delta_folder: str | Path) -> dict[str, str]:
+    """§2.2: the shards a delta folder leaves alone (name -> "sha256:<hex>" of the parent's
+    shard header as stored); empty without a record. Refuses a malformed `untouched_shards`."""
+    path = Path(delta_folder) / INHERITED_FILE
+    if not path.is_file():
+        return {}
+    doc = json.loads(path.read_bytes())
+    shards = doc.get("untouched_shards", {}) if isinstance(doc, dict) else None
+    if not isinstance(shards, dict):
+        raise SpecDecodeError(f"{path}: untouched_shards is not an object")
+    for name, digest in shards.items():
+        if not SHARD_NAME.fullmatch(name):
+            raise SpecDecodeError(f"{path}: untouched_shards names {name!r}, not a shard")
+        if not (
+            isinstance(digest, str)
+            and digest.startswith("sha256:")
+            and re.fullmatch(r"[0-9a-f]{64}", digest[7:])
+        ):
+            raise SpecDecodeError(f"{path}: untouched_shards.{name} is not sha256:<64 hex>")
+    return dict(shards)
+
+
+def rebuild_shard(
+    parent_folder: str | Path,
+    delta_folder: str | Path,
+    shard: str,
+    *,
+    expected_parent: str | None = None,
+) -> bytes:
+    """The bytes of full shard `shard` that a delta folder rebuilds from its parent folder:
+    decoded from the delta's shard (§10), or, for a shard the delta leaves alone (§2.2), the
+    parent's shard after its header's sha256 and its tensors' recorded checksums match."""
+    parent = (Path(parent_folder) / shard).read_bytes()
+    recorded = untouched_shards(delta_folder).get(shard)
+    if recorded is None:
+        return decode_shard_file(
+            Path(parent_folder) / shard, Path(delta_folder) / shard, expected_parent=expected_parent
+        )
+    if (Path(delta_folder) / shard).exists():
+        raise SpecDecodeError(f"{shard}: both shipped and named untouched")
+    (header_len,) = struct.unpack_from("<Q", parent)
+    got = "sha256:" + hashlib.sha256(parent[: 8 + header_len]).hexdigest()
+    if got != recorded:
+        raise ChecksumError(f"{shard}: wrong parent: header sha256 {got} != {recorded}")
+    header = json.loads(parent[8 : 8 + header_len])
+    sums = json.loads(header["__metadata__"]["hotload.checksums"])
+    data_start = 8 + header_len
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        got_sum = adler32(parent[data_start + begin : data_start + end])
+        if got_sum != _parse_checksum(sums.get(name), f"{shard}: {name}"):
+            raise ChecksumError(f"{shard}: {name}: parent checksum {got_sum:08x} != recorded")
+    return parent
