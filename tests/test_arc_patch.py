@@ -15,6 +15,7 @@ import pytest
 
 from hotload.arc.container import read_header
 from hotload.arc.patch import (
+    ParentChain,
     PatchNeedsParentError,
     PatchTooDenseError,
     delta_changes,
@@ -26,7 +27,14 @@ from hotload.snapshot.dtypes import uint_view_dtype
 from hotload.snapshot.safetensors_io import iter_file
 from hotload_patch import PatchError
 from hotload_patch.format import PatchFile
-from support.snapshots import CONFIG, adam_like_step, flip_payload_byte, weights, write_bf16
+from support.snapshots import (
+    CONFIG,
+    adam_like_step,
+    bf16_bits,
+    flip_payload_byte,
+    weights,
+    write_bf16,
+)
 from support.tiny_llm import sparse_steps
 
 
@@ -161,6 +169,65 @@ def test_compact_deltas_need_their_parent(tmp_path: Path) -> None:
     child = _bits(tmp_path / "s1")
     patched = _apply(tmp_path / "s0", out)
     assert all(np.array_equal(patched[n], b) for n, (_, b) in child.items())
+
+
+def _adam_chain(root: Path, steps: int, n: int = 300_000) -> list[Path]:
+    """Full bf16 snapshots s0..s<steps> of two layers, each step an Adam-like move at lr 1e-6
+    of every element of both (the kind of step `compact` deltas are for)."""
+    rng = np.random.default_rng(5)
+    w = {
+        f"layers.{k}.w": rng.standard_normal(n, dtype=np.float32) * np.float32(0.02) for k in (0, 1)
+    }
+    fulls = []
+    for i in range(steps + 1):
+        if i:
+            for name, value in list(w.items()):
+                step = np.abs(rng.standard_normal(n, dtype=np.float32)).clip(0.05, 3)
+                sign = rng.integers(0, 2, n).astype(np.float32) * 2 - 1
+                w[name] = value - step * np.float32(1e-6) * sign
+        write_bf16(root / f"s{i}", {name: bf16_bits(v) for name, v in w.items()})
+        fulls.append(root / f"s{i}")
+    return fulls
+
+
+def test_a_compact_delta_after_deltas_is_patched_from_the_chain_to_its_parent(
+    tmp_path: Path,
+) -> None:
+    """The engine serves s1 (s0 plus a delta): a compact delta of s1 takes its parent's values
+    from s0's chunks through the first delta, alone and composed with the next compact one."""
+    from hotload.arc import encode
+
+    fulls = _adam_chain(tmp_path, 3)
+    deltas = []
+    for k in (1, 2, 3):
+        out = tmp_path / "d" / f"s{k}"  # a delta folder is named as the snapshot it rebuilds
+        encode(fulls[k - 1], fulls[k], out, chunk_elements=100_000, compact=k > 1)
+        deltas.append(out)
+    kinds = {
+        c.get("encoding")
+        for shard in Snapshot(deltas[1]).shard_files
+        for e in read_header(deltas[1] / shard).fields["tensors"]
+        for c in e["chunks"]
+    }
+    assert "sparse_exp" in kinds
+    with pytest.raises(PatchNeedsParentError):
+        prepare_patch(None, deltas[1], tmp_path / "none.patch")
+    for composed, child in (([deltas[1]], fulls[2]), (deltas[1:], fulls[3])):
+        out = tmp_path / f"{len(composed)}.patch"
+        prepare_patch(ParentChain(fulls[0], [deltas[0]]), composed, out)
+        patched = _apply(fulls[1], out)
+        assert all(np.array_equal(patched[n], b) for n, (_, b) in _bits(child).items())
+    # A chain that does not end at the delta's parent never gives the child in silence: the
+    # hot lists from its exponents do not fit the runs, or the values differ (and the engine's
+    # parent and result checksums refuse that patch).
+    wrong = tmp_path / "wrong.patch"
+    try:
+        prepare_patch(ParentChain(fulls[0]), deltas[1], wrong)
+    except CorruptDeltaError:
+        assert not wrong.exists()
+    else:
+        patched = _apply(fulls[1], wrong)
+        assert not all(np.array_equal(patched[n], b) for n, (_, b) in _bits(fulls[2]).items())
 
 
 def test_a_delta_that_does_not_pass_its_checks_leaves_no_patch(tmp_path: Path) -> None:

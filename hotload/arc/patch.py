@@ -13,18 +13,20 @@ raw value replacing what came before). The engine verifies the result against it
 takes its name only after every shard of every delta passed its checks.
 
 `sparse_exp` chunks (deltas encoded with `compact`) order their positions by the parent's
-exponents: they need the parent, which `parent` may give for a single delta (its chunk's values
-are then read from the parent snapshot); otherwise `PatchNeedsParentError`.
+exponents: they need the parent's values of that chunk, which `parent` gives (a full snapshot,
+or a `ParentChain`: a snapshot and the deltas after it, the chunk rebuilt through them; a later
+delta of several also through the ones before it); otherwise `PatchNeedsParentError`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import mmap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -44,7 +46,7 @@ from hotload.errors import ArcError, SnapshotError, WrongParentError
 from hotload.parse_cache import parse_once
 from hotload.snapshot.dtypes import uint_view_dtype
 from hotload.snapshot.reader import Snapshot
-from hotload.snapshot.safetensors_io import SafetensorsFile
+from hotload.snapshot.safetensors_io import SafetensorsFile, TensorInfo
 from hotload.snapshot.validate import validate_snapshot
 
 
@@ -117,6 +119,71 @@ class DeltaFolder:
         return known if known is not None else read_header(self.path / shard)
 
 
+class ParentChain:
+    """The snapshot a patch's first delta applies to, for the `sparse_exp` chunks that need its
+    values: full snapshot `full`, then `deltas` (folders, each the next one's parent) applied
+    in order. A chunk's parent values are rebuilt alone, from `full`'s chunk and each delta's
+    same chunk: what a compact delta costs is the chunks it changes, never the model."""
+
+    def __init__(self, full: str | Path, deltas: Sequence[str | Path] = ()) -> None:
+        self.full = Path(full)
+        self.deltas = [Path(d) for d in deltas]
+        self._plans: dict[Path, tuple[int, dict[tuple[str, int], ChunkTask]]] = {}
+
+    def values(
+        self,
+        shard: str,
+        info: TensorInfo,
+        s: int,
+        e: int,
+        *,
+        after: Sequence[tuple[Path, ArcHeader]] = (),
+    ) -> np.ndarray:
+        """Elements `s..e` of tensor `info` of `shard` in the snapshot the chain ends at, then
+        through the delta shards `after` (file, header); `PatchNeedsParentError` when a delta
+        cuts the tensor into other chunks."""
+        with SafetensorsFile(self.full / shard) as f:
+            buf = np.array(elements(f, f.tensors[info.name])[s:e])
+        steps = [(d / shard, None) for d in self.deltas if (d / shard).is_file()]
+        for path, header in [*steps, *after]:
+            payload, plan = self._plan(path, header)
+            item = plan.get((info.name, s))
+            if item is None or item[2] != e:
+                raise PatchNeedsParentError(
+                    f"{path.parent.name} cuts the tensor into other chunks than the patch's delta",
+                    shard=shard,
+                    tensor=info.name,
+                )
+            if _unchanged(item[3]):
+                continue
+            with path.open("rb") as fh:
+                delta_map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                try:
+                    data = stored_chunk(delta_map, payload, item, shard)
+                    try:
+                        what = f"{shard}: {info.name!r}: elements {s}..{e} of {path.parent.name}"
+                        ck.decode_chunk(item[3], data, buf, what, info.dtype, out=buf)
+                    finally:
+                        data.release()
+                finally:
+                    with contextlib.suppress(BufferError):
+                        delta_map.close()
+        return buf
+
+    def _plan(
+        self, path: Path, header: ArcHeader | None
+    ) -> tuple[int, dict[tuple[str, int], ChunkTask]]:
+        """Delta shard `path`'s payload offset and every chunk by (tensor, first element);
+        its header read (when not given) and checked once."""
+        known = self._plans.get(path)
+        if known is None:
+            header = header or read_header(path)
+            items, _ = plan_chunks(check_delta(header, path.name, None), path.name)
+            plan = {(i.name, s): (i, s, e, m) for i, s, e, m in items}
+            known = self._plans[path] = (header.payload_offset, plan)
+        return known
+
+
 def _opened(delta: str | Path | DeltaFolder) -> DeltaFolder:
     return delta if isinstance(delta, DeltaFolder) else DeltaFolder.read(delta)
 
@@ -182,7 +249,7 @@ def _count(run: object) -> int:
 
 
 def prepare_patch(
-    parent: str | Path | None,
+    parent: str | Path | ParentChain | None,
     delta: str | Path | DeltaFolder | Sequence[str | Path | DeltaFolder],
     out: str | Path,
     *,
@@ -194,14 +261,15 @@ def prepare_patch(
     """Write the patch of incremental snapshot `delta` (or of several, each the next one's
     parent, composed into one) at `out`, checking every chunk first (see the module docstring).
 
-    `parent` (a full snapshot of the first delta's parent, or None) is read only for
-    `sparse_exp` chunks. `identity` and `expected_parent` are recorded in the patch (default:
-    the deltas' header fields, and for the identity else the last delta folder's name);
-    `expected_parent` is also checked against the first delta's headers, and each later delta
-    must name the one before it. A `DeltaFolder` is used as read (its headers are not read
-    again). With `max_changed_fraction`, deltas changing more than that
-    fraction of the elements (summed over the deltas, from their chunk entries) are refused
-    (`PatchTooDenseError`) before anything is decoded. Raises `CorruptDeltaError`,
+    `parent` (the first delta's parent: a full snapshot, a `ParentChain` of a snapshot and
+    deltas, or None) is read only for `sparse_exp` chunks, chunk by chunk. `identity` and
+    `expected_parent` are recorded in the patch (default: the deltas' header fields, and for
+    the identity else the last delta folder's name); `expected_parent` is also checked against
+    the first delta's headers, and each later delta must name the one before it. A
+    `DeltaFolder` is used as read (its headers are not read again). With
+    `max_changed_fraction`, deltas changing more than that fraction of the elements (summed
+    over the deltas, from their chunk entries) are refused (`PatchTooDenseError`) before
+    anything is decoded. Raises `CorruptDeltaError`,
     `WrongParentError`, `SnapshotError` or `PatchNeedsParentError` otherwise.
     """
     started = time.perf_counter()
@@ -238,7 +306,7 @@ def prepare_patch(
                     f"{what} {changed} of {total} elements ({changed / total:.0%}), more than "
                     f"the {max_changed_fraction:.0%} a patch is worth"
                 )
-        use_parent = Path(parent) if parent is not None and len(folders) == 1 else None
+        chain = parent if isinstance(parent, ParentChain) or parent is None else ParentChain(parent)
         with PatchWriter(out) as writer, released_scratch():
             # A shard no delta ships was left alone by every step: it changes nothing and has
             # nothing to check, and the engine keeps what it serves there.
@@ -250,7 +318,7 @@ def prepare_patch(
                         for d, s, want in zip(opened, shipped, parents, strict=True)
                         if shard in s
                     ],
-                    use_parent,
+                    chain,
                     writer,
                     runner,
                 ),
@@ -300,18 +368,20 @@ Changes = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 def _patch_shard(
     deltas: list[tuple[Path, ArcHeader, str | None]],
-    parent: Path | None,
+    parent: ParentChain | None,
     writer: PatchWriter,
     pool: ChunkRunner,
 ) -> tuple[list[dict[str, Any]], int, int]:
     """One shard over every delta that ships it (its file, header and the parent its header
-    must name): its chunks' changes, composed, written; returns (entries, elements, changed)."""
+    must name): its chunks' changes, composed, written; returns (entries, elements, changed).
+    `parent` gives a `sparse_exp` chunk its parent's values: the chain, then the deltas before
+    this one."""
     shard = deltas[0][0].name
     composed: dict[str, Changes] = {}
     first: dict[str, Any] = {}
     last: dict[str, Any] = {}
     infos: dict[str, Any] = {}
-    for path, header, want in deltas:
+    for j, (path, header, want) in enumerate(deltas):
         checked = check_delta(header, shard, want)
         if infos and {n: (i.dtype, i.shape) for n, i in checked.infos.items()} != {
             n: (i.dtype, i.shape) for n, i in infos.items()
@@ -319,7 +389,11 @@ def _patch_shard(
             raise WrongParentError("the deltas hold different tensors", shard=shard)
         infos = checked.infos
         plan, _ = plan_chunks(checked, shard)
-        changes = _shard_changes(path, header.payload_offset, plan, parent, pool)
+        before = [(p, h) for p, h, _ in deltas[:j]]
+        of_parent = (
+            None if parent is None else functools.partial(parent.values, shard, after=before)
+        )
+        changes = _shard_changes(path, header.payload_offset, plan, of_parent, pool)
         for entry in checked.entries:
             name = entry["name"]
             first.setdefault(name, entry)
@@ -355,13 +429,16 @@ def _patch_shard(
 
 
 def _shard_changes(
-    path: Path, payload: int, plan: list[ChunkTask], parent: Path | None, pool: ChunkRunner
+    path: Path,
+    payload: int,
+    plan: list[ChunkTask],
+    parent: Callable[[TensorInfo, int, int], np.ndarray] | None,
+    pool: ChunkRunner,
 ) -> dict[str, Changes]:
     """Every chunk of one delta shard read (CRC-32 first) into per-tensor changes."""
     shard = path.name
     with path.open("rb") as f:
         delta_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        prev = SafetensorsFile(parent / shard) if parent is not None else None
 
         def run(item: ChunkTask) -> tuple[str, np.ndarray | None, np.ndarray | None]:
             info, s, e, meta = item
@@ -374,9 +451,9 @@ def _shard_changes(
                 finally:
                     data.release()
             except ck.NeedsParentError as exc:
-                if prev is None:
+                if parent is None:
                     raise PatchNeedsParentError(str(exc), shard=shard, tensor=info.name) from None
-                return _from_parent(prev, item, delta_map, payload, shard)
+                return _from_parent(parent(info, s, e), item, delta_map, payload, shard)
             except ArcError as exc:
                 exc.shard, exc.tensor = exc.shard or shard, exc.tensor or info.name
                 raise
@@ -393,8 +470,6 @@ def _shard_changes(
         try:
             results = list(pool.map(run, changing))
         finally:
-            if prev is not None:
-                prev.close()
             # A chunk that failed may still hold a view of the map (in its traceback): the
             # map is then freed with it.
             with contextlib.suppress(BufferError):
@@ -426,11 +501,10 @@ def _unchanged(meta: dict[str, Any]) -> bool:
 
 
 def _from_parent(
-    prev: SafetensorsFile, item: ChunkTask, delta_map: mmap.mmap, payload: int, shard: str
+    old: np.ndarray, item: ChunkTask, delta_map: mmap.mmap, payload: int, shard: str
 ) -> tuple[str, np.ndarray, np.ndarray]:
-    """A `sparse_exp` chunk decoded against the parent's values: its differences."""
-    info, s, e, meta = item
-    old = elements(prev, prev.tensors[info.name])[s:e]
+    """A `sparse_exp` chunk decoded against its parent's values `old`: its differences."""
+    info, s, _, meta = item
     data = stored_chunk(delta_map, payload, item, shard)
     try:
         res = ck.decode_chunk(meta, data, old, f"{shard}: tensor {info.name!r}", info.dtype)

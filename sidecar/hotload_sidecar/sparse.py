@@ -29,10 +29,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hotload.arc.files import changed_side_files
 from hotload.arc.patch import (
     DeltaFolder,
+    ParentChain,
     PatchNeedsParentError,
     PatchStats,
     PatchTooDenseError,
@@ -46,7 +48,7 @@ from hotload.faults import crash_point
 from hotload.ledger import LedgerDocument, LedgerEntry
 from hotload.parse_cache import parse_once
 from hotload.process import run_in_thread
-from hotload.snapshot import validate_identity
+from hotload.snapshot import Snapshot, validate_identity
 from hotload_sidecar.engines import (
     CachePolicy,
     EngineAdapter,
@@ -63,6 +65,22 @@ log = logging.getLogger("hotload_sidecar.sparse")
 
 #: The suffix of a delta's download kept for the full path after it proved too dense to patch.
 TOO_DENSE = ".too-dense"
+#: The most volume deltas walked back to find what a compact delta's parent values are made of
+#: (compaction folds the volume's deltas long before; a longer walk is a volume to distrust).
+MAX_PARENT_CHAIN = 1000
+
+
+def _prepare_patch(
+    chain: Callable[[str], ParentChain | None],
+    parent: str,
+    folders: list[DeltaFolder],
+    out: Path,
+    **kwargs: Any,
+) -> PatchStats:
+    """`prepare_patch` of `folders`, whose first delta applies to `parent`, with what the
+    volume holds of that parent (`chain`: walked in this worker thread, not the loop's)."""
+    return prepare_patch(chain(parent), folders, out, **kwargs)
+
 
 #: Called as a patch goes to the engine, with the entry it serves and the engine's pending
 #: answer: work to overlap with the engine's (`SparseLoads.send`).
@@ -307,11 +325,11 @@ class SparseLoads:
                 target = steps[-1]
                 patch = self._patch_file(steps)
             crash_point("patch")
-            full_parent = self.weights.path(parent) if self.weights.has(parent) else None
             try:
                 write = functools.partial(
-                    prepare_patch,
-                    full_parent,
+                    _prepare_patch,
+                    self._parent_chain,
+                    parent,
                     folders,
                     patch,
                     identity=target.identity,
@@ -474,6 +492,21 @@ class SparseLoads:
         except BaseException:
             remove_tree(folder)
             raise
+
+    def _parent_chain(self, identity: str) -> ParentChain | None:
+        """Where the values of snapshot `identity` (the one the engine serves) are on the
+        volume, for a compact delta's `sparse_exp` chunks: a snapshot and the deltas after it,
+        walked back from `identity` through each delta's parent; None when the volume does not
+        hold it so. The volume's deltas were checked when they were committed, and the engine
+        checks the patch against the weights it serves."""
+        deltas: list[Path] = []
+        at: str | None = identity
+        while at is not None and not self.weights.has(at):
+            if not self.weights.has_delta(at) or len(deltas) >= MAX_PARENT_CHAIN:
+                return None
+            deltas.append(self.weights.delta_path(at))
+            at = Snapshot(deltas[-1]).parent
+        return None if at is None else ParentChain(self.weights.path(at), deltas[::-1])
 
     def density_refusal(self, identity: str, changed: int, total: int) -> str:
         """Why a delta changing `changed` of `total` elements is too dense for a patch ("" when

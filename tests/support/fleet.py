@@ -136,8 +136,17 @@ class Trainer:
         """The identity of step `step`."""
         return f"step-{step:03d}"
 
-    def publish(self, step: int, *, full: bool | None = None, folder: Path | None = None) -> Path:
-        """Publish step `step` (or `folder` under its identity); return what was uploaded."""
+    def publish(
+        self,
+        step: int,
+        *,
+        full: bool | None = None,
+        folder: Path | None = None,
+        compact: bool = False,
+    ) -> Path:
+        """Publish step `step` (or `folder` under its identity); return what was uploaded.
+        `compact`: a delta encoded with `sparse_exp` (its positions follow the parent's
+        exponents)."""
         ident = self.identity(step)
         if folder is None:
             as_full = step % self.full_every == 0 if full is None else full
@@ -155,6 +164,7 @@ class Trainer:
                         folder,
                         parent_identity=self.identity(step - 1),
                         threads=1,
+                        compact=compact,
                     )
         entry = publish_folder(self.ledger, folder, identity=ident).entry
         self.published.append(entry)

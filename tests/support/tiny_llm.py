@@ -253,6 +253,45 @@ def sparse_steps(
     return fulls, deltas
 
 
+def adam_steps(
+    base: Path, root: Path, steps: int, *, lr: float = 1e-6, seed: int = 0
+) -> list[Path]:
+    """Full snapshots `root/step-0..step-N` of `steps` Adam-like steps after bf16 snapshot
+    `base` (`step-0` a copy): every bf16 element moves by lr times a random magnitude in its
+    sign's direction, so the elements that change are the small ones, whose bf16 ulp the step
+    crosses: what `compact` deltas (`sparse_exp`) are for."""
+    import numpy as np
+
+    from hotload.snapshot import Snapshot
+    from hotload.snapshot.safetensors_io import RawTensor, iter_file
+
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, RawTensor] = {}
+    for shard in Snapshot(base).shard_files:
+        for name, raw in iter_file(base / shard):
+            tensors[name] = RawTensor(raw.dtype, raw.shape, np.array(raw.data))
+    fulls: list[Path] = []
+    for step in range(steps + 1):
+        for raw in tensors.values() if step else ():
+            if raw.dtype != "BF16":
+                continue
+            bits = raw.data.view("<u2")
+            w = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+            move = np.abs(rng.standard_normal(w.size, dtype=np.float32)).clip(0.05, 3)
+            sign = rng.integers(0, 2, w.size).astype(np.float32) * 2 - 1
+            w = (w - move * np.float32(lr) * sign).view(np.uint32)
+            rounded = (w + np.uint32(0x7FFF) + ((w >> np.uint32(16)) & np.uint32(1))) >> np.uint32(
+                16
+            )
+            bits[:] = rounded.astype(np.uint16)
+        fulls.append(
+            write_snapshot(
+                root / f"step-{step}", dict(tensors), side_files_from=base, overwrite=True
+            ).path
+        )
+    return fulls
+
+
 # --- LoRA adapters -------------------------------------------------------------------------------
 
 #: What `adapter_config.json` of the tiny adapters names as their base model.
