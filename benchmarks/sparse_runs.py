@@ -27,6 +27,8 @@ from support.tiny_llm import sparse_steps
 GOAL_GROWTH = 1.25
 GOAL_LAG = 1.5
 MIB = 2**20
+#: The 1-minute load average when the benchmark started (its reports say how busy the machine was).
+LOAD_AT_START = os.getloadavg()[0]
 
 
 def run_issue26(
@@ -195,12 +197,12 @@ def scaling_report(args: argparse.Namespace, sizes: dict[str, Any]) -> list[str]
     lines = [
         "### Scaling: the same change on a 3x larger model (issues 26 and 38)",
         "",
-        f"Command: `nice -n 10 python benchmarks/bench_sparse_load.py --mode {args.mode} "
-        f"--sizes {','.join(labels)} --engines {','.join(kinds)}`  ",
+        f"Command: `nice -n {os.nice(0)} python benchmarks/bench_sparse_load.py --mode "
+        f"{args.mode} --sizes {','.join(labels)} --engines {','.join(kinds)}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}, {time.strftime('%Y-%m-%d')}, commit {_commit()}. Shared "
-        "with other work (four other engineers' tests ran beside it) and noisy: compare ratios "
-        "within this run.",
+        f"{platform.python_version()}, {time.strftime('%Y-%m-%d')}, commit {_commit()}, load "
+        f"average at the start {LOAD_AT_START:.2f}, at the end {os.getloadavg()[0]:.2f} (a "
+        "shared machine: compare ratios within this run).",
         "",
         "The same number of changed elements per step on each model and its baseline: small "
         "(bench_sidecar's ~1 GiB model at the given scale); large (3x the elements in 3x the "
