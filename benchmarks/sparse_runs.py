@@ -324,12 +324,13 @@ def cadence_report(args: argparse.Namespace, result: dict[str, Any]) -> list[str
     lines = [
         "### Cadence: deltas published back to back (issue 26)",
         "",
-        f"Command: `nice -n 10 python benchmarks/bench_sparse_load.py --mode {args.mode}"
+        f"Command: `nice -n {os.nice(0)} python benchmarks/bench_sparse_load.py --mode "
+        f"{args.mode}"
         + (f" --periods {','.join(f'{p:g}' for p in args.periods)}" if args.periods else "")
         + (f" --engines {','.join(dict.fromkeys(k.split()[0] for k in result['engines']))}")
         + f"`, commit {_commit()}, {time.strftime('%Y-%m-%d %H:%M')} UTC, load average before "
         f"{result.get('load_before', '?')}, after {os.getloadavg()[0]:.2f} (a shared machine: "
-        "other engineers' tests beside it; compare within this run)  ",
+        "compare within this run)  ",
         f"Model {result['full_bytes'] / 2**30:.2f} GiB bf16, {args.fraction:.1%} moved per step, "
         f"deltas of {result['delta_bytes_mean'] / MIB:.1f} MiB on average, published one after "
         "the other while one replica follows. Paced: the trainer's own loop, back to back: "
