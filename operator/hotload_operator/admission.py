@@ -147,7 +147,7 @@ def _readmitted(existing: LedgerEntry, folder: Path, ledger: Ledger) -> Admissio
     note = ""
     # An entry written before contentDigest existed is matched on its manifests alone.
     if existing.content_digest is not None and desc.content_digest != existing.content_digest:
-        missing = sorted(set(SnapshotFolder(folder).shard_files) - set(desc.files))
+        missing = sorted(set(SnapshotFolder(folder).shipped_shards) - set(desc.files))
         if not missing:
             return refused(
                 Reasons.LEDGER_REJECTED,
