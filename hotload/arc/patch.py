@@ -249,7 +249,7 @@ def _count(run: object) -> int:
 
 
 def prepare_patch(
-    parent: str | Path | ParentChain | None,
+    parent: str | Path | ParentChain | Callable[[], ParentChain | None] | None,
     delta: str | Path | DeltaFolder | Sequence[str | Path | DeltaFolder],
     out: str | Path,
     *,
@@ -262,7 +262,8 @@ def prepare_patch(
     parent, composed into one) at `out`, checking every chunk first (see the module docstring).
 
     `parent` (the first delta's parent: a full snapshot, a `ParentChain` of a snapshot and
-    deltas, or None) is read only for `sparse_exp` chunks, chunk by chunk. `identity` and
+    deltas, a function giving one, called only when needed, or None) is read only for
+    `sparse_exp` chunks, chunk by chunk. `identity` and
     `expected_parent` are recorded in the patch (default: the deltas' header fields, and for
     the identity else the last delta folder's name); `expected_parent` is also checked against
     the first delta's headers, and each later delta must name the one before it. A
@@ -306,7 +307,7 @@ def prepare_patch(
                     f"{what} {changed} of {total} elements ({changed / total:.0%}), more than "
                     f"the {max_changed_fraction:.0%} a patch is worth"
                 )
-        chain = parent if isinstance(parent, ParentChain) or parent is None else ParentChain(parent)
+        chain = _resolver(parent)
         with PatchWriter(out) as writer, released_scratch():
             # A shard no delta ships was left alone by every step: it changes nothing and has
             # nothing to check, and the engine keeps what it serves there.
@@ -368,7 +369,7 @@ Changes = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 def _patch_shard(
     deltas: list[tuple[Path, ArcHeader, str | None]],
-    parent: ParentChain | None,
+    parent: Callable[[], ParentChain | None],
     writer: PatchWriter,
     pool: ChunkRunner,
 ) -> tuple[list[dict[str, Any]], int, int]:
@@ -390,9 +391,7 @@ def _patch_shard(
         infos = checked.infos
         plan, _ = plan_chunks(checked, shard)
         before = [(p, h) for p, h, _ in deltas[:j]]
-        of_parent = (
-            None if parent is None else functools.partial(parent.values, shard, after=before)
-        )
+        of_parent = functools.partial(_chain_values, parent, shard, before)
         changes = _shard_changes(path, header.payload_offset, plan, of_parent, pool)
         for entry in checked.entries:
             name = entry["name"]
@@ -432,7 +431,7 @@ def _shard_changes(
     path: Path,
     payload: int,
     plan: list[ChunkTask],
-    parent: Callable[[TensorInfo, int, int], np.ndarray] | None,
+    parent: Callable[[ChunkTask], np.ndarray | None],
     pool: ChunkRunner,
 ) -> dict[str, Changes]:
     """Every chunk of one delta shard read (CRC-32 first) into per-tensor changes."""
@@ -451,9 +450,10 @@ def _shard_changes(
                 finally:
                     data.release()
             except ck.NeedsParentError as exc:
-                if parent is None:
+                old = parent(item)
+                if old is None:
                     raise PatchNeedsParentError(str(exc), shard=shard, tensor=info.name) from None
-                return _from_parent(parent(info, s, e), item, delta_map, payload, shard)
+                return _from_parent(old, item, delta_map, payload, shard)
             except ArcError as exc:
                 exc.shard, exc.tensor = exc.shard or shard, exc.tensor or info.name
                 raise
@@ -498,6 +498,32 @@ def _unchanged(meta: dict[str, Any]) -> bool:
         and meta.get("length") == 0
         and meta.get("crc32") == _EMPTY_CRC
     )
+
+
+def _resolver(
+    parent: str | Path | ParentChain | Callable[[], ParentChain | None] | None,
+) -> Callable[[], ParentChain | None]:
+    """`prepare_patch`'s `parent` as a function called only when a `sparse_exp` chunk needs
+    it, at most once (a loader walks its volume for it only then)."""
+    if parent is None or isinstance(parent, ParentChain):
+        return lambda: parent
+    if isinstance(parent, str | Path):
+        chain = ParentChain(parent)
+        return lambda: chain
+    return functools.cache(parent)
+
+
+def _chain_values(
+    resolve: Callable[[], ParentChain | None],
+    shard: str,
+    after: Sequence[tuple[Path, ArcHeader]],
+    item: ChunkTask,
+) -> np.ndarray | None:
+    """The parent values of chunk `item` through the chain and the deltas `after` it, or None
+    without a chain."""
+    chain = resolve()
+    info, s, e, _ = item
+    return None if chain is None else chain.values(shard, info, s, e, after=after)
 
 
 def _from_parent(

@@ -78,8 +78,9 @@ def _prepare_patch(
     **kwargs: Any,
 ) -> PatchStats:
     """`prepare_patch` of `folders`, whose first delta applies to `parent`, with what the
-    volume holds of that parent (`chain`: walked in this worker thread, not the loop's)."""
-    return prepare_patch(chain(parent), folders, out, **kwargs)
+    volume holds of that parent (`chain`: walked in this worker thread, and only when a
+    compact delta's chunk needs it: the walk reads a header per delta on the volume)."""
+    return prepare_patch(functools.partial(chain, parent), folders, out, **kwargs)
 
 
 #: Called as a patch goes to the engine, with the entry it serves and the engine's pending
