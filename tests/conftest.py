@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +20,21 @@ pytest_plugins = ["support.kubeapi", "support.mirrors"]
 
 #: Whether this run holds the layer checks (tests/test_layers.py), which the size report joins.
 _SIZES = pytest.StashKey[bool]()
+
+
+#: Below this much free space at the temp root the header warns: a whole run writes a few GiB there.
+_LOW_DISK_BYTES = 8 << 30
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Name the free space where the tests write, so a run that fills the disk says so up front."""
+    root = tempfile.gettempdir()
+    free = shutil.disk_usage(root).free
+    line = f"free space at {root}: {free / 2**30:.1f} GiB"
+    if free < _LOW_DISK_BYTES:
+        need = _LOW_DISK_BYTES >> 30
+        line += f" (LOW: a whole run needs about {need} GiB; free some or set TMPDIR)"
+    return line
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
