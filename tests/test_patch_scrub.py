@@ -27,7 +27,8 @@ from hotload_patch.placement import IdentityHost
 from hotload_patch.scrub import Scrubber
 from hotload_patch.served import Meter, device_partial, region_partial, served_sums
 from hotload_patch.session import Patcher
-from hotload_patch.sums import MOD, Region, combine
+from hotload_patch.sums import Region, combine
+from support.adler import by_definition
 from support.fleet import wait_for
 from support.patch_models import CFG, checkpoint_weights, read_checkpoint, same_bits
 from support.patches import Chain, build_chain
@@ -175,15 +176,6 @@ def test_the_scrub_reads_at_its_rate_and_rereads_what_a_patch_changed_under_it(
     assert patcher.counters.scrub_bytes > model_bytes  # the region the patch hit, read twice
     assert sum(slept) >= model_bytes / rate - 5.0
     assert all(same_bits(targets[n], t) for n, t in read_checkpoint(chain.child).items())
-
-
-def by_definition(raw: np.ndarray, elements: torch.Tensor, width: int) -> tuple[int, int]:
-    """Adler-32's partial sums of the bytes of `elements` (indices into the little-endian
-    buffer `raw`), from the definition: the bytes' sum, and each byte times its distance from
-    the buffer's end."""
-    at = (elements.reshape(-1, 1).numpy() * width + np.arange(width)).reshape(-1)
-    held = raw[at].astype(np.int64)
-    return int(held.sum()) % MOD, int((held * (raw.size - at)).sum()) % MOD
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
