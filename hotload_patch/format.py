@@ -330,7 +330,7 @@ class PatchFile:
         """The tensors of shards every delta left alone (`kept`, docs/arc_v2.md §2.2): name ->
         (shape, dtype); the engine keeps them as it serves them."""
         kept: dict[str, tuple[tuple[int, ...], str]] = {}
-        for entry in self.header.get("kept", []) if isinstance(self.header, dict) else []:
+        for entry in self.header.get("kept", []):  # a list: `_read_header` checked it
             if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
                 raise _corrupt("malformed kept entry", name)
             dtype, shape = entry.get("dtype"), entry.get("shape")

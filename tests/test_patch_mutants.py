@@ -162,6 +162,18 @@ def test_a_patch_reads_back_what_was_written(tmp_path: Path) -> None:
     assert (same.add, same.set, same.changed) == (None, None, 0)
     assert (w.changed, full.changed, huge.changed) == (5, 4, 2)
     assert pf.changed == 11
+    assert pf.kept == {}  # no kept tensors: every tensor the engine serves is listed
+
+
+def test_kept_tensors_read_back_with_their_shape_and_dtype(tmp_path: Path) -> None:
+    kept = [
+        _kept_entry(),
+        _kept_entry(name="e", dtype="BF16", shape=[0, 4]),
+        _kept_entry(name="s", shape=[]),
+    ]
+    pf = PatchFile(write_patch(tmp_path / "p.patch", _set(["kept"], kept)))
+    assert pf.kept == {"k": ((2, 3), "F32"), "e": ((0, 4), "BF16"), "s": ((), "F32")}
+    assert [t.name for t in pf.tensors] == ["w", "full", "huge", "empty", "same"]
 
 
 def test_the_changes_of_both_runs_merge_in_position_order(tmp_path: Path) -> None:
@@ -226,6 +238,11 @@ def _delete(key: str) -> Edit:
     return lambda h: h.pop(key)
 
 
+def _kept_entry(**fields: Any) -> JSON:
+    """A `kept` entry (a tensor of a shard no delta of the patch ships), `fields` replaced."""
+    return {"name": "k", "dtype": "F32", "shape": [2, 3], **fields}
+
+
 W = ["tensors", 0]
 ADD_POS0 = [*W, "add", "positions", "planes", 0]
 DAMAGED_HEADERS: list[tuple[str, Edit, str, str | None]] = [
@@ -266,6 +283,21 @@ DAMAGED_HEADERS: list[tuple[str, Edit, str, str | None]] = [
     ("plane-past-data", _set([*ADD_POS0, 1], 1 << 20), "lies outside the data section", "w"),
     ("plane-crc", _set([*ADD_POS0, 3], "00000000"), "fail their CRC-32", "w"),
     ("zero-plane-stores", _set(ADD_POS0, [0, 3, "zero", "00000000"]), "stores nothing", "w"),
+    ("kept-not-list", _set(["kept"], {"k": 1}), "kept tensors are not a list", None),
+    ("kept-number", _set(["kept"], 5), "kept tensors are not a list", None),
+    ("kept-not-object", _set(["kept"], ["k"]), "malformed kept entry", None),
+    ("kept-name", _set(["kept"], [_kept_entry(name=7)]), "malformed kept entry", None),
+    ("kept-dtype", _set(["kept"], [_kept_entry(dtype="F12")]), "kept tensor", "k"),
+    ("kept-shape-not-list", _set(["kept"], [_kept_entry(shape="2")]), "kept tensor", "k"),
+    ("kept-shape-negative", _set(["kept"], [_kept_entry(shape=[-2])]), "kept tensor", "k"),
+    ("kept-shape-bool", _set(["kept"], [_kept_entry(shape=[True])]), "kept tensor", "k"),
+    ("kept-shape-float", _set(["kept"], [_kept_entry(shape=[2.0])]), "kept tensor", "k"),
+    (
+        "kept-second-bad",
+        _set(["kept"], [_kept_entry(), _kept_entry(name="j", shape=[2, -1])]),
+        "bad dtype or shape of a kept tensor",
+        "j",
+    ),
 ]
 
 
