@@ -105,6 +105,14 @@ MODULES: tuple[Module, ...] = (
         ("tests/test_sidecar_flow.py", "tests/test_sidecar_pipeline.py"),
         "forkserver",
     ),
+    # The replica status the loader keeps (what the operator rolls up): the behind clock and
+    # the board's conditions, gauges and the patch prepared ahead, with in-process loaders.
+    Module(
+        "board",
+        "hotload_sidecar/board.py",
+        ("tests/test_sidecar_behind.py", "tests/test_sidecar_status_ahead.py"),
+        "forkserver",
+    ),
     # test_patch_mutants.py reads every field and check of the reader; test_arc_patch.py patch
     # files the writer made and damaged ones; test_patch_stage_threads.py a patch decoded in
     # threads (test_patch_core.py as a whole left a third of the sample unchecked in 540 s).
