@@ -596,6 +596,64 @@ def test_a_patch_for_other_tensors_than_served_is_a_weights_mismatch(
     )
 
 
+KEPT_CASES: list[tuple[str, Edit, str, str]] = [
+    ("kept-unknown", lambda s: None, "k", "the served checkpoint has no such tensor"),
+    (
+        "kept-shape",
+        lambda s: s.update(k=((3, 2), "F32")),
+        "k",
+        "shape/dtype [2, 3] F32 differs from the served checkpoint's [3, 2] F32",
+    ),
+    (
+        "kept-dtype",
+        lambda s: s.update(k=((2, 3), "BF16")),
+        "k",
+        "shape/dtype [2, 3] F32 differs from the served checkpoint's [2, 3] BF16",
+    ),
+    (
+        "kept-and-missing",
+        lambda s: s.update(k=((2, 3), "F32"), other=((1,), "F32")),
+        "other",
+        "missing from the patch (1 tensor(s) the served checkpoint has)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("edit", "tensor", "message"),
+    [case[1:] for case in KEPT_CASES],
+    ids=[case[0] for case in KEPT_CASES],
+)
+def test_a_kept_tensor_must_be_served_as_the_patch_describes_it(
+    tmp_path: Path, edit: Edit, tensor: str, message: str
+) -> None:
+    """A tensor of a shard no delta of the patch ships (`kept`) counts as covered only when the
+    served checkpoint holds it with the shape and dtype the patch names."""
+    patch = write_patch(tmp_path / "p.patch", _set(["kept"], [_kept_entry()]))
+    specs = _served_specs()
+    edit(specs)  # type: ignore[arg-type]
+    with pytest.raises(PatchError) as info:
+        staging.stage(
+            IdentityHost(lambda: {}), patch, identity="step-1", parent="step-0", specs=specs
+        )
+    assert (info.value.reason, info.value.tensor, info.value.message) == (
+        "weights_mismatch",
+        tensor,
+        message,
+    )
+
+
+def test_a_kept_tensor_covers_what_the_patch_does_not_change(tmp_path: Path) -> None:
+    """Without `kept`, a served tensor the patch does not list is missing from it; listed as
+    kept, it passes the check (staging then goes on to place the changed tensors)."""
+    specs = {**_served_specs(), "k": ((2, 3), "F32")}
+    bare = write_patch(tmp_path / "bare.patch")
+    with pytest.raises(PatchError, match="missing from the patch"):
+        staging._check_specs(PatchFile(bare).tensors, {}, specs, str(bare))
+    keeps = PatchFile(write_patch(tmp_path / "keeps.patch", _set(["kept"], [_kept_entry()])))
+    staging._check_specs(keeps.tensors, keeps.kept, specs, "keeps.patch")
+
+
 def test_a_staged_patch_summarises_what_it_holds() -> None:
     index = torch.arange(3, dtype=torch.int32)
     new = torch.ones(3, dtype=torch.float32)
