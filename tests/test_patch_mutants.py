@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -208,6 +210,38 @@ def test_position_width_and_checksum_text() -> None:
     assert format_checksum(0x1_0000_00AB) == "000000ab"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_decode_in_named_threads_never_more_than_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """One thread decodes in the caller's thread; more decode in that many threads at most,
+    named for a profile or a stack dump; the tensors come back in the file's order."""
+    patch = write_patch(tmp_path / "p.patch")
+    decode = PatchFile._tensor
+    names: list[str] = []
+    lock = threading.Lock()
+    # The first two tensors decode at once (a pool of two holds both threads busy), and the
+    # later ones wait a little: a pool allowed more threads starts them meanwhile.
+    both = threading.Barrier(2, timeout=30)
+
+    def slow(self: PatchFile, entry: object, name: str) -> PatchTensor:
+        with lock:
+            first = len(names)
+            names.append(threading.current_thread().name)
+        if threads > 1 and first < 2:
+            both.wait()
+        time.sleep(0.05)
+        return decode(self, entry, name)
+
+    monkeypatch.setattr(PatchFile, "_tensor", slow)
+    pf = PatchFile(patch, threads=threads)
+    assert [t.name for t in pf.tensors] == ["w", "full", "huge", "empty", "same"]
+    if threads == 1:
+        assert set(names) == {threading.current_thread().name}
+    else:
+        assert set(names) == {"hotload-patch-read_0", "hotload-patch-read_1"}
+
+
 def test_reading_the_header_alone_decodes_no_runs(tmp_path: Path) -> None:
     # Positions past the tensor: refused when the runs are read, not read without them.
     patch = _with_planes(_positions([40, 0, 0]))(tmp_path / "p.patch")
@@ -283,19 +317,44 @@ DAMAGED_HEADERS: list[tuple[str, Edit, str, str | None]] = [
     ("plane-past-data", _set([*ADD_POS0, 1], 1 << 20), "lies outside the data section", "w"),
     ("plane-crc", _set([*ADD_POS0, 3], "00000000"), "fail their CRC-32", "w"),
     ("zero-plane-stores", _set(ADD_POS0, [0, 3, "zero", "00000000"]), "stores nothing", "w"),
-    ("kept-not-list", _set(["kept"], {"k": 1}), "kept tensors are not a list", None),
-    ("kept-number", _set(["kept"], 5), "kept tensors are not a list", None),
-    ("kept-not-object", _set(["kept"], ["k"]), "malformed kept entry", None),
-    ("kept-name", _set(["kept"], [_kept_entry(name=7)]), "malformed kept entry", None),
-    ("kept-dtype", _set(["kept"], [_kept_entry(dtype="F12")]), "kept tensor", "k"),
-    ("kept-shape-not-list", _set(["kept"], [_kept_entry(shape="2")]), "kept tensor", "k"),
-    ("kept-shape-negative", _set(["kept"], [_kept_entry(shape=[-2])]), "kept tensor", "k"),
-    ("kept-shape-bool", _set(["kept"], [_kept_entry(shape=[True])]), "kept tensor", "k"),
-    ("kept-shape-float", _set(["kept"], [_kept_entry(shape=[2.0])]), "kept tensor", "k"),
+    ("kept-not-list", _set(["kept"], {"k": 1}), "^header's kept tensors are not a list$", None),
+    ("kept-number", _set(["kept"], 5), "^header's kept tensors are not a list$", None),
+    ("kept-not-object", _set(["kept"], ["k"]), "^malformed kept entry$", None),
+    ("kept-name", _set(["kept"], [_kept_entry(name=7)]), "^malformed kept entry$", None),
+    (
+        "kept-dtype",
+        _set(["kept"], [_kept_entry(dtype="F12")]),
+        "^bad dtype or shape of a kept tensor$",
+        "k",
+    ),
+    (
+        "kept-shape-not-list",
+        _set(["kept"], [_kept_entry(shape="2")]),
+        "^bad dtype or shape of a kept tensor$",
+        "k",
+    ),
+    (
+        "kept-shape-negative",
+        _set(["kept"], [_kept_entry(shape=[-2])]),
+        "^bad dtype or shape of a kept tensor$",
+        "k",
+    ),
+    (
+        "kept-shape-bool",
+        _set(["kept"], [_kept_entry(shape=[True])]),
+        "^bad dtype or shape of a kept tensor$",
+        "k",
+    ),
+    (
+        "kept-shape-float",
+        _set(["kept"], [_kept_entry(shape=[2.0])]),
+        "^bad dtype or shape of a kept tensor$",
+        "k",
+    ),
     (
         "kept-second-bad",
         _set(["kept"], [_kept_entry(), _kept_entry(name="j", shape=[2, -1])]),
-        "bad dtype or shape of a kept tensor",
+        "^bad dtype or shape of a kept tensor$",
         "j",
     ),
 ]
@@ -310,8 +369,9 @@ def test_a_damaged_header_is_refused_naming_the_tensor(
     tmp_path: Path, edit: Edit, match: str, tensor: str | None
 ) -> None:
     patch = write_patch(tmp_path / "p.patch", edit)
-    with pytest.raises(PatchError, match=match) as info:
+    with pytest.raises(PatchError) as info:
         PatchFile(patch)
+    assert re.search(match, info.value.message), info.value.message
     assert (info.value.reason, info.value.tensor) == ("patch_corrupt", tensor)
     assert str(patch) in str(info.value)
 
