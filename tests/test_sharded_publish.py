@@ -38,6 +38,7 @@ LAYERS = 4
 HIDDEN = 32
 VOCAB = 64
 STEPS = 3  # published: step 0 (full), steps 1 and 2 (deltas)
+FROZEN = 2  # a layer no step trains: its shard is left out of every delta
 CONFIG = {"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS}
 TOKENIZER_CONFIG = '{"chat_template": "{{ messages }}"}'
 TOKENIZER_CONFIG_NEW = '{"chat_template": "{{ messages }} v2"}'
@@ -87,12 +88,15 @@ class Llama(nn.Module):
         return out
 
 
-def _sharded_model() -> Llama:
-    """The same initial weights on every rank, then FSDP2 over the default group."""
+def _sharded_model(frozen: int | None = None) -> Llama:
+    """The same initial weights on every rank, layer `frozen` left untrained, then FSDP2 over
+    the default group."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = Llama()
+    if frozen is not None:
+        model.model.layers[frozen].requires_grad_(False)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -135,7 +139,7 @@ def _rank(rank: int, bucket_url: str, out: str, env: dict[str, str]) -> None:
 
     os.environ.update(env)
     with _group(rank, out):
-        model = _sharded_model()
+        model = _sharded_model(FROZEN)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         pub = sharded.ShardedPublisher(
             bucket_url,
@@ -165,6 +169,7 @@ def _rank(rank: int, bucket_url: str, out: str, env: dict[str, str]) -> None:
                         "kind": handle.kind,
                         "previous": handle.previous,
                         "shards": report.shards,
+                        "untouched": report.untouched,
                         "peak": report.peak_gathered_bytes,
                         "gathered": report.gathered_bytes,
                     }
@@ -227,24 +232,39 @@ def test_fsdp_ranks_publish_their_layers_and_a_replica_rebuilds_the_unsharded_mo
     assert len(plan.shards) == LAYERS + 2
     layer_bytes = max(s.nbytes for s in plan.shards if s.tensors[0].startswith("model.layers."))
     total_bytes = plan.total_bytes
+    (frozen,) = [s for s in plan.shards if s.tensors[0].startswith(f"model.layers.{FROZEN}.")]
+    # The frozen layer's weights are those of step 0 at every step; every other shard changed.
+    for name in frozen.tensors:
+        assert all(torch.equal(expected[s][name], expected[0][name]) for s in range(STEPS))
+    changed = [n for n in expected[0] if n not in frozen.tensors]
+    assert all(not torch.equal(expected[1][n], expected[0][n]) for n in changed)
     for step in range(STEPS):
         reports = [
             json.loads((tmp_path / f"report-{r}-{step}.json").read_text()) for r in range(WORLD)
         ]
         assert {r["kind"] for r in reports} == {"full" if step == 0 else "incremental"}
-        # Each rank wrote and uploaded exactly the shards the plan gives it, and both worked.
+        # Each rank wrote and uploaded exactly the shards the plan gives it, but for a delta
+        # the frozen layer's, which its owner records as untouched; both worked.
         for rank, report in enumerate(reports):
-            assert report["shards"] == sorted(s.name for s in plan.owned_by(rank))
+            owned = sorted(s.name for s in plan.owned_by(rank))
+            left = [frozen.name] if step and frozen.owner == rank else []
+            assert report["untouched"] == left
+            assert report["shards"] == [n for n in owned if n not in left]
             assert report["shards"]
             # Nobody held the whole model: at most one layer's full tensors at a time.
             assert 0 < report["peak"] <= layer_bytes < total_bytes
         assert sum(r["gathered"] for r in reports) == total_bytes
 
-    # Every shard of every step is in the bucket: full safetensors at step 0, arc_v2 after.
+    # Every shard of every step is in the bucket: full safetensors at step 0, arc_v2 after,
+    # but for the frozen layer's, which no delta ships.
     bucket = open_bucket(bucket_url)
     for step in range(STEPS):
         for shard in plan.shards:
-            head = bucket.get_range(f"step-0000000{step}/{shard.name}", 0, len(MAGIC))
+            key = f"step-0000000{step}/{shard.name}"
+            if step and shard is frozen:
+                assert not bucket.exists(key)
+                continue
+            head = bucket.get_range(key, 0, len(MAGIC))
             assert (head == MAGIC) is (step > 0), (step, shard.name)
 
     # The committed layout is the single-process writer's, byte for byte: the same manifests
@@ -264,9 +284,21 @@ def test_fsdp_ranks_publish_their_layers_and_a_replica_rebuilds_the_unsharded_mo
     def sha(text: str) -> str:
         return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
+    def record(step: int) -> dict[str, Any]:
+        got: dict[str, Any] = json.loads(
+            bucket.get(f"step-0000000{step}/{layout.INHERITED_FILE}").data
+        )
+        return got
+
     def inherited(step: int) -> dict[str, str]:
-        got = bucket.get(f"step-0000000{step}/{layout.INHERITED_FILE}").data
-        return dict(json.loads(got)["from_parent"])
+        return dict(record(step)["from_parent"])
+
+    # The frozen layer's shard is recorded with the sha256 of its header as stored at step 0
+    # (8-byte length, then the JSON): the same file at every step, so the same digest.
+    stored = bucket.get(f"step-00000000/{frozen.name}").data
+    header = stored[: 8 + int.from_bytes(stored[:8], "little")]
+    digest = "sha256:" + hashlib.sha256(header).hexdigest()
+    assert record(1)["untouched_shards"] == record(2)["untouched_shards"] == {frozen.name: digest}
 
     def shipped(step: int, name: str) -> bool:
         return bool(bucket.exists(f"step-0000000{step}/{name}"))
@@ -342,6 +374,24 @@ def test_a_failing_rank_stops_the_commit_on_every_rank_and_the_retry_publishes(
         ("step-00000005", "full"),
         ("step-00000006", "incremental"),
     ]
+    # Step 6 publishes the weights of step 5 again: every shard is untouched, and the delta
+    # ships the plan's first alone (a delta ships one at least; its header names the parent).
+    bucket = open_bucket(bucket_url)
+    index = json.loads(bucket.get(f"step-00000005/{layout.INDEX_FILE}").data)
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    listed = {o.key.split("/", 1)[1] for o in bucket.list("step-00000006")}
+    assert sorted(n for n in listed if n.endswith(".safetensors")) == shards[:1]
+    record = json.loads(bucket.get(f"step-00000006/{layout.INHERITED_FILE}").data)
+    assert sorted(record["untouched_shards"]) == shards[1:]
+    # A replica rebuilds it: the weights of step 5, bit for bit.
+    weights = WeightsFolder(tmp_path / "replica")
+    weights.prepare()
+    materializer = Materializer(bucket, weights, threads=1)
+    five = _tensors(asyncio.run(materializer.build(document, "step-00000005")).path)
+    built = asyncio.run(materializer.build(document))
+    assert built.identity == "step-00000006" and built.applied == ["step-00000006"]
+    assert _tensors(built.path) == five
 
 
 def _retaining_rank(rank: int, bucket_url: str, out: str) -> None:

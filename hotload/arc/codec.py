@@ -121,18 +121,12 @@ def encode(
 
 def leave_untouched(prev: Path, cur: Path, delta: Path, shards: list[ShardStats]) -> list[str]:
     """In delta folder `delta` (encoded from `prev` to `cur`), replace each shard the step left
-    alone (every chunk `same`, the same header) by an entry in `layout.INHERITED_FILE`: a reader
-    then takes the parent's shard, checked by its header's sha256, and never asks the bucket for
-    it. The first shard stays when every one is untouched: its header names the parent. Returns
-    the shards left out."""
-    same = [
-        s
-        for s in shards
-        if s.changed == 0
-        and set(s.encodings) <= {SAME}
-        and data_header(prev / s.name) == data_header(cur / s.name)
-        and _records_checksums(prev / s.name)
-    ]
+    alone (`untouched_digest`) by an entry in `layout.INHERITED_FILE`: a reader then takes the
+    parent's shard, checked by its header's sha256, and never asks the bucket for it. The first
+    shard stays when every one is untouched: its header names the parent. Returns the shards
+    left out."""
+    digests = {s.name: untouched_digest(prev / s.name, cur / s.name, s) for s in shards}
+    same = [s for s in shards if digests[s.name] is not None]
     if len(same) == len(shards):
         same = same[1:]
     if not same:
@@ -140,11 +134,23 @@ def leave_untouched(prev: Path, cur: Path, delta: Path, shards: list[ShardStats]
     record = read_inherited(delta)
     untouched = dict(record.untouched_shards)
     for s in same:
-        untouched[s.name] = header_digest(data_header(prev / s.name))
+        untouched[s.name] = str(digests[s.name])
         (delta / s.name).unlink()
         s.delta_bytes = 0
     write_inherited(delta, InheritedRecord(record.side_files, untouched))
     return [s.name for s in same]
+
+
+def untouched_digest(prev: Path, cur: Path, stats: ShardStats) -> str | None:
+    """The digest a delta records full shard `cur` under as untouched (docs/arc_v2.md §2.2), or
+    None when it must be shipped: untouched means its encoding `stats` is every chunk `same`,
+    its header equals the parent shard `prev`'s, and that header holds the tensors' checksums."""
+    if stats.changed or not set(stats.encodings) <= {SAME}:
+        return None
+    header = data_header(prev)
+    if header != data_header(cur) or not _records_checksums(prev):
+        return None
+    return header_digest(header)
 
 
 def _records_checksums(path: Path) -> bool:

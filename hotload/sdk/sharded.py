@@ -34,6 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hotload.arc.codec import untouched_digest
 from hotload.arc.encoder import encode_shard
 from hotload.arc.files import inherit_side_files, side_file_sums
 from hotload.arc.lanes import default_threads
@@ -60,6 +61,7 @@ from hotload.sdk.outcomes import (
 )
 from hotload.sdk.shard_plan import ShardPlan, plan_shards, safetensors_dtype
 from hotload.snapshot import layout
+from hotload.snapshot.inherited import InheritedRecord, write_inherited
 from hotload.snapshot.reader import content_digest, data_header, manifest_digest
 from hotload.snapshot.safetensors_io import RawTensor
 
@@ -90,6 +92,8 @@ class RankReport:
     kind: str = ""
     #: Shard files this rank wrote and uploaded.
     shards: list[str] = field(default_factory=list)
+    #: Shard files of this rank the step left alone: recorded, never uploaded (a delta step).
+    untouched: list[str] = field(default_factory=list)
     #: Bytes this rank uploaded (its shards, plus the side files and manifests on rank 0).
     uploaded_bytes: int = 0
     #: The most bytes of gathered full tensors this rank held at once (padding rows excluded).
@@ -113,6 +117,9 @@ class _Step:
     #: Every shard's header as uploaded (this rank's, then all ranks' for the commit): the
     #: content digest pins the shards through them without reading any back.
     headers: dict[str, bytes] = field(default_factory=dict)
+    #: Shards the step left alone (this rank's, then all ranks'): name -> the digest the
+    #: delta's `layout.INHERITED_FILE` records them under.
+    untouched: dict[str, str] = field(default_factory=dict)
 
 
 # --- the publisher ----------------------------------------------------------------------------
@@ -247,6 +254,7 @@ class ShardedPublisher(PublisherCore):
                 if error is None:
                     mine = self._encode_and_upload(job)
                     report.shards = sorted(mine)
+                    report.untouched = sorted(job.untouched)
             except Exception as exc:  # reported to every rank below, so none waits forever
                 error = exc
             results = all_gather(
@@ -256,6 +264,7 @@ class ShardedPublisher(PublisherCore):
                     "rank": self.rank,
                     "shards": mine,
                     "headers": job.headers,
+                    "untouched": job.untouched,
                     "error": _describe(error),
                 },
             )
@@ -268,6 +277,7 @@ class ShardedPublisher(PublisherCore):
             shipped = sum(size for r in results for size in r["shards"].values())
             for r in results:
                 job.headers.update(r["headers"])
+                job.untouched.update(r["untouched"])
             outcome = self._commit(job, shipped, prompt_cache_policy(reset_prompt_cache))
             shutil.rmtree(delta_dir, ignore_errors=True)
             if not outcome["ok"]:
@@ -399,7 +409,10 @@ class ShardedPublisher(PublisherCore):
         return error
 
     def _encode_and_upload(self, job: _Step) -> dict[str, int]:
-        """Encode this rank's shards (delta steps) and upload them; return name -> bytes sent."""
+        """Encode this rank's shards (delta steps) and upload them; return name -> bytes sent.
+        A shard the step left alone is not uploaded but noted in `job.untouched`, except the
+        plan's first, which every delta ships (its header names the parent, and a delta folder
+        ships at least one shard) without an exchange between the ranks to pick one."""
         owned = job.plan.owned_by(self.rank)
         ident, previous, full_dir, delta_dir = job.identity, job.previous, job.full, job.delta
         source = full_dir
@@ -407,9 +420,10 @@ class ShardedPublisher(PublisherCore):
             assert self._parent is not None and previous is not None
             parent_dir = self._parent[1]
             delta_dir.mkdir(parents=True)
+            first = job.plan.shards[0].name
             with ThreadPoolExecutor(max_workers=self.threads or default_threads()) as pool:
                 for shard in owned:
-                    encode_shard(
+                    stats = encode_shard(
                         parent_dir / shard.name,
                         full_dir / shard.name,
                         delta_dir / shard.name,
@@ -417,6 +431,10 @@ class ShardedPublisher(PublisherCore):
                         identity=ident,
                         pool=pool,
                     )
+                    digest = untouched_digest(parent_dir / shard.name, full_dir / shard.name, stats)
+                    if digest is not None and shard.name != first:
+                        job.untouched[shard.name] = digest
+            owned = [s for s in owned if s.name not in job.untouched]
             source = delta_dir
         sizes = {s.name: (source / s.name).stat().st_size for s in owned}
         job.headers.update({s.name: data_header(source / s.name) for s in owned})
@@ -462,12 +480,14 @@ class ShardedPublisher(PublisherCore):
             )
             sums = side_file_sums(folder, side)
             side_bytes = sum((folder / n).stat().st_size for n in side)  # as a full one holds
+            # Shards the step left alone (docs/arc_v2.md §2.2): recorded, not shipped.
+            write_inherited(folder, InheritedRecord(untouched_shards=dict(job.untouched)))
             if job.kind == "incremental" and self._side_sums and self._side_sums[0] == previous:
                 # A tokenizer the step did not change is not shipped again (docs/arc_v2.md
                 # §2.2): the delta records it as inherited from its parent.
                 side = inherit_side_files(folder, sums, self._side_sums[1])
-                if (folder / layout.INHERITED_FILE).is_file():
-                    side.append(layout.INHERITED_FILE)
+            if (folder / layout.INHERITED_FILE).is_file():
+                side.append(layout.INHERITED_FILE)
             write_manifests(
                 folder, [(s.name, s.tensors) for s in plan.shards], plan.spec, plan.total_bytes
             )
