@@ -106,11 +106,16 @@ MODULES: tuple[Module, ...] = (
         "forkserver",
     ),
     # The replica status the loader keeps (what the operator rolls up): the behind clock and
-    # the board's conditions, gauges and the patch prepared ahead, with in-process loaders.
+    # the board's rules one by one (test_sidecar_board_mutants.py), the patch prepared ahead and
+    # the behind gauge with in-process loaders.
     Module(
         "board",
         "hotload_sidecar/board.py",
-        ("tests/test_sidecar_behind.py", "tests/test_sidecar_status_ahead.py"),
+        (
+            "tests/test_sidecar_board_mutants.py",
+            "tests/test_sidecar_behind.py",
+            "tests/test_sidecar_status_ahead.py",
+        ),
         "forkserver",
     ),
     # test_patch_mutants.py reads every field and check of the reader; test_arc_patch.py patch
