@@ -4,7 +4,10 @@ first failing tensor in the patch's order)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -67,6 +70,41 @@ def test_threads_default_to_one_for_weights_on_the_cpu() -> None:
     params = {"w": torch.zeros(4)}
     assert staging._stage_threads(params) == 1
     assert staging.STAGE_THREADS >= 1
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_staging_runs_in_the_callers_thread_or_in_as_many_named_threads_as_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """One thread stages in the caller's thread; more stage in that many threads at most (a
+    CPU engine serves on the other cores meanwhile), named for a profile or a stack dump."""
+    chain = build_chain(tmp_path, "BF16")
+    (model,) = load_ranks(chain.parent, CFG, 1, torch.float32)
+    real = staging._stage_tensor
+    names: list[str] = []
+    lock = threading.Lock()
+    # The first two tensors stage at once (a pool of two holds both threads busy); a pool
+    # allowed more threads starts them for the later tensors meanwhile.
+    both = threading.Barrier(2, timeout=30)
+
+    def slow(*args: Any) -> Any:
+        with lock:
+            first = len(names)
+            names.append(threading.current_thread().name)
+        if threads > 1 and first < 2:
+            both.wait()
+        time.sleep(0.02)
+        return real(*args)
+
+    monkeypatch.setattr(staging, "_stage_tensor", slow)
+    staging.stage(
+        LoaderHost(model), chain.patch, identity="step-1", parent="step-0", threads=threads
+    )
+    assert len(names) > 2
+    if threads == 1:
+        assert set(names) == {threading.current_thread().name}
+    else:
+        assert set(names) == {"hotload-stage_0", "hotload-stage_1"}
 
 
 def _first_plane_offset(entry: object) -> int | None:
