@@ -173,3 +173,39 @@ def test_a_loader_that_changes_the_checkpoint_tensor_in_place_is_unmappable(
         LoaderHost(model).place("w", (6, 4), "F32")
     assert exc.value.reason == "unmappable"
     assert "modifies the checkpoint tensor" in str(exc.value)
+
+
+def _scaled_in_place_and_copied(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    param.data.copy_(loaded.mul_(2))  # uses what the in-place op returns, as torch gives it
+
+
+def test_an_in_place_change_whose_result_the_loader_uses_is_named_alone() -> None:
+    """The probe hands back the tensor an in-place op returns, so the loader runs on and its one
+    problem is named, not a failure of its own next call."""
+    model = ScriptedModel((6, 4), _scaled_in_place_and_copied)
+    assert _unmappable(model, (6, 4)) == "its loader modifies the checkpoint tensor with mul_"
+
+
+def _through_a_scratch_tensor(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    scratch = torch.empty(6, 4)
+    scratch.copy_(loaded)
+    param.data.copy_(scratch)
+
+
+def test_a_copy_into_a_tensor_that_is_no_parameter_is_not_a_placement() -> None:
+    """A loader that copies the checkpoint into a scratch tensor of its own first: the copy is
+    not where the engine holds a weight, and the probe (a meta tensor, no data) cannot follow the
+    values through it."""
+    model = ScriptedModel((6, 4), _through_a_scratch_tensor)
+    assert _unmappable(model, (6, 4)).startswith(
+        "its loader failed on a probe: NotImplementedError"
+    )
+
+
+def _rows_by_a_list(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    param.data[[0, 2]] = loaded
+
+
+def test_a_write_through_advanced_indexing_is_unmappable_naming_the_parameter() -> None:
+    model = ScriptedModel((6, 4), _rows_by_a_list)
+    assert _unmappable(model, (2, 4)) == "its loader writes weight through advanced indexing"
