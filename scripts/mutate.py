@@ -102,7 +102,11 @@ MODULES: tuple[Module, ...] = (
     Module(
         "ahead",
         "hotload_sidecar/ahead.py",
-        ("tests/test_sidecar_flow.py", "tests/test_sidecar_pipeline.py"),
+        (
+            "tests/test_sidecar_flow.py",
+            "tests/test_sidecar_pipeline.py",
+            "tests/test_sidecar_status_ahead.py",
+        ),
         "forkserver",
     ),
     # The replica status the loader keeps (what the operator rolls up): the behind clock and
