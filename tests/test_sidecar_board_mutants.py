@@ -20,6 +20,12 @@ from support.operator import ledger_entries
 ENTRIES = ledger_entries(4, datetime(2026, 11, 29, 12, 0, tzinfo=UTC), digits=3)
 
 
+def _logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the loader's logger said (not another test's leftovers, such as asyncio's warning
+    about a session collected late)."""
+    return [r.getMessage() for r in caplog.records if r.name == "hotload_sidecar.loader"]
+
+
 def _board() -> tuple[StatusBoard, LocalReporter]:
     reporter = LocalReporter()
     return StatusBoard(reporter, LoaderMetrics()), reporter
@@ -100,9 +106,7 @@ async def test_a_report_that_fails_is_logged_and_never_stops_the_loader(
     with caplog.at_level(logging.WARNING, logger="hotload_sidecar.loader"):
         await board.set(identity="step-001", sequence=2, state="idle", target=ENTRIES[1])
     assert board.status.identity == "step-001"  # kept, published again on the next change
-    assert [r.getMessage() for r in caplog.records] == [
-        "report failed: the API server answered 503"
-    ]
+    assert _logged(caplog) == ["report failed: the API server answered 503"]
 
 
 @pytest.mark.asyncio
@@ -125,7 +129,7 @@ async def test_a_build_resumed_from_the_volume_is_reported_with_its_check(
         "step-002 (sequence 3) was on the volume from an earlier run and verified in 1.23s: "
         "nothing downloaded"
     )
-    assert [r.getMessage() for r in caplog.records] == [f"built {event['message']}"]
+    assert _logged(caplog) == [f"built {event['message']}"]
 
 
 @pytest.mark.asyncio
