@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -54,6 +55,21 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         lines = [f"no module size report: {err}"]
     for line in lines:
         terminalreporter.write_line(line)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """Give the root logger back its handlers and level after each test: a CLI run in-process
+    (`configure_logging`) binds a handler to the stderr pytest captured for that test, which is
+    closed afterwards ("Logging error ... I/O operation on closed file" in later tests)."""
+    root = logging.getLogger()
+    before, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        # pytest's own capture handlers come and go with each phase: never touched here.
+        if handler not in before and type(handler).__module__ != "_pytest.logging":
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
