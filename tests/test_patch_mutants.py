@@ -32,6 +32,7 @@ from hotload_patch.placement import IdentityHost, Slot
 from hotload_patch.served import Counters
 from hotload_patch.sums import Region, RegionSum
 from hotload_patch.verify import TensorCheck
+from support.threads import ThreadsSeen
 
 JSON = dict[str, Any]
 Edit = Callable[[JSON], None]
@@ -217,29 +218,14 @@ def test_threads_decode_in_named_threads_never_more_than_asked(
     """One thread decodes in the caller's thread; more decode in that many threads at most,
     named for a profile or a stack dump; the tensors come back in the file's order."""
     patch = write_patch(tmp_path / "p.patch")
-    decode = PatchFile._tensor
-    names: list[str] = []
-    lock = threading.Lock()
-    # The first two tensors decode at once (a pool of two holds both threads busy), and the
-    # later ones wait a little: a pool allowed more threads starts them meanwhile.
-    both = threading.Barrier(2, timeout=30)
-
-    def slow(self: PatchFile, entry: object, name: str) -> PatchTensor:
-        with lock:
-            first = len(names)
-            names.append(threading.current_thread().name)
-        if threads > 1 and first < 2:
-            both.wait()
-        time.sleep(0.05)
-        return decode(self, entry, name)
-
-    monkeypatch.setattr(PatchFile, "_tensor", slow)
+    seen = ThreadsSeen(PatchFile._tensor, pooled=threads > 1, linger=0.05)
+    monkeypatch.setattr(PatchFile, "_tensor", seen.function())
     pf = PatchFile(patch, threads=threads)
     assert [t.name for t in pf.tensors] == ["w", "full", "huge", "empty", "same"]
     if threads == 1:
-        assert set(names) == {threading.current_thread().name}
+        assert set(seen.names) == {threading.current_thread().name}
     else:
-        assert set(names) == {"hotload-patch-read_0", "hotload-patch-read_1"}
+        assert set(seen.names) == {"hotload-patch-read_0", "hotload-patch-read_1"}
 
 
 def test_reading_the_header_alone_decodes_no_runs(tmp_path: Path) -> None:
@@ -634,28 +620,7 @@ SPEC_CASES: list[tuple[str, Edit, str, str]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("edit", "tensor", "message"),
-    [case[1:] for case in SPEC_CASES],
-    ids=[case[0] for case in SPEC_CASES],
-)
-def test_a_patch_for_other_tensors_than_served_is_a_weights_mismatch(
-    tmp_path: Path, edit: Edit, tensor: str, message: str
-) -> None:
-    patch = write_patch(tmp_path / "p.patch")
-    host = IdentityHost(lambda: {})
-    specs = _served_specs()
-    edit(specs)  # type: ignore[arg-type]
-    with pytest.raises(PatchError) as info:
-        staging.stage(host, patch, identity="step-1", parent="step-0", specs=specs)
-    assert (info.value.reason, info.value.tensor, info.value.message, info.value.path) == (
-        "weights_mismatch",
-        tensor,
-        message,
-        str(patch),
-    )
-
-
+#: Served checkpoints a patch keeping tensor "k" (a shard no delta of it ships) is not for.
 KEPT_CASES: list[tuple[str, Edit, str, str]] = [
     ("kept-unknown", lambda s: None, "k", "the served checkpoint has no such tensor"),
     (
@@ -680,26 +645,26 @@ KEPT_CASES: list[tuple[str, Edit, str, str]] = [
 
 
 @pytest.mark.parametrize(
-    ("edit", "tensor", "message"),
-    [case[1:] for case in KEPT_CASES],
-    ids=[case[0] for case in KEPT_CASES],
+    ("kept", "edit", "tensor", "message"),
+    [(False, *case[1:]) for case in SPEC_CASES] + [(True, *case[1:]) for case in KEPT_CASES],
+    ids=[case[0] for case in SPEC_CASES + KEPT_CASES],
 )
-def test_a_kept_tensor_must_be_served_as_the_patch_describes_it(
-    tmp_path: Path, edit: Edit, tensor: str, message: str
+def test_a_patch_for_other_tensors_than_served_is_a_weights_mismatch(
+    tmp_path: Path, kept: bool, edit: Edit, tensor: str, message: str
 ) -> None:
-    """A tensor of a shard no delta of the patch ships (`kept`) counts as covered only when the
-    served checkpoint holds it with the shape and dtype the patch names."""
-    patch = write_patch(tmp_path / "p.patch", _set(["kept"], [_kept_entry()]))
+    """Every tensor a patch changes or keeps (`kept`: a tensor of a shard no delta of the patch
+    ships) must be served with the shape and dtype the patch names, and none missing."""
+    patch = write_patch(tmp_path / "p.patch", _set(["kept"], [_kept_entry()]) if kept else None)
+    host = IdentityHost(lambda: {})
     specs = _served_specs()
     edit(specs)  # type: ignore[arg-type]
     with pytest.raises(PatchError) as info:
-        staging.stage(
-            IdentityHost(lambda: {}), patch, identity="step-1", parent="step-0", specs=specs
-        )
-    assert (info.value.reason, info.value.tensor, info.value.message) == (
+        staging.stage(host, patch, identity="step-1", parent="step-0", specs=specs)
+    assert (info.value.reason, info.value.tensor, info.value.message, info.value.path) == (
         "weights_mismatch",
         tensor,
         message,
+        str(patch),
     )
 
 

@@ -5,9 +5,7 @@ first failing tensor in the patch's order)."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from hotload_patch.format import PatchFile
 from hotload_patch.placement import LoaderHost
 from support.patch_models import CFG, bits, load_ranks, same_bits
 from support.patches import build_chain, rewrite_patch, set_first
+from support.threads import ThreadsSeen
 
 
 def _same_staged(a: staging.Staged, b: staging.Staged) -> None:
@@ -80,31 +79,16 @@ def test_staging_runs_in_the_callers_thread_or_in_as_many_named_threads_as_asked
     CPU engine serves on the other cores meanwhile), named for a profile or a stack dump."""
     chain = build_chain(tmp_path, "BF16")
     (model,) = load_ranks(chain.parent, CFG, 1, torch.float32)
-    real = staging._stage_tensor
-    names: list[str] = []
-    lock = threading.Lock()
-    # The first two tensors stage at once (a pool of two holds both threads busy); a pool
-    # allowed more threads starts them for the later tensors meanwhile.
-    both = threading.Barrier(2, timeout=30)
-
-    def slow(*args: Any) -> Any:
-        with lock:
-            first = len(names)
-            names.append(threading.current_thread().name)
-        if threads > 1 and first < 2:
-            both.wait()
-        time.sleep(0.02)
-        return real(*args)
-
-    monkeypatch.setattr(staging, "_stage_tensor", slow)
+    seen = ThreadsSeen(staging._stage_tensor, pooled=threads > 1, linger=0.02)
+    monkeypatch.setattr(staging, "_stage_tensor", seen)
     staging.stage(
         LoaderHost(model), chain.patch, identity="step-1", parent="step-0", threads=threads
     )
-    assert len(names) > 2
+    assert len(seen.names) > 2
     if threads == 1:
-        assert set(names) == {threading.current_thread().name}
+        assert set(seen.names) == {threading.current_thread().name}
     else:
-        assert set(names) == {"hotload-stage_0", "hotload-stage_1"}
+        assert set(seen.names) == {"hotload-stage_0", "hotload-stage_1"}
 
 
 def _first_plane_offset(entry: object) -> int | None:
