@@ -8,6 +8,8 @@ checks must leave no patch behind.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -228,6 +230,37 @@ def test_a_compact_delta_after_deltas_is_patched_from_the_chain_to_its_parent(
     else:
         patched = _apply(fulls[1], wrong)
         assert not all(np.array_equal(patched[n], b) for n, (_, b) in _bits(fulls[2]).items())
+
+
+def test_a_parent_given_as_a_function_is_asked_once_and_only_for_a_compact_delta(
+    tmp_path: Path,
+) -> None:
+    """A loader hands `prepare_patch` a function that walks its volume for the chain: a plain
+    delta never calls it; a compact one calls it once, however many chunks in however many
+    threads need parent values at the same time."""
+    from hotload.arc import encode
+
+    fulls = _adam_chain(tmp_path, 2, n=600_000)
+    plain, compact = tmp_path / "d" / "s1", tmp_path / "d" / "s2"
+    encode(fulls[0], fulls[1], plain, chunk_elements=50_000)
+    encode(fulls[1], fulls[2], compact, chunk_elements=50_000, compact=True)
+    asked: list[int] = []
+
+    def chain(deltas: list[Path]) -> Callable[[], ParentChain]:
+        def walk() -> ParentChain:
+            asked.append(len(deltas))
+            time.sleep(0.2)  # a walk takes a while: other chunks need it meanwhile
+            return ParentChain(fulls[0], deltas)
+
+        return walk
+
+    prepare_patch(chain([]), plain, tmp_path / "plain.patch", threads=4)
+    assert asked == []
+    out = tmp_path / "compact.patch"
+    prepare_patch(chain([plain]), compact, out, threads=4)
+    assert asked == [1]
+    patched = _apply(fulls[1], out)
+    assert all(np.array_equal(patched[n], b) for n, (_, b) in _bits(fulls[2]).items())
 
 
 def test_a_delta_that_does_not_pass_its_checks_leaves_no_patch(tmp_path: Path) -> None:

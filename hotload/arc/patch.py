@@ -25,6 +25,7 @@ import copy
 import functools
 import math
 import mmap
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -510,7 +511,17 @@ def _resolver(
     if isinstance(parent, str | Path):
         chain = ParentChain(parent)
         return lambda: chain
-    return functools.cache(parent)
+    # Chunks run in several threads: a lock, so that two that need it at once call it once.
+    lock = threading.Lock()
+    got: list[ParentChain | None] = []
+
+    def once() -> ParentChain | None:
+        with lock:
+            if not got:
+                got.append(parent())
+            return got[0]
+
+    return once
 
 
 def _chain_values(
