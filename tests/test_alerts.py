@@ -18,7 +18,12 @@ import pytest
 import yaml
 
 from support.kubetools import Helm, helm, render_chart
-from support.metric_names import all_metrics, loader_metrics, router_metrics
+from support.metric_names import (
+    all_metrics,
+    loader_metrics,
+    operator_metrics,
+    router_metrics,
+)
 from support.paths import REPO
 from support.prometheus import Prometheus, promtool, running_prometheus, wait_until
 
@@ -27,6 +32,7 @@ CHART = REPO / "charts" / "hotload"
 UNIT_TESTS = REPO / "tests" / "alerts" / "hotload-rules.test.yaml"
 DASHBOARD = CHART / "files" / "grafana-dashboard.json"
 GUIDE = REPO / "docs" / "operations.md"
+LOADER_GUIDE = REPO / "docs" / "sidecar.md"
 # The release the unit tests were written for (the operator's job: hl-hotload-metrics).
 RELEASE, NAMESPACE = "hl", "hotload-system"
 ON: JSON = {
@@ -132,7 +138,149 @@ def test_alerts_read_only_series_hotload_exports(shipped: list[JSON]) -> None:
     # Every component has an alert, and the operator's Degraded and Lease are covered.
     assert used & loader_metrics() and used & router_metrics()
     assert {"up", "hotload_operator_leader", "hotload_operator_deployment_condition"} <= used
-    assert any(m.startswith("hotload_engine_") for m in used)
+
+
+# PromQL words that are not series: set operators and modifiers (functions and aggregations are
+# followed by "(", label names sit in braces or in by/on/... lists, both removed first).
+_PROMQL_WORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan"}
+
+
+def metrics_read(expr: str) -> set[str]:
+    """Every series name a PromQL expression reads, whatever its prefix (a histogram's _bucket,
+    _count and _sum as the histogram's name): strings, label matchers, ranges and grouping
+    lists removed, what is left that is neither a number, a call nor an operator."""
+    bare = re.sub(r'"(?:[^"\\]|\\.)*"' + r"|'(?:[^'\\]|\\.)*'", "", expr)
+    bare = re.sub(r"\{[^}]*\}|\[[^\]]*\]", " ", bare)
+    bare = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", bare)
+    out = set()
+    for match in re.finditer(r"(?<![\w.:])([A-Za-z_:][\w:]*)\b(?!\s*\()", bare):
+        name = match.group(1)
+        if name.lower() in _PROMQL_WORDS:
+            continue
+        base = re.sub(r"_(bucket|count|sum)$", "", name)
+        out.add(base if base != name and base in all_metrics() else name)
+    return out
+
+
+def test_metrics_read_finds_every_series_of_an_expression() -> None:
+    expr = (
+        "histogram_quantile(0.9, sum by (namespace, le) (rate(hotload_loader_update_seconds_bucket"
+        '{stage!="x", a=~"b|c"}[1h]))) > 30 and on (pod) vllm:num_requests_running > 1e3'
+        ' or absent(up{job="j"} == 1) unless sglang_token_usage offset 5m'
+    )
+    assert metrics_read(expr) == {
+        "hotload_loader_update_seconds",
+        "vllm:num_requests_running",
+        "up",
+        "sglang_token_usage",
+    }
+
+
+def test_alerts_read_only_series_every_replica_exports(shipped: list[JSON]) -> None:
+    """Every engine's replica (reference, vLLM, SGLang) runs the same loader, so an alert on a
+    replica reads the loader's series, never an engine's own (only the reference engine exports
+    hotload_engine_*, and vLLM or SGLang their own): every series an alert reads is in the
+    registry of the loader, the operator or a router (engine-independent), or the operator's
+    `up`."""
+    allowed = loader_metrics() | operator_metrics() | router_metrics()
+    assert not allowed & {m for m in all_metrics() if m.startswith("hotload_engine_")}
+    alerts = alerts_of(rule_file(shipped))
+    for name, rule in alerts.items():
+        read = metrics_read(rule["expr"])
+        assert read, f"{name} reads no series: {rule['expr']}"
+        # The hotload_ names the chart's other tests see, and nothing else but `up`.
+        assert read - {"up"} == series_names(rule["expr"]) - {"up"}, name
+        foreign = sorted(read - allowed - {"up"})
+        assert not foreign, f"{name} reads series no loader, operator or router exports: {foreign}"
+        if "up" in read:
+            assert rule["expr"].startswith("absent(up{job="), name
+    # The replica alerts are per deployment and pod: they never group by an engine's labels.
+    for name in ("HotloadEngineLoadFailures", "HotloadUpdatesFailing", "HotloadReplicaBehind"):
+        assert metrics_read(alerts[name]["expr"]) <= loader_metrics(), name
+        assert "by (namespace, deployment, pod" in alerts[name]["expr"], name
+
+
+def test_every_metric_an_alert_reads_is_documented(shipped: list[JSON]) -> None:
+    """docs/sidecar.md lists the loader's series (every one the registry exports, with its type,
+    labels and meaning), and what each alert reads; every series an alert reads is in
+    docs/sidecar.md or docs/operations.md."""
+    loader_doc, guide = LOADER_GUIDE.read_text(), GUIDE.read_text()
+    section = loader_doc.split("## Metrics (`GET /metrics`)", 1)[1].split("\n## ", 1)[0]
+    listed, reads_table = section.split("### What the alerts read", 1)
+    rows = re.findall(
+        r"^\| `(hotload_loader_[a-z_]+)` \| (counter|gauge|histogram) \|", listed, re.M
+    )
+    assert [m for m, _ in rows] and {m for m, _ in rows} == loader_metrics()
+    assert len(rows) == len({m for m, _ in rows})
+    alerts = alerts_of(rule_file(shipped))
+    documented = {
+        alert: set(re.findall(r"`([a-z_:]+)`", reads))
+        for alert, reads in re.findall(r"^\| `(Hotload[A-Za-z]+)` \| (.+) \|$", reads_table, re.M)
+    }
+    assert documented == {name: metrics_read(r["expr"]) for name, r in alerts.items()}
+    for name, rule in alerts.items():
+        for metric in metrics_read(rule["expr"]) - {"up"}:
+            assert f"`{metric}`" in loader_doc + guide, (name, metric)
+            if metric in loader_metrics():
+                assert f"| `{metric}` |" in listed, (name, metric)
+
+
+@pytest.mark.parametrize("kind", ["reference", "vllm", "sglang"])
+def test_engine_load_failures_are_the_loaders_count_for_every_engine(
+    shipped: list[JSON], tmp_path: Path, kind: str
+) -> None:
+    """HotloadEngineLoadFailures reads the series the loader counts when its engine fails a load,
+    whichever engine it drives: the real adapter of each kind, its engine gone, fails a full
+    load, and the loader's registry counts it under the alert's selector."""
+    import asyncio
+    import time
+
+    from hotload.bucket import open_bucket
+    from hotload.ledger import Ledger
+    from hotload.sdk import publish_folder
+    from hotload_sidecar.config import Settings
+    from hotload_sidecar.engines import Timeouts, make_adapter
+    from hotload_sidecar.loader import Loader
+    from hotload_sidecar.status import LoadTimings, LocalReporter
+    from support.fleet import free_port
+    from support.snapshots import full, weights
+
+    expr = alerts_of(rule_file(shipped))["HotloadEngineLoadFailures"]["expr"]
+    (selector,) = re.findall(r"hotload_loader_failures_total\{([^}]*)\}", expr)
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', selector))
+    assert labels == {"stage": "engine"}
+
+    folder = full(tmp_path / "step-000", weights(0))
+    ledger = Ledger(open_bucket(str(tmp_path / "bucket")), "policy")
+    entry = publish_folder(ledger, folder, identity="step-000").entry
+    settings = Settings(
+        ledger_url=f"{tmp_path / 'bucket'}/policy",
+        weights_dir=tmp_path / "weights",
+        engine_url=f"http://127.0.0.1:{free_port()}",  # nothing listens: every call fails
+        engine_kind=kind,
+        hint_ttl_seconds=0,
+    )
+    fast = Timeouts(request=2.0, load=2.0, drain=2.0, probe=2.0, connect=1.0)
+    adapter = make_adapter(kind, settings.engine_url, timeouts=fast)
+    loader = Loader(settings, ledger=ledger, adapter=adapter, reporter=LocalReporter())
+    loader.weights.prepare()
+    registry = loader.metrics.registry
+
+    def count() -> float | None:
+        return registry.get_sample_value("hotload_loader_failures_total", labels)
+
+    async def scenario() -> bool:
+        try:
+            return await loader.full.load(entry, folder, "all", LoadTimings())
+        finally:
+            await adapter.aclose()
+
+    assert count() == 0  # exported at 0 from the start: increase() sees the first failure
+    started = time.monotonic()
+    assert asyncio.run(scenario()) is False
+    assert time.monotonic() - started < 30
+    assert count() == 1, kind
+    assert loader.status.last_error.startswith("engine of step-000 failed"), loader.status
 
 
 def test_alerts_select_this_release_and_take_their_thresholds_from_values(
