@@ -173,11 +173,14 @@ NAMESPACED_PERMISSIONS = permissions(
             "resources": ["hotloaddeployments"],
             "verbs": ["get", "list", "watch", "patch"],
         },
+        # Snapshots: watched; labelled with and owned by their deployment when their creator
+        # did not (patch); the history beyond spec.snapshotHistory deleted (a rule of its own).
         {
             "apiGroups": ["hotload.dev"],
             "resources": ["snapshots"],
-            "verbs": ["list", "watch"],
+            "verbs": ["list", "watch", "patch"],
         },
+        {"apiGroups": ["hotload.dev"], "resources": ["snapshots"], "verbs": ["delete"]},
         {
             "apiGroups": ["hotload.dev"],
             "resources": ["hotloaddeployments/status", "snapshots/status"],
@@ -507,9 +510,11 @@ def test_rbac_never_grants_wildcards_escalation_deletion_or_secret_listing(
             where
         )
         if "delete" in rule["verbs"]:
-            # Only in a rule of its own, only on the router's kinds (switching it off).
+            # Only in a rule of its own, only on the router's kinds (switching it off) and on
+            # Snapshots (the history kept bounded).
             assert rule["verbs"] == ["delete"], where
-            assert {(g, r) for g in rule["apiGroups"] for r in rule["resources"]} <= ROUTER_KINDS
+            kinds = {(g, r) for g in rule["apiGroups"] for r in rule["resources"]}
+            assert kinds <= ROUTER_KINDS | {("hotload.dev", "snapshots")}
         if "update" in rule["verbs"]:
             # The finalizers (owner references), and the leader-election Lease by name.
             assert rule["resources"] in (["hotloaddeployments/finalizers"], ["leases"]), where
@@ -921,7 +926,11 @@ def test_notes_tell_the_next_step(helm_cli: Helm, tmp_path: Path) -> None:
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert f"kubectl -n {NAMESPACE} rollout status deployment/{FULLNAME}" in notes
     assert "rbac.bucketSecrets" in notes and "no Secret is readable yet" in notes
-    assert "kubectl get hld" in notes and "docs/operations.md" in notes
+    assert "get hld" in notes and "docs/operations.md" in notes
+    # In the order a newcomer goes: the Secret, the first full snapshot, the fleet, the trainer.
+    steps = ["create secret generic", "hotload publish", "kubectl apply -f examples/", "Publisher"]
+    assert [notes.index(s) for s in steps] == sorted(notes.index(s) for s in steps), notes
+    assert "docs/getting-started.md" in notes and "docs/credentials.md" in notes
     proc = helm_cli.run(
         "install",
         RELEASE,
@@ -999,10 +1008,10 @@ def test_fireworks_api_from_the_chart(helm_cli: Helm, tmp_path: Path) -> None:
             for verb in rule["verbs"]
         }
 
-    assert snapshot_verbs(objs) == {"list", "watch", "create", "get"}
+    assert snapshot_verbs(objs) == {"list", "watch", "patch", "delete", "create", "get"}
     # Off by default: no variable, port, volume, Service or Snapshot creation.
     default = render(helm_cli, tmp_path, {})
-    assert snapshot_verbs(default) == {"list", "watch"}
+    assert snapshot_verbs(default) == {"list", "watch", "patch", "delete"}
     assert not [v for v in env_of(operator_container(default)) if "FIREWORKS" in v]
     assert not [o for o in default if o["kind"] == "Service"]
 

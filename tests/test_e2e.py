@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from hotload.api.names import snapshot_object_name
 from hotload.kube import resource_path
 from hotload.sdk import NotReadyError, Publisher
 from hotload.snapshot import Snapshot
@@ -226,7 +227,7 @@ async def _rot_in_the_bucket(
     try:
         handle = await pub.publish_async(weights, step=step)
         assert handle.kind == "incremental"
-        snap = await kube.get(snapshot_path(ns, handle.identity))
+        snap = await kube.get(snapshot_path(ns, snapshot_object_name("fleet", handle.identity)))
         assert condition(snap, "Accepted")["status"] == "True"  # admitted intact ...
         _corrupt_file(bucket_dir / handle.identity)  # ... then rots where it lies
     finally:
@@ -243,7 +244,7 @@ async def _rot_in_the_bucket(
         assert f"{f['pod']}: {f['message']}" in str(failed.value)
 
     async def both_failed() -> dict[str, Any] | None:
-        obj = await kube.get(snapshot_path(ns, handle.identity))
+        obj = await kube.get(snapshot_path(ns, snapshot_object_name("fleet", handle.identity)))
         failures = (obj.get("status") or {}).get("failures") or []
         return obj if len(failures) == len(replicas) else None
 
@@ -284,7 +285,10 @@ async def _hld_when(kube: Any, ns: str, check: Any) -> dict[str, Any] | None:
 
 async def _snapshots_rolled_up(kube: Any, ns: str) -> list[dict[str, Any]] | None:
     """Every step's Snapshot once the roll-up saw the fleet on the last step."""
-    snaps = [await kube.get(snapshot_path(ns, f"step-{s:08d}")) for s in range(STEPS)]
+    snaps = [
+        await kube.get(snapshot_path(ns, snapshot_object_name("fleet", f"step-{s:08d}")))
+        for s in range(STEPS)
+    ]
     loaded = [(x.get("status") or {}).get("replicasLoaded") for x in snaps]
     return snaps if loaded == [0] * (STEPS - 1) + [2] else None
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import hotload
+from hotload.api.names import snapshot_object_name
 from hotload.bucket import open_bucket
 from hotload.ledger import Ledger
 from hotload.sdk import NotReadyError, Publisher, SnapshotRejectedError
@@ -258,7 +259,7 @@ async def test_wait_ready_raises_with_the_replicas_reasons(
                     first.identity, 1, target=third.identity, target_sequence=3,
                     state="failed", error=broken.replace("00000001", "00000002"),
                 )  # fmt: skip
-                third_path = snapshot_path(ns, third.identity)
+                third_path = snapshot_path(ns, snapshot_object_name("fleet", third.identity))
                 await eventually(
                     "step-00000002 LoadFailed",
                     lambda: _ready_reason(kube, third_path, "LoadFailed"),

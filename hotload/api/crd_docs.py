@@ -142,11 +142,11 @@ spec:
 apiVersion: {names.API_VERSION}
 kind: {names.SNAPSHOT_KIND}
 metadata:
-  name: grpo-step-000210
+  name: grpo-step-00000210
 spec:
   deployment: grpo
-  identity: step-000210
-  previous: step-000200
+  identity: step-00000210
+  previous: step-00000200
 """
 
 

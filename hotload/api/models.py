@@ -335,6 +335,14 @@ class HotLoadDeploymentSpec(ApiModel):
         "periodically (absent: never; deployments that share a ledger keep what any of them "
         "needs, with the largest keep and longest orphanAge among them).",
     )
+    snapshot_history: int = Field(
+        default=100,
+        ge=1,
+        le=10000,
+        description="Snapshot objects kept per deployment, the newest ones: the operator "
+        "deletes older ones, and those whose ledger entries retention dropped, but never one "
+        "a replica serves or targets, the ledger head, spec.pin, or one not yet admitted.",
+    )
     mirrors: list[MirrorSpec] = Field(
         default_factory=list,
         max_length=8,

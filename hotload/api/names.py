@@ -3,6 +3,8 @@ written on pods, and condition types with their reasons (grouped by condition)."
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Final
 
 GROUP: Final = "hotload.dev"
@@ -188,3 +190,16 @@ def head_object_name(deployment: str) -> str:
     """The name of a deployment's `HotLoadHead`: the deployment's own name (the kind tells them
     apart, and `kubectl get hlhead NAME` finds it)."""
     return deployment
+
+
+def snapshot_object_name(deployment: str, identity: str) -> str:
+    """The name of the `Snapshot` object of `identity` published to `deployment`:
+    `<deployment>-<identity>`, lowercase, with every character a DNS name may not hold made
+    `-`. Two deployments in one namespace may publish the same identities, so the deployment is
+    part of the name; an identity the name cannot spell exactly (upper case, `_`, `.`) gets
+    the first 8 hex digits of its sha256 appended, so `Step_1` and `step-1` never share one."""
+    spelled = re.sub(r"[^a-z0-9-]", "-", identity.lower()).strip("-")
+    name = f"{deployment}-{spelled}" if spelled else deployment
+    if spelled != identity:
+        name += "-" + hashlib.sha256(identity.encode()).hexdigest()[:8]
+    return name  # at most 56 + 1 + 128 + 9 characters: a valid object name

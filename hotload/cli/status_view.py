@@ -33,7 +33,7 @@ async def cluster_doc(
     """The HotLoadDeployments of `namespace` (default: the context's) in the cluster of
     kubeconfig `context` (default: the current one), or deployment `name` with its latest
     Snapshots."""
-    from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL
+    from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, LABEL_DEPLOYMENT, SNAPSHOT_PLURAL
     from hotload.errors import KubeNotFoundError
     from hotload.kube import KubeClient, KubeConfig, resource_path
 
@@ -52,7 +52,11 @@ async def cluster_doc(
         deployments = [found] if name else list(found.get("items") or [])
         snapshots: list[JSON] = []
         if name:
-            listed = await kube.list(resource_path(API_VERSION, SNAPSHOT_PLURAL, ns))
+            # The deployment's own, by the label its creators and the operator put on them.
+            listed = await kube.list(
+                resource_path(API_VERSION, SNAPSHOT_PLURAL, ns),
+                label_selector=f"{LABEL_DEPLOYMENT}={name}",
+            )
             snapshots = [
                 s
                 for s in listed.get("items") or []

@@ -5,13 +5,19 @@ serves it. Used by `Publisher` and by rank 0 of `ShardedPublisher`."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from pathlib import Path
 from typing import Any
 
-from hotload.api.names import API_VERSION, DEPLOYMENT_PLURAL, SNAPSHOT_PLURAL, SnapshotReasons
+from hotload.api.names import (
+    API_VERSION,
+    DEPLOYMENT_PLURAL,
+    SNAPSHOT_PLURAL,
+    SnapshotReasons,
+    snapshot_object_name,
+)
+from hotload.api.snapshots import conflict_message, same_publish, snapshot_object
 from hotload.errors import KubeConflictError, KubeError, KubeNotFoundError
 from hotload.kube import KubeClient, KubeConfig, resource_path
 from hotload.ledger import PromptCachePolicy
@@ -57,19 +63,21 @@ class Cluster:
         """The prefix of this cluster's errors: its context, when one was named."""
         return f"in context {self.context!r}: " if self.context else ""
 
-    def _client(self) -> KubeClient:
+    def client(self) -> KubeClient:
+        """A client of this cluster (its kubeconfig read once, on the first call)."""
         if self._config is None:
             self._config = kube_config(self.kubeconfig, self.context)
         return KubeClient(self._config)
 
     def _path(self, identity: str) -> str:
-        return resource_path(API_VERSION, SNAPSHOT_PLURAL, self.namespace, object_name(identity))
+        name = snapshot_object_name(self.deployment, identity)
+        return resource_path(API_VERSION, SNAPSHOT_PLURAL, self.namespace, name)
 
     async def rollout_failed(self, identity: str) -> bool:
         """Whether the replicas failed to load `identity` (its Snapshot's Ready is False with
         reason LoadFailed)."""
         try:
-            async with self._client() as kube:
+            async with self.client() as kube:
                 obj = await kube.get(self._path(identity))
         except KubeNotFoundError:
             return False  # published by another path (the ledger directly): nothing to learn
@@ -83,33 +91,26 @@ class Cluster:
     async def create_snapshot(
         self, identity: str, kind: str, previous: str | None, policy: PromptCachePolicy
     ) -> None:
-        """Create the `Snapshot` object of a snapshot whose files are in the bucket (a retried
-        publish of the same snapshot finds it there already)."""
-        spec: dict[str, Any] = {
-            "deployment": self.deployment,
-            "identity": identity,
-            "kind": kind,
-            "promptCache": policy,
-        }
-        if previous is not None:
-            spec["previous"] = previous
-        body = {
-            "apiVersion": API_VERSION,
-            "kind": "Snapshot",
-            "metadata": {"name": object_name(identity)},
-            "spec": spec,
-        }
-        async with self._client() as kube:
-            await get_deployment(kube, self.namespace, self.deployment)
-            with contextlib.suppress(KubeConflictError):  # a retried publish of the same step
+        """Create the `Snapshot` object of a snapshot whose files are in the bucket, named per
+        deployment and owned by it. A retried publish of the same snapshot finds its object
+        there already; an object of that name for another publish is a `PublishError` naming
+        both."""
+        async with self.client() as kube:
+            hld = await get_deployment(kube, self.namespace, self.deployment)
+            body = snapshot_object(hld, identity, kind=kind, previous=previous, prompt_cache=policy)
+            try:
                 await kube.create(resource_path(API_VERSION, SNAPSHOT_PLURAL, self.namespace), body)
+            except KubeConflictError:
+                existing = await kube.get(self._path(identity))
+                if not same_publish(body, existing):
+                    raise PublishError(conflict_message(self.namespace, body, existing)) from None
 
     async def wait_accepted(self, identity: str, timeout: float) -> dict[str, Any]:
         """The Snapshot's status once the operator admitted it; `SnapshotRejectedError` if it
         refused it, `PublishError` after `timeout` seconds without an answer."""
         path = self._path(identity)
         deadline = time.monotonic() + timeout
-        async with self._client() as kube:
+        async with self.client() as kube:
             while True:
                 status: dict[str, Any] = (await kube.get(path)).get("status") or {}
                 for c in status.get("conditions") or []:
@@ -134,7 +135,7 @@ class Cluster:
 
         Raises `SnapshotRejectedError` if the operator refused it and `NotReadyError` (with the
         Ready reason) when it cannot become ready any more."""
-        async with self._client() as kube:
+        async with self.client() as kube:
             obj = await kube.get(self._path(identity))
         status = obj.get("status") or {}
         conditions = {c["type"]: c for c in status.get("conditions") or []}
@@ -180,7 +181,7 @@ class Cluster:
         except KubeError as err:
             raise PublishError(f"{self._where()}cannot read the Snapshot: {err}") from err
         try:
-            async with self._client() as kube:
+            async with self.client() as kube:
                 hld = await get_deployment(kube, self.namespace, self.deployment)
         except KubeError as err:
             raise PublishError(f"{self._where()}cannot read the deployment: {err}") from err
@@ -207,12 +208,6 @@ class Cluster:
             if r.get("lastLoadSeconds") is not None
         ]
         return {"replicas": replicas, "loaded": len(serving), "loads": loads}
-
-
-def object_name(identity: str) -> str:
-    """A DNS-1123 object name for an identity (lowercase; `_` and `.` become `-`)."""
-    name = identity.lower().replace("_", "-").replace(".", "-").strip("-")
-    return name[:253] or "snapshot"
 
 
 def kube_client(kubeconfig: str | Path | None) -> KubeClient:
@@ -246,18 +241,3 @@ async def get_deployment(kube: KubeClient, namespace: str, name: str) -> dict[st
             "examples/), or check --namespace"
         ) from None
     return obj
-
-
-async def deployment_bucket(
-    deployment: str, *, namespace: str = "default", kubeconfig: str | Path | None = None
-) -> tuple[str, str]:
-    """The bucket URL (`spec.bucket.url`) and ledger name (`spec.ledger`, default the
-    deployment's name) of HotLoadDeployment `namespace/deployment`, with the same errors as
-    publishing to it (no credentials, no such deployment)."""
-    async with kube_client(kubeconfig) as kube:
-        hld = await get_deployment(kube, namespace, deployment)
-    spec = hld.get("spec") or {}
-    url = (spec.get("bucket") or {}).get("url")
-    if not url:
-        raise PublishError(f"HotLoadDeployment {namespace}/{deployment} has no spec.bucket.url")
-    return str(url), str(spec.get("ledger") or deployment)

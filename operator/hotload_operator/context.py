@@ -104,6 +104,12 @@ class OperatorMetrics:
             "Bytes of the snapshot folders the garbage collections deleted",
             registry=r,
         )
+        self.snapshots_deleted = Counter(
+            "hotload_operator_snapshots_deleted",
+            "Snapshot objects deleted to keep each deployment's history bounded "
+            "(spec.snapshotHistory, and those whose ledger entries retention dropped)",
+            registry=r,
+        )
         self.lease_watch_refused = Gauge(
             "hotload_operator_lease_watch_refused",
             "1 while the API server refuses this replica a watch of the Lease (RBAC lacks "
@@ -145,6 +151,9 @@ class Context:
     polls: WorkQueue[Key] = field(default_factory=lambda: WorkQueue(_unset, name="poll"))
     #: Snapshot admissions by Snapshot key (undecided Snapshots, retried with delays).
     admissions: WorkQueue[Key] = field(default_factory=lambda: WorkQueue(_unset, name="admission"))
+    #: The bound on each deployment's Snapshot objects (`reconcile.prune_history`), by
+    #: deployment key: after admissions and at each poll.
+    histories: WorkQueue[Key] = field(default_factory=lambda: WorkQueue(_unset, name="history"))
     #: `spec.retention`: the gc queue (one key per ledger), its interval and failures.
     retention: RetentionState = field(default_factory=RetentionState)
     #: Applies a deployment's spec again (set by the handlers, for the poll's apply retry).

@@ -21,7 +21,6 @@ sends it again (the Service picks a replica per connection).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 from collections.abc import Awaitable, Callable
@@ -36,6 +35,7 @@ from hotload.api.names import (
     DEPLOYMENT_PLURAL,
     SNAPSHOT_PLURAL,
 )
+from hotload.api.snapshots import conflict_message, same_publish, snapshot_object
 from hotload.bucket import Bucket, open_bucket
 from hotload.errors import (
     BucketError,
@@ -254,20 +254,20 @@ async def _post(request: web.Request) -> web.Response:
     identity, previous, policy = call.identity, call.previous, call.policy
     ns, name = call.namespace, call.name
     kube = request.app[KUBE]
-    spec: dict[str, Any] = {"deployment": name, "identity": identity, "promptCache": policy}
-    if previous is not None:
-        spec["previous"] = previous
-    object_name = identity.lower().replace("_", "-").replace(".", "-")
-    body = {
-        "apiVersion": API_VERSION,
-        "kind": "Snapshot",
-        "metadata": {"name": object_name},
-        "spec": spec,
-    }
+    body = snapshot_object(
+        call.deployment, identity, kind=None, previous=previous, prompt_cache=policy
+    )
+    key = (ns, str(body["metadata"]["name"]))
     try:
-        with contextlib.suppress(KubeConflictError):  # a retry: report what the operator decided
+        try:
             await kube.create(resource_path(API_VERSION, SNAPSHOT_PLURAL, ns), body)
-        return await _await_admission(request, (ns, object_name), identity, name)
+        except KubeConflictError:
+            # A retry of this publish takes what the operator decided; another publish's
+            # object of that name is not this one.
+            existing = await kube.get(resource_path(API_VERSION, SNAPSHOT_PLURAL, *key))
+            if not same_publish(body, existing):
+                return _error(409, conflict_message(ns, body, existing), "ALREADY_EXISTS")
+        return await _await_admission(request, key, identity, name)
     except NotLeadingError as err:
         return _standby(request.app[FENCE], err)
     except KubeForbiddenError as err:

@@ -29,7 +29,8 @@ from hotload_operator.reports import PodReport, read_pod
 from hotload_operator.rollup import snapshot_settled
 
 JSON = dict[str, Any]
-#: Index names: pods by deployment; Snapshots not settled by deployment; Snapshots by identity.
+#: Index names: pods and Snapshots by deployment; Snapshots not settled by deployment;
+#: Snapshots by identity.
 DEPLOYMENT, ACTIVE, IDENTITY = "deployment", "active", "identity"
 #: The engine pods of every deployment (the router's pods carry the deployment label too).
 POD_SELECTOR = f"{LABEL_DEPLOYMENT},{LABEL_COMPONENT}=engine"
@@ -184,6 +185,7 @@ class FleetCache:
                 snapshot_record,
                 namespace=ns,
                 indexes={
+                    DEPLOYMENT: lambda r: (r.namespace, r.deployment),
                     ACTIVE: lambda r: None if r.settled else (r.namespace, r.deployment),
                     IDENTITY: lambda r: (r.namespace, r.deployment, r.snapshot.spec.identity),
                 },
@@ -279,6 +281,11 @@ class FleetCache:
         for identity in identities:
             found.update(informer.indexed(IDENTITY, (*key, identity)))
         return list(found.values())
+
+    def history_of(self, key: Key) -> list[SnapshotRecord]:
+        """Every Snapshot of deployment `key` (for the history's bound, `history`)."""
+        informer = self.snapshots.get(self._scope(key[0]))
+        return list(informer.indexed(DEPLOYMENT, key).values()) if informer is not None else []
 
     def workload(self, key: Key) -> WorkloadStatus | None:
         """What the controllers say of deployment `key`'s replicas' Deployment, if it exists."""

@@ -8,6 +8,7 @@ every decision to the pure modules (`admission`, `rollup`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,6 +24,7 @@ from hotload.api.names import (
     SNAPSHOT_PLURAL,
     SnapshotReasons,
 )
+from hotload.api.snapshots import deployment_owner
 from hotload.errors import (
     BucketError,
     KubeError,
@@ -38,6 +40,7 @@ from hotload_operator.causes import Cause, workload_causes
 from hotload_operator.conditions import format_time, set_condition
 from hotload_operator.context import Context
 from hotload_operator.fence import NotLeadingError
+from hotload_operator.history import Deletion, SnapshotObject, expired_snapshots
 from hotload_operator.meta import (
     generation_of,
     ledger_url,
@@ -104,6 +107,7 @@ async def admit_queued(ctx: Context, namespace: str, name: str) -> None:
             await ctx.ledgers.refresh(owner.hld)
             ctx.retention.schedule(owner.hld)
         ctx.rollups.request(deployment, 0)
+        ctx.histories.request(deployment)
     else:
         involved = involved_object(
             {"apiVersion": API_VERSION, "kind": SNAPSHOT_KIND, "metadata": record.snapshot.metadata}
@@ -142,6 +146,16 @@ async def admit_snapshot(ctx: Context, snap: Snapshot) -> Admission:
             raise AdmissionDeferredError(message) from err
     ctx.metrics.admissions.labels(result.reason).inc()
     await write_admission(ctx, snap, result)
+    if result.reason != SnapshotReasons.DEPLOYMENT_NOT_FOUND:
+        try:
+            await adopt_snapshot(ctx, snap, hld)
+        except KubeError as err:  # the history pass (`prune_history`) tries again
+            log.warning(
+                "could not label Snapshot %s/%s with its deployment: %s",
+                ns,
+                snap.metadata.get("name"),
+                err,
+            )
     return result
 
 
@@ -318,8 +332,8 @@ RESYNC_SECONDS = 300.0
 async def poll(ctx: Context, namespace: str, name: str) -> None:
     """The periodic check of one deployment: one conditional GET of its ledger (a roll-up when
     the head moved), the apply retried while another field manager holds a field, a roll-up
-    every `RESYNC_SECONDS` and the ledger's gc when `spec.retention` is set and it is due; then
-    the next check is scheduled."""
+    every `RESYNC_SECONDS`, the ledger's gc when `spec.retention` is set and it is due, and the
+    bound on its Snapshot objects (`prune_history`); then the next check is scheduled."""
     key = (namespace, name)
     record = ctx.fleet().deployment(key)
     if record is None:
@@ -332,6 +346,83 @@ async def poll(ctx: Context, namespace: str, name: str) -> None:
     moved = await ctx.ledgers.refresh(record.hld, max_age=ctx.ledger_fresh_seconds)
     if moved or ctx.rolled.due(key, RESYNC_SECONDS):
         ctx.rollups.request(key, 0)
+    ctx.histories.request(key)  # retention may have dropped entries: their objects go too
+
+
+async def prune_history(ctx: Context, namespace: str, name: str) -> list[Deletion]:
+    """The history queue's work: delete the Snapshot objects of deployment `namespace/name`
+    that `history.expired_snapshots` lets go and adopt the others (`adopt_snapshot`), through
+    the fenced client (a deposed leader deletes nothing); return what it deleted."""
+    key = (namespace, name)
+    cache = ctx.fleet()
+    record = cache.deployment(key)
+    if record is None:
+        return []
+    hld = record.hld
+    document = ctx.ledgers.view(hld).document
+    head = document.head if document is not None else None
+    protected = {i for r in cache.pods_of(key) for i in (r.identity, r.target) if i}
+    protected |= {a.identity for r in cache.pods_of(key) for a in r.adapters}
+    protected |= {i for i in (head.identity if head else None, hld.spec.pin) if i}
+    protected |= {
+        str(record.status[f])
+        for f in ("currentSnapshot", "targetSnapshot")
+        if isinstance(record.status.get(f), str)
+    }
+    objects = [
+        SnapshotObject(
+            name=s.name,
+            identity=s.snapshot.spec.identity,
+            sequence=s.status.get("sequence")
+            if isinstance(s.status.get("sequence"), int)
+            else None,
+            decided=is_decided(s.status),
+            created=str(s.snapshot.metadata.get("creationTimestamp") or ""),
+        )
+        for s in cache.history_of(key)
+    ]
+    entries = document.entries if document is not None else []
+    expired = expired_snapshots(
+        objects,
+        keep=hld.spec.snapshot_history,
+        first_sequence=entries[0].sequence if entries else None,
+        protected=frozenset(protected),
+    )
+    deleted: list[Deletion] = []
+    for gone in expired:
+        with contextlib.suppress(KubeNotFoundError):  # deleted meanwhile: the goal is reached
+            await ctx.kube.delete(resource_path(API_VERSION, SNAPSHOT_PLURAL, namespace, gone.name))
+        log.info("deleted Snapshot %s/%s (%s): %s", namespace, gone.name, gone.identity, gone.why)
+        ctx.metrics.snapshots_deleted.inc()
+        deleted.append(gone)
+    going = {gone.name for gone in expired}
+    for kept in cache.history_of(key):
+        if kept.name not in going:  # level-triggered: objects made before the label existed too
+            await adopt_snapshot(ctx, kept.snapshot, hld)
+    return deleted
+
+
+async def adopt_snapshot(ctx: Context, snap: Snapshot, hld: HotLoadDeployment) -> None:
+    """Label a Snapshot with its deployment and make the deployment its owner, when whoever
+    created it did not (`kubectl apply` of a hand-written one): deleting the deployment then
+    deletes it, and `hotload status NAME` finds it by its label."""
+    meta = snap.metadata
+    uid = str(hld.metadata.get("uid") or "")
+    owners = [o for o in meta.get("ownerReferences") or [] if isinstance(o, dict)]
+    labelled = (meta.get("labels") or {}).get(LABEL_DEPLOYMENT) == name_of(hld)
+    if labelled and any(o.get("uid") == uid for o in owners):
+        return
+    owner = deployment_owner({"metadata": hld.metadata})
+    if any(o.get("controller") for o in owners):
+        owner["controller"] = False  # another controller claimed it: own it, do not control
+    patch: JSON = {
+        "metadata": {
+            "labels": {LABEL_DEPLOYMENT: name_of(hld)},
+            "ownerReferences": [*(o for o in owners if o.get("uid") != uid), owner],
+        }
+    }
+    path = resource_path(API_VERSION, SNAPSHOT_PLURAL, namespace_of(snap), str(meta["name"]))
+    await ctx.kube.patch(path, patch)
 
 
 def deployment_of_pod(body: JSON) -> str | None:

@@ -204,6 +204,12 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         name="gc",
     )
     ctx.retention.interval = settings.gc_interval
+    ctx.histories = WorkQueue(
+        lambda key: reconcile.guarded("history", lambda: reconcile.prune_history(ctx, *key)),
+        window=1.0,
+        concurrency=2,
+        name="history",
+    )
     ctx.admissions = WorkQueue(
         lambda key: reconcile.guarded("admission", lambda: reconcile.admit_queued(ctx, *key)),
         window=0,
@@ -216,6 +222,7 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
             if old is not None and old.hld.spec.retention is not None:
                 ctx.retention.schedule(old.hld)  # its setting no longer counts: re-merge
             ctx.polls.cancel(key)
+            ctx.histories.cancel(key)
             ctx.writer.forget(DEPLOYMENT_PLURAL, key)
             if old is not None:
                 ctx.ledgers.forget(old.hld)
@@ -323,6 +330,7 @@ async def run(
             asyncio.create_task(op.ctx.polls.run(), name="polls"),
             asyncio.create_task(op.ctx.admissions.run(), name="admissions"),
             asyncio.create_task(op.ctx.retention.queue.run(), name="gcs"),
+            asyncio.create_task(op.ctx.histories.run(), name="histories"),
         ]
         if op.ctx.heads is not None:
             writers.append(asyncio.create_task(op.ctx.heads.run(), name="ledger heads"))
