@@ -27,6 +27,10 @@ class SnapshotError(HotloadError):
         self.message = message
 
 
+class NonFiniteWeightsError(SnapshotError):
+    """A tensor holds NaN or Inf values (a diverged step); `field` names it."""
+
+
 class InvalidIdentityError(SnapshotError):
     """A snapshot identity is not a single, safe path segment."""
 
@@ -123,6 +127,13 @@ class AccessDeniedError(BucketError):
     """The credentials were refused."""
 
     reason = "access denied"
+
+
+class MissingCredentialsError(AccessDeniedError):
+    """No usable credentials for the bucket (none found, or half a key pair): the message names
+    what to set."""
+
+    reason = "no credentials"
 
 
 class PreconditionFailedError(BucketError):

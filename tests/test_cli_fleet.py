@@ -124,7 +124,7 @@ async def test_publish_wait_and_status_from_the_command_line(
                 code, _, err = await hotload("status", "nope", "-n", ns, env=env)
                 assert code == 1 and "not found" in err
                 code, _, err = await hotload("publish", str(s0), "--bucket", "x", env=env)
-                assert code == 1 and "exactly one of --ledger" in err
+                assert code == 1 and "give --ledger (no cluster) or --deployment" in err
             finally:
                 playing.cancel()
 

@@ -453,3 +453,114 @@ def test_every_rank_computes_the_same_layer_pure_balanced_plan() -> None:
     # The size limit splits a layer into several shards, never two layers into one.
     small = plan_shards(tensors, world_size=2, max_shard_bytes=4096)
     assert len(small.shards) == 1 + 10 + 2
+
+
+class TiedLlama(Llama):
+    """The Llama above with its output head tied to the embeddings (Llama 3.2, Qwen2.5 0.5B)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+
+TIED_CONFIG = {**CONFIG, "tie_word_embeddings": True}
+
+
+def _fleet_rank(rank: int, ns: str, out: str) -> None:
+    """Both ranks publish to HotLoadDeployment `fleet` (bucket, ledger and namespace from the
+    deployment and the context), wait for the fleet, then meet a NaN and a step going back."""
+    from torch.distributed.fsdp import fully_shard
+
+    with _group(rank, out):
+        torch.manual_seed(0)
+        model = TiedLlama()
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        pub = sharded.ShardedPublisher(
+            deployment="fleet", config=TIED_CONFIG, workdir=f"{out}/work", threads=1
+        )
+        seen: dict[str, Any] = {"namespace": pub.namespace, "ledger": pub.ledger.name}
+        handle = pub.publish(model, step=3)
+        report = pub.wait_ready(handle.identity, timeout=120)
+        seen["ready"] = [report.identity, report.replicas, report.loaded]
+        with torch.no_grad():  # each rank poisons the first element of its slice: WORLD NaNs
+            model.model.layers[1].q_proj.weight.to_local().view(-1)[0] = float("nan")
+        try:
+            pub.publish(model, step=4)
+        except sharded.ShardedPublishError as exc:
+            seen["nan"] = str(exc)
+        try:
+            pub.publish(model, step=2)
+        except sharded.PublishError as exc:
+            seen["back"] = str(exc)
+        try:
+            pub.wait_ready("step-00000099", timeout=1)
+        except sharded.PublishError as exc:
+            seen["unknown"] = [type(exc).__name__, str(exc)]
+        Path(f"{out}/fleet-{rank}.json").write_text(json.dumps(seen))
+        pub.close()
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_a_sharded_trainer_waits_for_the_fleet_and_refuses_what_a_publisher_refuses(
+    kube_api: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the real operator: rank 0 resolves the deployment (no bucket, ledger or
+    namespace given) and waits, every rank gets the answer; the tied head is published once,
+    as `save_pretrained` writes it; NaN weights and a step going back are refused on every
+    rank, naming the tensor and the step."""
+    from support.cluster import install_crds
+    from support.operator import (
+        create_fleet,
+        loaders_follow_the_ledger,
+        running_operator,
+    )
+
+    ns = kube_api.namespace
+    doc = _yaml_kubeconfig(kube_api.kubeconfig, ns)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(doc)
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))  # inherited by the spawned ranks
+    monkeypatch.setenv("HOTLOAD_ROLLUP_INTERVAL", "0.5")
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    async with kube_api.client() as kube:
+        await install_crds(kube)
+        async with running_operator(kube_api):
+            pods = await create_fleet(kube, ns, bucket, replicas=2)
+            playing = asyncio.create_task(loaders_follow_the_ledger(kube, ns, bucket, pods))
+            try:
+                await asyncio.to_thread(_spawn, _fleet_rank, tmp_path, ns, str(tmp_path))
+            finally:
+                playing.cancel()
+    seen = [json.loads((tmp_path / f"fleet-{r}.json").read_text()) for r in range(WORLD)]
+    assert seen[0] == seen[1], seen
+    got = seen[0]
+    assert (got["namespace"], got["ledger"]) == (ns, "fleet")
+    assert got["ready"] == ["step-00000003", 2, 2]
+    assert "model.layers.1.q_proj.weight" in got["nan"] and f"{WORLD} NaN and 0 Inf" in got["nan"]
+    assert "nothing was committed" in got["nan"]
+    assert "step 2 is before step 3" in got["back"]
+    assert got["unknown"] == [
+        "PublishError",
+        f"no Snapshot object {ns}/fleet-step-00000099: 'step-00000099' was not published to "
+        "HotLoadDeployment fleet (or its object was deleted: spec.snapshotHistory keeps the "
+        "newest ones)",
+    ]
+    document = (await Ledger(open_bucket(str(bucket)), "fleet").read_async()).document
+    assert [e.identity for e in document.entries] == ["step-00000003"]
+    index = json.loads((bucket / "step-00000003" / layout.INDEX_FILE).read_text())
+    assert "lm_head.weight" not in index["weight_map"]
+    assert "model.embed_tokens.weight" in index["weight_map"]
+
+
+def _yaml_kubeconfig(path: Path, namespace: str) -> str:
+    """The kubeconfig at `path` with its contexts' namespace set to `namespace`."""
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    for ctx in doc["contexts"]:
+        ctx["context"]["namespace"] = namespace
+    return str(yaml.safe_dump(doc))

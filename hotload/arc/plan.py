@@ -20,7 +20,7 @@ from hotload.arc.checksum import CHECKSUM_ALIASES, adler32_combine
 from hotload.arc.container import ArcHeader, read_header
 from hotload.arc.encodings import SAME
 from hotload.errors import ArcError, CorruptDeltaError, WrongParentError
-from hotload.snapshot.dtypes import uint_view_dtype
+from hotload.snapshot.dtypes import CHANGE_FIX, uint_view_dtype
 from hotload.snapshot.safetensors_io import SafetensorsFile, TensorInfo, parse_target_header
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 23
@@ -100,7 +100,7 @@ def check_encodable(prev: SafetensorsFile, cur: SafetensorsFile, shard: str) -> 
         if (p.dtype, p.shape) != (info.dtype, info.shape):
             raise ArcError(
                 f"parent has {p.dtype}{list(p.shape)}, current has {info.dtype}"
-                f"{list(info.shape)}: a delta cannot change dtype or shape",
+                f"{list(info.shape)}: a delta cannot change dtype or shape. {CHANGE_FIX}",
                 shard=shard,
                 tensor=tname,
             )
@@ -175,7 +175,7 @@ def check_parent(prev: SafetensorsFile, delta: DeltaShard, shard: str) -> None:
         if (p.dtype, p.shape) != (info.dtype, info.shape):
             raise ArcError(
                 f"delta rebuilds {info.dtype}{list(info.shape)} but the parent holds "
-                f"{p.dtype}{list(p.shape)}: a delta cannot change dtype or shape",
+                f"{p.dtype}{list(p.shape)}: a delta cannot change dtype or shape. {CHANGE_FIX}",
                 shard=shard,
                 tensor=tname,
             )

@@ -26,6 +26,7 @@ from hotload.errors import (
     AccessDeniedError,
     BucketError,
     BucketUnreachableError,
+    MissingCredentialsError,
     ObjectExistsError,
     ObjectNotFoundError,
     PreconditionFailedError,
@@ -55,6 +56,17 @@ _NETWORK_HINTS = (
     "dns",
 )
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+#: A request to the instance metadata service (169.254.169.254, or AWS_METADATA_ENDPOINT),
+#: which an S3 client without configured credentials asks for a role's last.
+_IMDS = re.compile(r"https?://\S+/latest/(api/token|meta-data/)")
+#: What to do when a bucket has no credentials (docs/credentials.md says it at length).
+S3_CREDENTIALS_FIX = (
+    "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY: in the environment, as files of those "
+    "names in --credentials-dir ($HOTLOAD_BUCKET_CREDENTIALS_DIR), or, for the operator and "
+    "the replicas, as keys of the Secret spec.bucket.credentialsSecret names; or run where a "
+    "role provides them (AWS_WEB_IDENTITY_TOKEN_FILE, an instance role). See "
+    "docs/credentials.md"
+)
 # obstore reports a key it cannot use as a ValueError with one of these phrases.
 _PATH_ERRORS = ("Could not parse path", "illegal character", "path segment")
 
@@ -119,6 +131,15 @@ def translate(exc: BaseException, *, url: str, key: str | None, op: str) -> Buck
     if not isinstance(exc, BaseError | OSError | ValueError | NotImplementedError):
         return None
     what = f"{op}: {describe(exc)}"
+    if _IMDS.search(str(exc)):
+        # No credentials were configured, so the client asked the instance metadata service
+        # for a role's: refused (or absent) off a cloud VM. The cause is "no credentials".
+        return MissingCredentialsError(
+            f"{op}: no S3 credentials were found, and the instance metadata service gave none "
+            f"({describe(exc)}). {S3_CREDENTIALS_FIX}",
+            url=url,
+            key=key,
+        )
     if isinstance(exc, FileNotFoundError):
         return ObjectNotFoundError(what, url=url, key=key)
     if isinstance(exc, PermissionDeniedError | UnauthenticatedError | PermissionError):

@@ -8,10 +8,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from obstore.exceptions import BaseError
 from obstore.store import GCSStore, S3Store
 
 from hotload.bucket.core import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, Bucket
-from hotload.bucket.retry import RetryPolicy
+from hotload.bucket.retry import RetryPolicy, describe
 from hotload.bucket.url import (
     GCS_SETTINGS,
     S3_SETTINGS,
@@ -21,7 +22,7 @@ from hotload.bucket.url import (
     parse_bucket_url,
     read_secret_dir,
 )
-from hotload.errors import InvalidBucketURLError
+from hotload.errors import InvalidBucketURLError, MissingCredentialsError
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig, GCSConfig, S3Config, S3Credential
@@ -117,9 +118,11 @@ class SecretFileCredentials:
         values = read_secret_dir(self.directory, S3_SETTINGS)
         key, secret = values.get("AWS_ACCESS_KEY_ID"), values.get("AWS_SECRET_ACCESS_KEY")
         if not key or not secret:
-            raise InvalidBucketURLError(
-                "the credentials directory needs both an AWS_ACCESS_KEY_ID and an "
-                "AWS_SECRET_ACCESS_KEY file",
+            missing = "AWS_SECRET_ACCESS_KEY" if key else "AWS_ACCESS_KEY_ID"
+            raise MissingCredentialsError(
+                f"the credentials directory has no {missing} file: it needs both an "
+                "AWS_ACCESS_KEY_ID and an AWS_SECRET_ACCESS_KEY file (keys of the bucket "
+                "Secret). See docs/credentials.md",
                 url=str(self.directory),
             )
         return {
@@ -138,6 +141,7 @@ def _s3_store(location: BucketURL, settings: StoreSettings, policy: RetryPolicy)
         "client_options": _client_options(allow_http),
         "retry_config": policy.obstore_config(),
     }
+    _check_key_pair(location, settings)
     if settings.credentials_dir is not None and "AWS_ACCESS_KEY_ID" in settings.from_files:
         provider = SecretFileCredentials(settings.credentials_dir)
         provider()  # fail now, with a clear message, if the Secret is incomplete
@@ -150,7 +154,36 @@ def _s3_store(location: BucketURL, settings: StoreSettings, policy: RetryPolicy)
         value = settings.get(name)
         if value:
             config[option] = value  # type: ignore[literal-required]
-    return S3Store(location.bucket, **common)
+    try:
+        return S3Store(location.bucket, **common)
+    except BaseError as exc:  # a setting obstore refuses: say which bucket and why
+        raise InvalidBucketURLError(
+            f"the S3 settings cannot be used: {describe(exc)}", url=str(location)
+        ) from exc
+
+
+def _check_key_pair(location: BucketURL, settings: StoreSettings) -> None:
+    """Refuse half a key pair, naming the half that is missing and where the other came from
+    (obstore's own refusal names neither)."""
+    key, secret = settings.get("AWS_ACCESS_KEY_ID"), settings.get("AWS_SECRET_ACCESS_KEY")
+    if bool(key) == bool(secret):
+        return
+    given, missing = (
+        ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+        if key
+        else ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID")
+    )
+    source = (
+        f"a file in {settings.credentials_dir}"
+        if given in settings.from_files
+        else "the environment"
+    )
+    raise MissingCredentialsError(
+        f"{given} is set (by {source}) but {missing} is not: an access key needs both halves. "
+        f"Set {missing} beside it, or unset {given} to use a role's credentials. "
+        "See docs/credentials.md",
+        url=str(location),
+    )
 
 
 #: Idle connections kept per host, and for how long: without a cap the HTTP pool keeps every

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,10 @@ GCS_SETTINGS = (
 )
 
 _TRUE = {"1", "true", "yes", "on"}
+
+#: A scheme and a colon without its two slashes (`s3:/rl/prod`, `gs:bucket`): a typo that would
+#: otherwise publish into a local folder named `s3:`. A path starting `./` or `/` is a folder.
+_SCHEME_TYPO = re.compile(r"^(s3|gs|gcs|file|https?|az|abfss?):/?(?!/)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,16 @@ def parse_bucket_url(url: str) -> BucketURL:
     if not text:
         raise InvalidBucketURLError("empty bucket URL", url=url)
     if "://" not in text:
+        typo = _SCHEME_TYPO.match(text)
+        if typo:
+            scheme = typo.group(1).lower()
+            rest = text[typo.end() :].lstrip("/")
+            meant = f"file:///{rest}" if scheme == "file" else f"{scheme}://{rest}"
+            raise InvalidBucketURLError(
+                f"this looks like the URL {meant} with a slash missing, not a folder: write "
+                f"{meant} (or ./{text} for a local folder of that name)",
+                url=url,
+            )
         return _local(Path(text).expanduser(), url)
     parts = urlsplit(text)
     scheme = parts.scheme.lower()

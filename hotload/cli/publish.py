@@ -56,7 +56,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--ledger",
         metavar="NAME",
-        help="ledger name in the bucket: append to it directly, no cluster involved",
+        help="ledger name in the bucket: append to it directly, no cluster involved (with "
+        "--deployment it must be the deployment's spec.ledger, which is the default)",
     )
     p.add_argument(
         "--deployment",
@@ -64,7 +65,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="HotLoadDeployment to publish to: upload, then create a Snapshot object and wait "
         "until the operator accepted it (instead of --ledger)",
     )
-    p.add_argument("--namespace", "-n", default="default", help="namespace of --deployment")
+    p.add_argument(
+        "--namespace",
+        "-n",
+        help="namespace of --deployment (default: the kubeconfig context's, as kubectl)",
+    )
     p.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig (default: $KUBECONFIG)")
     p.add_argument(
         "--full",
@@ -119,29 +124,29 @@ def _publish(args: argparse.Namespace) -> int:
     if not folder.is_dir():
         raise SnapshotError("not a folder", path=str(folder))
     identity = validate_identity(args.identity or folder.resolve().name)
-    if (args.deployment is None) == (args.ledger is None):
-        raise HotloadError("give exactly one of --ledger (no cluster) or --deployment")
-    ledger_name = args.ledger
-    if args.deployment is not None:
-        from hotload.sdk.cluster import deployment_bucket
-
-        bucket_url = args.bucket
-        if bucket_url is None:
-            # The SDK's errors: no credentials, no such deployment (each says what to do).
-            bucket_url, ledger_name = run_sync(
-                deployment_bucket(
-                    args.deployment, namespace=args.namespace, kubeconfig=args.kubeconfig
-                )
-            )
-    elif args.bucket is None:
+    if args.deployment is None and args.ledger is None:
+        raise HotloadError("give --ledger (no cluster) or --deployment")
+    if args.deployment is None and args.bucket is None:
         raise HotloadError("--ledger needs --bucket")
-    else:
-        bucket_url = args.bucket
+    from hotload.sdk.target import resolve_target
+
+    # With --deployment, its spec names the bucket and the ledger (and the context the
+    # namespace); the SDK's errors say what to do (no credentials, no such deployment, a
+    # --bucket that is not the deployment's).
+    target = resolve_target(
+        args.bucket,
+        deployment=args.deployment,
+        ledger=args.ledger,
+        namespace=args.namespace,
+        kubeconfig=args.kubeconfig,
+    )
+    bucket_url, ledger_name = target.bucket_url, target.ledger
+    args.namespace = target.namespace
     desc = describe_snapshot(folder)
     bucket = open_bucket(
         bucket_url, credentials_dir=args.credentials_dir, concurrency=max(1, args.concurrency)
     )
-    ledger = Ledger(bucket, ledger_name or args.deployment)
+    ledger = Ledger(bucket, ledger_name)
     if args.prompt_cache is None:
         args.prompt_cache = "none" if desc.kind == "lora" else "all"
     if desc.kind == "lora":
@@ -304,39 +309,17 @@ def _submit_as_is(
 
 
 def _check_published_delta(ledger: Ledger, folder: Path, identity: str) -> None:
-    """Raise unless the delta published as `identity` rebuilds exactly `folder`'s shards: each
-    delta shard carries the rebuilt shard's safetensors header (per-tensor checksums
-    included), so the delta alone is downloaded, never the chain."""
-    from hotload.arc.container import read_header
-    from hotload.snapshot import Snapshot
-    from hotload.snapshot.inherited import header_digest
-    from hotload.snapshot.reader import data_header
+    """Raise unless the delta published as `identity` rebuilds exactly `folder`'s shards (read
+    on the bucket's shard headers alone: `hotload.sdk.published`)."""
+    from hotload.sdk.published import first_difference
 
-    local = Snapshot(folder)
-    with tempfile.TemporaryDirectory(prefix="hotload-published-") as tmp:
-        download_snapshot(ledger.bucket, identity, tmp)
-        untouched = Snapshot(tmp).untouched_shards
-        for shard in local.shard_files:
-            remote = Path(tmp) / shard
-            if shard in untouched:
-                # Left alone by the step: the record pins the header the shard kept.
-                same = untouched[shard] == header_digest(data_header(folder / shard))
-            else:
-                target = remote.is_file() and read_header(remote).fields.get("target_header")
-                same = target == _safetensors_header(folder / shard)
-            if not same:
-                raise HotloadError(
-                    f"{identity!r} is already published (an arc_v2 delta) with other weights "
-                    f"(first difference: {shard}); published snapshots are immutable, so publish "
-                    "this one under a new identity"
-                )
-
-
-def _safetensors_header(path: Path) -> str:
-    """The JSON header of a safetensors file, exactly as stored (padding included)."""
-    with path.open("rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        return f.read(size).decode()
+    differs = run_sync(first_difference(ledger.bucket, identity, folder))
+    if differs is not None:
+        raise HotloadError(
+            f"{identity!r} is already published (an arc_v2 delta) with other weights "
+            f"(first difference: {differs}); published snapshots are immutable, so publish "
+            "this one under a new identity"
+        )
 
 
 def _submit_existing(

@@ -132,3 +132,26 @@ def _config(
         why,
     )
     return None, str(path)
+
+
+#: The tied output head and the tensor it shares, in every family we publish whose config
+#: ties them (Llama 3.2, Qwen2.5 0.5B, Qwen3 0.6B, Gemma): `save_pretrained` keeps the
+#: embedding and leaves the head out.
+TIED_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
+
+
+def drop_tied_head(
+    pairs: list[tuple[str, Any]],
+    config: Mapping[str, Any] | None,
+    side_files_from: str | Path | None,
+) -> list[tuple[str, Any]]:
+    """`pairs` without `lm_head.weight` when the config says `tie_word_embeddings: true` and
+    the embedding it shares is there too: what `save_pretrained` leaves out, decided from the
+    names and the config alone, so every rank of a sharded publish decides the same with no
+    exchange."""
+    doc, _ = _config(config, side_files_from)
+    head, embedding = TIED_HEAD
+    names = {n for n, _ in pairs}
+    if not doc or doc.get("tie_word_embeddings") is not True or not {head, embedding} <= names:
+        return pairs
+    return [(n, t) for n, t in pairs if n != head]

@@ -19,7 +19,7 @@ class SnapshotRejectedError(PublishError):
     """The operator refused the snapshot (`reason` and `message` are its `Accepted` condition)."""
 
     def __init__(self, identity: str, reason: str, message: str) -> None:
-        self.identity, self.reason = identity, reason
+        self.identity, self.reason, self.detail = identity, reason, message
         super().__init__(f"snapshot {identity!r} was refused ({reason}): {message}")
 
 

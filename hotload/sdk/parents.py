@@ -19,7 +19,10 @@ from hotload.arc.checksum import adler32
 from hotload.bucket import Bucket, download_snapshot_async
 from hotload.errors import ArcError, BucketError, LedgerError, SnapshotError
 from hotload.ledger import LedgerDocument, LedgerEntry
-from hotload.snapshot import describe_snapshot, write_snapshot
+from hotload.snapshot import Snapshot, describe_snapshot, layout, write_snapshot
+from hotload.snapshot.finite import check_finite
+from hotload.snapshot.manifests import parse_weight_map
+from hotload.snapshot.safetensors_io import RawTensor
 
 # The publisher's log: these are its decisions.
 log = logging.getLogger("hotload.sdk.publisher")
@@ -36,7 +39,14 @@ def _record_path(workdir: Path, identity: str) -> Path:
 
 
 def record_copy(
-    workdir: Path, ledger: str, identity: str, *, sequence: int | None, digest: str, full_dir: Path
+    workdir: Path,
+    ledger: str,
+    identity: str,
+    *,
+    sequence: int | None,
+    digest: str,
+    full_dir: Path,
+    step: int | None = None,
 ) -> None:
     """Note beside the full copy what the ledger holds for it and the copy's checksums, so a
     restarted publisher can trust the copy (see `recorded_copy`)."""
@@ -52,10 +62,27 @@ def record_copy(
         "manifestDigest": digest,
         "folder": full_dir.name,
         "files": file_checksums(full_dir),
+        "step": step,
     }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
     os.replace(tmp, path)  # a crash leaves the old record or the new one, never half
+
+
+def recorded_step(workdir: Path, ledger: str, head: LedgerEntry) -> int | None:
+    """The training step this workdir recorded for `head` when it published it (None: another
+    publisher's head, or a record without a step)."""
+    try:
+        doc = json.loads(_record_path(workdir, head.identity).read_text())
+    except (OSError, ValueError):
+        return None
+    same = (doc.get("ledger"), doc.get("identity"), doc.get("manifestDigest")) == (
+        ledger,
+        head.identity,
+        head.manifest_digest,
+    )
+    step = doc.get("step")
+    return step if same and isinstance(step, int) else None
 
 
 def recorded_copy(workdir: Path, ledger: str, head: LedgerEntry) -> tuple[str, Path] | None:
@@ -140,11 +167,15 @@ def full_copy(
     config: Mapping[str, Any] | None,
     side_files_from: str | Path | None,
     cast: str | None,
+    finite: bool = False,
 ) -> Path:
-    """Write (or link, for a snapshot folder) the full snapshot of `weights` into the workdir."""
+    """Write (or link, for a snapshot folder) the full snapshot of `weights` into the workdir;
+    with `finite`, a tensor holding NaN or Inf is refused (`NonFiniteWeightsError`)."""
     out = workdir / "full" / identity
     if isinstance(weights, str | Path):
         src = Path(weights)
+        if finite:
+            check_folder_finite(src)
         if out.exists():
             shutil.rmtree(out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -157,8 +188,30 @@ def full_copy(
         side_files_from=side_files_from,
         cast=cast,
         overwrite=True,
+        finite=finite,
     )
     return written.path
+
+
+def in_order_of(snapshot: Path, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> Weights:
+    """`weights` as (name, tensor) pairs in the order of full snapshot `snapshot`'s index (its
+    shards' order, then each shard's), the names it does not hold last: written in that order,
+    the shards are cut where `snapshot`'s were, so each pairs with its own in a delta."""
+    order = {name: i for i, name in enumerate(parse_weight_map(snapshot / layout.INDEX_FILE))}
+    pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+    return sorted(pairs, key=lambda pair: order.get(pair[0], len(order)))
+
+
+def check_folder_finite(folder: Path) -> None:
+    """Refuse a full snapshot folder whose tensors hold NaN or Inf, naming the first; a delta
+    or adapter folder is not read here (its own publisher checked it)."""
+    snap = Snapshot(folder)
+    if snap.kind != "full":
+        return
+    for shard in snap.shard_files:
+        with snap.open_shard(shard) as f:
+            for name, info in f.tensors.items():
+                check_finite(name, RawTensor(info.dtype, tuple(info.shape), f.raw(name)))
 
 
 def file_checksums(folder: Path) -> dict[str, list[Any]]:

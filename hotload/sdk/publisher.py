@@ -33,12 +33,11 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hotload.api.names import SnapshotReasons
 from hotload.arc import encode
 from hotload.bucket import TransferResult, run_sync
 from hotload.errors import HotloadError
@@ -46,9 +45,7 @@ from hotload.ledger import LedgerDocument, LedgerEntry, PromptCachePolicy
 from hotload.ledger.hints import prune_hints_async
 from hotload.ledger.retention import DEFAULT_GRACE, DEFAULT_ORPHAN_AGE
 from hotload.sdk.checkpoint import checkpoint_names
-from hotload.sdk.cluster import Cluster, deployment_bucket
-from hotload.sdk.core import PublisherCore
-from hotload.sdk.loaders import loaders_ready
+from hotload.sdk.core import NO_CONFIG, PublisherCore, check_cadence, check_side_files
 from hotload.sdk.outcomes import (
     NotReadyError,
     PublishError,
@@ -60,11 +57,14 @@ from hotload.sdk.outcomes import (
 from hotload.sdk.parents import (
     Weights,
     full_copy,
+    in_order_of,
     rebuild_copy,
     record_copy,
     recorded_copy,
 )
 from hotload.sdk.publish import progress_bar, publish_folder_async, upload_hinted_async
+from hotload.sdk.published import first_difference
+from hotload.sdk.target import resolve_target
 from hotload.snapshot import describe_snapshot, validate_adapter
 from hotload.snapshot.lora import add_checksums, write_adapter
 
@@ -77,6 +77,11 @@ ProgressOption = Callable[[int], None] | bool | None
 
 class Publisher(PublisherCore):
     """Publishes policy snapshots for one deployment (or one ledger, without a cluster).
+
+    With `deployment`, the bucket and ledger are the deployment's (`spec.bucket.url`,
+    `spec.ledger`), read from the cluster at construction; a `bucket_url` or `ledger` given too
+    must name the same ones. `namespace` defaults to the kubeconfig context's. Without one,
+    `bucket_url` and `ledger` name where to append.
 
     `workdir` keeps the last full copy (the next delta's parent); give a lasting folder to
     resume with a delta after a restart. `progress`: a bar on a terminal by default, True
@@ -91,7 +96,7 @@ class Publisher(PublisherCore):
 
     def __init__(
         self,
-        bucket_url: str,
+        bucket_url: str | None = None,
         *,
         deployment: str | None = None,
         namespace: str | None = None,
@@ -114,12 +119,23 @@ class Publisher(PublisherCore):
         retain: int | None = None,
         retain_orphan_age: timedelta = DEFAULT_ORPHAN_AGE,
         retain_grace: timedelta = DEFAULT_GRACE,
+        allow_nonfinite: bool = False,
+        allow_step_back: bool = False,
     ) -> None:
-        super().__init__(
+        check_cadence(full_every)
+        check_side_files(config, side_files_from)
+        target = resolve_target(
             bucket_url,
             deployment=deployment,
-            namespace=namespace or "default",
             ledger=ledger,
+            namespace=namespace,
+            kubeconfig=kubeconfig,
+        )
+        super().__init__(
+            target,
+            contexts=contexts,
+            explicit_namespace=namespace,
+            replicas=replicas,
             full_every=full_every,
             workdir=workdir,
             workdir_prefix="hotload-publisher-",
@@ -136,15 +152,11 @@ class Publisher(PublisherCore):
         self.side_files_from = side_files_from
         self.config = config
         self.threads = threads
-        self.replicas = list(replicas or [])
         self.progress = progress
         self.rebuild_parent = rebuild_parent
-        #: The clusters `wait_ready` waits for, one kubeconfig context each (several clusters
-        #: following one ledger); each looks `deployment` up in `namespace`, else in its
-        #: context's namespace. Empty: the cluster Snapshots are created in.
-        self.contexts = list(contexts or [])
-        self._explicit_namespace = namespace
-        self._clusters: dict[str, Cluster] = {}
+        #: Whether tensors holding NaN or Inf may be published (refused by default).
+        self.allow_nonfinite = allow_nonfinite
+        self.allow_step_back = allow_step_back
         #: The last published snapshot and its full copy on local disk (the next delta's parent).
         self._parent: tuple[str, Path] | None = None
 
@@ -180,9 +192,19 @@ class Publisher(PublisherCore):
         started = time.perf_counter()
         ident = self.identity_for(step, identity)
         policy = prompt_cache_policy(reset_prompt_cache)
+        if (
+            not isinstance(weights, str | Path)
+            and self.config is None
+            and (self.side_files_from is None)
+        ):
+            raise PublishError(NO_CONFIG)  # before any tensor is written
         state = await self.ledger.read_async()
         document = state.document
         head = document.head
+        existing = document.find(ident)
+        if existing is not None:  # a retry or a repeat, not a new head: no step to judge
+            return await self._published_again(weights, step, existing, started)
+        self.check_step(step, head)
         parent = self._parent
         if parent is not None and (head is None or head.identity != parent[0]):
             # The ledger moved without us (another trainer, a reset, a refusal): restart.
@@ -201,7 +223,10 @@ class Publisher(PublisherCore):
                 # The replicas could not load the parent (e.g. bit rot in the bucket): a delta on
                 # it would fail the same way; a full snapshot heals the fleet.
                 parent = None
-        full_dir = self._full_copy(weights, ident)
+        # A delta pairs each shard with its parent's: lay the tensors out as the parent does.
+        full_dir = self._full_copy(
+            weights, ident, like=parent[1] if parent is not None and not want_full else None
+        )
         if want_full or parent is None:
             folder, previous = full_dir, None
         else:
@@ -226,6 +251,7 @@ class Publisher(PublisherCore):
             self._parent = None
             raise
         self._remember(ident, full_dir)
+        self.last_step = step
         await asyncio.to_thread(
             record_copy,
             self.workdir,
@@ -234,6 +260,7 @@ class Publisher(PublisherCore):
             sequence=sequence,
             digest=desc.manifest_digest,
             full_dir=full_dir,
+            step=step,
         )
         if folder != full_dir:
             shutil.rmtree(folder, ignore_errors=True)
@@ -249,6 +276,40 @@ class Publisher(PublisherCore):
             entry=entry,
             sequence=sequence,
             transfer=transfer,
+        )
+
+    async def _published_again(
+        self, weights: Weights, step: int, existing: LedgerEntry, started: float
+    ) -> PublishHandle:
+        """A step whose identity the ledger holds already: nothing to do if it holds these
+        very weights (a retried or repeated publish, checked on the bucket's shard headers),
+        else a `PublishError`: a published identity is immutable."""
+        ident = existing.identity
+        check = self._full_copy(weights, f".again-{ident}")
+        try:
+            differs = await first_difference(self.bucket, ident, check)
+        finally:
+            shutil.rmtree(check, ignore_errors=True)
+        where = f"ledger {self.ledger.name!r} (sequence {existing.sequence})"
+        if differs is not None:
+            raise PublishError(
+                f"{ident!r} is already in {where} with other weights (first difference: "
+                f"{differs}): a published identity is immutable. Publish this step under a new "
+                "identity (identity=..., or another step); to serve an earlier snapshot again, "
+                "pin the fleet to it (spec.pin)"
+            )
+        log.info("%s is already in %s with these weights: nothing to publish", ident, where)
+        return PublishHandle(
+            identity=ident,
+            step=step,
+            kind=existing.kind,
+            previous=existing.previous,
+            shipped_bytes=0,
+            full_bytes=existing.full_bytes,
+            seconds=time.perf_counter() - started,
+            entry=existing,
+            sequence=existing.sequence,
+            transfer=TransferResult(ident, 0, 0, already_present=True),
         )
 
     @contextlib.contextmanager
@@ -286,11 +347,17 @@ class Publisher(PublisherCore):
             self._parent = found
         return found
 
-    def _full_copy(self, weights: Weights, identity: str) -> Path:
+    def _full_copy(self, weights: Weights, identity: str, like: Path | None = None) -> Path:
+        """The full snapshot of `weights` in the workdir; with `like`, a full snapshot whose
+        shards the copy follows (a delta's parent, wherever its layout came from: `hotload
+        snapshot build` orders a model folder's tensors as its files do, a state dict as the
+        module holds them)."""
         # The family's checkpoint names, as the fleet that booted from its checkpoint holds them.
         weights = checkpoint_names(
             weights, config=self.config, side_files_from=self.side_files_from
         )
+        if like is not None and not isinstance(weights, str | Path):
+            weights = in_order_of(like, weights)
         return full_copy(
             self.workdir,
             weights,
@@ -298,6 +365,7 @@ class Publisher(PublisherCore):
             config=self.config,
             side_files_from=self.side_files_from,
             cast=self.cast,
+            finite=not self.allow_nonfinite,
         )
 
     def _remember(self, identity: str, full_dir: Path) -> None:
@@ -428,134 +496,6 @@ class Publisher(PublisherCore):
         sequence = status.get("sequence")
         return (sequence if isinstance(sequence, int) else None), uploaded.transfer
 
-    # --- waiting -------------------------------------------------------------------------------
-
-    def wait_ready(
-        self,
-        identity: str,
-        *,
-        timeout: float = 600.0,
-        min_fraction: float | None = None,
-        contexts: Sequence[str] | None = None,
-    ) -> ReadyReport:
-        """Block until the snapshot is served (Ready, or `min_fraction` of replicas serve it);
-        the report has each replica's timings (`loads`: pod, totalSeconds, loadSeconds).
-
-        With `contexts` (default: the publisher's), it returns only once the deployment of
-        every context's cluster serves it (each cluster's Snapshot object, or, where the
-        Snapshot was created in another cluster, its deployment's replicas); the report adds
-        up their replicas, each load names its `context`, and every error names the context.
-
-        Raises `NotReadyError` with the replicas' reasons as soon as the snapshot cannot become
-        ready (its Snapshot's Ready is False with reason LoadFailed, Superseded,
-        DeploymentPinned or NotAccepted) or after `timeout`; after LoadFailed the next publish
-        is a full snapshot. `SnapshotRejectedError` if the operator refused it."""
-        return run_sync(
-            self.wait_ready_async(
-                identity, timeout=timeout, min_fraction=min_fraction, contexts=contexts
-            )
-        )
-
-    async def wait_ready_async(
-        self,
-        identity: str,
-        *,
-        timeout: float = 600.0,
-        min_fraction: float | None = None,
-        contexts: Sequence[str] | None = None,
-    ) -> ReadyReport:
-        """`wait_ready`, awaitable. Without a cluster it polls the `replicas` loader URLs."""
-        started = time.monotonic()
-        deadline = started + timeout
-        last: dict[str, Any] = {}
-        names = list(contexts if contexts is not None else self.contexts)
-        while True:
-            report = await (
-                self._check_contexts(names, identity, min_fraction, last)
-                if names
-                else self._check_cluster(identity, min_fraction, last)
-                if self.cluster is not None
-                else loaders_ready(self.replicas, identity, min_fraction, last)
-            )
-            if report is not None:
-                return ReadyReport(
-                    identity,
-                    report["replicas"],
-                    report["loaded"],
-                    time.monotonic() - started,
-                    report.get("loads", []),
-                )
-            if time.monotonic() > deadline:
-                failures = list(last.get("failures") or [])
-                detail = "; ".join(f"{f['pod']}: {f['message']}" for f in failures[:5])
-                raise NotReadyError(
-                    f"snapshot {identity!r} not ready after {timeout:g}s "
-                    f"({last.get('loaded', 0)}/{last.get('replicas', '?')} replicas serve it)"
-                    + (f": {detail}" if detail else "")
-                    + (
-                        f"; still waiting for context(s) {', '.join(last['waiting'])}"
-                        if last.get("waiting")
-                        else ""
-                    ),
-                    failures,
-                )
-            await asyncio.sleep(0.5)
-
-    async def _check_contexts(
-        self, names: list[str], identity: str, min_fraction: float | None, last: dict[str, Any]
-    ) -> dict[str, Any] | None:
-        """The combined report once every context's deployment serves `identity`, else None
-        (`last` then sums what each cluster showed); errors name their context."""
-        if self.deployment is None:
-            raise PublishError("wait_ready with contexts needs a deployment")
-        reports: list[tuple[str, dict[str, Any]]] = []
-        seen: dict[str, dict[str, Any]] = {}
-        for name in dict.fromkeys(names):
-            cluster = self._clusters.get(name)
-            if cluster is None:
-                cluster = Cluster(self.deployment, self._explicit_namespace, self.kubeconfig, name)
-                self._clusters[name] = cluster
-            seen[name] = {}
-            # The cluster's errors name its context.
-            report = await self._settle(cluster.serves(identity, min_fraction, seen[name]))
-            if report is not None:
-                reports.append((name, report))
-        last.update(
-            replicas=sum(int(v.get("replicas") or 0) for v in seen.values()),
-            loaded=sum(int(v.get("loaded") or 0) for v in seen.values()),
-            failures=[
-                {**f, "pod": f"{name}/{f.get('pod')}"}
-                for name, v in seen.items()
-                for f in v.get("failures") or []
-            ],
-            waiting=[name for name in seen if name not in dict(reports)],
-        )
-        if len(reports) < len(seen):
-            return None
-        return {
-            "replicas": sum(r["replicas"] for _, r in reports),
-            "loaded": sum(r["loaded"] for _, r in reports),
-            "loads": [{**load, "context": name} for name, r in reports for load in r["loads"]],
-        }
-
-    async def _check_cluster(
-        self, identity: str, min_fraction: float | None, last: dict[str, Any]
-    ) -> dict[str, Any] | None:
-        assert self.cluster is not None
-        return await self._settle(self.cluster.ready_status(identity, min_fraction, last))
-
-    async def _settle(self, check: Awaitable[dict[str, Any] | None]) -> dict[str, Any] | None:
-        """`check`'s answer; a refusal or failed roll-out makes the next publish full."""
-        try:
-            return await check
-        except SnapshotRejectedError:
-            self._force_full = True  # the next publish cannot be a delta on this one
-            raise
-        except NotReadyError as exc:
-            if exc.reason == SnapshotReasons.FAILED:
-                self._force_full = True  # a delta on a snapshot the fleet cannot load fails too
-            raise
-
 
 __all__ = [
     "NotReadyError",
@@ -565,5 +505,4 @@ __all__ = [
     "ReadyReport",
     "SnapshotRejectedError",
     "Weights",
-    "deployment_bucket",
 ]

@@ -25,9 +25,10 @@ ledger entry, or, with a `deployment`, creates the `Snapshot` object and waits f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -40,10 +41,11 @@ from hotload.arc.files import inherit_side_files, side_file_sums
 from hotload.arc.lanes import default_threads
 from hotload.bucket import run_sync
 from hotload.bucket.transfer import snapshot_present_async
-from hotload.errors import ObjectExistsError
+from hotload.errors import HotloadError, ObjectExistsError
 from hotload.ledger import LedgerEntry, NewEntry, PromptCachePolicy
 from hotload.ledger.retention import DEFAULT_GRACE, DEFAULT_ORPHAN_AGE
-from hotload.sdk.core import PublisherCore, check_target
+from hotload.sdk.checkpoint import drop_tied_head
+from hotload.sdk.core import PublisherCore, check_cadence, check_side_files
 from hotload.sdk.gather import (
     Held,
     ShardedWeights,
@@ -53,14 +55,18 @@ from hotload.sdk.gather import (
     named_tensors,
 )
 from hotload.sdk.outcomes import (
+    NotReadyError,
     PublishError,
     PublishHandle,
+    ReadyReport,
     ShardedPublishError,
     SnapshotRejectedError,
     prompt_cache_policy,
 )
 from hotload.sdk.shard_plan import ShardPlan, plan_shards, safetensors_dtype
+from hotload.sdk.target import Target, resolve_target
 from hotload.snapshot import layout
+from hotload.snapshot.finite import check_finite
 from hotload.snapshot.inherited import InheritedRecord, write_inherited
 from hotload.snapshot.reader import content_digest, data_header, manifest_digest
 from hotload.snapshot.safetensors_io import RawTensor
@@ -138,11 +144,12 @@ class ShardedPublisher(PublisherCore):
 
     def __init__(
         self,
-        bucket_url: str,
+        bucket_url: str | None = None,
         *,
         ledger: str | None = None,
         deployment: str | None = None,
-        namespace: str = "default",
+        namespace: str | None = None,
+        contexts: Sequence[str] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         group: ProcessGroup | None = None,
@@ -161,12 +168,15 @@ class ShardedPublisher(PublisherCore):
         retain: int | None = None,
         retain_orphan_age: timedelta = DEFAULT_ORPHAN_AGE,
         retain_grace: timedelta = DEFAULT_GRACE,
+        allow_nonfinite: bool = False,
+        allow_step_back: bool = False,
     ) -> None:
         import torch.distributed as dist
 
-        check_target(full_every, deployment, ledger)
+        check_cadence(full_every)
         if config is None and side_files_from is None:
             raise PublishError("a snapshot needs a config.json: pass config= or side_files_from=")
+        check_side_files(config, side_files_from)
         if not dist.is_initialized():
             raise PublishError(
                 "torch.distributed is not initialized: call dist.init_process_group() first "
@@ -178,10 +188,9 @@ class ShardedPublisher(PublisherCore):
         if not 0 <= self.rank < self.world_size:
             raise PublishError(f"rank {self.rank} is outside world_size {self.world_size}")
         super().__init__(
-            bucket_url,
-            deployment=deployment,
-            namespace=namespace,
-            ledger=ledger,
+            self._resolve(bucket_url, deployment, ledger, namespace, kubeconfig),
+            contexts=contexts,
+            explicit_namespace=namespace,
             full_every=full_every,
             workdir=workdir,
             workdir_prefix="hotload-sharded-",
@@ -198,6 +207,10 @@ class ShardedPublisher(PublisherCore):
         self.config = config
         self.max_shard_bytes = max_shard_bytes
         self.threads = threads
+        #: Whether tensors holding NaN or Inf may be published (refused by default).
+        self.allow_nonfinite = allow_nonfinite
+        self.allow_step_back = allow_step_back
+
         self.progress = progress
         # Ranks on one node may share a workdir: each keeps its shards in its own folder.
         self.workdir = self._workdir_root / f"rank-{self.rank:05d}"
@@ -208,6 +221,35 @@ class ShardedPublisher(PublisherCore):
         self._side_sums: tuple[str, dict[str, str]] | None = None
         #: What this rank did in the last `publish`.
         self.last_report = RankReport(self.rank)
+
+    def _resolve(
+        self,
+        bucket_url: str | None,
+        deployment: str | None,
+        ledger: str | None,
+        namespace: str | None,
+        kubeconfig: str | Path | None,
+    ) -> Target:
+        """The publishing target, resolved by rank 0 alone (one read of the deployment, not
+        one per rank) and handed to every rank; its error raised on every rank."""
+        answer: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                answer = {
+                    "target": resolve_target(
+                        bucket_url,
+                        deployment=deployment,
+                        ledger=ledger,
+                        namespace=namespace,
+                        kubeconfig=kubeconfig,
+                    ).to_json()
+                }
+            except HotloadError as exc:
+                answer = {"error": str(exc)}
+        answer = broadcast_from_first(self.group, answer)
+        if "error" in answer:
+            raise PublishError(answer["error"])
+        return Target(**answer["target"])
 
     # --- publishing ------------------------------------------------------------------------------
 
@@ -232,8 +274,11 @@ class ShardedPublisher(PublisherCore):
         self.last_report = report
         ident = self.identity_for(step, identity)
         report.identity = ident
+        # Every rank remembers the same steps: each refuses alike, before any collective.
+        self.check_step(step, None)
         with torch.no_grad():
-            items = named_tensors(weights)
+            # The checkpoint's names for a tied head (the family's `save_pretrained` drops it).
+            items = drop_tied_head(named_tensors(weights), self.config, self.side_files_from)
             plan = plan_shards(
                 [(n, tuple(t.shape), safetensors_dtype(t, self.cast)) for n, t in items],
                 world_size=self.world_size,
@@ -290,6 +335,7 @@ class ShardedPublisher(PublisherCore):
                 raise ShardedPublishError(f"{ident}: {outcome['error']}")
             self._remember(ident, full_dir, plan.digest)
             self._force_full = False
+            self.last_step = step
             report.seconds = time.perf_counter() - started
             return PublishHandle(
                 identity=ident,
@@ -301,6 +347,41 @@ class ShardedPublisher(PublisherCore):
                 seconds=report.seconds,
                 entry=outcome.get("entry"),
             )
+
+    def wait_ready(
+        self,
+        identity: str,
+        *,
+        timeout: float = 600.0,
+        min_fraction: float | None = None,
+        contexts: Sequence[str] | None = None,
+    ) -> ReadyReport:
+        """`Publisher.wait_ready`, collective: every rank calls it; rank 0 alone reads the
+        cluster(s), and every rank returns its report or raises its error (`NotReadyError`,
+        `SnapshotRejectedError`, `PublishError`), so no rank trains on while another gave up."""
+        answer: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                report = super().wait_ready(
+                    identity, timeout=timeout, min_fraction=min_fraction, contexts=contexts
+                )
+                answer = {"report": dataclasses.asdict(report)}
+            except SnapshotRejectedError as exc:
+                answer = {"rejected": (exc.identity, exc.reason, exc.detail)}
+            except NotReadyError as exc:
+                answer = {"not_ready": (str(exc), exc.failures, exc.reason)}
+            except HotloadError as exc:
+                answer = {"error": str(exc)}
+        answer = broadcast_from_first(self.group, answer)
+        if "rejected" in answer:
+            self._force_full = True  # as rank 0 noted: the next publish cannot be a delta on it
+            raise SnapshotRejectedError(*answer["rejected"])
+        if "not_ready" in answer:
+            message, failures, reason = answer["not_ready"]
+            raise NotReadyError(message, failures, reason)
+        if "error" in answer:
+            raise PublishError(answer["error"])
+        return ReadyReport(**answer["report"])
 
     def _agree(
         self, ident: str, step: int, plan: ShardPlan, full: bool | None
@@ -385,6 +466,8 @@ class ShardedPublisher(PublisherCore):
                         continue
                     try:
                         raw = to_raw(name, full, self.cast)
+                        if not self.allow_nonfinite:
+                            check_finite(name, raw)
                     except Exception as exc:
                         error = exc
                         continue
@@ -461,8 +544,7 @@ class ShardedPublisher(PublisherCore):
             try:
                 outcome = run_sync(self._commit_async(job, shipped_shards, policy))
             except SnapshotRejectedError as exc:
-                message = str(exc).split(": ", 1)[-1]
-                outcome = {"ok": False, "rejected": (exc.reason, message)}
+                outcome = {"ok": False, "rejected": (exc.reason, exc.detail)}
             except Exception as exc:
                 outcome = {"ok": False, "error": _describe(exc)}
         return broadcast_from_first(self.group, outcome)

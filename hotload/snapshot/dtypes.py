@@ -54,3 +54,12 @@ NUMPY_TO_SAFETENSORS: dict[str, str] = {
     "uint64": "U64",
     "float64": "F64",
 }
+
+
+#: What to do about a tensor whose dtype or shape changed between two steps (a delta cannot
+#: carry it).
+CHANGE_FIX = (
+    "Publish the same dtypes as the parent (Publisher(cast='BF16') casts F32/F16 tensors to "
+    "BF16), or publish a full snapshot to change them (publish(..., full=True); "
+    "`hotload publish --full`); the fleet must accept the new dtype or shape"
+)

@@ -21,6 +21,7 @@ from hotload.errors import (
     ValidationProblem,
 )
 from hotload.snapshot import layout
+from hotload.snapshot.dtypes import CHANGE_FIX
 from hotload.snapshot.lora import (
     AdapterConfig,
     adapter_weight_files,
@@ -281,13 +282,15 @@ def validate_transition(parent: str | Path | Snapshot, child: str | Path | Snaps
             problems.add(
                 spec,
                 f"tensor_map.{name}.dtype",
-                f"changed from {ps.dtype} to {cs.dtype} (a delta cannot change dtypes)",
+                f"changed from {ps.dtype} to {cs.dtype}: a delta cannot change dtypes. "
+                + CHANGE_FIX,
             )
         if ps.shape != cs.shape:
             problems.add(
                 spec,
                 f"tensor_map.{name}.shape",
-                f"changed from {list(ps.shape)} to {list(cs.shape)}",
+                f"changed from {list(ps.shape)} to {list(cs.shape)}: a delta cannot change "
+                "shapes. " + CHANGE_FIX,
             )
     problems.raise_if_any()
 

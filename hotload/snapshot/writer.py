@@ -20,6 +20,7 @@ from hotload.arc.checksum import ADLER32, adler32, format_checksum
 from hotload.errors import SnapshotError
 from hotload.snapshot import layout
 from hotload.snapshot.dtypes import NUMPY_TO_SAFETENSORS, TORCH_TO_SAFETENSORS
+from hotload.snapshot.finite import check_finite
 from hotload.snapshot.manifests import parse_weight_map
 from hotload.snapshot.safetensors_io import RawTensor, iter_file, write_safetensors
 
@@ -141,8 +142,10 @@ class SnapshotWriter:
         cast: str | None = None,
         overwrite: bool = False,
         progress: ProgressFn | None = None,
+        finite: bool = False,
     ) -> None:
         self.out_dir = Path(out_dir)
+        self.finite = finite
         if self.out_dir.exists() and not overwrite:
             raise SnapshotError("output folder already exists", path=str(self.out_dir))
         if max_shard_bytes <= 0:
@@ -169,6 +172,8 @@ class SnapshotWriter:
         if name in self._spec:
             raise SnapshotError("tensor appears twice", field=name)
         raw = to_raw(name, tensor, self.cast)
+        if self.finite:
+            check_finite(name, raw)
         group = layout.layer_of(name) or "<non-layer>"
         if self._pending and (
             group != self._pending_group or self._pending_bytes + raw.nbytes > self.max_shard_bytes
@@ -268,14 +273,21 @@ def write_snapshot(
     cast: str | None = None,
     overwrite: bool = False,
     progress: ProgressFn | None = None,
+    finite: bool = False,
 ) -> WrittenSnapshot:
     """Write a full snapshot from a state dict or an iterator of (name, tensor).
 
     `config` is written as config.json; `side_files_from` copies config and tokenizer files
-    from a model folder (an explicit `config` wins).
+    from a model folder (an explicit `config` wins). With `finite`, a tensor holding NaN or Inf
+    is refused (`NonFiniteWeightsError`) and nothing is written.
     """
     writer = SnapshotWriter(
-        out_dir, max_shard_bytes=max_shard_bytes, cast=cast, overwrite=overwrite, progress=progress
+        out_dir,
+        max_shard_bytes=max_shard_bytes,
+        cast=cast,
+        overwrite=overwrite,
+        progress=progress,
+        finite=finite,
     )
     try:
         write_side_files(writer.tmp_dir, side_files_from=side_files_from, config=config)
