@@ -30,6 +30,7 @@ from support.cluster import install_crds
 from support.fleet import free_port
 from support.kubeapi import KubeAPI
 from support.operator import eventually, get_or_none, hld_path
+from support.paths import REPO
 
 JSON = dict[str, Any]
 
@@ -135,6 +136,8 @@ async def test_the_entry_point_serves_listed_namespaces_with_liveness_and_metric
         # JSON object, and the lines about an object name it.
         lines = [json.loads(line) for line in text.splitlines() if line.strip()]
         assert lines and all({"timestamp", "severity", "message"} <= set(x) for x in lines)
+        # The probes answered (above) and logged nothing: a kubelet probes every few seconds.
+        assert not [x for x in lines if "/healthz" in x["message"]], lines[:5]
         about = [x for x in lines if isinstance(x.get("object"), dict)]
         assert any(x["object"].get("name") == "fleet" for x in about), lines[:5]
 
@@ -224,3 +227,109 @@ async def _check(
     assert not outsider.get("status")
     for kind, plural in (("apps/v1", "deployments"), ("v1", "services")):
         assert (await kube.list(resource_path(kind, plural, unlisted)))["items"] == []
+
+
+def _inlined_kubeconfig(path: Path) -> str:
+    """The kubeconfig at `path` with every file it names inlined (`*-data`), so a process that
+    cannot read those files can use it."""
+    import base64
+
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    for section, key in (("clusters", "cluster"), ("users", "user")):
+        for entry in doc.get(section) or []:
+            body = entry.get(key) or {}
+            for field in ("certificate-authority", "client-certificate", "client-key"):
+                if field in body:
+                    data = Path(body.pop(field)).read_bytes()
+                    body[f"{field}-data"] = base64.b64encode(data).decode()
+    return str(yaml.safe_dump(doc))
+
+
+@pytest.mark.asyncio
+async def test_the_operator_runs_as_a_uid_without_a_passwd_entry(
+    kube_api: KubeAPI, tmp_path: Path
+) -> None:
+    """The image runs as 65532 with no passwd entry and no USER variable; kopf made its
+    identity from getpass.getuser(), which raised there, so the operator crash-looped on its
+    first real node (`KeyError: 'getpwuid(): uid not found: 65532'`)."""
+    import pwd
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.fail("needs root to start a process as uid 65532 (the suite runs as root in CI)")
+    with pytest.raises(KeyError):
+        pwd.getpwuid(65532)  # the image's user has no entry here either
+    liveness = free_port()
+    # A folder the uid can read (pytest's are private to root).
+    home = Path(tempfile.mkdtemp(prefix="hotload-uid-"))
+    try:
+        home.chmod(0o755)
+        kubeconfig = home / "kubeconfig"
+        kubeconfig.write_text(_inlined_kubeconfig(kube_api.kubeconfig))
+        kubeconfig.chmod(0o644)
+        # The venv's interpreter lies under /root, which the uid may not enter: the system's
+        # Python of the same version (the images' python3.11) runs the venv's packages.
+        python = Path("/usr/bin/python3")
+        if not python.is_file():
+            pytest.fail(f"{python} (Debian's python3, the same 3.11 as the venv) is needed here")
+        site = Path(sys.prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+        paths = [REPO, REPO / "operator", REPO / "sidecar", site / "site-packages"]
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("USER", "LOGNAME", "LNAME", "USERNAME", "HOME", "VIRTUAL_ENV")
+        } | {
+            "KUBECONFIG": str(kubeconfig),
+            "HOTLOAD_NAMESPACES": kube_api.namespace,
+            "PYTHONPATH": ":".join(map(str, paths)),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "HOME": "/tmp",  # as operator/Dockerfile sets it (its only writable path)
+        }
+        async with kube_api.client() as kube:
+            await install_crds(kube)
+            (home / "bucket").mkdir(mode=0o777)
+            await kube.create(hld_path(kube_api.namespace), fleet("fleet", home / "bucket"))
+            # A bucket folder this uid may not read: a problem of that fleet, not a crash.
+            await kube.create(hld_path(kube_api.namespace), fleet("hidden", tmp_path / "b"))
+            proc = subprocess.Popen(
+                [str(python), "-m", "hotload_operator", "--standalone", "--liveness",
+                 f"http://127.0.0.1:{liveness}/healthz"],
+                cwd=home,
+                env=env,
+                user=65532,
+                group=65532,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            try:
+                path = resource_path("apps/v1", "deployments", kube_api.namespace, "fleet")
+
+                async def reconciled() -> bool:
+                    assert proc.poll() is None, proc.communicate()[0].decode()[-3000:]
+                    return await get_or_none(kube, path) is not None
+
+                await eventually("the operator, as 65532, to apply the fleet", reconciled, 60)
+
+                async def refused() -> str:
+                    assert proc.poll() is None, proc.communicate()[0].decode()[-3000:]
+                    hld = await kube.get(hld_path(kube_api.namespace, "hidden"))
+                    problems = (hld.get("status") or {}).get("problems") or []
+                    return " ".join(f"{p['reason']}: {p['message']}" for p in problems)
+
+                problem = await eventually("the unreadable bucket named", refused, 60)
+                assert "BucketAccessDenied" in problem and "permission denied" in problem, problem
+                status, body = await asyncio.to_thread(
+                    http_get, f"http://127.0.0.1:{liveness}/healthz"
+                )
+                assert status == 200 and body.startswith("ok"), body
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                out, _ = await asyncio.to_thread(proc.communicate, None, 30)
+        assert proc.returncode == 0, out.decode()[-3000:]
+        assert b"getpwuid" not in out
+    finally:
+        import shutil
+
+        shutil.rmtree(home, ignore_errors=True)

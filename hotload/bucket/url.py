@@ -192,6 +192,10 @@ def _local(path: Path, url: str) -> BucketURL:
     if not path.is_absolute():
         path = Path.cwd() / path
     root = Path(os.path.normpath(path))
-    if root.exists() and not root.is_dir():
+    try:
+        not_a_folder = root.exists() and not root.is_dir()
+    except OSError:  # not ours to see (EACCES): each operation says so as a BucketError
+        not_a_folder = False
+    if not_a_folder:
         raise InvalidBucketURLError(f"{root} exists and is not a folder", url=url)
     return BucketURL(scheme="file", bucket=str(root), root=root)

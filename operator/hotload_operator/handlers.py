@@ -9,7 +9,7 @@ import importlib.metadata
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import kopf
@@ -226,4 +226,7 @@ async def run_kopf(
         memo=kopf.Memo(ctx=ctx),
         stop_flag=stop,
         ready_flag=ready,
+        # Our own name for this replica: without one kopf makes `user@host` from
+        # getpass.getuser(), which raises for a uid with no passwd entry (the image's 65532).
+        identity=cast(Any, ctx.identity),
     )

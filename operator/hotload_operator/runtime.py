@@ -468,7 +468,8 @@ async def _serve_endpoints(settings: Settings, op: Operator) -> list[Any]:
 
         app = web.Application()
         app.router.add_get(url.path or "/healthz", healthz)
-        runner = web.AppRunner(app)
+        # No access log: the kubelet probes every few seconds, which would be most of the log.
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, url.hostname or "0.0.0.0", url.port or 8080).start()
         runners.append(runner)
