@@ -41,10 +41,9 @@ from support.operator import (
     condition,
     eventually,
     hld_path,
+    loaders_follow_the_ledger,
     play_deployment_controller,
-    play_loader,
     running_operator,
-    serving,
     snapshot_path,
 )
 from support.paths import REPO
@@ -95,14 +94,7 @@ async def _pods_play(kube: KubeClient, bucket_url: str) -> AsyncIterator[None]:
             except KubeNotFoundError:
                 await asyncio.sleep(0.2)
         pods = await play_deployment_controller(kube, "rl", "policy-cpu")
-        ledger = Ledger(open_bucket(bucket_url), "policy-cpu")
-        while True:
-            head = (await ledger.read_async()).document.head
-            if head is not None:
-                for pod in pods:
-                    status = serving(head.identity, head.sequence)
-                    await play_loader(kube, "rl", pod, status, ready=True)
-            await asyncio.sleep(0.3)
+        await loaders_follow_the_ledger(kube, "rl", bucket_url, pods, "policy-cpu")
 
     task = asyncio.create_task(play())
     try:

@@ -15,9 +15,8 @@ from hotload_operator.history import SnapshotObject, expired_snapshots
 from support.cluster import install_crds
 from support.kubeapi import KubeAPI
 from support.operator import (
+    create_fleet,
     eventually,
-    hld_path,
-    play_deployment_controller,
     play_loader,
     running_operator,
     serving,
@@ -106,25 +105,7 @@ async def test_the_operator_keeps_each_deployments_history_bounded(
     async with kube_api.client() as kube:
         await install_crds(kube)
         async with running_operator(kube_api):
-            await kube.create(
-                hld_path(ns),
-                {
-                    "apiVersion": "hotload.dev/v1alpha1",
-                    "kind": "HotLoadDeployment",
-                    "metadata": {"name": "fleet"},
-                    "spec": {
-                        "replicas": 1,
-                        "bucket": {"url": f"file://{bucket}"},
-                        "engine": {"image": "engine:dev"},
-                        "snapshotHistory": 3,
-                    },
-                },
-            )
-            await eventually(
-                "the fleet's Deployment",
-                lambda: _exists(kube, "/apis/apps/v1/namespaces/" + ns + "/deployments/fleet"),
-            )
-            (pod,) = await play_deployment_controller(kube, ns, "fleet")
+            (pod,) = await create_fleet(kube, ns, bucket, replicas=1, snapshotHistory=3)
             base = weights(0)
             with Publisher(deployment="fleet", namespace=ns, config=CONFIG, full_every=6) as pub:
                 for step in range(8):  # full at steps 0 and 6, deltas between
@@ -155,13 +136,3 @@ async def test_the_operator_keeps_each_deployments_history_bounded(
             ], result
             kept = ["fleet-step-00000006", "fleet-step-00000007"]
             await eventually("the objects of dropped entries deleted", lambda: are(kept), 60)
-
-
-async def _exists(kube: object, path: str) -> bool:
-    from hotload.errors import KubeNotFoundError
-
-    try:
-        await kube.get(path)  # type: ignore[attr-defined]
-        return True
-    except KubeNotFoundError:
-        return False

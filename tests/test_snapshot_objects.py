@@ -32,13 +32,12 @@ from hotload.sdk import Publisher, PublishError
 from support.cluster import install_crds
 from support.kubeapi import KubeAPI
 from support.operator import (
+    create_fleet,
     eventually,
     get_or_none,
     hld_path,
-    play_deployment_controller,
-    play_loader,
+    loaders_follow_the_ledger,
     running_operator,
-    serving,
     snapshot_body,
     snapshot_path,
 )
@@ -47,65 +46,31 @@ from support.snapshots import CONFIG, nudged, weights
 JSON = dict[str, Any]
 
 
-def _hld(name: str, bucket: Path, *, ledger: str | None = None) -> JSON:
-    spec: JSON = {
-        "replicas": 1,
-        "bucket": {"url": f"file://{bucket}"},
-        "engine": {"image": "engine:dev"},
-    }
-    if ledger is not None:
-        spec["ledger"] = ledger
+def _hld(name: str, bucket: Path) -> JSON:
+    """HotLoadDeployment `name` on folder `bucket`, as a platform team applies it."""
     return {
         "apiVersion": "hotload.dev/v1alpha1",
         "kind": "HotLoadDeployment",
         "metadata": {"name": name},
-        "spec": spec,
+        "spec": {"replicas": 1, "bucket": {"url": f"file://{bucket}"}, "engine": {"image": "e"}},
     }
-
-
-async def _fleet(kube: KubeClient, ns: str, body: JSON) -> list[str]:
-    """Create the HotLoadDeployment `body`, wait for its Deployment and play its controller."""
-    from hotload.errors import KubeNotFoundError
-    from hotload.kube import resource_path
-
-    name = body["metadata"]["name"]
-    await kube.create(hld_path(ns), body)
-
-    async def made() -> bool:
-        try:
-            await kube.get(resource_path("apps/v1", "deployments", ns, name))
-            return True
-        except KubeNotFoundError:
-            return False
-
-    await eventually(f"the operator's Deployment of {name}", made)
-    return await play_deployment_controller(kube, ns, name)
 
 
 @contextlib.asynccontextmanager
 async def _loaders(
-    kube: KubeClient, ns: str, fleets: list[tuple[list[str], Ledger]]
+    kube: KubeClient, ns: str, fleets: list[tuple[list[str], Path, str]]
 ) -> AsyncIterator[None]:
-    """Play every fleet's loaders as instantly successful: each pod reports its own ledger's
-    head."""
-
-    async def play() -> None:
-        while True:
-            for pods, ledger in fleets:
-                head = (await ledger.read_async()).document.head
-                if head is not None:
-                    for pod in pods:
-                        status = serving(head.identity, head.sequence)
-                        await play_loader(kube, ns, pod, status, ready=True)
-            await asyncio.sleep(0.2)
-
-    task = asyncio.create_task(play())
+    """Play every fleet's loaders (pods, bucket, ledger) as instantly successful."""
+    tasks = [
+        asyncio.create_task(loaders_follow_the_ledger(kube, ns, bucket, pods, ledger))
+        for pods, bucket, ledger in fleets
+    ]
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _context_kubeconfig(kube_api: KubeAPI, path: Path, namespace: str) -> Path:
@@ -132,7 +97,9 @@ async def test_two_deployments_in_one_namespace_each_serve_their_own_steps(
     async with kube_api.client() as kube:
         await install_crds(kube)
         async with running_operator(kube_api):
-            pods = {n: await _fleet(kube, ns, _hld(n, b)) for n, b in buckets.items()}
+            pods = {
+                n: await create_fleet(kube, ns, b, replicas=1, name=n) for n, b in buckets.items()
+            }
             ledgers = {n: Ledger(open_bucket(str(b)), n) for n, b in buckets.items()}
             pubs = {
                 n: Publisher(deployment=n, namespace=ns, config=CONFIG, full_every=10)
@@ -141,7 +108,7 @@ async def test_two_deployments_in_one_namespace_each_serve_their_own_steps(
             # Each trainer its own weights, under the same default identities.
             states = {"alpha": weights(1), "beta": weights(2)}
             try:
-                async with _loaders(kube, ns, [(pods[n], ledgers[n]) for n in buckets]):
+                async with _loaders(kube, ns, [(pods[n], buckets[n], n) for n in buckets]):
                     for step in range(2):
                         for name, pub in pubs.items():
                             state = states[name] if step == 0 else nudged(states[name], step)
@@ -234,7 +201,7 @@ async def test_a_retried_publish_takes_the_existing_object(
     async with kube_api.client() as kube:
         await install_crds(kube)
         async with running_operator(kube_api):
-            await _fleet(kube, ns, _hld("alpha", bucket))
+            await create_fleet(kube, ns, bucket, replicas=1, name="alpha")
             pub = Publisher(deployment="alpha", namespace=ns, config=CONFIG)
             try:
                 assert pub.cluster is not None
@@ -265,14 +232,16 @@ async def test_the_publisher_follows_the_deployments_spec_and_the_contexts_names
         await install_crds(kube)
         async with running_operator(kube_api):
             # examples/vllm-gpu.yaml's shape: the ledger is not named after the deployment.
-            pods = await _fleet(kube, ns, _hld("policy-vllm", bucket, ledger="grpo-8b"))
+            pods = await create_fleet(
+                kube, ns, bucket, replicas=1, name="policy-vllm", ledger="grpo-8b"
+            )
             followed = Ledger(open_bucket(str(bucket)), "grpo-8b")
             # No namespace, no bucket, no ledger: all three from the context and the spec.
             pub = Publisher(deployment="policy-vllm", config=CONFIG, full_every=10)
             try:
                 assert (pub.namespace, pub.ledger.name) == (ns, "grpo-8b")
                 assert pub.bucket.url == f"file://{bucket}"
-                async with _loaders(kube, ns, [(pods, followed)]):
+                async with _loaders(kube, ns, [(pods, bucket, "grpo-8b")]):
                     first = await pub.publish_async(weights(0), step=0)
                     second = await pub.publish_async(nudged(weights(0), 1), step=1)
                     await pub.wait_ready_async(second.identity, timeout=60)
@@ -358,6 +327,20 @@ async def test_the_fireworks_api_names_objects_per_deployment(
                     doc = await answer.json()
                     assert answer.status == 200, doc
                     assert doc == {"identity": "step-1", "status": "ACCEPTED", "deployment": name}
+                # An object of that name for another publish: refused, naming both.
+                squatter = snapshot_body("alpha-step-2", "alpha", identity="step-2")
+                squatter["spec"]["previous"] = "step-1"
+                await kube.create(snapshot_path(ns), squatter)
+                answer = await client.post(
+                    PATH,
+                    json={"identity": "step-2"},
+                    headers={"Authorization": "Bearer t", "fireworks-deployment": "alpha"},
+                )
+                doc = await answer.json()
+                assert answer.status == 409, doc
+                assert doc["error"]["code"] == "ALREADY_EXISTS"
+                assert "alpha-step-2 already exists for another publish" in doc["error"]["message"]
+                assert "previous='step-1'" in doc["error"]["message"]
             for name in ("alpha", "beta"):
                 obj = await kube.get(snapshot_path(ns, f"{name}-step-1"))
                 assert obj["spec"]["deployment"] == name

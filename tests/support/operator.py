@@ -252,45 +252,56 @@ def _now_text() -> str:
     return _now().strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-async def create_fleet(kube: KubeClient, ns: str, bucket_dir: Any, replicas: int = 2) -> list[str]:
-    """Create HotLoadDeployment `fleet` on a `file://` bucket, wait for the operator's
-    Deployment and play its controller; return the pod names."""
+async def create_fleet(
+    kube: KubeClient,
+    ns: str,
+    bucket_dir: Any,
+    replicas: int = 2,
+    *,
+    name: str = "fleet",
+    **spec: Any,
+) -> list[str]:
+    """Create HotLoadDeployment `name` on a bucket (a folder, as `file://`, or a URL), with
+    more `spec` fields, wait for the operator's Deployment and play its controller; return the
+    pod names."""
     from hotload.errors import KubeNotFoundError as NotFound
 
+    url = str(bucket_dir) if "://" in str(bucket_dir) else f"file://{bucket_dir}"
     await kube.create(
         hld_path(ns),
         {
             "apiVersion": "hotload.dev/v1alpha1",
             "kind": "HotLoadDeployment",
-            "metadata": {"name": "fleet"},
+            "metadata": {"name": name},
             "spec": {
                 "replicas": replicas,
-                "bucket": {"url": f"file://{bucket_dir}"},
+                "bucket": {"url": url},
                 "engine": {"image": "hotload-engine:dev"},
+                **spec,
             },
         },
     )
 
     async def made() -> bool:
         try:
-            await kube.get(resource_path("apps/v1", "deployments", ns, "fleet"))
+            await kube.get(resource_path("apps/v1", "deployments", ns, name))
             return True
         except NotFound:
             return False
 
-    await eventually("the operator's Deployment", made)
-    return await play_deployment_controller(kube, ns, "fleet")
+    await eventually(f"the operator's Deployment of {name}", made)
+    return await play_deployment_controller(kube, ns, name)
 
 
 async def loaders_follow_the_ledger(
-    kube: KubeClient, ns: str, bucket_dir: Any, pods: list[str]
+    kube: KubeClient, ns: str, bucket_dir: Any, pods: list[str], ledger_name: str = "fleet"
 ) -> None:
-    """Play every loader as instantly successful: each pod reports the ledger head (forever;
-    cancel the task to stop)."""
+    """Play every loader as instantly successful: each pod reports the head of ledger
+    `ledger_name` (forever; cancel the task to stop)."""
     from hotload.bucket import open_bucket
     from hotload.ledger import Ledger
 
-    ledger = Ledger(open_bucket(str(bucket_dir)), "fleet")
+    ledger = Ledger(open_bucket(str(bucket_dir)), ledger_name)
     while True:
         head = (await ledger.read_async()).document.head
         if head is not None:
