@@ -511,7 +511,7 @@ async def test_a_sharded_trainer_waits_for_the_fleet_and_refuses_what_a_publishe
     namespace given) and waits, every rank gets the answer; the tied head is published once,
     as `save_pretrained` writes it; NaN weights and a step going back are refused on every
     rank, naming the tensor and the step."""
-    from support.cluster import install_crds
+    from support.cluster import install_crds, namespaced_kubeconfig
     from support.operator import (
         create_fleet,
         loaders_follow_the_ledger,
@@ -519,9 +519,7 @@ async def test_a_sharded_trainer_waits_for_the_fleet_and_refuses_what_a_publishe
     )
 
     ns = kube_api.namespace
-    doc = _yaml_kubeconfig(kube_api.kubeconfig, ns)
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(doc)
+    kubeconfig = namespaced_kubeconfig(kube_api.kubeconfig, ns, tmp_path / "kubeconfig")
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))  # inherited by the spawned ranks
     monkeypatch.setenv("HOTLOAD_ROLLUP_INTERVAL", "0.5")
     bucket = tmp_path / "bucket"
@@ -554,13 +552,3 @@ async def test_a_sharded_trainer_waits_for_the_fleet_and_refuses_what_a_publishe
     index = json.loads((bucket / "step-00000003" / layout.INDEX_FILE).read_text())
     assert "lm_head.weight" not in index["weight_map"]
     assert "model.embed_tokens.weight" in index["weight_map"]
-
-
-def _yaml_kubeconfig(path: Path, namespace: str) -> str:
-    """The kubeconfig at `path` with its contexts' namespace set to `namespace`."""
-    import yaml
-
-    doc = yaml.safe_load(path.read_text())
-    for ctx in doc["contexts"]:
-        ctx["context"]["namespace"] = namespace
-    return str(yaml.safe_dump(doc))

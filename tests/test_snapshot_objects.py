@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from hotload.api.names import LABEL_DEPLOYMENT, snapshot_object_name
 from hotload.bucket import open_bucket
@@ -29,7 +28,7 @@ from hotload.cli.status_view import cluster_doc
 from hotload.kube import KubeClient
 from hotload.ledger import Ledger
 from hotload.sdk import Publisher, PublishError
-from support.cluster import install_crds
+from support.cluster import install_crds, namespaced_kubeconfig
 from support.kubeapi import KubeAPI
 from support.operator import (
     create_fleet,
@@ -71,17 +70,6 @@ async def _loaders(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _context_kubeconfig(kube_api: KubeAPI, path: Path, namespace: str) -> Path:
-    """The session's kubeconfig with its current context's namespace set to `namespace`."""
-    doc = yaml.safe_load(kube_api.kubeconfig.read_text())
-    current = doc.get("current-context")
-    for ctx in doc["contexts"]:
-        if ctx["name"] == current or current is None:
-            ctx["context"]["namespace"] = namespace
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 @pytest.mark.asyncio
@@ -224,7 +212,7 @@ async def test_the_publisher_follows_the_deployments_spec_and_the_contexts_names
     monkeypatch.setenv("HOTLOAD_ROLLUP_INTERVAL", "0.5")
     monkeypatch.delenv("KUBECONFIG", raising=False)
     ns = kube_api.namespace
-    kubeconfig = _context_kubeconfig(kube_api, tmp_path / "kubeconfig", ns)
+    kubeconfig = namespaced_kubeconfig(kube_api.kubeconfig, ns, tmp_path / "kubeconfig")
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     bucket = tmp_path / "bucket"
     bucket.mkdir()
