@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 WHEELHOUSE := $(VENV)/wheelhouse
 LOCKVENV := .venv-lock
 
-.PHONY: demo test lint typecheck pytest bench clean venv vllm kubetools prometheus envoy lock mutate
+.PHONY: demo test lint typecheck pytest bench clean venv vllm kubetools prometheus envoy lock mutate images
 
 venv: $(STAMP) $(WHEELHOUSE)/core.txt
 
@@ -55,6 +55,14 @@ kubetools: $(STAMP)
 # once): Debian's prometheus package at a pinned version and sha256, unpacked without root.
 prometheus:
 	bash scripts/install_prometheus.sh
+
+# hotload's three images (operator, loader, reference engine) from their Dockerfiles, without
+# Docker: on node.sh's Debian base, each venv from its lock (scripts/images.py). Layers are kept
+# in .cache/images keyed by everything they are made from: an unchanged image is not rebuilt.
+# NODE=DIR (a node.sh state folder) imports them into that node's containerd as well.
+NODE ?=
+images: $(STAMP)
+	$(BIN)/python scripts/images.py $(if $(NODE),--node $(NODE))
 
 # The lock tool (uv), itself locked, in a venv of its own.
 $(LOCKVENV)/.installed: requirements/lock-tool.txt scripts/install_locked.py

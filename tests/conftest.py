@@ -17,7 +17,7 @@ from support.fleet import Replica
 from support.modules import size_report
 from support.seaweedfs import INSTALL_HINT, SeaweedFS, find_weed
 
-pytest_plugins = ["support.kubeapi", "support.mirrors"]
+pytest_plugins = ["support.kubeapi", "support.mirrors", "support.node"]
 
 #: Whether this run holds the layer checks (tests/test_layers.py), which the size report joins.
 _SIZES = pytest.StashKey[bool]()

@@ -66,7 +66,7 @@ def test_mirrors_and_region_reach_the_loader_with_their_secrets_mounted() -> Non
     for index, secret in ((0, "eu-cache"), (2, "backup-creds")):
         mount = mounts[f"/var/run/hotload/mirrors/{index}"]
         assert mount["readOnly"] is True
-        assert volumes[mount["name"]]["secret"] == {"secretName": secret, "defaultMode": 0o400}
+        assert volumes[mount["name"]]["secret"] == {"secretName": secret, "defaultMode": 0o444}
     assert "/var/run/hotload/mirrors/1" not in mounts
     secrets = {v["secret"]["secretName"] for v in volumes.values() if "secret" in v}
     assert secrets == {"eu-cache", "backup-creds"}

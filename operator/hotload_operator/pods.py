@@ -33,6 +33,12 @@ MIRRORS_MOUNT = "/var/run/hotload/mirrors"
 LABEL_REGION = "hotload.dev/region"
 
 
+#: The mode of the credentials Secrets' files. The kubelet makes them root's, and the loader
+#: runs as its image's user (65532; a pod template may name another), so they must be readable
+#: by others; only the loader container mounts them, so no other container of the pod sees them.
+SECRET_MODE = 0o444
+
+
 def engine_loopback_port(hld: HotLoadDeployment) -> int:
     """The port of the engine's full API on 127.0.0.1, which only the pod reaches: the
     loader's engine URL. Never the serving port (`spec.engine.port`)."""
@@ -173,7 +179,7 @@ def mirror_volumes(hld: HotLoadDeployment) -> list[tuple[JSON, JSON]]:
         name = f"mirror-credentials-{i}"
         volume = {
             "name": name,
-            "secret": {"secretName": mirror.credentials_secret, "defaultMode": 0o400},
+            "secret": {"secretName": mirror.credentials_secret, "defaultMode": SECRET_MODE},
         }
         mount = {"name": name, "mountPath": f"{MIRRORS_MOUNT}/{i}", "readOnly": True}
         pairs.append((volume, mount))
@@ -330,7 +336,10 @@ def _owned_template(hld: HotLoadDeployment, images: OperatorImages, user: JSON) 
         volumes.append(
             {
                 "name": "bucket-credentials",
-                "secret": {"secretName": spec.bucket.credentials_secret, "defaultMode": 0o400},
+                "secret": {
+                    "secretName": spec.bucket.credentials_secret,
+                    "defaultMode": SECRET_MODE,
+                },
             }
         )
         loader_mounts.append(

@@ -61,6 +61,8 @@ class Lane:
     closing: threading.Event = field(default_factory=threading.Event)
     #: The API server's audit log (`AUDIT_POLICY`), on the control plane the session started.
     audit_log: Path | None = None
+    #: The control plane's folder, when the session started it (a node joins only that one).
+    state_dir: Path | None = None
 
     @property
     def real(self) -> bool:
@@ -126,6 +128,7 @@ def session_lane(state_dir: Path) -> Iterator[Lane]:
             f"Kubernetes API: real kube-apiserver {version} from {script.parent} "
             "(started for this session)",
             audit_log=audit_log,
+            state_dir=state_dir,
         )
         _probe_collector(lane)
         yield lane
@@ -208,6 +211,13 @@ def start_cluster(
     if not link.exists():
         link.symlink_to(BIN_CACHE)
     env = dict(os.environ, PYTHON=sys.executable)  # it unpacks with `zstandard` from the venv
+    # What a node (`support.node`) needs of the API server; harmless without one.
+    from support.node import apiserver_args
+
+    node_args = apiserver_args()
+    if node_args:
+        before = env.get("HOTLOAD_K8S_APISERVER_ARGS", "")
+        env["HOTLOAD_K8S_APISERVER_ARGS"] = f"{before} {node_args}".strip()
     if audit_log is not None:
         policy = state_dir / "audit-policy.yaml"
         policy.write_text(yaml.safe_dump(audit_policy or AUDIT_POLICY))

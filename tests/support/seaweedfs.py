@@ -98,6 +98,8 @@ class SeaweedFS:
     process: subprocess.Popen[bytes] | None = None
     #: More `weed mini` flags (a regional cache's -*.allowUntrustedRemoteEndpoints).
     extra_args: tuple[str, ...] = ()
+    #: The address it listens on (a node's bridge address, for pods to reach it).
+    ip: str = "127.0.0.1"
     log_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -106,7 +108,7 @@ class SeaweedFS:
     @property
     def endpoint(self) -> str:
         """The S3 endpoint URL."""
-        return f"http://127.0.0.1:{self.ports['s3']}"
+        return f"http://{self.ip}:{self.ports['s3']}"
 
     @property
     def env(self) -> dict[str, str]:
@@ -124,9 +126,11 @@ class SeaweedFS:
         return f"s3://{BUCKET}/{prefix}".rstrip("/")
 
     @classmethod
-    def start(cls, data_dir: Path, extra_args: tuple[str, ...] = ()) -> SeaweedFS:
+    def start(
+        cls, data_dir: Path, extra_args: tuple[str, ...] = (), ip: str = "127.0.0.1"
+    ) -> SeaweedFS:
         """Start a fresh server storing its data in `data_dir` (with more `weed mini` flags
-        `extra_args`); fail loudly if it cannot."""
+        `extra_args`), listening on `ip`; fail loudly if it cannot."""
         binary = find_weed()
         if binary is None:
             raise RuntimeError(INSTALL_HINT)
@@ -135,7 +139,7 @@ class SeaweedFS:
         for _ in range(3):  # a port taken between choosing and binding: choose again
             names = ("master", "volume", "filer", "s3", "admin")
             ports = dict(zip(names, _free_ports(len(names)), strict=True))
-            server = cls(binary, data_dir, ports, extra_args=extra_args)
+            server = cls(binary, data_dir, ports, extra_args=extra_args, ip=ip)
             try:
                 server._launch()
                 return server
@@ -150,8 +154,8 @@ class SeaweedFS:
             self.binary,
             "mini",
             f"-dir={self.data_dir}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.ip}",
+            f"-ip.bind={self.ip}",
             f"-master.port={p['master']}",
             f"-volume.port={p['volume']}",
             f"-filer.port={p['filer']}",
