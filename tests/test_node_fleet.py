@@ -40,7 +40,7 @@ from hotload.kube import KubeClient, KubeConfig, resource_path
 from hotload.ledger import Ledger
 from hotload.sdk import Publisher
 from support.kubetools import CHART, tool_path
-from support.node import NODE_IP, Node
+from support.node import NODE_IP, Node, weed_image
 from support.operator import eventually, get_or_none, hld_path
 from support.paths import REPO
 from support.seaweedfs import SeaweedFS
@@ -466,6 +466,92 @@ async def test_a_restarted_kubelet_keeps_the_pods_and_the_fleet_follows(d: Deplo
     assert after == before  # the same pods, the same engine containers: nothing restarted
 
 
+async def test_the_charts_regional_cache_serves_the_fleet_as_a_mirror(d: Deployed) -> None:
+    """The chart's regional cache (a SeaweedFS StatefulSet reading through to the origin) as a
+    pod, its claim bound to a volume of the node's, and the fleet reading the next step's files
+    through it (spec.mirrors), every byte verified against the origin's ledger entry."""
+    image = weed_image(d.node, d.work)
+    folder = d.work / "cache-volume"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    await d.kube.create(
+        "/api/v1/persistentvolumes",
+        {
+            "metadata": {"name": f"hotload-cache-{uuid.uuid4().hex[:6]}"},
+            "spec": {
+                "capacity": {"storage": "2Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "hotload-node-local",
+                "persistentVolumeReclaimPolicy": "Retain",
+                "hostPath": {"path": str(folder), "type": "Directory"},
+            },
+        },
+    )
+    keys = {k: d.seaweed.env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    for name in ("cache-origin", "cache-client"):
+        await d.kube.create(
+            resource_path("v1", "secrets", SYSTEM),
+            {"metadata": {"name": name}, "stringData": keys},
+        )
+    origin_bucket = d.bucket_url.removeprefix("s3://").split("/", 1)
+    d.run(
+        "helm", "upgrade", "hotload", str(CHART), "-n", SYSTEM, "--reuse-values",
+        "--set", "regionalCache.enabled=true",
+        "--set", f"regionalCache.image.repository={image.rsplit(':', 1)[0]}",
+        "--set", f"regionalCache.image.tag={image.rsplit(':', 1)[1]}",
+        "--set", f"regionalCache.origin.endpoint={d.seaweed.endpoint}",
+        "--set", f"regionalCache.origin.bucket={origin_bucket[0]}",
+        "--set", "regionalCache.origin.allowUntrustedEndpoint=true",
+        "--set", "regionalCache.origin.credentialsSecret.name=cache-origin",
+        "--set", "regionalCache.clientCredentialsSecret.name=cache-client",
+        "--set", "regionalCache.storage.size=1Gi",
+        "--set", "regionalCache.storage.storageClassName=hotload-node-local",
+        "--set", "regionalCache.resources.requests.cpu=100m",
+        "--set", "regionalCache.resources.requests.memory=256Mi",
+    )  # fmt: skip
+    d.run(
+        "kubectl", "-n", SYSTEM, "rollout", "status", "statefulset/hotload-regional-cache",
+        "--timeout=300s", timeout=360,
+    )  # fmt: skip
+    cache = await d.kube.get(resource_path("v1", "pods", SYSTEM, "hotload-regional-cache-0"))
+    assert _ready(cache), cache["status"]
+    # No DNS on this node: the mirror's Secret names the cache's pod address (a cluster with
+    # DNS names its Service, as NOTES.txt prints).
+    await d.kube.create(
+        resource_path("v1", "secrets", NS),
+        {
+            "metadata": {"name": "regional-cache"},
+            "stringData": {
+                **keys,
+                "AWS_ENDPOINT_URL": f"http://{cache['status']['podIP']}:8333",
+                "AWS_REGION": "us-east-1",
+            },
+        },
+    )
+    d.run(
+        "kubectl", "-n", NS, "patch", "hld", NAME, "--type=merge", "-p",
+        json.dumps({"spec": {"mirrors": [
+            {"url": f"s3://origin/{origin_bucket[1]}", "credentialsSecret": "regional-cache"}
+        ]}}),
+    )  # fmt: skip
+    # The mirror is part of the pod template: the fleet rolls onto it, then a step comes.
+    await _serving_everywhere(d, d.steps[-1])
+
+    async def rolled() -> bool:
+        pods = await d.pods()
+        return len(pods) == 2 and all(
+            any(v["name"].startswith("mirror") for v in p["spec"]["volumes"]) and _ready(p)
+            for p in pods
+        )
+
+    await eventually("the fleet rolled onto the mirror", rolled, 300, 1.0)
+    head = await _publish(d, 6)
+    hld = await d.kube.get(hld_path(NS, NAME))
+    rows = hld["status"]["replicaStatuses"]
+    assert [r["snapshot"] for r in rows] == [head] * 2
+    assert all(int(r.get("bytesFromMirrors") or 0) > 0 for r in rows), rows
+
+
 async def test_a_chart_upgrade_with_a_new_loader_image_rolls_the_fleet_within_its_budget(
     d: Deployed,
 ) -> None:
@@ -521,7 +607,12 @@ async def test_a_chart_upgrade_with_a_new_loader_image_rolls_the_fleet_within_it
 async def test_uninstalling_leaves_nothing_behind(d: Deployed) -> None:
     d.run("kubectl", "delete", "-f", "examples/reference-cpu.yaml", "--wait=true", timeout=300)
     d.run("helm", "uninstall", "hotload", "-n", SYSTEM, "--wait", "--timeout", "180s")
+    # The regional cache's claim outlives a StatefulSet (and `helm uninstall`): it goes with
+    # the namespace, and the volume the test made for it after it.
     d.run("kubectl", "delete", "namespace", SYSTEM, "--wait=true", timeout=300)
+    for pv in (await d.kube.list("/api/v1/persistentvolumes")).get("items") or []:
+        if pv["spec"].get("storageClassName") == "hotload-node-local":
+            await d.kube.delete(f"/api/v1/persistentvolumes/{pv['metadata']['name']}")
     # What the chart made outside its namespace: cluster roles, bindings, the admission policy.
     for path in (
         "/apis/rbac.authorization.k8s.io/v1/clusterroles",

