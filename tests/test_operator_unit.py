@@ -28,6 +28,7 @@ from hotload_operator.rollup import rollup_deployment, rollup_snapshot, snapshot
 from hotload_sidecar.kube_report import build_pod_metadata_patch
 from support.operator import deployment, ledger_entries, serving
 from support.operator import status_condition as cond
+from support.paths import REPO
 from support.snapshots import CONFIG, delta, full, nudged, weights
 
 JSON = dict[str, Any]
@@ -218,6 +219,12 @@ def test_a_variable_the_operator_sets_replaces_the_templates_whole() -> None:
     assert env["EXTRA"] == template["spec"]["initContainers"][0]["env"][1]  # type: ignore[index]
 
 
+def _image_group(dockerfile: Path) -> int:
+    """The group of the final stage's `USER uid:gid`."""
+    users = [ln.split()[1] for ln in dockerfile.read_text().splitlines() if ln.startswith("USER ")]
+    return int(users[-1].split(":")[1])
+
+
 def test_secure_defaults_the_template_may_change() -> None:
     """The loader (and the reference engine) meet the restricted Pod Security Standard by
     default; vLLM's image runs as root, so its runAsNonRoot comes from the template."""
@@ -228,14 +235,28 @@ def test_secure_defaults_the_template_may_change() -> None:
     }
     pod = _pod(deployment())
     assert pod["spec"]["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    # The group of the images' USER (the kubelet would give the process group 0 without it).
+    group = _image_group(REPO / "sidecar" / "Dockerfile")
+    assert group == _image_group(REPO / "hotload" / "engine" / "Dockerfile")
     loader = _container(pod, "loader", "initContainers")
     assert loader["securityContext"] == {
         **restricted,
         "runAsNonRoot": True,
+        "runAsGroup": group,
         "readOnlyRootFilesystem": True,
     }
-    assert _container(pod, "engine")["securityContext"] == {**restricted, "runAsNonRoot": True}
+    engine = _container(pod, "engine")
+    assert engine["securityContext"] == {
+        **restricted,
+        "runAsNonRoot": True,
+        "runAsGroup": group,
+        "readOnlyRootFilesystem": True,
+    }
+    # ... and writes its scratch to a /tmp of its own.
+    assert {"name": "engine-tmp", "mountPath": "/tmp"} in engine["volumeMounts"]
+    assert {"name": "engine-tmp", "emptyDir": {"sizeLimit": "1Gi"}} in pod["spec"]["volumes"]
     vllm = _pod(deployment(engine={"image": "vllm:1", "kind": "vllm"}))
+    assert all(v["name"] != "engine-tmp" for v in vllm["spec"]["volumes"])
     assert _container(vllm, "engine")["securityContext"] == restricted
     nonroot = _pod(
         deployment(

@@ -33,6 +33,15 @@ MIRRORS_MOUNT = "/var/run/hotload/mirrors"
 LABEL_REGION = "hotload.dev/region"
 
 
+#: The reference engine's /tmp (its root filesystem is read-only), and its size limit.
+ENGINE_TMP, ENGINE_TMP_SIZE = "engine-tmp", "1Gi"
+
+#: The group of hotload's images (their Dockerfiles' `USER 65532:65532`). The kubelet takes only
+#: the user id from an image (it sets runAsUser from it), and without a passwd entry the runtime
+#: then gives the process group 0, root's: a real node ran the loader as 65532:0. The group is
+#: set, not the user, so a platform that assigns users (OpenShift's restricted SCC) still may.
+IMAGE_GROUP = 65532
+
 #: The mode of the credentials Secrets' files. The kubelet makes them root's, and the loader
 #: runs as its image's user (65532; a pod template may name another), so they must be readable
 #: by others; only the loader container mounts them, so no other container of the pod sees them.
@@ -258,7 +267,14 @@ def security_defaults(hld: HotLoadDeployment) -> JSON:
     engine = dict(_RESTRICTED)
     if hld.spec.engine.kind == "reference":
         engine["runAsNonRoot"] = True
-    loader = {**_RESTRICTED, "runAsNonRoot": True, "readOnlyRootFilesystem": True}
+        engine["runAsGroup"] = IMAGE_GROUP
+        engine["readOnlyRootFilesystem"] = True  # it writes only to /tmp, a volume of its own
+    loader = {
+        **_RESTRICTED,
+        "runAsNonRoot": True,
+        "runAsGroup": IMAGE_GROUP,
+        "readOnlyRootFilesystem": True,
+    }
     containers: list[JSON] = [{"name": "engine", "securityContext": engine}]
     if has_front(hld):
         # The loader's image, so the same user; no CPU limit: throttling it would throttle
@@ -452,6 +468,11 @@ def _engine_container(
     if (shm := shm_volume(hld)) is not None:
         volumes.append(shm)
         engine_mounts.append({"name": shm["name"], "mountPath": SHM_MOUNT})
+    if engine.kind == "reference":
+        # Its root filesystem is read-only (`security_defaults`): torch's and transformers'
+        # scratch (HF_HOME in the image) go to a /tmp of the pod's own.
+        volumes.append({"name": ENGINE_TMP, "emptyDir": {"sizeLimit": ENGINE_TMP_SIZE}})
+        engine_mounts.append({"name": ENGINE_TMP, "mountPath": "/tmp"})
     # The kubelet probes the pod's IP, which a loopback listener does not answer: with a front
     # the engine's probes go through it (by number: the port is the front's), the way a
     # service mesh routes application probes through its agent.

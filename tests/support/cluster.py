@@ -69,6 +69,14 @@ class Lane:
         """Whether the tests talk to a real API server."""
         return self.kubeconfig is not None
 
+    def crds_deleted(self) -> None:
+        """After a test deleted the hotload CRDs: install them again and wait anew, in the
+        background, until the garbage collector knows their kinds (it forgot them with the
+        CRDs); `KubeAPI.owners_collectable` waits for that."""
+        if self.real:
+            self.collector_ready.clear()
+            _probe_collector(self)
+
 
 def planned_lane() -> str:
     """The lane the session will use, before anything is started (for the report header)."""

@@ -1,7 +1,9 @@
 """A real node on the session's control plane (`../shared/k8s/node.sh`): kubelet, scheduler and
 containerd run the pods for real, with images made from the repository without a registry
-(`scripts/images.py`). One per session, started on first use and stopped at the end; a node
-that cannot start fails the tests that need it, naming why (the node's logs' tails)."""
+(`scripts/images.py`). Up only while a module that asks for it runs: every other test relies on a
+control plane without a scheduler (pods stay Pending and only their creator writes their status),
+so a node left up would schedule, and so rewrite, the pods they play. A node that cannot start
+fails the tests that need it, naming why (the node's logs' tails)."""
 
 from __future__ import annotations
 
@@ -159,9 +161,10 @@ class Node:
 # --- fixtures (registered by conftest.py) ----------------------------------------------------
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def real_node(kube_lane: Lane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    """The session's node on its control plane, started on first use, stopped at the end.
+    """A node on the session's control plane for one module, stopped (its Node deleted, the
+    scheduler with it) when the module ends.
     Skipped on the emulator lane and on a cluster of $HOTLOAD_E2E_KUBECONFIG (a node joins
     only the control plane the session started); on the shared control plane a node that
     cannot start fails the test, naming why."""
@@ -185,9 +188,10 @@ def real_node(kube_lane: Lane, tmp_path_factory: pytest.TempPathFactory) -> Iter
         node.down()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def node_images(real_node: Node) -> dict[str, str]:
-    """hotload's images, built from the repository (only what changed) and imported."""
+    """hotload's images, built from the repository (only what changed: layers are cached in
+    .cache/images) and imported into the module's node."""
     try:
         return real_node.images()
     except NodeError as err:

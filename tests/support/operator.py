@@ -162,6 +162,12 @@ async def play_deployment_controller(kube: KubeClient, ns: str, name: str) -> li
         )
 
     if not emulated(kube):
+        nodes = (await kube.list(resource_path("v1", "nodes", None)))["items"]
+        # A node's scheduler would bind these pods and write their status beside the test.
+        assert not nodes, (
+            f"node {nodes[0]['metadata']['name']} is registered: the pods this test plays need a "
+            "control plane without nodes (support.node's real_node is module-scoped for that)"
+        )
 
         async def counted() -> list[str] | None:
             names = await pods()
