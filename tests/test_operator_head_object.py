@@ -14,6 +14,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -300,6 +302,72 @@ async def test_a_ledger_the_operator_cannot_read_leaves_checked_alone(
             return now is not None and now.checked is not None and now.checked > last
 
         await eventually("writes resumed", resumed, timeout=30)
+
+
+class BlackHole:
+    """An S3 endpoint that accepts connections and never answers (a bucket gone silent)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.held: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.held.append(self.sock.accept()[0])
+
+    def close(self) -> None:
+        self.sock.close()
+        for held in self.held:
+            held.close()
+
+
+@pytest.mark.asyncio
+async def test_a_ledger_that_never_answers_delays_no_other_deployments_handoff(
+    kube_api: KubeAPI, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deployment `silent` follows a bucket that never answers; `fleet`'s HotLoadHead keeps its
+    heartbeat (every second, polls every 2 s) all the while: its loaders keep the handoff."""
+    silent = BlackHole()
+    try:
+        async with fleet(
+            kube_api, s3_bucket, tmp_path, monkeypatch, head_heartbeat_seconds=1.0
+        ) as f:
+            kube, ns = f.kube, f.ns
+            secret = {
+                "AWS_ACCESS_KEY_ID": "k",
+                "AWS_SECRET_ACCESS_KEY": "s",
+                "AWS_REGION": "us-east-1",
+                "AWS_ENDPOINT_URL": f"http://127.0.0.1:{silent.port}",
+                "AWS_ALLOW_HTTP": "true",
+            }
+            await kube.create(
+                resource_path("v1", "secrets", ns),
+                {"metadata": {"name": "silent"}, "stringData": secret},
+            )
+            body = hld_body("silent", "unused")
+            body["spec"]["bucket"] = {"url": "s3://silent/rl", "credentialsSecret": "silent"}
+            await kube.create(hld_path(ns), body)
+
+            async def stuck() -> bool:
+                return bool(silent.held)  # the operator asked the silent bucket
+
+            await eventually("a read of the silent bucket", stuck, timeout=30)
+            seen: list[datetime] = []
+            for _ in range(12):  # 12 s: six polls, each past the heartbeat
+                now = await handed(kube, ns)
+                if now is not None and now.checked is not None and now.checked not in seen:
+                    seen.append(now.checked)
+                await asyncio.sleep(1)
+            # Nearly every poll heartbeats `fleet` (three at least, on a loaded machine),
+            # while the silent bucket's reads hang for far longer than 12 s.
+            assert len(seen) >= 4, seen
+            assert len(silent.held) >= 1
+    finally:
+        silent.close()
 
 
 @pytest.mark.asyncio

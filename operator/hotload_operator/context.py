@@ -4,8 +4,12 @@ and the operator's memory of each deployment; and the parsing of the objects kop
 from __future__ import annotations
 
 import base64
+import logging
 import os
+import shutil
 import tempfile
+import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -40,6 +44,9 @@ if TYPE_CHECKING:
 
 JSON = dict[str, Any]
 Key = tuple[str, str]
+
+
+log = logging.getLogger("hotload_operator")
 
 
 @dataclass
@@ -108,6 +115,13 @@ class OperatorMetrics:
             "hotload_operator_snapshots_deleted",
             "Snapshot objects deleted to keep each deployment's history bounded "
             "(spec.snapshotHistory, and those whose ledger entries retention dropped)",
+            registry=r,
+        )
+        self.work_failures = Counter(
+            "hotload_operator_work_failures",
+            "Failed runs of the work queues (roll-up, poll, admission, history, gc), each "
+            "requeued with backoff; the log names each cause",
+            ["queue"],
             registry=r,
         )
         self.lease_watch_refused = Gauge(
@@ -183,7 +197,13 @@ class Context:
     problems: SpecProblems = field(default_factory=SpecProblems)
     #: Per Snapshot whose admission waits for its bucket: why (logged once per cause).
     deferrals: Deferrals = field(default_factory=Deferrals)
-    _buckets: dict[tuple[str, str, str | None], Bucket] = field(default_factory=dict)
+    #: Seconds a bucket's Secret is trusted before it is read again: a rotated Secret (new
+    #: keys, a new endpoint) is used from the next read on.
+    secret_recheck: float = 60.0
+    _buckets: dict[tuple[str, str, str | None], _OpenBucket] = field(default_factory=dict)
+    #: The private folder of the Secrets' files, made on first use and removed with the
+    #: context (credentials are not left on disk by an operator that stopped).
+    _secrets: Path | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.fence.refused = self.metrics.fenced_writes
@@ -198,40 +218,73 @@ class Context:
         return self.cache
 
     async def bucket(self, hld: HotLoadDeployment) -> Bucket:
-        """The deployment's bucket, with credentials from its Secret (cached per secret).
+        """The deployment's bucket, with the settings of its Secret (read again every
+        `secret_recheck` seconds, and the bucket reopened when the Secret changed).
 
         Raises `CredentialsUnreadableError` (a `BucketError`) when the Secret cannot be read."""
         url = hld.spec.bucket.url
         secret = hld.spec.bucket.credentials_secret
-        key = (namespace_of(hld), url, secret)
-        if key not in self._buckets:
-            credentials_dir = None
-            if secret:
-                try:
-                    credentials_dir, keys = await self._secret_dir(namespace_of(hld), secret)
-                except KubeError as err:
-                    raise CredentialsUnreadableError.of(
-                        namespace_of(hld), secret, url, err
-                    ) from err
-                missing = missing_keys(url, keys)
-                if missing:
-                    raise CredentialsIncompleteError(
-                        namespace_of(hld), secret, url, missing, sorted(keys)
-                    )
-            # Fenced: ledger appends, pins and hints are writes of the leader only.
-            self._buckets[key] = FencedBucket(
-                open_bucket(url, credentials_dir=credentials_dir), self.fence
-            )
-        return self._buckets[key]
+        namespace = namespace_of(hld)
+        key = (namespace, url, secret)
+        cached = self._buckets.get(key)
+        now = time.monotonic()
+        if cached is not None and (not secret or now - cached.read_at < self.secret_recheck):
+            return cached.bucket
+        folder, version = None, None
+        if secret:
+            try:
+                obj = await self.kube.get(resource_path("v1", "secrets", namespace, secret))
+            except KubeError as err:
+                raise CredentialsUnreadableError.of(namespace, secret, url, err) from err
+            version = obj["metadata"].get("resourceVersion")
+            if cached is not None and cached.version == version:
+                cached.read_at = now
+                return cached.bucket
+            data = obj.get("data") or {}
+            missing = missing_keys(url, list(data))
+            if missing:
+                raise CredentialsIncompleteError(namespace, secret, url, missing, sorted(data))
+            folder = cached.folder if cached is not None else self._secret_folder(namespace, secret)
+            assert folder is not None
+            _write_settings(folder, data)
+            if cached is not None:
+                log.info("Secret %s/%s changed: bucket %s reopened with it", namespace, secret, url)
+        # Fenced: ledger appends, pins and hints are writes of the leader only.
+        bucket = FencedBucket(open_bucket(url, credentials_dir=folder), self.fence)
+        self._buckets[key] = _OpenBucket(bucket, version, folder, now)
+        return bucket
 
-    async def _secret_dir(self, namespace: str, name: str) -> tuple[Path, list[str]]:
-        """The Secret's bucket settings as files in a private folder, and its keys."""
-        secret = await self.kube.get(resource_path("v1", "secrets", namespace, name))
-        folder = Path(tempfile.mkdtemp(prefix="hotload-secret-"))
-        os.chmod(folder, 0o700)
-        wanted = {n.upper() for n in S3_SETTINGS} | {"GOOGLE_SERVICE_ACCOUNT"}
-        data = secret.get("data") or {}
-        for key, value in data.items():
-            if key.upper() in wanted:
-                (folder / key).write_bytes(base64.b64decode(value))
-        return folder, list(data)
+    def _secret_folder(self, namespace: str, name: str) -> Path:
+        """A private folder for one Secret's settings, inside the context's own."""
+        if self._secrets is None:
+            self._secrets = Path(tempfile.mkdtemp(prefix="hotload-secrets-"))
+            weakref.finalize(self, shutil.rmtree, self._secrets, True)
+        return Path(tempfile.mkdtemp(prefix=f"{namespace}.{name}.", dir=self._secrets))
+
+
+@dataclass
+class _OpenBucket:
+    """A cached bucket, and the Secret version its settings came from (None: no Secret)."""
+
+    bucket: Bucket
+    version: str | None
+    folder: Path | None
+    read_at: float
+
+
+#: The Secret keys written out as bucket settings.
+_SETTINGS = frozenset({n.upper() for n in S3_SETTINGS} | {"GOOGLE_SERVICE_ACCOUNT"})
+
+
+def _write_settings(folder: Path, data: dict[str, str]) -> None:
+    """The Secret's bucket settings as one file each in `folder`, each replaced whole (a bucket
+    reading its credentials files meanwhile sees the old or the new key, never half), and the
+    files of keys the Secret no longer has removed."""
+    wanted = {k: v for k, v in data.items() if k.upper() in _SETTINGS}
+    for key, value in wanted.items():
+        part = folder / f".{key}.part"
+        part.write_bytes(base64.b64decode(value))
+        os.replace(part, folder / key)
+    for old in folder.iterdir():
+        if old.name not in wanted:
+            old.unlink(missing_ok=True)

@@ -22,6 +22,7 @@ The writes pass the leader's fence like every other write (`fence.py`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -40,9 +41,11 @@ from hotload.ledger.hints import Hint, HintFile, expired, hint_key, list_hints_a
 from hotload.ledger.model import BASE_KINDS
 from hotload_operator.causes import Cause
 from hotload_operator.context import Context, Key
+from hotload_operator.fence import NotLeadingError
 from hotload_operator.fleet import DeploymentRecord
 from hotload_operator.handoffs import HandoffWriter
-from hotload_operator.meta import name_of, namespace_of
+from hotload_operator.meta import ledger_url, name_of, namespace_of
+from hotload_operator.workqueue import wait_for_cancellable
 
 log = logging.getLogger("hotload_operator")
 
@@ -50,6 +53,9 @@ log = logging.getLogger("hotload_operator")
 HEAD_POLL_SECONDS = 2.0
 #: Longest time between two writes of an unchanged `status.ledgerHead` (its `checkedTime`).
 HEARTBEAT_SECONDS = 30.0
+#: A ledger read (the ledger, its hints, new folder listings, the handoff writes) that takes
+#: longer is abandoned; its deployments' `checkedTime` ages meanwhile, nobody else's.
+POLL_TIMEOUT_SECONDS = 30.0
 #: At most this many uploading identities are handed over (the newest).
 MAX_UPLOADING = 4
 
@@ -81,6 +87,9 @@ class HeadPoller:
     #: admitted), and when a LIST that failed was tried (not again before a heartbeat).
     _listings: dict[LedgerKey, dict[str, Listing]] = field(default_factory=dict)
     _unlisted: dict[LedgerKey, dict[str, datetime]] = field(default_factory=dict)
+    #: Per ledger: its read in progress (a slow one is not started again, nor waited for).
+    _inflight: dict[LedgerKey, asyncio.Task[None]] = field(default_factory=dict)
+    poll_timeout: float = POLL_TIMEOUT_SECONDS
     #: The HotLoadHeads' writer (set from `ctx` and `heartbeat`).
     handoffs: HandoffWriter = field(init=False)
 
@@ -90,14 +99,20 @@ class HeadPoller:
     async def run(self) -> None:
         """Poll every ledger every `interval` seconds; forever (the runtime cancels it)."""
         loop = asyncio.get_running_loop()
-        while True:
-            began = loop.time()
-            await self.poll_once()
-            # From start to start: a slow bucket must not stretch the interval loaders wait.
-            await asyncio.sleep(max(0.0, began + self.interval - loop.time()))
+        try:
+            while True:
+                began = loop.time()
+                await self.poll_once(wait=self.interval)
+                # From start to start: a slow bucket must not stretch the interval loaders wait.
+                await asyncio.sleep(max(0.0, began + self.interval - loop.time()))
+        finally:
+            for task in self._inflight.values():
+                task.cancel()
 
-    async def poll_once(self) -> None:
-        """Read each distinct followed ledger once and update its deployments' ledgerHead."""
+    async def poll_once(self, wait: float | None = None) -> None:
+        """Start a read of each distinct followed ledger that is not still being read, and wait
+        for them at most `wait` seconds (None: until they end): one slow bucket delays its own
+        deployments' handoffs, never another ledger's."""
         groups: dict[LedgerKey, list[DeploymentRecord]] = {}
         for record in self.ctx.fleet().all_deployments():
             groups.setdefault(self.ctx.ledgers.key(record.hld), []).append(record)
@@ -110,7 +125,35 @@ class HeadPoller:
         self.handoffs.forget(
             {(namespace_of(r.hld), name_of(r.hld)) for records in groups.values() for r in records}
         )
-        await asyncio.gather(*(self._poll(key, records) for key, records in groups.items()))
+        started: list[asyncio.Task[None]] = []
+        for key, records in groups.items():
+            if key in self._inflight:
+                continue  # still reading: its deployments' checkedTime ages, as it should
+            task = asyncio.create_task(self._bounded(key, records), name=f"head poll {key}")
+            self._inflight[key] = task
+            task.add_done_callback(functools.partial(self._ended, key))
+            started.append(task)
+        if started:
+            await asyncio.wait(started, timeout=wait)
+
+    def _ended(self, key: LedgerKey, _: asyncio.Task[None]) -> None:
+        self._inflight.pop(key, None)
+
+    async def _bounded(self, key: LedgerKey, records: Sequence[DeploymentRecord]) -> None:
+        """`_poll`, abandoned after `poll_timeout`; a failure is logged (the next poll tries
+        again): it must not stop the other ledgers' polls."""
+        try:
+            await wait_for_cancellable(self._poll(key, records), self.poll_timeout)
+        except TimeoutError:
+            log.warning(
+                "ledger %s: reading its head took longer than %.0fs; abandoned (its loaders "
+                "see checkedTime age and read the origin themselves)",
+                ledger_url(records[0].hld), self.poll_timeout,
+            )  # fmt: skip
+        except (HotloadError, NotLeadingError) as err:
+            log.warning("head poll of ledger %s failed: %s", ledger_url(records[0].hld), err)
+        except Exception:
+            log.exception("head poll of ledger %s failed", ledger_url(records[0].hld))
 
     async def _poll(self, key: LedgerKey, records: Sequence[DeploymentRecord]) -> None:
         hld = records[0].hld

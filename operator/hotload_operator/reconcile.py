@@ -432,14 +432,11 @@ def deployment_of_pod(body: JSON) -> str | None:
 
 
 async def guarded(what: str, call: Callable[[], Awaitable[Any]]) -> Any:
-    """Run `call`, logging (not raising) API errors of background work; a replica that just
-    lost the Lease has its writes refused by the fence and skips the rest (it is on its way
-    out: the new leader does this work from its own caches)."""
+    """Run `call` for a work queue: a replica that just lost the Lease has its writes refused
+    by the fence and skips the rest (it is on its way out: the new leader does this work from
+    its own caches); any other failure is raised, for the queue to log and requeue with backoff."""
     try:
         return await call()
     except NotLeadingError as err:
         log.info("%s skipped: %s", what, err)
-        return None
-    except (KubeError, BucketError, LedgerError) as err:
-        log.warning("%s failed: %s", what, err)
         return None

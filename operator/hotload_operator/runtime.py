@@ -216,6 +216,9 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         name="admission",
     )
 
+    for queue in (ctx.rollups, ctx.polls, ctx.retention.queue, ctx.histories, ctx.admissions):
+        queue.on_failure = lambda name: ctx.metrics.work_failures.labels(queue=name).inc()
+
     def on_deployment(key: Key, old: DeploymentRecord | None, new: DeploymentRecord | None) -> None:
         if new is None:
             ctx.rollups.cancel(key)

@@ -2,6 +2,11 @@
 request, however many requests arrive meanwhile; a key asked for while it runs runs once more
 afterwards. The operator's roll-ups and ledger polls go through one each, so a burst of replica
 reports becomes one status write per deployment per window.
+
+A key whose work fails is requeued with a per-key exponential backoff (client-go's rate-limited
+requeue: `backoff`, doubling up to `max_backoff`), forgotten at its first success; every failure
+is counted (`on_failure`, the operator's `hotload_operator_work_failures_total`). A request that
+arrives meanwhile still runs at its own, earlier time: the work is level-triggered.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import time
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from hotload.errors import HotloadError
 
 log = logging.getLogger("hotload_operator.workqueue")
 
@@ -33,8 +40,16 @@ class WorkQueue(Generic[K]):
     concurrency: int = 8
     name: str = "work"
     clock: Callable[[], float] = time.monotonic
+    #: Seconds before a failed key runs again, doubled at each further failure up to
+    #: `max_backoff`.
+    backoff: float = 1.0
+    max_backoff: float = 300.0
+    #: Called with the queue's name at each failure (a metric).
+    on_failure: Callable[[str], None] | None = None
     #: Runs so far (for metrics and tests).
     runs: int = 0
+    #: Per key failing now: its failures in a row (dropped at its first success or cancel).
+    _failures: dict[K, int] = field(default_factory=dict)
     _due: dict[K, float] = field(default_factory=dict)
     _heap: list[tuple[float, int, K]] = field(default_factory=list)
     _running: set[K] = field(default_factory=set)
@@ -59,9 +74,14 @@ class WorkQueue(Generic[K]):
         self._wake.set()
 
     def cancel(self, key: K) -> None:
-        """Forget a pending request for `key` (a run in progress finishes)."""
+        """Forget a pending request for `key` and its failures (a run in progress finishes)."""
         self._due.pop(key, None)
         self._again.pop(key, None)
+        self._failures.pop(key, None)
+
+    def failing(self, key: K) -> int:
+        """How many times in a row `key`'s work has failed (0: its last run succeeded)."""
+        return self._failures.get(key, 0)
 
     def pending(self) -> int:
         """Keys waiting or running."""
@@ -102,22 +122,37 @@ class WorkQueue(Generic[K]):
                 task.cancel()
 
     async def _one(self, key: K, slots: asyncio.Semaphore) -> None:
+        retry: float | None = None
         try:
             await self.work(key)
+            self._failures.pop(key, None)
         except asyncio.CancelledError:
             raise
-        except Exception:  # a bug in one key's work must not stop the others
-            log.exception("%s of %s failed", self.name, key)
+        except Exception as err:  # one key's failure must not stop the others
+            retry = self._failed(key, err)
         finally:
             self.runs += 1
             self._running.discard(key)
             slots.release()
             again = self._again.pop(key, None)
-            if again is not None:
-                self.request(key, again)
+            if again is not None or retry is not None:
+                self.request(key, min(d for d in (again, retry) if d is not None))
             elif not self.pending():
                 self._idle.set()
             self._wake.set()
+
+    def _failed(self, key: K, err: Exception) -> float:
+        """Count the failure and return the backoff before `key` runs again."""
+        count = self._failures[key] = self._failures.get(key, 0) + 1
+        delay = min(self.max_backoff, self.backoff * 2.0 ** min(count - 1, 32))
+        # hotload's own errors name their cause; anything else is a bug: its traceback.
+        log.warning(
+            "%s of %s failed (%d in a row), again in %.0fs: %s",
+            self.name, key, count, delay, err, exc_info=not isinstance(err, HotloadError),
+        )  # fmt: skip
+        if self.on_failure is not None:
+            self.on_failure(self.name)
+        return delay
 
 
 async def wait_for_cancellable(awaitable: Awaitable[T], timeout: float | None) -> T:
