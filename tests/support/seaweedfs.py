@@ -78,6 +78,12 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def weed_sockets() -> set[Path]:
+    """The local sockets of weed processes: `/tmp/seaweedfs-<service>[-grpc]-<port>.sock`,
+    whatever $TMPDIR says; a weed that is killed leaves them behind."""
+    return set(Path("/tmp").glob("seaweedfs-*.sock"))
+
+
 def _free_ports(count: int) -> list[int]:
     # SeaweedFS puts each service's gRPC port at its HTTP port + 10000: both must be free.
     chosen: list[int] = []
@@ -250,7 +256,7 @@ class SeaweedFS:
         `/tmp/seaweedfs-<service>[-grpc]-<port>.sock` whatever $TMPDIR says, and a server that
         is killed leaves them behind."""
         ports = {str(p) for port in self.ports.values() for p in (port, port + GRPC_OFFSET)}
-        for sock in Path("/tmp").glob("seaweedfs-*.sock"):
+        for sock in weed_sockets():
             if sock.stem.rsplit("-", 1)[-1] in ports:
                 sock.unlink(missing_ok=True)
 
