@@ -129,7 +129,7 @@ async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
             async def fleet_ready() -> JSON | None:
                 obj = await kube.get(hld_path(ns, "fleet"))
                 ok = condition(obj, "Ready").get("status") == "True"
-                st = obj["status"]
+                st = obj.get("status") or {}  # none yet: the first roll-up has not landed
                 both = st.get("updatedReplicas") == 2 == st.get("readyReplicas")
                 return obj if ok and both else None
 
@@ -265,7 +265,7 @@ async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
             # The loader's report and the kubelet's Ready are two writes: a roll-up may see one.
             async def caught_up() -> JSON | None:
                 obj = await kube.get(hld_path(ns, "fleet"))
-                st = obj["status"]
+                st = obj.get("status") or {}
                 return obj if st.get("updatedReplicas") == 3 == st.get("readyReplicas") else None
 
             status = (await eventually("the new replica caught up", caught_up))["status"]
@@ -278,7 +278,7 @@ async def test_operator_runs_a_fleet_admits_snapshots_and_rolls_up(
             # The Snapshot's roll-up follows the deployment's, in the same pass or the next.
             async def all_loaded() -> JSON | None:
                 snap = await kube.get(snapshot_path(ns, "step-001"))
-                return snap if snap["status"].get("replicasLoaded") == 3 else None
+                return snap if (snap.get("status") or {}).get("replicasLoaded") == 3 else None
 
             await eventually("step-001 loaded by all 3 replicas", all_loaded)
 
