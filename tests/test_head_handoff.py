@@ -74,9 +74,9 @@ class BucketCalls:
         calls = self.calls
         local, call = Bucket._local, Bucket._call
 
-        async def counted_local(self: Bucket, key: str, op: str, fn: Any) -> Any:
+        async def counted_local(self: Bucket, key: str, op: str, fn: Any, **kw: Any) -> Any:
             calls.append((id(self), op, key))
-            return await local(self, key, op, fn)
+            return await local(self, key, op, fn, **kw)
 
         async def counted_call(self: Bucket, key: str, op: str, fn: Any, **kw: Any) -> Any:
             calls.append((id(self), op, key))

@@ -24,12 +24,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import kopf
 import pytest
-import yaml
 from aiohttp.test_utils import TestServer
 
 from hotload.api.names import GROUP, HEAD_PLURAL, VERSION
@@ -63,7 +61,7 @@ from support.operator import (
 from support.operator import get_or_none as get
 from support.operator_replicas import LEASE_SECONDS, audit_log, holder, mine, replicas
 from support.operator_replicas import OperatorReplica as Replica
-from support.partition import Partition
+from support.partition import partitioned_kubeconfig
 from support.snapshots import full, upload, weights
 
 JSON = dict[str, Any]
@@ -484,61 +482,56 @@ async def test_a_leader_cut_off_from_the_api_server_writes_nothing_once_it_heals
     bucket_dir = tmp_path / "bucket"
     for i in range(2):
         await upload(bucket_dir, full(tmp_path / "snaps" / f"step-{i}", weights(i)))
-    server = urlsplit(
-        yaml.safe_load(api.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
-    )
+    behind = tmp_path / "kubeconfig-partitioned"
     async with api.client() as kube:
         await install_crds(kube)
-        with Partition(server.hostname or "127.0.0.1", server.port or 443) as partition:
-            behind = tmp_path / "kubeconfig-partitioned"
-            doc = yaml.safe_load(api.kubeconfig.read_text())
-            for cluster in doc["clusters"]:
-                cluster["cluster"]["server"] = f"https://127.0.0.1:{partition.port}"
-            behind.write_text(yaml.safe_dump(doc))
-            with replicas(api, tmp_path) as started:
-                await _two_replicas_serving_step_0(api, kube, started, bucket_dir, behind)
-                deployment = resource_path("apps/v1", "deployments", ns, "fleet")
+        with (
+            partitioned_kubeconfig(api.kubeconfig, behind) as partition,
+            replicas(api, tmp_path) as started,
+        ):
+            await _two_replicas_serving_step_0(api, kube, started, bucket_dir, behind)
+            deployment = resource_path("apps/v1", "deployments", ns, "fleet")
 
-                partition.cut()
-                # A trainer appends without a Snapshot object: op-a's head poll (the bucket is
-                # not cut off) hands the new head over, into the partition.
-                ledger = Ledger(open_bucket(str(bucket_dir)), "fleet")
-                await publish_folder_async(ledger, tmp_path / "snaps" / "step-1", identity="step-1")
-                await eventually(
-                    "op-b leading", lambda: _holds(kube, ns, "op-b"), timeout=3 * LEASE_SECONDS
-                )
-                await kube.patch(hld_path(ns, "fleet"), {"spec": {"replicas": 4}})
-                await eventually("scaled to 4", lambda: _replicas(kube, deployment, 4))
-                await eventually("op-b's head handed", lambda: _head(kube, ns, "step-1"))
-                partition.heal()
-                # Healed, op-a finds the Lease gone (if it has not stopped already) and exits.
-                code = await asyncio.to_thread(started["op-a"].process.wait, 90)
-                assert code != 0
+            partition.cut()
+            # A trainer appends without a Snapshot object: op-a's head poll (the bucket is
+            # not cut off) hands the new head over, into the partition.
+            ledger = Ledger(open_bucket(str(bucket_dir)), "fleet")
+            await publish_folder_async(ledger, tmp_path / "snaps" / "step-1", identity="step-1")
+            await eventually(
+                "op-b leading", lambda: _holds(kube, ns, "op-b"), timeout=3 * LEASE_SECONDS
+            )
+            await kube.patch(hld_path(ns, "fleet"), {"spec": {"replicas": 4}})
+            await eventually("scaled to 4", lambda: _replicas(kube, deployment, 4))
+            await eventually("op-b's head handed", lambda: _head(kube, ns, "step-1"))
+            partition.heal()
+            # Healed, op-a finds the Lease gone (if it has not stopped already) and exits.
+            code = await asyncio.to_thread(started["op-a"].process.wait, 90)
+            assert code != 0
 
-                events = await eventually(
-                    "op-b's writes in the audit log", lambda: _writes(log, ns, "op-b")
-                )
-                events = mine(log, ns)
-                first_b = min(
-                    audit.seconds(e)
-                    for e in events
-                    if audit.replica(e) == "op-b" and audit.is_write(e) and audit.code(e) < 300
-                )
-                by_a = [e for e in events if audit.replica(e) == "op-a" and audit.is_write(e)]
-                assert writes_of(events, "op-a"), "op-a wrote nothing before the cut"
-                late = [e for e in by_a if audit.seconds(e, "stageTimestamp") >= first_b]
-                # Without the resets (`WriteFence.sent_on`'s SO_LINGER 0) about one run in two
-                # showed a held HotLoadHead patch or Lease renewal arriving at the heal.
-                print(
-                    f"partition: {partition.delivered} bytes delivered at heal, "
-                    f"{partition.dropped} dropped; op-a's writes: "
-                    f"{sorted({audit.kind(e) for e in by_a})}"
-                )
-                assert not late, (
-                    [(audit.kind(e), e["requestReceivedTimestamp"], audit.code(e)) for e in late],
-                    f"held in the partition: {partition.delivered} bytes delivered, "
-                    f"{partition.dropped} dropped",
-                )
+            events = await eventually(
+                "op-b's writes in the audit log", lambda: _writes(log, ns, "op-b")
+            )
+            events = mine(log, ns)
+            first_b = min(
+                audit.seconds(e)
+                for e in events
+                if audit.replica(e) == "op-b" and audit.is_write(e) and audit.code(e) < 300
+            )
+            by_a = [e for e in events if audit.replica(e) == "op-a" and audit.is_write(e)]
+            assert writes_of(events, "op-a"), "op-a wrote nothing before the cut"
+            late = [e for e in by_a if audit.seconds(e, "stageTimestamp") >= first_b]
+            # Without the resets (`WriteFence.sent_on`'s SO_LINGER 0) about one run in two
+            # showed a held HotLoadHead patch or Lease renewal arriving at the heal.
+            print(
+                f"partition: {partition.delivered} bytes delivered at heal, "
+                f"{partition.dropped} dropped; op-a's writes: "
+                f"{sorted({audit.kind(e) for e in by_a})}"
+            )
+            assert not late, (
+                [(audit.kind(e), e["requestReceivedTimestamp"], audit.code(e)) for e in late],
+                f"held in the partition: {partition.delivered} bytes delivered, "
+                f"{partition.dropped} dropped",
+            )
 
 
 async def _head(kube: KubeClient, ns: str, identity: str) -> bool:

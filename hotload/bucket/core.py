@@ -37,6 +37,7 @@ from hotload.bucket.objects import (
     ObjectData,
     ObjectInfo,
     Progress,
+    WriteGate,
     check_key,
     run_sync,
 )
@@ -85,6 +86,16 @@ class Bucket:
             )
         )
         self._local_store: LocalStore | None = None
+        #: What each attempt of a write passes (None: nothing; see `gated`).
+        self.gate: WriteGate | None = None
+
+    def gated(self, gate: WriteGate) -> Bucket:
+        """This bucket (the same store and settings) with every attempt of every write, each
+        retry included, passing `gate` first."""
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.gate = gate
+        return copy
 
     def __repr__(self) -> str:
         return f"Bucket({self.url!r})"
@@ -269,9 +280,12 @@ class Bucket:
                     lambda: local_put_conditional(
                         path, as_bytes(source), create_only, if_match, url=url, key=key
                     ),
+                    write=True,
                 )
-            return await self._local(key, "PUT", lambda: local_put(path, source, progress))
-        return await self._remote.put(key, source, create_only, if_match, progress)
+            return await self._local(
+                key, "PUT", lambda: local_put(path, source, progress), write=True
+            )
+        return await self._remote.put(key, source, create_only, if_match, progress, gate=self.gate)
 
     async def upload_file_async(
         self,
@@ -288,10 +302,12 @@ class Bucket:
         """Delete `key`; deleting a missing key is not an error."""
         if self._remote is None:
             path = self._path(key)
-            await self._local(key, "DELETE", lambda: unlink_quiet(path))
+            await self._local(key, "DELETE", lambda: unlink_quiet(path), write=True)
             return
         store = self._remote.store
-        await self._remote.call(key, "DELETE", lambda: obstore.delete_async(store, key))
+        await self._remote.call(
+            key, "DELETE", lambda: obstore.delete_async(store, key), gate=self.gate
+        )
 
     # --- blocking twins -----------------------------------------------------------------------
 
@@ -375,9 +391,14 @@ class Bucket:
             self.retry, operation, url=self.url, key=key, op=op, prefix=prefix
         )
 
-    async def _local(self, key: str, op: str, fn: Callable[[], T]) -> T:
-        # Local file calls run in a worker thread so they never stall the event loop.
+    async def _local(self, key: str, op: str, fn: Callable[[], T], *, write: bool = False) -> T:
+        # Local file calls run in a worker thread so they never stall the event loop. A write
+        # passes the gate first (a folder write is one quick call: no retries to gate).
         try:
+            if write and self.gate is not None:
+                what = f"{op} {self.url.rstrip('/')}/{key}"
+                async with self.gate.attempt(what, bounded=False):
+                    return await asyncio.to_thread(fn)
             return await asyncio.to_thread(fn)
         except BucketError:
             raise

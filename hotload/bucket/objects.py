@@ -1,18 +1,32 @@
 """What the bucket interface speaks: object metadata and contents, the answer of a conditional
-read, progress callbacks, key rules, and a way to call it from blocking code."""
+read, progress callbacks, the gate writes pass, key rules, and a way to call it from blocking
+code."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
 #: Called with a byte count as data moves (negative to take back bytes of a failed attempt).
 Progress = Callable[[int], None]
+
+
+class WriteGate(Protocol):
+    """What every attempt of a bucket write (each try of a put or delete, retries included)
+    passes: the operator's lease fence. `attempt` raises to refuse the try before anything is
+    sent, and may bound how long the try runs (a try still running when its bound passes is
+    cancelled, and its request with it)."""
+
+    def attempt(self, what: str, *, bounded: bool = True) -> AbstractAsyncContextManager[None]:
+        """A context the try of write `what` (e.g. `PUT s3://b/key`) runs in; `bounded` False
+        for a try that cannot be stopped once started (a folder write in a worker thread)."""
+        ...
 
 
 @dataclass(frozen=True)

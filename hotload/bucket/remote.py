@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import obstore
 from obstore.store import GCSStore, S3Store
 
-from hotload.bucket.objects import ObjectInfo, Progress, check_key
+from hotload.bucket.objects import ObjectInfo, Progress, WriteGate, check_key
 from hotload.bucket.retry import RetryPolicy, retrying
 from hotload.errors import BucketError
 from hotload.fileio import pwrite_all
@@ -58,8 +58,24 @@ class RemoteStore:
     part_size: int
     concurrency: int
 
-    async def call(self, key: str, op: str, operation: Callable[[], Coroutine[Any, Any, T]]) -> T:
-        """`call_checked` with this store's retry policy and URL."""
+    async def call(
+        self,
+        key: str,
+        op: str,
+        operation: Callable[[], Coroutine[Any, Any, T]],
+        *,
+        gate: WriteGate | None = None,
+    ) -> T:
+        """`call_checked` with this store's retry policy and URL; every attempt of a write
+        passes `gate` (a retry after a backoff asks it again, and a refusal is not retried)."""
+        if gate is not None:
+            what = f"{op.split(' ', 1)[0]} {self.url.rstrip('/')}/{key}"
+            inner = operation
+
+            async def operation() -> T:
+                async with gate.attempt(what):
+                    return await inner()
+
         return await call_checked(self.retry, operation, url=self.url, key=key, op=op)
 
     async def head(self, key: str) -> ObjectInfo:
@@ -86,9 +102,12 @@ class RemoteStore:
         create_only: bool,
         if_match: str | None,
         progress: Progress | None,
+        *,
+        gate: WriteGate | None = None,
     ) -> str | None:
         """Write `source` to `key`; return the new token. A conditional write (create-only or
-        if-match) goes up as one request, a large plain one in `part_size` parts."""
+        if-match) goes up as one request, a large plain one in `part_size` parts; each attempt
+        passes `gate`."""
         store = self.store
         mode: PutMode
         if create_only:
@@ -136,7 +155,7 @@ class RemoteStore:
             return self.token(result)
 
         op = "PUT (create-only)" if create_only else ("PUT (if-match)" if if_match else "PUT")
-        return await self.call(key, op, attempt)
+        return await self.call(key, op, attempt, gate=gate)
 
     async def download(
         self,

@@ -79,6 +79,10 @@ class RetryPolicy:
     initial_backoff: float = 0.25
     max_backoff: float = 4.0
     multiplier: float = 2.0
+    #: Retries obstore makes itself inside each attempt. A gated bucket (the operator's) sets
+    #: 0: obstore's retries happen where no gate can ask the lease, so every try must be one of
+    #: this policy's attempts.
+    inner_retries: int = 2
 
     def delay(self, attempt: int) -> float:
         """Seconds to sleep before retry number `attempt` (1-based): full jitter over the cap."""
@@ -88,7 +92,7 @@ class RetryPolicy:
     def obstore_config(self) -> RetryConfig:
         """The per-request retry settings handed to obstore (kept short: we retry around it)."""
         return {
-            "max_retries": 2,
+            "max_retries": self.inner_retries,
             "retry_timeout": timedelta(seconds=max(5.0, self.max_backoff * 4)),
             "backoff": {
                 "init_backoff": timedelta(milliseconds=50),

@@ -38,12 +38,14 @@ def open_bucket(
     retry: RetryPolicy | None = None,
     part_size: int = DEFAULT_PART_SIZE,
     concurrency: int = DEFAULT_CONCURRENCY,
+    user_agent: str | None = None,
 ) -> Bucket:
     """Open a bucket from a URL: a folder path or `file:///path` (default), `s3://` or `gs://`.
 
     S3 endpoint, region and credentials come from `AWS_*` environment variables or from files of
     the same names in `credentials_dir` (default `$HOTLOAD_BUCKET_CREDENTIALS_DIR`, a mounted
-    Kubernetes Secret), the files winning.
+    Kubernetes Secret), the files winning. `user_agent` names the client in the store's access
+    logs (the operator's says which replica wrote).
     """
     location = parse_bucket_url(url)
     policy = retry or RetryPolicy()
@@ -52,14 +54,14 @@ def open_bucket(
     store: S3Store | GCSStore
     if location.scheme == "s3":
         settings = load_settings(S3_SETTINGS, credentials_dir=credentials_dir)
-        store = _s3_store(location, settings, policy)
+        store = _s3_store(location, settings, policy, user_agent)
     else:
         settings = load_settings(GCS_SETTINGS, credentials_dir=credentials_dir)
         store = GCSStore(
             location.bucket,
             prefix=location.prefix or None,
             config=gcs_config(settings),
-            client_options=_client_options(False),
+            client_options=_client_options(False, user_agent),
             retry_config=policy.obstore_config(),
         )
     return Bucket(location, store=store, retry=policy, part_size=part_size, concurrency=concurrency)
@@ -133,12 +135,14 @@ class SecretFileCredentials:
         }
 
 
-def _s3_store(location: BucketURL, settings: StoreSettings, policy: RetryPolicy) -> S3Store:
+def _s3_store(
+    location: BucketURL, settings: StoreSettings, policy: RetryPolicy, user_agent: str | None
+) -> S3Store:
     config, allow_http = s3_config(settings)
     common: dict[str, Any] = {
         "prefix": location.prefix or None,
         "config": config,
-        "client_options": _client_options(allow_http),
+        "client_options": _client_options(allow_http, user_agent),
         "retry_config": policy.obstore_config(),
     }
     _check_key_pair(location, settings)
@@ -193,11 +197,14 @@ POOL_MAX_IDLE_PER_HOST = 16
 POOL_IDLE_TIMEOUT = "20s"
 
 
-def _client_options(allow_http: bool) -> ClientConfig:
-    return {
+def _client_options(allow_http: bool, user_agent: str | None = None) -> ClientConfig:
+    options: ClientConfig = {
         "allow_http": allow_http,
         "connect_timeout": "5s",
         "timeout": "120s",
         "pool_max_idle_per_host": str(POOL_MAX_IDLE_PER_HOST),
         "pool_idle_timeout": POOL_IDLE_TIMEOUT,
     }
+    if user_agent:
+        options["user_agent"] = user_agent
+    return options

@@ -191,7 +191,7 @@ async def read_view_async(ledger: Ledger) -> tuple[BucketView, _Watch]:
             hints.append(HintObject(key, identity, hint, info.last_modified))
         elif key == journal_key(ledger.name):
             data = await _get(bucket, key)
-            journal = _journal(key, data[0], where) if data is not None else None
+            journal = _journal(key, data[0], data[1], where) if data is not None else None
     return (
         BucketView(
             document=state.document,
@@ -224,7 +224,7 @@ def _refusing(parse: Callable[[bytes, str], T], data: bytes, where: str) -> T:
         ) from None
 
 
-def _journal(key: str, data: bytes, where: str) -> Journal | None:
+def _journal(key: str, data: bytes, etag: str | None, where: str) -> Journal:
     try:
         doc = load_versioned(data, where, 1)
         retired = {
@@ -234,8 +234,8 @@ def _journal(key: str, data: bytes, where: str) -> Journal | None:
     except (HotloadError, KeyError, TypeError) as err:
         # Only a shortcut: without it the retired folders still go, once old enough.
         log.warning("ignoring the unreadable gc journal %s: %s", where, err)
-        return None
-    return Journal(key, retired)
+        return Journal(key, {}, etag)  # replaced by this run's (conditionally, as any)
+    return Journal(key, retired, etag)
 
 
 class _Watch:
@@ -274,15 +274,14 @@ async def _carry_out(
 ) -> GcResult:
     bucket = ledger.bucket
     result = GcResult(plan, applied=True)
-    jkey = journal_key(ledger.name)
+    journal = _JournalWriter(ledger, plan.journal)
     now = utc_now()
     if plan.after is not plan.before:
         pending: dict[str, datetime] = dict(plan.journal.retired) if plan.journal else {}
         pending.update(plan.waiting)
         pending.update((i, now) for i in plan.retiring if i not in plan.waiting)
         if pending:
-            body = Journal(jkey, pending).to_json(ledger.name)
-            await bucket.put_async(jkey, (json.dumps(body, indent=2) + "\n").encode())
+            await journal.write(pending)
         crash_point("gc-ledger")  # journaled, the ledger not changed yet
         etag = await _swap(ledger, plan)
         watch.add(ledger.key, etag, plan.after)
@@ -304,11 +303,41 @@ async def _carry_out(
         await asyncio.to_thread(_sweep_local_husks, bucket, plan)
     waiting = {i: t for i, t in plan.waiting.items() if i not in result.deleted}
     if waiting:
-        body = Journal(jkey, waiting).to_json(ledger.name)
-        await bucket.put_async(jkey, (json.dumps(body, indent=2) + "\n").encode())
+        await journal.write(waiting)
     elif plan.journal is not None or plan.retiring:
-        await bucket.delete_async(jkey)
+        await bucket.delete_async(journal.key)
     return result
+
+
+class _JournalWriter:
+    """This run's writes of the gc journal, each conditional on the last one seen (the one
+    read, then this run's own): another gc's journal in between (a deposed leader's run waking
+    late, or its successor's) makes the write fail as a lost race, and this run plans again."""
+
+    def __init__(self, ledger: Ledger, journal: Journal | None) -> None:
+        self.ledger = ledger
+        self.key = journal_key(ledger.name)
+        self.etag = journal.etag if journal is not None else None
+        self.stored = dict(journal.retired) if journal is not None else None
+
+    async def write(self, retired: dict[str, datetime]) -> None:
+        """Store `retired` as the journal, unless it already says that."""
+        if retired == self.stored:
+            return
+        body = Journal(self.key, retired).to_json(self.ledger.name, utc_now())
+        data = (json.dumps(body, indent=2) + "\n").encode()
+        bucket = self.ledger.bucket
+        try:
+            if self.etag is None:
+                self.etag = await bucket.put_async(self.key, data, create_only=True)
+            else:
+                self.etag = await bucket.put_async(self.key, data, if_match=self.etag)
+            self.stored = dict(retired)
+        except (PreconditionFailedError, ObjectNotFoundError) as exc:  # gone, or rewritten
+            raise LedgerConflictError(
+                f"{self.ledger.url}: another gc wrote the journal {self.key} while this one "
+                "planned; re-reading"
+            ) from exc
 
 
 async def _swap(ledger: Ledger, plan: RetentionPlan) -> str | None:

@@ -99,9 +99,16 @@ async def poll_pin_async(bucket: Bucket, key: str, known: PinState | None) -> Pi
 
 
 async def write_pin_async(bucket: Bucket, key: str, pin: Pin | None) -> bool:
-    """Make the stored pin equal `pin` (None: delete it); return whether anything changed."""
+    """Make the stored pin equal `pin` (None: delete it); return whether anything changed.
+
+    The write is conditional on the pin as read (`PreconditionFailedError` when another writer
+    changed it meanwhile: read it again), so a deposed leader's late pin never replaces the
+    one its successor wrote."""
+    etag: str | None = None
     try:
-        current: Pin | None = Pin.loads((await bucket.get_async(key)).data, key)
+        stored = await bucket.get_async(key)
+        etag = stored.etag
+        current: Pin | None = Pin.loads(stored.data, key)
     except ObjectNotFoundError:
         current = None
     except LedgerError:
@@ -113,7 +120,10 @@ async def write_pin_async(bucket: Bucket, key: str, pin: Pin | None) -> bool:
         return True
     if current is not None and current.identity == pin.identity:
         return False
-    await bucket.put_async(key, pin.dumps())
+    if etag is None:
+        await bucket.put_async(key, pin.dumps(), create_only=True)
+    else:
+        await bucket.put_async(key, pin.dumps(), if_match=etag)
     return True
 
 

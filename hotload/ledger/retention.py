@@ -137,12 +137,16 @@ class Journal:
 
     key: str
     retired: Mapping[str, datetime]
+    #: The stored journal's ETag as read (its next write is conditional on it).
+    etag: str | None = None
 
-    def to_json(self, ledger: str) -> dict[str, Any]:
-        """The journal as stored."""
+    def to_json(self, ledger: str, written: datetime) -> dict[str, Any]:
+        """The journal as stored, written at `written` (which gives each write an ETag of its
+        own: a conditional write never mistakes another writer's journal for the one it read)."""
         return {
             "formatVersion": 1,
             "ledger": ledger,
+            "writtenTime": format_time(written),
             "retired": [
                 {"identity": i, "time": format_time(t)} for i, t in sorted(self.retired.items())
             ],

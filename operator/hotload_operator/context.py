@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from hotload import __version__
 from hotload.api.models import HotLoadDeployment
 from hotload.api.names import SnapshotReasons
-from hotload.bucket import Bucket, open_bucket
+from hotload.bucket import Bucket, RetryPolicy, open_bucket
 from hotload.bucket.url import S3_SETTINGS
 from hotload.errors import KubeError
 from hotload.kube import KubeClient, resource_path
@@ -31,7 +32,7 @@ from hotload_operator.causes import (
     CredentialsUnreadableError,
     missing_keys,
 )
-from hotload_operator.fence import FencedBucket, WriteFence
+from hotload_operator.fence import WriteFence, fenced_bucket
 from hotload_operator.ledgers import LedgerCache
 from hotload_operator.memory import Deferrals, LastDone, SpecProblems
 from hotload_operator.meta import OperatorImages, namespace_of
@@ -249,8 +250,14 @@ class Context:
             _write_settings(folder, data)
             if cached is not None:
                 log.info("Secret %s/%s changed: bucket %s reopened with it", namespace, secret, url)
-        # Fenced: ledger appends, pins and hints are writes of the leader only.
-        bucket = FencedBucket(open_bucket(url, credentials_dir=folder), self.fence)
+        # Fenced: ledger appends, pins and hints are writes of the leader only. The user agent
+        # names this replica in the store's access logs (who wrote what, after a takeover).
+        agent = f"hotload-operator/{__version__} ({self.identity})"
+        # No retries inside obstore, where the fence cannot ask the lease before each try.
+        policy = RetryPolicy(inner_retries=0)
+        bucket = fenced_bucket(
+            open_bucket(url, credentials_dir=folder, retry=policy, user_agent=agent), self.fence
+        )
         self._buckets[key] = _OpenBucket(bucket, version, folder, now)
         return bucket
 

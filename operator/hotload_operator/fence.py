@@ -6,26 +6,35 @@ A write goes out only while this replica leads (`LeaderElector.leading`: less th
 deadline since its last renewal was sent, on the monotonic clock). The lease is asked at the
 last moment a write can still be stopped: for a Kubernetes request, when aiohttp starts sending
 it and again just before its first byte is handed to the socket (no await in between); for a
-bucket write, just before the store is called. A replica frozen (SIGSTOP, a stalled VM) past its
-deadline and woken therefore sends nothing it had queued: its clock moved on while it slept.
-Reads are never fenced (a standby keeps its caches warm).
+bucket write, before every attempt (the bucket's retries after a backoff included: a call with
+retries lasts far longer than a lease), and the attempt may last only as long as the lease's
+validity then (`WriteFence.attempt`: past it, the attempt is cancelled, obstore's request and
+its own retries with it). A replica frozen (SIGSTOP, a stalled VM) past its deadline and woken
+therefore sends nothing it had queued: its clock moved on while it slept. Reads are never
+fenced (a standby keeps its caches warm).
 
 A write already handed to the socket is out of the fence's reach, and a network partition can
 hold it: the kernel keeps retransmitting unacknowledged bytes and delivers them when the
 partition heals, after another replica took over. So the moment this replica stops leading,
-`abort_in_flight` resets every connection a write went out on (`SO_LINGER` 0: the kernel drops
-what it still held instead of sending it; tests/test_operator_fencing.py cuts a leader off
-through a partition that holds bytes as TCP does).
+`abort_in_flight` resets every connection a Kubernetes write went out on (`SO_LINGER` 0: the
+kernel drops what it still held instead of sending it; tests/test_operator_fencing.py cuts a
+leader off through a partition that holds bytes as TCP does) and cancels every bucket write
+attempt in flight, which drops obstore's request and closes its connection. obstore's sockets
+are not ours to set `SO_LINGER` on, so bytes of a bucket write the kernel still held may yet
+arrive: what makes such a late write harmless is the bucket's own precondition (ledger appends,
+the gc journal and pins are conditional writes, refused once the new leader wrote; gc deletes
+only folders no ledger names).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
 import struct
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +43,7 @@ from aiohttp.client_reqrep import ClientResponse
 from prometheus_client import Counter
 
 from hotload.bucket import Bucket
+from hotload.errors import BucketUnreachableError
 
 log = logging.getLogger("hotload_operator")
 
@@ -56,10 +66,14 @@ class WriteFence:
     holder: Callable[[], str] = lambda: ""
     #: Refused writes by target ("kubernetes", "bucket").
     refused: Counter | None = None
+    #: Seconds this replica may still write (None: no bound, without leader election).
+    window: Callable[[], float | None] = lambda: None
     #: This replica's identity in the lease.
     identity: str = ""
     #: The connections writes went out on (kept while open: a weak set).
     _written: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    #: The bucket write attempts running now, each bounded by the lease (see `attempt`).
+    _attempts: set[asyncio.Timeout] = field(default_factory=set)
 
     def sent_on(self, transport: Any) -> None:
         """Remember the connection a write goes out on, and make every close of it a reset
@@ -75,8 +89,9 @@ class WriteFence:
         self._written.add(transport)
 
     def abort_in_flight(self) -> int:
-        """Reset every open connection a write went out on, dropping what the kernel still
-        held of it; the number reset. Called when this replica stops leading."""
+        """Reset every open connection a Kubernetes write went out on, dropping what the kernel
+        still held of it, and cancel every bucket write attempt running; the number stopped.
+        Called when this replica stops leading."""
         aborted = 0
         for transport in list(self._written):
             if transport.is_closing():
@@ -84,13 +99,48 @@ class WriteFence:
             transport.abort()
             aborted += 1
         self._written.clear()
-        if aborted:
+        cancelled = 0
+        if self._attempts:
+            now = asyncio.get_running_loop().time()
+            for scope in list(self._attempts):
+                if not scope.expired():
+                    scope.reschedule(now)  # expires at once: the attempt is cancelled
+                    cancelled += 1
+        if aborted or cancelled:
             log.warning(
-                "stopped leading: reset %d connection(s) writes went out on, so nothing they "
-                "still held reaches the API server after another replica takes over",
-                aborted,
-            )
-        return aborted
+                "stopped leading: reset %d connection(s) Kubernetes writes went out on and "
+                "cancelled %d bucket write(s) in flight, so nothing they still held lands after "
+                "another replica takes over",
+                aborted, cancelled,
+            )  # fmt: skip
+        return aborted + cancelled
+
+    @contextlib.asynccontextmanager
+    async def attempt(self, what: str, *, bounded: bool = True) -> AsyncIterator[None]:
+        """One attempt of bucket write `what` (`hotload.bucket.WriteGate`): refused with
+        `NotLeadingError` unless this replica leads now, and, when `bounded`, cancelled once the
+        lease's validity at its start has passed (then refused the same way, or retried as
+        unanswered when a renewal came meanwhile)."""
+        self.check("bucket", what)
+        left = self.window() if bounded else None
+        if left is None:
+            yield
+            return
+        scope = asyncio.timeout(left)
+        try:
+            async with scope:
+                self._attempts.add(scope)
+                yield
+        except TimeoutError:
+            if not scope.expired():
+                raise  # the store's own timeout, not the lease's
+            self.check("bucket", what)
+            op, _, target = what.partition(" ")
+            raise BucketUnreachableError(
+                f"{op} not answered within the {left:.1f} s the lease had left", url=target
+            ) from None
+        finally:
+            self._attempts.discard(scope)
 
     def check(self, target: str, what: str) -> None:
         """Raise `NotLeadingError` unless this replica may write `what` to `target` now."""
@@ -169,20 +219,7 @@ class _FencedWriter:
         await self._inner.write_eof(chunk)
 
 
-class FencedBucket(Bucket):
-    """A bucket whose writes (puts, uploads, deletes) are refused unless the fence allows them;
-    reads pass. Built from an open bucket (sharing its store and settings)."""
-
-    def __init__(self, inner: Bucket, fence: WriteFence) -> None:
-        self.__dict__.update(inner.__dict__)
-        self._fence = fence
-
-    async def put_async(self, key: str, *args: Any, **kwargs: Any) -> str | None:
-        """Write `key` (see `Bucket.put_async`) if this replica leads; else `NotLeadingError`."""
-        self._fence.check("bucket", f"PUT {self.url}/{key}")
-        return await super().put_async(key, *args, **kwargs)
-
-    async def delete_async(self, key: str) -> None:
-        """Delete `key` (see `Bucket.delete_async`) if this replica leads."""
-        self._fence.check("bucket", f"DELETE {self.url}/{key}")
-        await super().delete_async(key)
+def fenced_bucket(inner: Bucket, fence: WriteFence) -> Bucket:
+    """`inner` (sharing its store and settings) with every attempt of its writes (puts,
+    uploads, deletes, each retry included) passing `fence`; reads pass."""
+    return inner.gated(fence)

@@ -113,6 +113,13 @@ class LeaderElector:
             and self.clock() < self._renewed_at + self.settings.renew_deadline
         )
 
+    def window(self) -> float:
+        """Seconds this replica may still write (0 when it does not lead): until the renew
+        deadline of its last renewal, which a renewal meanwhile only extends."""
+        if self._renewed_at is None:
+            return 0.0
+        return max(0.0, self._renewed_at + self.settings.renew_deadline - self.clock())
+
     def holder(self) -> str:
         """The identity holding the Lease as last seen ("" when free or unknown)."""
         lease = self._seen.lease if self._seen is not None else self._lease

@@ -176,6 +176,7 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         # One gate for every write: this client's requests (status, applies, Events, the
         # Fireworks API's Snapshots), kopf's session (`handlers.login_fenced`) and the buckets.
         ctx.fence.may_write = elector.leading
+        ctx.fence.window = elector.window
         ctx.fence.holder = elector.holder
         ctx.fence.identity = elector.settings.identity
         elector.on_change = lambda leading: _leading_changed(ctx, leading)

@@ -12,13 +12,16 @@ it sent back. Point clients (loaders, a regional cache's `remote.configure`) at
         door.bytes_served(), door.requests(method="GET"), door.keys()
 
 `stop_serving()` makes the door refuse connections (as a server that is down would) and
-`resume()` opens it again, without touching the server behind it.
+`resume()` opens it again, without touching the server behind it. `fault(method, key)`, when
+set, may hold a request for some seconds before it is forwarded (a slow server) or answer it
+with a status of its own instead (`Fault`), counted like the others.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +58,19 @@ class Served:
     bytes: int
     #: Request body bytes received from the client.
     uploaded: int
+    #: When the request arrived (`time.monotonic`, this process's clock).
+    at: float = 0.0
+    #: The client's User-Agent (the operator's names its replica).
+    agent: str = ""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What the door does to one request: hold it `delay` seconds, then answer `status`
+    itself (None: forward it)."""
+
+    delay: float = 0.0
+    status: int | None = None
 
 
 def split_path(path: str) -> tuple[str, str]:
@@ -71,6 +87,9 @@ class CountingProxy:
         self._served: list[Served] = []
         self._lock = threading.Lock()
         self._open = True
+        #: Called with each request's method and key; a `Fault` it returns is applied.
+        self.fault: Callable[[str, str], Fault | None] | None = None
+        self._arrived: list[tuple[str, str, float, str]] = []
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -101,6 +120,16 @@ class CountingProxy:
         with self._lock:
             return [s for s in self._served if match is None or match(s)]
 
+    def arrived(self, method: str, key: str | None = None, agent: str = "") -> list[float]:
+        """When each request of `method` (on `key`; from a User-Agent containing `agent`)
+        arrived, answered yet or not (held)."""
+        with self._lock:
+            return [
+                at
+                for m, k, at, a in self._arrived
+                if m == method and (key is None or k == key) and agent in a
+            ]
+
     def requests(self, *, method: str | None = None, key_prefix: str = "") -> int:
         """How many requests (of `method`, on keys under `key_prefix`) were answered."""
         return len(self.served(lambda s: _matches(s, method, key_prefix)))
@@ -121,6 +150,7 @@ class CountingProxy:
         """Forget what was counted so far."""
         with self._lock:
             self._served = []
+            self._arrived = []
 
     def stop_serving(self) -> None:
         """Refuse every request from now on (the connection is dropped, as if the server were
@@ -161,7 +191,10 @@ class CountingProxy:
         )
         app = web.Application(client_max_size=1 << 40)
         app.router.add_route("*", "/{tail:.*}", self._forward)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # A request a fault holds is not waited for at close (aiohttp's default is 60 s).
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=1.0
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -179,7 +212,23 @@ class CountingProxy:
             request.transport.close()
             raise ConnectionResetError("the counting proxy is not serving")
         assert self._session is not None
+        at = time.monotonic()
         body = await request.read()
+        parts = urlsplit(request.raw_path)
+        _, key = split_path(parts.path)
+        agent = request.headers.get("User-Agent", "")
+        with self._lock:
+            self._arrived.append((request.method, key, at, agent))
+        fault = self.fault(request.method, key) if self.fault is not None else None
+        if fault is not None:
+            await asyncio.sleep(fault.delay)
+            if fault.status is not None:
+                served = Served(
+                    request.method, key, parts.query, fault.status, 0, len(body), at, agent
+                )
+                with self._lock:
+                    self._served.append(served)
+                return web.Response(status=fault.status, text="held by the door's fault\n")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         # The path and query exactly as signed: never re-encoded.
         target = URL(str(self.upstream) + request.raw_path, encoded=True)
@@ -193,11 +242,18 @@ class CountingProxy:
             for name, value in upstream.headers.items():
                 if name.lower() not in _HOP:
                     response.headers.add(name, value)
-        parts = urlsplit(request.raw_path)
-        _, key = split_path(parts.path)
         with self._lock:
             self._served.append(
-                Served(request.method, key, parts.query, upstream.status, len(payload), len(body))
+                Served(
+                    request.method,
+                    key,
+                    parts.query,
+                    upstream.status,
+                    len(payload),
+                    len(body),
+                    at,
+                    agent,
+                )
             )
         await response.prepare(request)
         if payload:

@@ -20,6 +20,10 @@ import asyncio
 import contextlib
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import yaml
 
 
 @dataclass
@@ -148,6 +152,18 @@ class Partition:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def partitioned_kubeconfig(kubeconfig: Path, into: Path) -> Partition:
+    """A `Partition` in front of the API server `kubeconfig` names, and at `into` a copy of
+    the kubeconfig whose server is the partition (for the replica to cut off)."""
+    doc = yaml.safe_load(kubeconfig.read_text())
+    server = urlsplit(doc["clusters"][0]["cluster"]["server"])
+    partition = Partition(server.hostname or "127.0.0.1", server.port or 443)
+    for cluster in doc["clusters"]:
+        cluster["cluster"]["server"] = f"https://127.0.0.1:{partition.port}"
+    into.write_text(yaml.safe_dump(doc))
+    return partition
 
 
 def _abort(writer: asyncio.StreamWriter) -> None:
