@@ -12,6 +12,7 @@ from hotload.bucket.objects import (
     ObjectData,
     ObjectInfo,
     Progress,
+    WriteGate,
     check_key,
     run_sync,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "SecretFileCredentials",
     "StoreSettings",
     "TransferResult",
+    "WriteGate",
     "check_key",
     "commit_file",
     "download_skeleton_async",
