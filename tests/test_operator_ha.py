@@ -201,7 +201,7 @@ async def test_a_burst_is_one_status_write_and_nothing_unchanged_is_written_agai
     await upload(bucket, full(tmp_path / "snaps" / "step-0", weights(0)))
     async with api.client() as kube:
         await install_crds(kube)
-        # No head handoff: its heartbeat (status.ledgerHead's checkedTime, every 30 s) is a
+        # No head handoff: its heartbeat (the HotLoadHead's checkedTime, every 30 s) is a
         # write by design and would land in the window below at random (test_head_handoff.py
         # and test_operator_head_object.py count the handoff's writes).
         async with running_operator(

@@ -266,6 +266,38 @@ async def test_a_heartbeat_advances_checked_with_the_same_content(
 
 
 @pytest.mark.asyncio
+async def test_a_heartbeat_is_one_write_of_the_head_object_and_none_of_the_status(
+    kube_api: KubeAPI, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unchanged head heartbeats in the HotLoadHead only (what the loaders read): the
+    deployment's status, whose `ledgerHead` names the head for people, is not written again."""
+    async with fleet(kube_api, s3_bucket, tmp_path, monkeypatch, head_heartbeat_seconds=1.0) as f:
+        kube, ns = f.kube, f.ns
+
+        async def summarised() -> JSON | None:
+            obj = await kube.get(hld_path(ns, "fleet"))
+            head = (obj.get("status") or {}).get("ledgerHead") or {}
+            return obj if head.get("identity") == step(0) else None
+
+        before = await eventually("status.ledgerHead naming step-0", summarised, timeout=30)
+        assert "checkedTime" not in before["status"]["ledgerHead"], before["status"]
+        await asyncio.sleep(2)  # a roll-up of what the first poll found may still land
+        before = await kube.get(hld_path(ns, "fleet"))
+        version = (await kube.get(head_path(ns)))["metadata"]["resourceVersion"]
+        writes = Writes(kube, ns, version)
+        try:
+            await asyncio.sleep(6)  # three polls, each past the heartbeat
+        finally:
+            await writes.stop()
+        after = await kube.get(hld_path(ns, "fleet"))
+    assert len(writes.events) >= 2, writes.events  # the HotLoadHead heartbeats
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"], (
+        before["status"],
+        after["status"],
+    )
+
+
+@pytest.mark.asyncio
 async def test_a_ledger_the_operator_cannot_read_leaves_checked_alone(
     kube_api: KubeAPI,
     s3_bucket: str,

@@ -451,18 +451,15 @@ class Problem(ApiModel):
 
 
 class LedgerHead(ApiModel):
-    """The ledger head as the operator last read it at the origin (one watcher per cluster); the
-    loaders take it, with the ledger's newest entries, from the deployment's HotLoadHead."""
+    """The ledger head as the operator last read it at the origin (one watcher per cluster),
+    written when it changes; the loaders take it, with the ledger's newest entries and the time
+    of the last read (`checkedTime`, refreshed every 30 s), from the deployment's HotLoadHead
+    (`kubectl get hlhead`)."""
 
     identity: Identity | None = Field(
         default=None, description="The head's snapshot (absent: nothing admitted yet)."
     )
     sequence: int | None = Field(default=None, ge=0, description="Its ledger sequence.")
-    checked_time: str = Field(
-        max_length=64,
-        description="RFC3339: when the operator last read the ledger at the origin (refreshed "
-        "at least every 30 s; a loader polls the origin itself once this is older than 90 s).",
-    )
     uploading: list[Identity] = Field(
         default_factory=list,
         max_length=4,
@@ -517,7 +514,8 @@ class HotLoadDeploymentStatus(ApiModel):
     ledger_head: LedgerHead | None = Field(
         default=None,
         description="The ledger head the operator read at the origin, as handed to the loaders "
-        "(in full in the HotLoadHead of the same name: `kubectl get hlhead`).",
+        "(in full, with when it was last read, in the HotLoadHead of the same name: `kubectl "
+        "get hlhead`).",
     )
     problems: list[Problem] = Field(
         default_factory=list,

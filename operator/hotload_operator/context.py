@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from hotload import __version__
 from hotload.api.models import HotLoadDeployment
 from hotload.api.names import SnapshotReasons
 from hotload.bucket import Bucket, RetryPolicy, open_bucket
@@ -251,8 +250,9 @@ class Context:
             if cached is not None:
                 log.info("Secret %s/%s changed: bucket %s reopened with it", namespace, secret, url)
         # Fenced: ledger appends, pins and hints are writes of the leader only. The user agent
-        # names this replica in the store's access logs (who wrote what, after a takeover).
-        agent = f"hotload-operator/{__version__} ({self.identity})"
+        # (the API client's: `hotload-operator (<identity>)`) names this replica in the store's
+        # access logs: who wrote what, after a takeover.
+        agent = self.kube.user_agent
         # No retries inside obstore, where the fence cannot ask the lease before each try.
         policy = RetryPolicy(inner_retries=0)
         bucket = fenced_bucket(

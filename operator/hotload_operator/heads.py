@@ -12,11 +12,13 @@ number of deployments and replicas following it.
 
 After each successful read, each deployment's handoff (`build_handoff`: the ledger's newest
 entries, the listings, the hints, its `spec.pin`) is written to its HotLoadHead when it changed,
-and otherwise at most every `HEARTBEAT_SECONDS` to refresh `checkedTime` (`handoffs.py`). A
-deployment's `status.ledgerHead` follows the same rule, written by the deployment's roll-up
-(`ledger_head`) with whatever else changed: one status write. A ledger that cannot be read
-leaves both alone (`checkedTime` ages), so the loaders fall back to the origin and say why.
-The writes pass the leader's fence like every other write (`fence.py`).
+and otherwise at most every `HEARTBEAT_SECONDS` to refresh `checkedTime` (`handoffs.py`): the
+one heartbeat, which the loaders read. A deployment's `status.ledgerHead` (the head and the
+uploads, for people) changes only when they do, written by the deployment's roll-up
+(`ledger_head`) in the status write the new head makes anyway (its target moved): a head change
+is one write of each object, an unchanged head one write of the HotLoadHead per heartbeat. A
+ledger that cannot be read leaves both alone (`checkedTime` ages), so the loaders fall back to
+the origin and say why. The writes pass the leader's fence like every other write (`fence.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from hotload.api.names import DEPLOYMENT_PLURAL
 from hotload.bucket import snapshot_files_async
 from hotload.errors import BucketError, HotloadError, LedgerError
 from hotload.ledger import LedgerDocument
-from hotload.ledger.fields import format_time
 from hotload.ledger.handoff import LISTED_SNAPSHOTS, build_handoff
 from hotload.ledger.hints import Hint, HintFile, expired, hint_key, list_hints_async
 from hotload.ledger.model import BASE_KINDS
@@ -51,7 +52,7 @@ log = logging.getLogger("hotload_operator")
 
 #: Seconds between two reads of each ledger's head [HOTLOAD_HEAD_POLL_SECONDS].
 HEAD_POLL_SECONDS = 2.0
-#: Longest time between two writes of an unchanged `status.ledgerHead` (its `checkedTime`).
+#: Longest time between two writes of an unchanged HotLoadHead (its `checkedTime`).
 HEARTBEAT_SECONDS = 30.0
 #: A ledger read (the ledger, its hints, new folder listings, the handoff writes) that takes
 #: longer is abandoned; its deployments' `checkedTime` ages meanwhile, nobody else's.
@@ -185,21 +186,19 @@ class HeadPoller:
                 self.ctx.rollups.request((namespace_of(record.hld), name_of(record.hld)), 0)
 
     def ledger_head(self, record: DeploymentRecord) -> JSON | None:
-        """The `status.ledgerHead` a roll-up of `record` should write now, or None when
-        nothing is due: the head (from the ledger copy the roll-up reads), the uploading list
-        and the time of the last successful read, when the head or the list moved or the one
-        written is older than the heartbeat. None too while the ledger cannot be read."""
+        """The `status.ledgerHead` a roll-up of `record` should write now, or None when it
+        says that already: the head (from the ledger copy the roll-up reads) and the uploading
+        list, once the ledger was read. Its freshness is the HotLoadHead's `checkedTime`, not
+        written here (a `checkedTime` left by an older operator is removed)."""
         hld = record.hld
         key = self.ctx.ledgers.key(hld)
         view = self.ctx.ledgers.view(hld)
-        checked = self._checked.get(key)
-        if checked is None or view.problem is not None:
+        if key not in self._checked or view.problem is not None:
             return None
         head = view.document.head if view.document is not None else None
         wanted: JSON = {
             "identity": head.identity if head else None,
             "sequence": head.sequence if head else None,
-            "checkedTime": format_time(checked),
             "uploading": [h.identity for h in self._uploading_of.get(key, [])],
         }
         dkey: Key = (namespace_of(hld), name_of(hld))
@@ -211,14 +210,10 @@ class HeadPoller:
             held.get("identity") == wanted["identity"]
             and held.get("sequence") == wanted["sequence"]
             and list(held.get("uploading") or []) == wanted["uploading"]
+            and "checkedTime" not in held
         )
-        if not same:
-            return wanted  # a merge patch: a head that is gone (None) removes its fields
-        try:
-            written = datetime.fromisoformat(str(held.get("checkedTime")))
-        except ValueError:
-            return wanted
-        return wanted if (checked - written).total_seconds() >= self.heartbeat else None
+        # A merge patch: a head that is gone (None) removes its fields, and so does the null.
+        return None if same else {**wanted, "checkedTime": None}
 
     def handoff_problem(self, key: Key) -> Cause | None:
         """Why the deployment's `HotLoadHead` cannot be written (None: it can)."""

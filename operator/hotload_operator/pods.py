@@ -152,7 +152,7 @@ def loader_env(hld: HotLoadDeployment, log_format: str = "text") -> list[JSON]:
         {"name": "HOTLOAD_PIN_OBJECT", "value": pin_object_key(hld)},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        # The loader watches this deployment's status.ledgerHead (the operator's head handoff).
+        # The loader watches this deployment's HotLoadHead (the operator's head handoff).
         {"name": "HOTLOAD_DEPLOYMENT", "value": name_of(hld)},
     ]
     if spec.bucket.credentials_secret:

@@ -9,7 +9,7 @@ leader election (`standalone`), the one replica does all of it at once.
     flow: pod/Snapshot/HLD watch events -> cache -> roll-up queue (coalesced per deployment)
           -> roll-up (pure, from the cache) -> status write (only what changed, only the leader)
           every followed ledger, every 2 s -> the deployment's HotLoadHead (its loaders
-          watch it) and status.ledgerHead (heads.py)
+          watch it; heartbeat every 30 s) and, on a change, status.ledgerHead (heads.py)
           undecided Snapshot -> admission queue -> admission -> ledger append -> status write
 """
 
@@ -121,8 +121,7 @@ class Settings:
     #: deployment's HotLoadHead [HOTLOAD_HEAD_POLL_SECONDS] (0: no handoff; loaders poll
     #: the origin).
     head_poll_seconds: float = field(default_factory=heads.head_poll_seconds)
-    #: Longest time between two writes of an unchanged handoff (the HotLoadHead and
-    #: status.ledgerHead: their checkedTime)
+    #: Longest time between two writes of an unchanged HotLoadHead (its checkedTime)
     #: [HOTLOAD_HEAD_HEARTBEAT_SECONDS]; loaders take one older than 90 s as the operator gone.
     head_heartbeat_seconds: float = field(
         default_factory=lambda: _env_seconds(
