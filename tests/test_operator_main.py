@@ -208,6 +208,18 @@ async def _check(
 
     await eventually("the conditions in the metrics", conditions_match, timeout=30)
 
+    # The sizes of its in-memory tables (what the soak fits for growth): its cache holds the
+    # two listed deployments, not the outsider; every table is listed.
+    _, text = await asyncio.to_thread(http_get, f"http://127.0.0.1:{metrics}/metrics")
+    entries = {
+        s.labels["table"]: s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "hotload_operator_cached_entries"
+        for s in family.samples
+    }
+    assert entries["cache_deployments"] == 2, entries
+    assert {"status_writer", "heads", "ledgers", "queue_roll-up"} <= set(entries), entries
+
     # kopf's bookkeeping on a served object (written once the handler finished): only under
     # hotload.dev/.
     async def handled() -> JSON | None:

@@ -97,6 +97,10 @@ class EventRecorder:
         self._written: OrderedDict[tuple[str, ...], JSON] = OrderedDict()
         self._can_patch = True
 
+    def __len__(self) -> int:
+        """Events remembered for their count (at most `keep`)."""
+        return len(self._written)
+
     async def record(self, involved: JSON, type_: EventType, reason: str, message: str) -> None:
         """Record that `reason: message` happened to `involved` (an `involved_object`)."""
         now = self._clock()

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sized
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -144,6 +144,9 @@ class LedgerHeads(Protocol):
     def handoff_problem(self, key: Key) -> Cause | None:
         """Why the deployment's `HotLoadHead` cannot be written (None: it can)."""
 
+    def __len__(self) -> int:
+        """Entries kept (`hotload_operator_cached_entries`)."""
+
 
 async def _unset(_: Key) -> None:
     raise RuntimeError("the operator's work queues run only in `hotload_operator.runtime`")
@@ -210,6 +213,27 @@ class Context:
         self.writer = StatusWriter(self.kube, writes=self.metrics.status_writes)
         self.ledgers = LedgerCache(self.bucket)
         self.events = EventRecorder(self.kube, "hotload-operator", self.identity)
+
+    def cached_entries(self) -> dict[str, int]:
+        """Entries each of the operator's in-memory tables keeps, by table: what
+        `hotload_operator_cached_entries` exports, flat on a steady fleet (the soak fits it)."""
+        sizes = {f"cache_{k}": v for k, v in (self.cache.sizes() if self.cache else {}).items()}
+        queues = (self.rollups, self.polls, self.admissions, self.histories)
+        sizes |= {f"queue_{q.name}": len(q) for q in queues}
+        tables: dict[str, Sized] = {
+            "status_writer": self.writer,
+            "ledgers": self.ledgers,
+            "events": self.events,
+            "rolled": self.rolled,
+            "applied": self.applied,
+            "spec_problems": self.problems,
+            "deferrals": self.deferrals,
+            "retention": self.retention,
+            "buckets": self._buckets,
+        }
+        if self.heads is not None:
+            tables["heads"] = self.heads
+        return sizes | {name: len(table) for name, table in tables.items()}
 
     def fleet(self) -> FleetCache:
         """The watch-fed cache (set by `runtime.run` before any handler runs)."""

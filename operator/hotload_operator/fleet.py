@@ -249,6 +249,15 @@ class FleetCache:
         """Requests and events per informer (by kind and namespace)."""
         return {i.name: i.stats for i in self._informers()}
 
+    def sizes(self) -> dict[str, int]:
+        """Objects cached, by kind (every watched namespace together)."""
+        return {
+            "deployments": sum(len(i) for i in self.deployments.values()),
+            "snapshots": sum(len(i) for i in self.snapshots.values()),
+            "pods": sum(len(i) for i in self.pods.values()),
+            "workloads": sum(len(i) for i in self.workloads.values()),
+        }
+
     def _scope(self, namespace: str) -> str | None:
         return None if self._all_namespaces else namespace
 

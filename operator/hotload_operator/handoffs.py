@@ -55,6 +55,10 @@ class HandoffWriter:
             return handoff.checked != last.checked
         return (handoff.checked - last.checked).total_seconds() >= self.heartbeat
 
+    def __len__(self) -> int:
+        """Entries kept (`hotload_operator_cached_entries`)."""
+        return len(self._written) + len(self._refused) + len(self._failing)
+
     async def write(self, record: DeploymentRecord, handoff: Handoff) -> bool:
         """Write `handoff` as the deployment's `HotLoadHead` when `due`; return whether it was
         written. A refusal becomes the deployment's problem; other API errors (an outage, not

@@ -219,6 +219,13 @@ class HeadPoller:
         """Why the deployment's `HotLoadHead` cannot be written (None: it can)."""
         return self.handoffs.problem(key)
 
+    def __len__(self) -> int:
+        """Entries kept, the nested ones counted one by one (`hotload_operator_cached_entries`)."""
+        nested = (self._hints, self._uploading_of, self._listings, self._unlisted)
+        # A copy of each table first: the metrics server's thread reads this while the loop runs.
+        inner = sum(len(v) for table in nested for v in list(table.values()))
+        return len(self._checked) + len(self._inflight) + inner + len(self.handoffs)
+
     async def _listed(
         self, key: LedgerKey, hld: HotLoadDeployment, document: LedgerDocument, now: datetime
     ) -> dict[str, Listing]:

@@ -64,6 +64,10 @@ class LedgerCache:
         """Drop the copy of `hld`'s ledger (the deployment is gone)."""
         self._views.pop(self.key(hld), None)
 
+    def __len__(self) -> int:
+        """Entries kept (`hotload_operator_cached_entries`)."""
+        return len(self._views)
+
     async def refresh(self, hld: HotLoadDeployment, *, max_age: float = 0.0) -> bool:
         """Ask the bucket whether the ledger changed (a conditional GET); return whether the
         copy changed. A failed read keeps the last copy and records why. A copy asked for less

@@ -45,6 +45,10 @@ class SpecProblems:
         """The deployment's problem, None when its last apply succeeded (or none was tried)."""
         return self._by_key.get(key)
 
+    def __len__(self) -> int:
+        """Entries kept (the operator's `hotload_operator_cached_entries`)."""
+        return len(self._by_key)
+
 
 class Deferrals:
     """Per Snapshot whose admission waits for its bucket: the cause, so that a retry that
@@ -63,6 +67,10 @@ class Deferrals:
     def clear(self, key: Key) -> None:
         """The Snapshot's admission no longer waits (decided, or the Snapshot is gone)."""
         self._cause.pop(key, None)
+
+    def __len__(self) -> int:
+        """Entries kept (the operator's `hotload_operator_cached_entries`)."""
+        return len(self._cause)
 
 
 class LastDone:
@@ -86,3 +94,7 @@ class LastDone:
         """Whether `seconds` or more have passed since it was last done (True if never)."""
         at = self._at.get(key)
         return at is None or self._clock() - at >= seconds
+
+    def __len__(self) -> int:
+        """Entries kept (the operator's `hotload_operator_cached_entries`)."""
+        return len(self._at)

@@ -127,3 +127,7 @@ class RetentionState:
         if hld.spec.retention is None:
             return None
         return self.problems.get(ledger_key(hld))
+
+    def __len__(self) -> int:
+        """Entries kept (`hotload_operator_cached_entries`)."""
+        return len(self.started) + len(self.problems) + len(self.queue)

@@ -36,7 +36,7 @@ from hotload_operator.fence import fenced_request_class, tracked_request_class
 from hotload_operator.fleet import DeploymentRecord, FleetCache, PodRecord, SnapshotRecord
 from hotload_operator.leader import LeaderElector, LeadershipLostError, LeaseSettings
 from hotload_operator.meta import OperatorImages
-from hotload_operator.status_metrics import DeploymentConditions
+from hotload_operator.status_metrics import CachedEntries, DeploymentConditions
 from hotload_operator.workqueue import WorkQueue
 
 log = logging.getLogger("hotload_operator")
@@ -276,6 +276,7 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
     )
     ctx.cache = cache
     ctx.metrics.registry.register(DeploymentConditions(cache))
+    ctx.metrics.registry.register(CachedEntries(ctx.cached_entries))
     return Operator(ctx=ctx, cache=cache, elector=elector)
 
 

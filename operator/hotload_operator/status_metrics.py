@@ -9,7 +9,7 @@ series carry the deployment's own `namespace` label: scrape the operator with `h
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -54,4 +54,30 @@ class DeploymentConditions(Collector):
                     str(condition.get("reason") or ""),
                 ]
                 family.add_metric(labels, 1.0)
+        yield family
+
+
+ENTRIES = "hotload_operator_cached_entries"
+ENTRIES_DOC = (
+    "Entries each in-memory table of the operator keeps (table: cache_<kind> for the watched "
+    "objects, queue_<name>, status_writer, ledgers, heads, events, ...): flat on a steady fleet"
+)
+
+
+class CachedEntries(Collector):
+    """Collects `hotload_operator_cached_entries` from a function of the tables' sizes (read
+    in the metrics server's thread: each size is one `len`)."""
+
+    def __init__(self, sizes: Callable[[], dict[str, int]]) -> None:
+        self.sizes = sizes
+
+    def describe(self) -> Iterator[Metric]:
+        """The one family this collector yields."""
+        yield GaugeMetricFamily(ENTRIES, ENTRIES_DOC, labels=("table",))
+
+    def collect(self) -> Iterator[Metric]:
+        """One series per table."""
+        family = GaugeMetricFamily(ENTRIES, ENTRIES_DOC, labels=("table",))
+        for table, size in sorted(self.sizes().items()):
+            family.add_metric([table], float(size))
         yield family

@@ -87,6 +87,10 @@ class WorkQueue(Generic[K]):
         """Keys waiting or running."""
         return len(self._due) + len(self._running)
 
+    def __len__(self) -> int:
+        """Entries kept (`hotload_operator_cached_entries`)."""
+        return len(self._due) + len(self._running) + len(self._again) + len(self._failures)
+
     async def idle(self) -> None:
         """Return once nothing waits or runs."""
         while self.pending():

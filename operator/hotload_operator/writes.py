@@ -94,6 +94,10 @@ class StatusWriter:
         """Drop what was remembered of object `key` (deleted)."""
         self._memory.pop((plural, key), None)
 
+    def __len__(self) -> int:
+        """Entries kept (`hotload_operator_cached_entries`)."""
+        return len(self._memory)
+
     async def write(
         self, plural: str, key: Key, status: JSON, cached: JSON, cached_version: str
     ) -> bool:
