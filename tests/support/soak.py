@@ -200,6 +200,10 @@ class SoakRun:
     unversioned: dict[str, int] = field(default_factory=dict)
     #: The fault schedule's changes for the vLLM replicas (`retarget`).
     retargeted: list[str] = field(default_factory=list)
+    #: Wall-clock time minus monotonic time (the audit log's clock from the soak's).
+    wall_offset: float = field(default_factory=lambda: time.time() - time.monotonic())
+    #: Wall-clock (stopped, answering again) of each object-store outage.
+    store_down: list[tuple[float, float]] = field(default_factory=list)
 
     def expected(self, name: str, published: Published) -> dict[str, str]:
         """The sha256 replica `name`'s engine must report for `published`'s weights, by the
@@ -729,6 +733,7 @@ class Soak:
             return
         self.outage = None
         self.seaweed_up.set()
+        self.run.store_down.append((began + self.run.wall_offset, time.time()))
         self.run.fault_log.append(
             f"SeaweedFS back after {time.monotonic() - began:.1f}s (outage of step {step})"
         )

@@ -878,12 +878,16 @@ def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 #: The longest a followed ledger's HotLoadHead may go unwritten while a leader runs: a
 #: heartbeat, a head poll, and 5 s for a loaded 2-core machine.
 HANDOFF_GAP = HEARTBEAT_SECONDS + HEAD_POLL_SECONDS + 5.0
+#: The longest from a publish to the HotLoadHead write after it while a leader runs and the
+#: store answers: a head poll, its reads and the write, and 8 s for a loaded 2-core machine.
+HANDOFF_LATENCY = HEAD_POLL_SECONDS + 8.0
 
 
 def _handoff(run: SoakRun, report: Report) -> None:
     """While deployment `slow`'s bucket holds each request for seconds, deployment `policy`'s
-    HotLoadHead is written every heartbeat (from the audit log), net of the moments no replica
-    led (a deposed leader until its successor's first Lease write, the API server down)."""
+    HotLoadHead is written every heartbeat, and within `HANDOFF_LATENCY` of each publish (from
+    the audit log), net of the moments no replica led (a deposed leader until its successor's
+    first Lease write, the API server down) or the store was down."""
     cluster = run.cluster
     assert cluster is not None
     windows = getattr(cluster, "slow_windows", [])
@@ -904,36 +908,54 @@ def _handoff(run: SoakRun, report: Report) -> None:
         and (e.get("objectRef") or {}).get("name") == DEPLOYMENT
         and audit.code(e) < 300
     )
-    leaderless = list(getattr(cluster, "apiserver_down", []))
+    excused = [*getattr(cluster, "apiserver_down", []), *getattr(run, "store_down", [])]
     for d in cluster.deposals:
         took = next((audit.seconds(e) for e in leases if audit.seconds(e) > d.at
                      and audit.replica(e) not in ("", d.identity) and audit.code(e) < 300),
                     float("inf"))  # fmt: skip
-        leaderless.append((d.at, took))
-    leaderless = merged(leaderless)
-    problems, gaps = [], []
+        excused.append((d.at, took))
+    excused = merged(excused)
+    problems, gaps, lags = [], [], []
+    offset = getattr(run, "wall_offset", 0.0)
     for a, b in windows:
         before = [t for t in heads if t <= a]
         times = [*before[-1:], *(t for t in heads if a < t < b), b]
         for t0, t1 in itertools.pairwise(times):
-            gap = t1 - t0 - outage_within(leaderless, t0, t1)
+            gap = t1 - t0 - outage_within(excused, t0, t1)
             gaps.append(gap)
             if gap > HANDOFF_GAP:
                 problems.append(
                     f"{DEPLOYMENT}'s HotLoadHead unwritten for {gap:.1f}s net of leaderless "
                     f"moments ({t1 - t0:.1f}s in all) while slow's bucket was slow"
                 )
+        for p in run.published.values():
+            done = p.done + offset
+            if not a <= done < b:
+                continue
+            after = next((t for t in heads if t > done), b)
+            lag = after - done - outage_within(excused, done, after)
+            lags.append(lag)
+            if lag > HANDOFF_LATENCY:
+                problems.append(
+                    f"step {p.step} handed over {lag:.1f}s after its publish net of leaderless "
+                    f"moments ({after - done:.1f}s in all) while slow's bucket was slow"
+                )
     held = getattr(cluster, "slow_requests", 0)
-    if not windows or not held:
-        problems.append(f"the slow bucket held {held} requests in {len(windows)} window(s)")
+    if not windows or not held or not lags:
+        problems.append(
+            f"the slow bucket held {held} requests in {len(windows)} window(s), "
+            f"{len(lags)} steps published meanwhile"
+        )
     report.checks.append(
         Check(
-            f"a bucket that answers slowly for one deployment delays no other's handoff (its "
-            f"HotLoadHead written at least every {HANDOFF_GAP:g}s, net of leaderless moments)",
+            "a bucket that answers slowly for one deployment delays no other's handoff (its "
+            f"HotLoadHead written within {HANDOFF_LATENCY:g}s of each publish and every "
+            f"{HANDOFF_GAP:g}s, net of leaderless moments and store outages)",
             not problems,
             "; ".join(problems[:5])
-            or f"{len(windows)} slow window(s), {held} requests held; longest gap between "
-            f"{DEPLOYMENT}'s HotLoadHead writes {max(gaps, default=0):.1f}s",
+            or f"{len(windows)} slow window(s), {held} requests held; {len(lags)} steps "
+            f"published meanwhile, handed over within {max(lags, default=0):.1f}s; longest gap "
+            f"between {DEPLOYMENT}'s HotLoadHead writes {max(gaps, default=0):.1f}s",
         )
     )
 
