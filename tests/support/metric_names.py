@@ -1,7 +1,7 @@
-"""Every series name hotload exports, as Prometheus scrapes it: the operator's (its registry and
-the deployment conditions `runtime.build` registers beside it), a loader's, the reference
-engine's and a router's. docs/operations.md, the shipped alerts and the dashboard may name
-these and nothing else."""
+"""Every series name hotload exports, as Prometheus scrapes it: the operator's (its registry,
+and the deployment conditions and table sizes `runtime.build` registers beside it), a loader's,
+the reference engine's and a router's. docs/operations.md, the shipped alerts and the dashboard
+may name these and nothing else."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from hotload.engine.metrics import EngineMetrics
 from hotload.router.proxy import RouterMetrics
 from hotload_operator.context import OperatorMetrics
+from hotload_operator.status_metrics import ENTRIES as CACHED_ENTRIES
 from hotload_operator.status_metrics import NAME as DEPLOYMENT_CONDITION
 from hotload_sidecar.metrics import LoaderMetrics
 
@@ -24,7 +25,7 @@ def exported(registry: CollectorRegistry) -> set[str]:
 
 def operator_metrics() -> set[str]:
     """The operator's series names."""
-    return exported(OperatorMetrics().registry) | {DEPLOYMENT_CONDITION}
+    return exported(OperatorMetrics().registry) | {DEPLOYMENT_CONDITION, CACHED_ENTRIES}
 
 
 def loader_metrics() -> set[str]:
