@@ -4,19 +4,23 @@ real vLLM CPU engine, which the first engine kill restarts) following it, retent
 publish, and at least one of each fault in scope, overlapping: loader and engine SIGKILL, the
 object store stopped and started again, a loader's volume full, an object corrupted in the
 bucket, the trainer killed mid-publish; the operator's two replicas on a real API server (the
-soak's own control plane) with the API server restarted, the leader killed and the leader frozen
-past its renew deadline and woken. The same code as `benchmarks/soak.py` (the 300-step form);
-every check must be met. No timing is asserted (the machine is shared)."""
+soak's own control plane) with the API server restarted, the leader killed, the leader frozen
+past its renew deadline and woken, the leader cut off from the API server and healed, and a
+second deployment's bucket answering in 20 s per request for a while. The
+same code as `benchmarks/soak.py` (the 300-step form); every check must be met, and growth is
+judged by a least-squares fit against the step. No timing is asserted (the machine is shared)."""
 
 from __future__ import annotations
 
 import os
+import random
+import statistics
 from pathlib import Path
 
 import pytest
 
 from support.soak import SoakConfig, folder_bytes, retarget, run_soak
-from support.soak_checks import evaluate, outage_within
+from support.soak_checks import GROWTH, Trend, evaluate, merged, outage_within, per_cycle
 from support.soak_faults import KINDS, Fault
 from support.soak_trainer import identity
 
@@ -38,6 +42,8 @@ def test_a_short_soak_meets_every_check(tmp_path: Path) -> None:
         full_every=25,
         outage_seconds=8.0,
         apiserver_outage_seconds=5.0,
+        # Two of its reads held 20 s each at least, while the other deployment's handoff goes on.
+        slow_seconds=40.0,
         idle_seconds=10.0,
         spot_check_rate=0.2,
         # A run of about two minutes: retention deletes dropped entries' files within it.
@@ -52,11 +58,10 @@ def test_a_short_soak_meets_every_check(tmp_path: Path) -> None:
     )
     assert deleted, "retention deleted no snapshot folder in the run"
     report = evaluate(run)
-    # A miss with a known cause (a product bug named in RESULTS-soak.md) is reported, not
-    # failed on; any other miss fails.
+    # Every miss fails: no cause, however well understood, excuses one.
     for c in report.checks:
         print(f"{'met   ' if c.met else 'MISSED'} {c.name}: {c.detail[:400]}")
-    missed = "\n".join(f"- {c.name}: {c.detail}" for c in report.unexplained())
+    missed = "\n".join(f"- {c.name}: {c.detail}" for c in report.missed())
     print(f"vLLM replicas {sorted(run.vllm)}, kills moved: {run.retargeted}, answers from")
     print(f"unnamed boot weights: {run.unversioned}, wall {run.wall_seconds:.0f}s")
     log = "\n".join(run.fault_log)
@@ -69,6 +74,8 @@ def test_takeovers_are_judged_net_of_api_server_outages() -> None:
     assert outage_within(outages, 5.0, 60.0) == 40.0
     assert outage_within(outages, 20.0, 105.0) == 30.0 + 5.0
     assert outage_within(outages, 60.0, 90.0) == 0.0
+    # Leaderless moments that overlap count once.
+    assert merged([(5.0, 20.0), (0.0, 10.0), (30.0, 40.0)]) == [(0.0, 20.0), (30.0, 40.0)]
 
 
 def test_a_volumes_bytes_by_entry_count_each_inode_once(tmp_path: Path) -> None:
@@ -106,3 +113,62 @@ def test_the_first_kills_go_to_a_vllm_replica() -> None:
     assert [f.replica for f in faults] == [2, 1, 1, 2]
     assert len(moved) == 2 and "left" in moved[1]
     assert retarget(faults, 3, 3) == []  # no vLLM replica: nothing moves
+
+
+def test_growth_is_the_fitted_slope_over_the_whole_run() -> None:
+    # A slow leak (12% over 300 steps, under 1% of noise): the median of the last 100 samples
+    # is within 10% of the first 100's, as the old check compared them; the fit is not.
+    rng = random.Random(7)
+    level, leak = 100.0, 0.12 / 300
+    points = [(x, level * (1 + leak * x) * (1 + rng.uniform(-0.01, 0.01))) for x in range(300)]
+    first = statistics.median(y for _, y in points[:100])
+    last = statistics.median(y for _, y in points[-100:])
+    assert last <= first * (1 + GROWTH)
+    trend = Trend.fit(points)
+    assert abs(trend.slope - level * leak) < 0.1 * level * leak
+    assert not trend.flat(GROWTH * trend.level)
+    # Noise alone (10% either way, no trend) is flat; so is the leak at half the rate.
+    noise = [(x, level * (1 + rng.uniform(-0.1, 0.1))) for x in range(300)]
+    assert Trend.fit(noise).flat(GROWTH * level)
+    half = [(x, level * (1 + leak / 2 * x)) for x in range(300)]
+    assert Trend.fit(half).flat(GROWTH * level)
+
+
+def test_a_rise_the_fit_cannot_tell_from_noise_is_flat() -> None:
+    # Ten samples whose noise (30%) is larger than their rise: within two standard errors.
+    rng = random.Random(3)
+    points = [(x, 100.0 + 2.0 * x + rng.uniform(-30.0, 30.0)) for x in range(10)]
+    trend = Trend.fit(points)
+    assert trend.rise() > GROWTH * trend.level
+    assert trend.slope <= 2 * trend.stderr and trend.flat(GROWTH * trend.level)
+    # The same rise with no noise is growth.
+    exact = Trend.fit([(x, 100.0 + 2.0 * x) for x in range(10)])
+    assert abs(exact.slope - 2.0) < 1e-9 and exact.stderr < 1e-9
+    assert not exact.flat(GROWTH * exact.level)
+
+
+def test_a_saw_tooth_is_fitted_by_chain() -> None:
+    # A volume that gains `tooth` over each chain of 25 steps and drops at the next full
+    # snapshot: over one chain (a short run) the raw fit takes the tooth for growth, by chain it
+    # is flat over 11 chains; the same tooth on a leak of two teeth over the run is not.
+    period, tooth, base = 25, 15.0, 100.0
+    steps = range(period, period * 12)
+
+    def saw(step: int, leak: float = 0.0) -> float:
+        return base + tooth * (step % period) / period + leak * step
+
+    short = [(x, saw(x)) for x in range(period, period * 2)]
+    assert Trend.fit(short).rise() > tooth / 2
+    chains = per_cycle([(x, saw(x)) for x in steps], period)
+    assert len(chains) == 11
+    assert all(y == chains[0][1] for _, y in chains)
+    assert Trend.fit(chains).flat(0.0)
+    leak = 2 * tooth / len(steps)
+    leaking = per_cycle([(x, saw(x, leak)) for x in steps], period)
+    trend = Trend.fit(leaking)
+    assert abs(trend.slope - leak) < 1e-9
+    assert not trend.flat(tooth)
+    # A chain sampled at fewer than half its steps (the run's last) holds only the tooth's low
+    # part: left out.
+    cut = per_cycle([(x, saw(x)) for x in range(period, period * 2 + period // 3)], period)
+    assert [x for x, _ in cut] == [period + period // 2]

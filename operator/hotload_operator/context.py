@@ -216,7 +216,7 @@ class Context:
 
     def cached_entries(self) -> dict[str, int]:
         """Entries each of the operator's in-memory tables keeps, by table: what
-        `hotload_operator_cached_entries` exports, flat on a steady fleet."""
+        `hotload_operator_cached_entries` exports, flat on a steady fleet (the soak fits it)."""
         sizes = {f"cache_{k}": v for k, v in (self.cache.sizes() if self.cache else {}).items()}
         queues = (self.rollups, self.polls, self.admissions, self.histories)
         sizes |= {f"queue_{q.name}": len(q) for q in queues}

@@ -289,9 +289,12 @@ class Loader:
         await self.probes.check(self.flow.reload_served)
         moving = entry is not None and entry.identity != self.status.identity
         if entry is not None and moving and self.backoff.may_try(entry.identity):
-            await self.flow.update(entry)
-            # Its buffers were freed at once and would stay in malloc's free lists (malloc.py).
-            malloc.trim()
+            try:
+                await self.flow.update(entry)
+            finally:
+                # Its buffers were freed at once and would stay in malloc's free lists
+                # (malloc.py); a failed update's too (a corrupted delta, then a full rebuild).
+                malloc.trim()
         await self._sync_adapters()
 
     async def _sync_adapters(self) -> None:

@@ -44,7 +44,14 @@ from support.fronts import Server, start_front
 from support.paths import REPO
 from support.seaweedfs import SeaweedFS
 from support.soak_cluster import ClusterRecord, ClusterSample, Deposal, SoakCluster
-from support.soak_faults import CORRUPT_WORDS, FULL_WORDS, Fault, schedule, status_words
+from support.soak_faults import (
+    CORRUPT_WORDS,
+    FULL_WORDS,
+    LEADER_KINDS,
+    Fault,
+    schedule,
+    status_words,
+)
 from support.soak_trainer import identity as step_identity
 from support.vllm_server import START_TIMEOUT, write_tiny_llama
 
@@ -54,6 +61,10 @@ FREEZE_CAP = 120.0
 #: The longest the soak waits after corrupting an object for a loader to name it (a head's
 #: handoff and a delta's download and check take seconds; a minute means a loader stuck).
 CORRUPT_READ_SECONDS = 60.0
+#: A `slow_bucket` window lasts until the slow door has held this many requests (at most
+#: SLOW_CAP_FACTOR times its length: then its check says how few it held).
+SLOW_MIN_HELD = 2
+SLOW_CAP_FACTOR = 4.0
 #: The most steps a full volume stays full past its end while its loader has written nothing.
 FULL_HOLD = 30
 #: The files of the soak's model besides its weights (the trainer's `side_files_from`).
@@ -88,6 +99,10 @@ class SoakConfig:
     converge_timeout: float = 600.0
     #: The API server stopped for this long per `apiserver_restart`.
     apiserver_outage_seconds: float = 10.0
+    #: Per `slow_bucket`: how long deployment `slow`'s bucket is slow, holding each request
+    #: `slow_delay` seconds (the operator reads each ledger within 30 s, then abandons it).
+    slow_seconds: float = 60.0
+    slow_delay: float = 20.0
 
 
 @dataclass
@@ -189,6 +204,10 @@ class SoakRun:
     unversioned: dict[str, int] = field(default_factory=dict)
     #: The fault schedule's changes for the vLLM replicas (`retarget`).
     retargeted: list[str] = field(default_factory=list)
+    #: Wall-clock time minus monotonic time (the audit log's clock from the soak's).
+    wall_offset: float = field(default_factory=lambda: time.time() - time.monotonic())
+    #: Wall-clock (stopped, answering again) of each object-store outage.
+    store_down: list[tuple[float, float]] = field(default_factory=list)
 
     def expected(self, name: str, published: Published) -> dict[str, str]:
         """The sha256 replica `name`'s engine must report for `published`'s weights, by the
@@ -442,9 +461,12 @@ class Soak:
         self.cluster: SoakCluster | None = None
         #: The step and time the API server was stopped, until it is started again.
         self.api_outage: tuple[int, float] | None = None
+        #: The step, time and requests held so far when deployment `slow`'s bucket turned
+        #: slow, until it answers at once again.
+        self.slow: tuple[int, float, int] | None = None
         #: Operator identities a fault keeps down (not restarted by `supervise`).
         self.operators_down: set[str] = set()
-        #: The frozen leader's deposal, until it is woken.
+        #: The frozen (or cut-off) leader's deposal, until it is woken (or healed).
         self.frozen: Deposal | None = None
         #: The killed leader's deposal, until it is started again: not before its fault ended
         #: and another replica took the Lease (or FREEZE_CAP passed). Started at once, it took
@@ -581,8 +603,15 @@ class Soak:
             self.run.fault_log.append(
                 f"step {step}: SeaweedFS stopped for {self.cfg.outage_seconds:g}s"
             )
-        elif fault.kind in ("apiserver_restart", "leader_kill", "leader_freeze"):
+        elif fault.kind in ("apiserver_restart", *LEADER_KINDS):
             self._begin_cluster(fault, step)
+        elif fault.kind == "slow_bucket" and self.cluster is not None and self.slow is None:
+            self.cluster.slow_delay = self.cfg.slow_delay
+            self.slow = (step, time.monotonic(), self.cluster.slow_held())
+            self.run.fault_log.append(
+                f"step {step}: deployment slow's bucket holds each request "
+                f"{self.cfg.slow_delay:g}s for {self.cfg.slow_seconds:g}s or more"
+            )
         elif fault.kind == "volume_full" and r is not None and r.loader is not None:
             # Room for the log (the same process writes it) and nothing the size of a delta's
             # shard: 512 KiB let a tiny model's deltas (~190 KB per file) through untouched, and
@@ -632,21 +661,34 @@ class Soak:
             self.killed = deposal
             self.kill_ended = False
             log.append(f"step {step}: operator leader {leader.identity} SIGKILLed")
+        elif fault.kind == "leader_cutoff":
+            self.cluster.partitions[leader.identity].cut()
+            self.frozen = deposal
+            log.append(
+                f"step {step}: operator leader {leader.identity} cut off from the API server"
+            )
         else:
             leader.signal(signal.SIGSTOP)
             self.frozen = deposal
             log.append(f"step {step}: operator leader {leader.identity} SIGSTOPped")
 
     def _wake(self, why: str) -> None:
-        """SIGCONT the frozen leader."""
+        """SIGCONT the frozen leader, or heal the cut-off one's partition."""
         assert self.cluster is not None and self.frozen is not None
-        op = self.cluster.operators[self.frozen.identity]
-        op.signal(signal.SIGCONT)
+        identity = self.frozen.identity
         self.frozen.woken_at = time.time()
-        frozen_for = self.frozen.woken_at - self.frozen.at
-        self.run.fault_log.append(
-            f"operator {self.frozen.identity} SIGCONTed after {frozen_for:.1f}s frozen: {why}"
-        )
+        held = self.frozen.woken_at - self.frozen.at
+        if self.frozen.how == "leader_cutoff":
+            # What its process sent meanwhile (queued in the relay) reaches the API server now.
+            self.cluster.partitions[identity].heal()
+            self.run.fault_log.append(
+                f"operator {identity} healed after {held:.1f}s cut off: {why}"
+            )
+        else:
+            self.cluster.operators[identity].signal(signal.SIGCONT)
+            self.run.fault_log.append(
+                f"operator {identity} SIGCONTed after {held:.1f}s frozen: {why}"
+            )
         self.frozen = None
 
     def holds(self, fault: Fault, step: int) -> bool:
@@ -695,6 +737,7 @@ class Soak:
             return
         self.outage = None
         self.seaweed_up.set()
+        self.run.store_down.append((began + self.run.wall_offset, time.time()))
         self.run.fault_log.append(
             f"SeaweedFS back after {time.monotonic() - began:.1f}s (outage of step {step})"
         )
@@ -717,6 +760,25 @@ class Soak:
                 self._wake(f"{now} holds the Lease")
             elif time.time() - self.frozen.at > FREEZE_CAP:
                 self._wake(f"the standby did not take the Lease in {FREEZE_CAP:g}s")
+        if self.slow is not None:
+            step, began, held = self.slow
+            # Held until the door has held requests too: a leader deposed meanwhile (or the
+            # store down) reads no ledger, and a window that held nothing shows nothing.
+            elapsed = time.monotonic() - began
+            enough = self.cluster.slow_held() - held >= SLOW_MIN_HELD
+            if elapsed >= self.cfg.slow_seconds and (
+                enough or elapsed >= SLOW_CAP_FACTOR * self.cfg.slow_seconds
+            ):
+                self.cluster.slow_delay = 0.0
+                self.slow = None
+                took = time.monotonic() - began
+                held = self.cluster.slow_held() - held
+                self.cluster.record.slow_requests += held
+                self.cluster.record.slow_windows.append((time.time() - took, time.time()))
+                self.run.fault_log.append(
+                    f"deployment slow's bucket answering again after {took:.1f}s (slow since "
+                    f"step {step}; {held} requests held)"
+                )
         if self.killed is not None and self.kill_ended and self.api_outage is None:
             now = self.cluster.holder()
             if now and now != self.killed.identity:
@@ -751,7 +813,7 @@ class Soak:
             # Started again once another replica leads (`tick`), as a frozen leader is woken.
             self.kill_ended = True
             self._tick_cluster()
-        elif fault.kind == "leader_freeze":
+        elif fault.kind in ("leader_freeze", "leader_cutoff"):
             # The frozen leader stays frozen past the fault's steps until the standby leads
             # (`tick` wakes it then, or after FREEZE_CAP): a step is shorter than a lease.
             self._tick_cluster()
@@ -1070,6 +1132,7 @@ def run_soak(cfg: SoakConfig) -> SoakRun:
             or soak.api_outage is not None
             or soak.frozen is not None
             or soak.killed is not None
+            or soak.slow is not None
         ):
             time.sleep(0.5)
             soak.tick()

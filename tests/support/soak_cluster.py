@@ -17,11 +17,13 @@ import asyncio
 import contextlib
 import copy
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -32,10 +34,13 @@ from hotload.api.names import CONDITION_SNAPSHOT_LOADED
 from hotload.kube import KubeClient, resource_path
 from support.cluster import AUDIT_POLICY, Lane, cluster_script, install_crds, start_cluster
 from support.cluster import stop_cluster as cluster_down
+from support.counting_proxy import CountingProxy
+from support.counting_proxy import Fault as DoorFault
 from support.fleet import free_port, http_json, wait_for
 from support.kubeapi import KubeAPI, real_api
-from support.operator import hld_path, play_deployment_controller
+from support.operator import hld_path, play_deployment_controller, snapshot_path
 from support.operator_replicas import LEASE, LEASE_SECONDS, RENEW_DEADLINE, RETRY, holder
+from support.partition import Partition, partitioned_kubeconfig
 
 JSON = dict[str, Any]
 T = TypeVar("T")
@@ -43,6 +48,8 @@ T = TypeVar("T")
 IDENTITIES = ("op-a", "op-b")
 #: The soak's HotLoadDeployment, named after its ledger (the operator's default ledger name).
 DEPLOYMENT = "policy"
+#: The deployment whose bucket a `slow_bucket` fault slows (no replicas, a ledger of its own).
+SLOW = "slow"
 #: What the soak's API server audits: the session policy's rules, plus the head handoff the
 #: operator writes (every write of a deposed leader counts).
 SOAK_AUDIT_POLICY: JSON = copy.deepcopy(AUDIT_POLICY)
@@ -99,13 +106,17 @@ class OperatorProcess:
         self.process: subprocess.Popen[bytes] | None = None
         self.starts: list[float] = []
         self.frozen = False
+        #: Port of its metrics endpoint (a new one at each start).
+        self.metrics_port = 0
 
     def start(self) -> None:
         """Start a new process (its liveness endpoint on a free port)."""
+        self.metrics_port = free_port()
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
                 [*self.command, "--liveness", f"http://127.0.0.1:{free_port()}/healthz"],
-                env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                env=self.env | {"HOTLOAD_METRICS_PORT": str(self.metrics_port)},
+                stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         self.starts.append(time.monotonic())
         self.wall_starts.append(time.time())
@@ -113,6 +124,22 @@ class OperatorProcess:
     def alive(self) -> bool:
         """Whether its process runs."""
         return self.process is not None and self.process.poll() is None
+
+    def cached_entries(self) -> dict[str, int] | None:
+        """Its `hotload_operator_cached_entries` by table (None: not running, frozen or not
+        answering)."""
+        if not self.alive() or self.frozen:
+            return None
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                text = answer.read().decode()
+        except OSError:
+            return None
+        found = re.findall(
+            r'^hotload_operator_cached_entries\{table="([^"]+)"\} (\S+)$', text, re.M
+        )
+        return {table: int(float(value)) for table, value in found}
 
     def signal(self, sig: signal.Signals) -> None:
         """Send `sig` to its process (nothing when it is gone)."""
@@ -139,7 +166,7 @@ class OperatorProcess:
 class Deposal:
     """A leader deposed by a fault: who, when (wall clock, as the audit log's times), how."""
 
-    how: str  # "leader_kill" | "leader_freeze"
+    how: str  # "leader_kill" | "leader_freeze" | "leader_cutoff"
     step: int
     identity: str
     at: float
@@ -156,6 +183,12 @@ class ClusterSample:
     holder: str | None = None
     #: Monotonic time the HotLoadDeployment was read.
     read: float = 0.0
+    #: Snapshot objects and Events in the namespace (None: not read).
+    snapshots: int | None = None
+    events: int | None = None
+    #: Per operator identity: its `hotload_operator_cached_entries` by table (the processes
+    #: that answered their metrics endpoint; a frozen one does not).
+    entries: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -179,6 +212,9 @@ class ClusterRecord:
     #: Wall-clock starts of each operator process, by identity: a successor that was itself
     #: starting again (a leader exits once it cannot renew) is timed from its start.
     operator_starts: dict[str, list[float]] = field(default_factory=dict)
+    #: Wall-clock (began, ended) of each `slow_bucket` fault, and the requests its door held.
+    slow_windows: list[tuple[float, float]] = field(default_factory=list)
+    slow_requests: int = 0
 
 
 class SoakCluster:
@@ -195,6 +231,12 @@ class SoakCluster:
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: KubeClient | None = None
         self.operators: dict[str, OperatorProcess] = {}
+        #: Per operator: the relay its API connections pass (`leader_cutoff` cuts it).
+        self.partitions: dict[str, Partition] = {}
+        #: The door of deployment SLOW's bucket (the same store), and the seconds it holds each
+        #: request while a `slow_bucket` fault is in force (0: none).
+        self.slow_door: CountingProxy | None = None
+        self.slow_delay = 0.0
         self.record = ClusterRecord(audit_log=self.state / "audit.log")
         self.apiserver_down_since: float | None = None
         self._down_wall = 0.0
@@ -226,8 +268,11 @@ class SoakCluster:
         self.record.namespace = ns
         self.loop.call(self._install(), 120)
         for identity in IDENTITIES:
+            # Its own way to the API server, to be cut off from it alone (the bucket stays).
+            kubeconfig = self.root / f"kubeconfig-{identity}"
+            self.partitions[identity] = partitioned_kubeconfig(self.api.kubeconfig, kubeconfig)
             op = OperatorProcess(
-                identity, self.api.kubeconfig, ns, self.env, self.root,
+                identity, kubeconfig, ns, self.env, self.root,
                 wall_starts=self.record.operator_starts.setdefault(identity, []),
             )  # fmt: skip
             self.operators[identity] = op
@@ -235,6 +280,7 @@ class SoakCluster:
             if identity == IDENTITIES[0]:
                 wait_for(f"{identity} leading", lambda: self.holder() == IDENTITIES[0], 120, 0.5)
         self.loop.call(self._create_deployment(), 60)
+        self.loop.call(self._create_slow_deployment(), 60)
         self.record.pods = self.loop.call(
             play_deployment_controller(self._kube(), ns, DEPLOYMENT), 120
         )
@@ -272,6 +318,40 @@ class SoakCluster:
             await asyncio.sleep(0.1)
         raise AssertionError("the operator applied no Deployment for the soak's deployment")
 
+    async def _create_slow_deployment(self) -> None:
+        """Deployment SLOW: no replicas, its own ledger, on the same store through a door that
+        holds every request `slow_delay` seconds during a `slow_bucket` fault."""
+        assert self.api is not None
+        door = CountingProxy(self.env["AWS_ENDPOINT_URL"])
+        door.fault = lambda _m, _k: DoorFault(delay=self.slow_delay) if self.slow_delay else None
+        self.slow_door = door
+        keys = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ALLOW_HTTP")
+        secret = {k: self.env[k] for k in keys} | {"AWS_ENDPOINT_URL": door.endpoint}
+        ns = self.api.namespace
+        kube = self._kube()
+        await kube.create(
+            resource_path("v1", "secrets", ns), {"metadata": {"name": SLOW}, "stringData": secret}
+        )
+        body = {
+            "apiVersion": "hotload.dev/v1alpha1",
+            "kind": "HotLoadDeployment",
+            "metadata": {"name": SLOW},
+            "spec": {
+                "replicas": 0,
+                "bucket": {"url": self.bucket_url, "credentialsSecret": SLOW},
+                "ledger": SLOW,
+                "engine": {"image": "registry.example/engine:1"},
+            },
+        }
+        await kube.create(hld_path(ns), body)
+
+    def slow_held(self) -> int:
+        """Requests that have reached the slow door so far, answered or still held (a request
+        held 20 s is answered after the window that held it may have ended)."""
+        door = self.slow_door
+        methods = ("GET", "HEAD", "PUT", "POST", "DELETE")
+        return 0 if door is None else sum(len(door.arrived(m)) for m in methods)
+
     def _kube(self) -> KubeClient:
         assert self._client is not None
         return self._client
@@ -298,6 +378,10 @@ class SoakCluster:
         """Stop the operators and the control plane."""
         for op in self.operators.values():
             op.stop()
+        for partition in self.partitions.values():
+            partition.close()
+        if self.slow_door is not None:
+            self.slow_door.close()
         if self._stack is not None:
             with contextlib.suppress(Exception):
                 self.loop.call(self._stack.aclose(), 30)
@@ -368,6 +452,17 @@ class SoakCluster:
         with contextlib.suppress(Exception):
             out.hld = self.hld()
             out.read = time.monotonic()
+        ns = self.record.namespace
+        with contextlib.suppress(Exception):
+            found = self.loop.call(self._kube().list(snapshot_path(ns)), 10)
+            out.snapshots = len(found["items"])
+        with contextlib.suppress(Exception):
+            found = self.loop.call(self._kube().list(resource_path("v1", "events", ns)), 10)
+            out.events = len(found["items"])
+        for identity, op in self.operators.items():
+            entries = op.cached_entries()
+            if entries is not None:
+                out.entries[identity] = entries
         return out
 
     def hld(self) -> JSON:

@@ -11,7 +11,11 @@ again, to publish the same step); on the control plane (`support.soak_cluster`):
 `apiserver_restart` (kube-apiserver stopped and started again on the same etcd after a number
 of seconds), `leader_kill` (the operator holding the Lease SIGKILLed, started again `steps`
 later as the kubelet would) and `leader_freeze` (the lease holder SIGSTOPped past its renew
-deadline and SIGCONTed once the standby took the Lease).
+deadline and SIGCONTed once the standby took the Lease) and `leader_cutoff` (the lease holder's
+connections to the API server cut, as a network partition holds them, while the bucket stays
+reachable; healed once the standby took the Lease) and `slow_bucket` (the bucket of a second
+deployment, `slow`, holding each request for seconds for a while: the other deployment's
+handoff must not age).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ KINDS = (
     "apiserver_restart",
     "leader_kill",
     "leader_freeze",
+    "leader_cutoff",
+    "slow_bucket",
 )
 #: Steps before a corrupted step in which no leader fault starts: a takeover (up to ~20 s on the
 #: shared 2 cores, a few steps) must be over before the step is published.
@@ -48,7 +54,7 @@ def status_words(status: dict[str, Any]) -> str:
 
 
 #: Kinds that act on the operator's leader: never two at once (each needs a standby to lead).
-LEADER_KINDS = ("leader_kill", "leader_freeze")
+LEADER_KINDS = ("leader_kill", "leader_freeze", "leader_cutoff")
 
 
 @dataclass
@@ -94,7 +100,7 @@ def schedule(steps: int, seed: int, full_every: int, replicas: int) -> list[Faul
                 length = full_every - start % full_every
             else:
                 start = rng.randint(lo, hi)
-                once = ("trainer_kill", "seaweed_down", "apiserver_restart")
+                once = ("trainer_kill", "seaweed_down", "apiserver_restart", "slow_bucket")
                 length = 1 if kind in once else rng.randint(2, 5)
             replica = rng.randrange(replicas) if kind in ("loader_kill", "engine_kill") else None
             faults.append(Fault(kind, start, length, replica))
