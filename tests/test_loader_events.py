@@ -1,6 +1,7 @@
 """The loader's Events under its own Role (the one the operator grants it): a repeat of the same
 (object, reason, message, reporter) raises the count of one Event, a different message is a new
-Event, and an Event that expired (404 on the patch) is created again."""
+Event (up to SIMILAR of one reason within SIMILAR_INTERVAL; the rest share one combined Event),
+and an Event that expired (404 on the patch) is created again."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from hotload.api.models import HotLoadDeployment
 from hotload.kube import KubeClient, resource_path
-from hotload.kube.events import format_kube_time
+from hotload.kube.events import COMBINED_PREFIX, SIMILAR, SIMILAR_INTERVAL, format_kube_time
 from hotload_operator.builders import build_loader_rbac
 from hotload_sidecar.kube_report import KubernetesReporter
 from support.kubeapi import KubeAPI
@@ -91,5 +92,46 @@ async def test_repeats_raise_one_events_count_under_the_loaders_role(kube_api: K
         await reporter.event("Warning", "LoadFailed", FAILED)
         again = [e for e in await pod_events(kube_api, pod) if e["message"] == FAILED]
         assert [(e["count"], e["firstTimestamp"]) for e in again] == [(1, format_kube_time(now[0]))]
+    finally:
+        await reporter.aclose()
+
+
+@pytest.mark.asyncio
+async def test_many_similar_events_share_one_combined_event(kube_api: KubeAPI) -> None:
+    # A failure that names the step it failed on, at every step: the first SIMILAR messages of
+    # (pod, Warning, RebuildFailed) within SIMILAR_INTERVAL get an Event each, the rest raise
+    # the count of one combined Event that says the latest; another reason is not held back,
+    # and a window that has passed starts again.
+    pod = (await make_pod(kube_api))["metadata"]["name"]
+    now = [T0]
+    reporter = KubernetesReporter(
+        await loader_client(kube_api), kube_api.namespace, pod, clock=lambda: now[0]
+    )
+    steps = [f"rebuild of step-{n:05d} failed: {FAILED}" for n in range(SIMILAR + 3)]
+    try:
+        for message in steps:
+            await reporter.event("Warning", "RebuildFailed", message)
+            now[0] += timedelta(seconds=5)
+        await reporter.event("Warning", "LedgerUnreachable", "GET ledger.json: timed out")
+        # A repeat of one of the first messages raises its own Event's count.
+        await reporter.event("Warning", "RebuildFailed", steps[0])
+        events = await pod_events(kube_api, pod)
+        rebuild = [e for e in events if e["reason"] == "RebuildFailed"]
+        single = {e["message"]: e["count"] for e in rebuild if e["message"] in steps}
+        assert single == {m: 2 if m == steps[0] else 1 for m in steps[:SIMILAR]}
+        (combined,) = [e for e in rebuild if e["message"] not in steps]
+        assert combined["message"] == COMBINED_PREFIX + steps[-1]
+        assert combined["count"] == len(steps) - SIMILAR
+        assert combined["firstTimestamp"] == format_kube_time(T0 + timedelta(seconds=5 * SIMILAR))
+        assert [e["message"] for e in events if e["reason"] == "LedgerUnreachable"] == [
+            "GET ledger.json: timed out"
+        ]
+        # A window later, a new message is an Event of its own again.
+        now[0] = T0 + timedelta(seconds=SIMILAR_INTERVAL + 1)
+        later = f"rebuild of step-{len(steps):05d} failed: {FAILED}"
+        await reporter.event("Warning", "RebuildFailed", later)
+        after = {e["message"]: e["count"] for e in await pod_events(kube_api, pod)}
+        assert after[later] == 1 and after[COMBINED_PREFIX + steps[-1]] == combined["count"]
+        assert len(after) == len(single) + 1 + 1 + 1
     finally:
         await reporter.aclose()

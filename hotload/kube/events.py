@@ -1,6 +1,9 @@
-"""Kubernetes Events, recorded the way the kubelet records them: one Event per distinct
-(object, type, reason, message), whose `count` and `lastTimestamp` grow when it happens again,
-instead of a new Event per occurrence.
+"""Kubernetes Events, recorded the way the kubelet records them (client-go's EventCorrelator):
+one Event per distinct (object, type, reason, message), whose `count` and `lastTimestamp` grow
+when it happens again, instead of a new Event per occurrence; and past `SIMILAR` distinct
+messages for one (object, type, reason) within `SIMILAR_INTERVAL`, one Event "(combined from
+similar events): <the latest message>" whose count grows instead (a failure that names each
+step it failed on would otherwise leave an Event per step).
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ JSON = dict[str, Any]
 EventType = Literal["Normal", "Warning"]
 #: The API server refuses Event messages longer than this.
 EVENT_MESSAGE_LIMIT = 1024
+#: Distinct messages of one (object, type, reason) that get an Event each within
+#: SIMILAR_INTERVAL seconds; the ones after share one combined Event (client-go's defaults).
+SIMILAR = 10
+SIMILAR_INTERVAL = 600.0
+#: The combined Event's message: this, then the latest message.
+COMBINED_PREFIX = "(combined from similar events): "
 
 
 def format_kube_time(value: datetime) -> str:
@@ -95,28 +104,36 @@ class EventRecorder:
         self._clock = clock or (lambda: datetime.now(UTC))
         self._keep = keep
         self._written: OrderedDict[tuple[str, ...], JSON] = OrderedDict()
+        #: Per (object, type, reason): when its window began and its distinct messages since.
+        self._similar: OrderedDict[tuple[str, ...], tuple[datetime, set[str]]] = OrderedDict()
         self._can_patch = True
 
     def __len__(self) -> int:
-        """Events remembered for their count (at most `keep`)."""
-        return len(self._written)
+        """Events remembered for their count, and (object, type, reason) windows of similar
+        ones (at most `keep` each)."""
+        return len(self._written) + len(self._similar)
 
     async def record(self, involved: JSON, type_: EventType, reason: str, message: str) -> None:
         """Record that `reason: message` happened to `involved` (an `involved_object`)."""
         now = self._clock()
-        key = (
+        group = (
             str(involved.get("uid") or ""),
             str(involved.get("namespace") or ""),
             str(involved.get("name") or ""),
             type_,
             reason,
-            message[:EVENT_MESSAGE_LIMIT],
         )
+        message = message[:EVENT_MESSAGE_LIMIT]
+        key = (*group, message)
+        if key not in self._written and self._similar_to_many(group, message, now):
+            # The combined Event: one key per group, its message the latest one.
+            message = (COMBINED_PREFIX + message)[:EVENT_MESSAGE_LIMIT]
+            key = (*group, COMBINED_PREFIX)
         previous = self._written.get(key)
         try:
             if previous is not None and self._can_patch:
                 try:
-                    written = await self._bump(previous, now)
+                    written = await self._bump(previous, now, message)
                 except KubeNotFoundError:  # expired (Events live about an hour): start anew
                     written = await self._create(involved, type_, reason, message, now)
                 except KubeForbiddenError:
@@ -141,10 +158,28 @@ class EventRecorder:
                 exc,
             )
             return
+        for table, entry in ((self._written, key), (self._similar, group)):
+            if entry in table:
+                table.move_to_end(entry)
         self._written[key] = written
-        self._written.move_to_end(key)
         while len(self._written) > self._keep:
             self._written.popitem(last=False)
+
+    def _similar_to_many(self, group: tuple[str, ...], message: str, now: datetime) -> bool:
+        """Note a new message of `group`; whether its window already holds SIMILAR others
+        (the window starts anew SIMILAR_INTERVAL after its first)."""
+        window = self._similar.get(group)
+        if window is None or (now - window[0]).total_seconds() > SIMILAR_INTERVAL:
+            window = self._similar[group] = (now, set())
+            while len(self._similar) > self._keep:
+                self._similar.popitem(last=False)
+        messages = window[1]
+        if message in messages:
+            return False
+        if len(messages) >= SIMILAR:
+            return True
+        messages.add(message)
+        return False
 
     async def _create(
         self, involved: JSON, type_: EventType, reason: str, message: str, now: datetime
@@ -153,11 +188,13 @@ class EventRecorder:
         path = resource_path("v1", "events", body["metadata"]["namespace"])
         return await self._client.create(path, body)
 
-    async def _bump(self, previous: JSON, now: datetime) -> JSON:
+    async def _bump(self, previous: JSON, now: datetime, message: str) -> JSON:
         meta = previous["metadata"]
-        patch = {
+        patch: JSON = {
             "count": int(previous.get("count") or 1) + 1,
             "lastTimestamp": format_kube_time(now),
         }
+        if message != previous.get("message"):
+            patch["message"] = message  # a combined Event says the latest
         path = resource_path("v1", "events", meta["namespace"], meta["name"])
         return await self._client.patch(path, patch, "merge")
