@@ -29,6 +29,8 @@ SIMILAR = 10
 SIMILAR_INTERVAL = 600.0
 #: The combined Event's message: this, then the latest message.
 COMBINED_PREFIX = "(combined from similar events): "
+#: Events a recorder remembers for their count by default, and as many windows of similar ones.
+KEEP = 256
 
 
 def format_kube_time(value: datetime) -> str:
@@ -96,7 +98,7 @@ class EventRecorder:
         instance: str,
         *,
         clock: Callable[[], datetime] | None = None,
-        keep: int = 256,
+        keep: int = KEEP,
     ) -> None:
         self._client = client
         self.component = component

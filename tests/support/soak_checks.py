@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hotload.bucket.stores import POOL_MAX_IDLE_PER_HOST
+from hotload.kube.events import KEEP as EVENT_KEEP
 from hotload_operator.heads import HEAD_POLL_SECONDS, HEARTBEAT_SECONDS
 from support import audit
 from support.audit import AuditLog
@@ -419,15 +420,38 @@ def _growth(run: SoakRun, report: Report) -> None:
     fulls = [p for p in run.published.values() if p.kind == "full"]
     full = float(max(p.full_bytes for p in fulls))
     files = max(len(p.sha256) for p in fulls)
-    after = [s for s in run.samples if s.step >= warm_up(run)]
+    warm = warm_up(run)
     series: dict[str, tuple[list[tuple[int, float]], float, float, bool]] = {}
+    #: Per operator identity: its role at the last look, and the step it took that role (or
+    #: started again): its tables fill from there (a takeover starts the leader's from empty).
+    roles: dict[str, tuple[str, int]] = {}
 
     def add(
         name: str, step: int, value: float, slack: float, unit: float = 1.0, *, cyclic: bool = False
     ) -> None:
         series.setdefault(name, ([], slack, unit, cyclic))[0].append((step, value))
 
-    for s in after:
+    for s in run.samples:
+        cluster = s.cluster
+        for identity, tables in (cluster.entries if cluster is not None else {}).items():
+            # Per replica and the role it had then (a standby keeps the caches, the leader the
+            # rest too), after its own warm-up in that role; each table is bounded by the fleet
+            # (its deployments, pods, history, listings), not by the steps: a few entries of
+            # slack for what is in flight.
+            role = "leader" if cluster is not None and cluster.holder == identity else "standby"
+            if roles.get(identity, ("", 0))[0] != role:
+                roles[identity] = (role, s.step)
+            if s.step < roles[identity][1] + warm:
+                continue
+            for table, n in tables.items():
+                # The Event recorder's memory is an LRU (`KEEP` Events and as many windows):
+                # it fills with every distinct Event until then, bounded by its size.
+                slack = 2.0 * EVENT_KEEP if table == "events" else TABLE_SLACK
+                add(f"operator {identity} ({role}) {table}", s.step, float(n), slack)
+        for identity in [i for i in roles if cluster is None or i not in cluster.entries]:
+            del roles[identity]  # not answering (stopped, frozen): its next look starts anew
+        if s.step < warm:
+            continue
         # A volume and the bucket saw-tooth with each chain (deltas pile up until the next full
         # snapshot): fitted by chain, one full snapshot of slack, beside the bounds their own
         # checks hold at every sample.
@@ -437,7 +461,6 @@ def _growth(run: SoakRun, report: Report) -> None:
         if s.bucket_bytes is not None and s.bucket_objects is not None:
             add("bucket bytes", s.step, float(s.bucket_bytes), full, 2**20, cyclic=True)
             add("bucket objects", s.step, float(s.bucket_objects), float(files + 2), cyclic=True)
-        cluster = s.cluster
         if cluster is None:
             continue
         if cluster.snapshots is not None:
@@ -450,13 +473,6 @@ def _growth(run: SoakRun, report: Report) -> None:
             started = sum(1 for f in run.faults if f.start <= s.step)
             events = float(cluster.events - per_fault * started)
             add("Events net of faults", s.step, events, float(per_fault))
-        for identity, tables in cluster.entries.items():
-            # Per replica and the role it had then (a standby keeps the caches, the leader the
-            # rest too); each table is bounded by the fleet (its deployments, pods, history,
-            # listings), not by the steps: a few entries of slack for what is in flight.
-            role = "leader" if cluster.holder == identity else "standby"
-            for table, n in tables.items():
-                add(f"operator {identity} ({role}) {table}", s.step, float(n), TABLE_SLACK)
     bad, figures, unjudged = [], {}, []
     for name, (samples, slack, unit, cyclic) in sorted(series.items()):
         points = per_cycle(samples, run.config.full_every) if cyclic else samples
@@ -634,11 +650,16 @@ def _bucket(run: SoakRun, report: Report) -> None:
     bad = []
     worst_bound = (0, 0)
     seen = [s for s in run.samples if s.bucket_folders is not None]
+    offset = getattr(run, "wall_offset", 0.0)
+    down = [(a - offset, b - offset) for a, b in getattr(run, "store_down", [])]
     for s in seen:
         assert s.bucket_folders is not None and s.bucket_bytes is not None
         # What the ledger keeps, plus every step published within the grace (its files may
-        # stay that long after the ledger dropped it).
-        recent = [p for p in run.published.values() if s.time - grace <= p.done <= s.time]
+        # stay that long after the ledger dropped it), the grace counted while the store is
+        # up: retention deletes nothing while it is down.
+        since = s.time - grace
+        since -= outage_within(down, since, s.time)
+        recent = [p for p in run.published.values() if since <= p.done <= s.time]
         folders_max = kept + len(recent)
         bytes_max = kept_bytes + sum(p.shipped_bytes for p in recent)
         worst_bound = max(worst_bound, (folders_max, bytes_max))
