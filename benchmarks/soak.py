@@ -81,6 +81,7 @@ def markdown(run: SoakRun, report: Report, command: str) -> str:
     for c in report.checks:
         detail = c.detail.replace("|", "\\|").replace("\n", " ")[:700]
         lines.append(f"| {c.name} | {'yes' if c.met else '**no**'} | {detail} |")
+    lines += [f"| not judged: {why} | - | too short a run |" for why in report.not_judged]
     lines += ["", f"## Faults (seed {cfg.seed})", ""]
     lines += [f"- {f.label()}" for f in run.faults]
     lines += ["", "What happened:", "", "```", *run.fault_log, "```", ""]

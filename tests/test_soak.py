@@ -61,6 +61,8 @@ def test_a_short_soak_meets_every_check(tmp_path: Path) -> None:
     # Every miss fails: no cause, however well understood, excuses one.
     for c in report.checks:
         print(f"{'met   ' if c.met else 'MISSED'} {c.name}: {c.detail[:400]}")
+    for why in report.not_judged:
+        print(f"not judged (too short a run) {why}")
     missed = "\n".join(f"- {c.name}: {c.detail}" for c in report.missed())
     print(f"vLLM replicas {sorted(run.vllm)}, kills moved: {run.retargeted}, answers from")
     print(f"unnamed boot weights: {run.unversioned}, wall {run.wall_seconds:.0f}s")
