@@ -88,6 +88,31 @@ def test_builds_the_head_from_nothing_then_only_the_new_deltas(
     assert _build(m, trainer).applied == []  # already there: no work
 
 
+def test_what_it_trusts_stays_as_small_as_the_volume(trainer: Trainer, tmp_path: Path) -> None:
+    """The snapshots a run trusts (built or checked, not verified again) are only those still on
+    the volume: followed for ten real steps with the older snapshots collected after each, then
+    for 10,000 steps of the bookkeeping alone, the set never holds more than the volume."""
+    w = WeightsFolder(tmp_path / "w")
+    w.prepare()
+    m = Materializer(trainer.ledger.bucket, w, threads=1)
+    for step in range(10):
+        trainer.publish(step)
+        built = _build(m, trainer)
+        assert built.identity in m._trusted and m._trusted <= w.local()
+        assert len(m._trusted) <= 2  # the snapshot built and the one it was built on
+        for identity in w.local() - {built.identity}:
+            w.discard(identity)  # as the loader's collection does
+    kept: list[str] = []
+    for step in range(10, 10_010):
+        identity = f"step-{step:05d}"
+        w.path(identity).mkdir()
+        m._trust(identity)
+        assert len(m._trusted) <= 3 and identity in m._trusted
+        kept.append(identity)
+        for old in w.local() - set(kept[-2:]):
+            w.discard(old)  # the volume keeps the newest two
+
+
 def test_a_corrupted_local_parent_falls_back_to_the_full_snapshot(
     trainer: Trainer, tmp_path: Path
 ) -> None:

@@ -196,7 +196,8 @@ class Materializer:
         self.prefetch = max(1, prefetch)
         self.threads = threads
         self.progress = progress
-        #: Snapshots this run built or checked: what an earlier run left is verified once first.
+        #: Snapshots on the volume this run built or checked: what an earlier run left is
+        #: verified once first.
         self._trusted: set[str] = set()
 
     async def build(self, document: LedgerDocument, target: str | None = None) -> BuildResult:
@@ -277,6 +278,12 @@ class Materializer:
 
     # --- internals -----------------------------------------------------------------------------
 
+    def _trust(self, identity: str) -> None:
+        """Remember that this run built or checked `identity`, forgetting what left the volume
+        (gc, compaction): the set stays as small as the volume however long the loader runs."""
+        self._trusted = {i for i in self._trusted if self.weights.has(i)}
+        self._trusted.add(identity)
+
     async def _apply_trusted(
         self, base: LedgerEntry | None, steps: list[LedgerEntry], clock: _Clock
     ) -> list[str]:
@@ -327,7 +334,7 @@ class Materializer:
             return True
         if not await self._still_verifies(entry, _Clock()):
             return False
-        self._trusted.add(entry.identity)
+        self._trust(entry.identity)
         return True
 
     async def _from_volume(
@@ -368,7 +375,7 @@ class Materializer:
         clock.rebuild += time.perf_counter() - built
         self._wrote(clock, stats.written)
         self.weights.commit(staged, goal.identity)
-        self._trusted.add(goal.identity)
+        self._trust(goal.identity)
         log.info("folded %d delta(s) on the volume into %s", len(deltas), goal.identity)
         timings = LoadTimings(
             rebuild_seconds=clock.rebuild,
@@ -396,7 +403,7 @@ class Materializer:
         if not await self._still_verifies(goal, clock):
             self.weights.discard(goal.identity)
             return None
-        self._trusted.add(goal.identity)
+        self._trust(goal.identity)
         timings = LoadTimings(verify_seconds=clock.verify, total_seconds=clock.verify)
         path = self.weights.path(goal.identity)
         return BuildResult(goal.identity, goal.sequence, path, None, timings=timings, resumed=True)
@@ -454,7 +461,7 @@ class Materializer:
                 if entry.identity in ready:
                     # Rebuilt on the same parent and verified before admission.
                     self.weights.commit(ready[entry.identity], entry.identity)
-                    self._trusted.add(entry.identity)
+                    self._trust(entry.identity)
                     log.info("committed %s, rebuilt early from its hint", entry.identity)
                     self._discard_intermediate(parent, applied)
                     applied.append(entry.identity)
@@ -494,7 +501,7 @@ class Materializer:
                 await asyncio.to_thread(verify, staged, threads=self.threads)
                 clock.verify += time.perf_counter() - checked
                 self.weights.commit(staged, entry.identity, replace=entry.identity in distrusted)
-                self._trusted.add(entry.identity)
+                self._trust(entry.identity)
                 log.info("rebuilt and verified %s (sequence %d)", entry.identity, entry.sequence)
                 self._discard_intermediate(parent, applied)
                 applied.append(entry.identity)
