@@ -161,8 +161,19 @@ def test_an_oversized_handoff_drops_listings_then_hints_never_entries() -> None:
     handed = build_handoff(doc, checked=CHECKED, listings=listings, hints=[hint], max_bytes=250_000)
     assert handed.files == {} and handed.uploading == ("up",)
     handed = build_handoff(doc, checked=CHECKED, listings=listings, hints=[hint], max_bytes=20_000)
-    assert handed.files == {} and handed.hints == ()
+    assert handed.files == {} and handed.hints == () and handed.hints_omitted
     assert handed.entries == doc.entries and len(handed.dumps()) <= 20_000
+    # Said in the document (loaders must not read "nothing uploading"), and read back.
+    assert Handoff.loads(handed.dumps(), "head").hints_omitted
+    # Hints go oldest first: the newest that fits stays, and nothing is omitted then.
+    small = Hint("next", "full", None, tuple(many[:10]))
+    handed = build_handoff(
+        doc, checked=CHECKED, listings=listings, hints=[hint, small], max_bytes=20_000
+    )
+    assert handed.hints == (small,) and not handed.hints_omitted
+    assert handed.to_json()["hintsOmitted"] is False
+    # Nothing uploading: nothing omitted.
+    assert not build_handoff(doc, checked=CHECKED, max_bytes=20_000).hints_omitted
 
 
 @pytest.mark.parametrize(
@@ -174,6 +185,7 @@ def test_an_oversized_handoff_drops_listings_then_hints_never_entries() -> None:
         (lambda d: d.update(since=-1), "since"),
         (lambda d: d.update(checkedTime="yesterday"), "checkedTime"),
         (lambda d: d["entries"][0].update(identity="a/b"), "entries[0]"),
+        (lambda d: d.update(hintsOmitted="yes"), "hintsOmitted"),
     ],
 )
 def test_a_malformed_handoff_is_refused_naming_the_field(change: object, named: str) -> None:

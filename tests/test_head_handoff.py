@@ -392,14 +392,10 @@ def _head_object(handoff: Handoff | None) -> JSON:
     return {"metadata": {"name": head_object_name("fleet")}, "spec": spec}
 
 
-def test_what_a_loader_asks_the_origin_for() -> None:
-    """The handoff decides: nothing while its counter matches the loader's copy, a merge of the
-    handed entries once it differs (never the ledger at the origin), the handed hints every
-    step, the pin object while the handed pin differs from the pin followed (at once, then
-    doubling), everything on the safety net's schedule once it is stale, missing or refused;
-    a heartbeat (`checked` alone) wakes nobody, a new head does."""
-    clock, wall = [100.0], [datetime(2026, 1, 1, 12, 0, tzinfo=UTC)]
-    heads = HeadWatch(
+def _watch(clock: list[float]) -> HeadWatch:
+    """The head watch of deployment "fleet" (ledger "policy") on the clock `clock[0]`, its
+    HotLoadHead given by hand: poll 2 s, safety 30 s, stale 90 s, no jitter."""
+    return HeadWatch(
         KubeClient(KubeConfig(server="http://127.0.0.1:9")),  # never asked here
         "ns",
         "fleet",
@@ -409,8 +405,17 @@ def test_what_a_loader_asks_the_origin_for() -> None:
         stale_seconds=90,
         jitter=0,
         clock=lambda: clock[0],
-        now=lambda: wall[0],
     )
+
+
+def test_what_a_loader_asks_the_origin_for() -> None:
+    """The handoff decides: nothing while its counter matches the loader's copy, a merge of the
+    handed entries once it differs (never the ledger at the origin), the handed hints every
+    step, the pin object while the handed pin differs from the pin followed (at once, then
+    doubling), everything on the safety net's schedule once it is stale, missing or refused;
+    a heartbeat (`checked` alone) wakes nobody, a new head does."""
+    clock, wall = [100.0], [datetime(2026, 1, 1, 12, 0, tzinfo=UTC)]
+    heads = _watch(clock)
     assert heads.name == head_object_name("fleet")
     document = LedgerDocument("policy", sequence=3, entries=(_entry("step-3", 3),))
     uploading = Hint("step-4", previous="step-3", updated_time=wall[0])
@@ -442,17 +447,18 @@ def test_what_a_loader_asks_the_origin_for() -> None:
     clock[0] += 1
     assert heads.plan(4, None).pin
     assert not heads.plan(4, "step-1").pin  # followed: nothing more to read
-    # Stale (checked 91 s ago): the safety net, every 30 s from its last run, nothing between.
-    wall[0] += timedelta(seconds=91)
-    assert heads.plan(4, "step-1") == OriginReads(False, False, None)
-    clock[0] = 130
+    # Stale (`checked` last moved 91 s ago on the loader's clock): the safety net, every 30 s
+    # from its last run, nothing between.
+    clock[0] = 100 + 91
     assert heads.plan(4, "step-1") == OriginReads(True, True, None)
     clock[0] += 29
     assert heads.plan(4, "step-1") == OriginReads(False, False, None)
     clock[0] += 2
     assert heads.plan(4, "step-1").ledger
+    # A heartbeat makes it fresh again: nothing from the origin.
+    heads._take(_head_object(replace(handoff, checked=wall[0] + timedelta(seconds=60))))
+    assert heads.fresh() and not heads.plan(3, "step-1").ledger
     # The watch down while the handoff looks fresh: the safety net too.
-    wall[0] -= timedelta(seconds=91)
     heads.up = False
     clock[0] += 31
     assert heads.plan(4, "step-1") == OriginReads(True, True, None)
@@ -469,6 +475,32 @@ def test_what_a_loader_asks_the_origin_for() -> None:
     assert heads.fresh()
     heads._take(None)  # deleted
     assert heads.handoff is None and heads.changed.is_set()
+
+
+@pytest.mark.parametrize("skew", [-60.0, 60.0, 3600.0])
+def test_a_loader_whose_clock_is_off_judges_the_handoff_by_what_it_saw(skew: float) -> None:
+    """Freshness is when this loader saw `checked` move, on its own clock, never the operator's
+    wall clock against the loader's: a handoff checked `skew` seconds away from the loader's
+    wall clock is fresh while its heartbeat moves and stale `stale_seconds` after it stopped."""
+    clock = [1000.0]
+    heads = _watch(clock)
+    heads.up = True
+    operator_now = datetime.now(UTC) - timedelta(seconds=skew)
+    document = LedgerDocument("policy", sequence=3, entries=(_entry("step-3", 3),))
+    heads._take(_head_object(build_handoff(document, checked=operator_now)))
+    assert heads.fresh() and heads.plan(3, None) == OriginReads(False, False, ())
+    for beat in range(1, 6):  # the operator's heartbeat every 30 s keeps it fresh
+        clock[0] += 30
+        checked = operator_now + timedelta(seconds=30 * beat)
+        heads._take(_head_object(build_handoff(document, checked=checked)))
+        assert heads.fresh(), beat
+    clock[0] += 90
+    assert heads.fresh()  # the last beat seen exactly 90 s ago
+    clock[0] += 1
+    assert not heads.fresh() and heads.plan(3, None).ledger
+    # The same object seen again (a watch that listed anew) is no heartbeat.
+    heads._take(_head_object(build_handoff(document, checked=checked)))
+    assert not heads.fresh()
 
 
 @pytest.mark.asyncio

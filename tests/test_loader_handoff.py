@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from hotload.api.names import API_VERSION, GROUP, HEAD_KIND, HEAD_PLURAL, head_object_name
-from hotload.bucket import open_bucket, open_mirrored
+from hotload.bucket import MirroredBucket, open_bucket, open_mirrored
 from hotload.bucket.mirrors import TRACKED_SNAPSHOTS
 from hotload.errors import KubeNotFoundError
 from hotload.kube import KubeClient, KubeConfig, resource_path
@@ -53,7 +53,7 @@ from support.tiny_llm import build_tiny_llm, sparse_steps
 JSON = dict[str, Any]
 LEDGER = "policy"
 DEPLOYMENT = "fleet"
-#: Fresh for the whole test unless written old on purpose.
+#: Fresh for the whole test: every handoff written is one the loaders saw move.
 STALE = 60.0
 #: The loaders' own origin poll while the handoff is not to be trusted.
 SAFETY = 2.0
@@ -248,7 +248,11 @@ async def test_loaders_take_the_handoff_and_the_origin_serves_only_snapshot_file
             await write_hint_async(trainer.ledger.bucket, LEDGER, uploading)
             door.reset()
             await asyncio.to_thread(trainer.publish, 1)
-            handed = await asyncio.to_thread(handoff_of, trainer, hints=(uploading,))
+            # Checked 20 s ago: what the loaders' status names as the origin's last read.
+            checked = datetime.now(UTC) - timedelta(seconds=20)
+            handed = await asyncio.to_thread(
+                handoff_of, trainer, hints=(uploading,), checked=checked
+            )
             await hand_over(kube, ns, handed.to_json())
             await until("both loaders serving step-001", serving(replicas, "step-001"))
             await asyncio.sleep(1.0)  # anything an update does after it serves
@@ -262,7 +266,9 @@ async def test_loaders_take_the_handoff_and_the_origin_serves_only_snapshot_file
                 assert replica.metrics.loads.labels("sparse")._value.get() == 1
                 assert replica.metrics.head_sequence._value.get() == 2
                 assert reporter.status.target_identity == "step-001"
+                # Reachable as the operator read it, and when: the loader itself did not.
                 assert reporter.status.ledger_reachable
+                assert reporter.status.last_poll_time == handed.to_json()["checkedTime"]
             door.reset()
             await asyncio.sleep(3.0)
             assert door.served() == []  # idle while fresh: nothing at all
@@ -297,10 +303,11 @@ async def test_loaders_take_the_handoff_and_the_origin_serves_only_snapshot_file
             assert len(warned) == LOADERS, warned
             assert all("identity" in w for w in warned), warned
 
-            # A stale handoff (checked long ago): the slow poll, not the handoff.
-            old = datetime.now(UTC) - timedelta(seconds=2 * STALE)
-            stale = await asyncio.to_thread(handoff_of, trainer, checked=old)
-            await hand_over(kube, ns, stale.to_json())
+            # A handoff not to be trusted (the operator never read the ledger: no checkedTime;
+            # a heartbeat that stopped is test_head_handoff's): the slow poll, not the handoff.
+            unchecked = (await asyncio.to_thread(handoff_of, trainer)).to_json()
+            unchecked["checkedTime"] = None
+            await hand_over(kube, ns, unchecked)
             door.reset()
             started = asyncio.get_running_loop().time()
             await asyncio.sleep(3 * SAFETY)
@@ -350,6 +357,34 @@ async def test_a_mirrored_bucket_answers_a_known_folder_listing_from_memory(
     assert len(bucket._listings) == TRACKED_SNAPSHOTS
 
 
+def bare_loader(bucket_dir: Path, weights_dir: Path) -> tuple[Loader, Callable[[Handoff], None]]:
+    """A loader of the ledger in the local bucket `bucket_dir` with a head watch that is given
+    its HotLoadHead by hand (the returned callable), and no engine: its steps stop at the
+    engine's health check. The bucket counts its requests (`stats`)."""
+    heads = HeadWatch(
+        KubeClient(KubeConfig(server="http://127.0.0.1:9")),  # never asked: taken by hand
+        "ns",
+        DEPLOYMENT,
+        ledger=LEDGER,
+    )
+    heads.up = True
+    settings = Settings(
+        ledger_url=f"{bucket_dir}/{LEDGER}", weights_dir=weights_dir, engine_url="http://x"
+    )
+    replica = Loader(
+        settings,
+        ledger=Ledger(open_mirrored(open_bucket(str(bucket_dir)), []), LEDGER),
+        adapter=make_adapter("reference", "http://127.0.0.1:9"),
+        reporter=LocalReporter(),
+        heads=heads,
+    )
+
+    def take(handoff: Handoff) -> None:
+        heads._take({"metadata": {"name": DEPLOYMENT}, "spec": handoff.to_json()})
+
+    return replica, take
+
+
 @pytest.mark.asyncio
 async def test_a_handed_counter_that_went_back_ends_in_the_origins_ledger_error(
     tmp_path: Path,
@@ -365,37 +400,24 @@ async def test_a_handed_counter_that_went_back_ends_in_the_origins_ledger_error(
     await asyncio.to_thread(trainer.publish, 0)
     await asyncio.to_thread(trainer.publish, 1)
     older = (await trainer.ledger.bucket.get_async(ledger_key(LEDGER))).data
-    bucket = open_mirrored(open_bucket(str(bucket_dir)), [])
-    heads = HeadWatch(
-        KubeClient(KubeConfig(server="http://127.0.0.1:9")),  # never asked: taken by hand
-        "ns",
-        DEPLOYMENT,
-        ledger=LEDGER,
-    )
-    heads.up = True
-    settings = Settings(
-        ledger_url=f"{bucket_dir}/{LEDGER}", weights_dir=tmp_path / "w", engine_url="http://x"
-    )
-    reporter = LocalReporter()
-    replica = Loader(
-        settings,
-        ledger=Ledger(bucket, LEDGER),
-        adapter=make_adapter("reference", "http://127.0.0.1:9"),
-        reporter=reporter,
-        heads=heads,
-    )
-    origin = bucket.stats.source("origin")
-
-    def take(handoff: Handoff) -> None:
-        heads._take({"metadata": {"name": DEPLOYMENT}, "spec": handoff.to_json()})
+    replica, take = bare_loader(bucket_dir, tmp_path / "w")
+    reporter = replica.reporter
+    assert isinstance(reporter, LocalReporter) and isinstance(replica.ledger.bucket, MirroredBucket)
+    origin = replica.ledger.bucket.stats.source("origin")
 
     await replica._poll()  # start-up: the origin
     assert replica.document is not None and replica.document.sequence == 2
+    assert reporter.status.ledger_reachable
+    own_read = reporter.status.last_poll_time
     await asyncio.to_thread(trainer.publish, 2)
-    take(await asyncio.to_thread(handoff_of, trainer))
+    checked = datetime.now(UTC) - timedelta(seconds=20)
+    handed = await asyncio.to_thread(handoff_of, trainer, checked=checked)
+    take(handed)
     asked = origin.requests
     await replica._poll()
     assert origin.requests == asked  # merged: nothing from the origin
+    # The status names the origin read behind it, the operator's, never one of its own.
+    assert reporter.status.last_poll_time == handed.to_json()["checkedTime"] != own_read
     assert replica.document.sequence == 3
     assert replica.metrics.head_sequence._value.get() == 3
     assert reporter.status.target_identity == "step-002"
@@ -410,3 +432,41 @@ async def test_a_handed_counter_that_went_back_ends_in_the_origins_ledger_error(
     # Refused, it asks again next time (as its own poll did), until the origin is right.
     await replica._poll()
     assert origin.requests == asked + 2 and not reporter.status.ledger_reachable
+
+
+@pytest.mark.asyncio
+async def test_a_handoff_whose_hints_did_not_fit_keeps_the_early_fetches(tmp_path: Path) -> None:
+    """An upload's hint too large for the HotLoadHead is omitted (`hintsOmitted`), not handed
+    as "nothing uploading": the loader keeps the early fetch it started from the origin's hint
+    and asks the origin for nothing while the handoff is fresh; handed again, the hint is
+    taken as before (no engine needed: the steps stop at its health check)."""
+    bucket_dir = tmp_path / "bucket"
+    fulls = [full(tmp_path / "fulls" / f"f{i}", nudged(weights(0), i)) for i in range(2)]
+    trainer = Trainer(Ledger(open_bucket(str(bucket_dir)), LEDGER), fulls, tmp_path / "t", 1)
+    await asyncio.to_thread(trainer.publish, 0)
+    # A full snapshot on its way, none of its files landed yet: the early fetch waits for them.
+    uploading = Hint("step-001", kind="full")
+    await write_hint_async(trainer.ledger.bucket, LEDGER, uploading)
+    replica, take = bare_loader(bucket_dir, tmp_path / "w")
+    assert replica.prefetcher is not None and isinstance(replica.ledger.bucket, MirroredBucket)
+    origin = replica.ledger.bucket.stats.source("origin")
+
+    try:
+        await replica.step()  # start-up: the ledger and the hints from the origin
+        assert set(replica.prefetcher._jobs) == {"step-001"}
+        document = (await trainer.ledger.read_async()).document
+        omitted = build_handoff(
+            document, checked=datetime.now(UTC), hints=[uploading], max_bytes=600
+        )
+        assert omitted.hints == () and omitted.hints_omitted  # the hint did not fit
+        take(omitted)
+        asked = origin.requests
+        await replica.step()
+        assert set(replica.prefetcher._jobs) == {"step-001"}  # kept, not dropped
+        assert origin.requests == asked
+        take(build_handoff(document, checked=datetime.now(UTC), hints=[uploading]))
+        await replica.step()
+        assert set(replica.prefetcher._jobs) == {"step-001"} and origin.requests == asked
+    finally:
+        await replica.prefetcher.close()
+        await replica.reporter.aclose()

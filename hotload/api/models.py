@@ -638,7 +638,8 @@ class HeadHandoff(ApiModel):
         max_length=64,
         json_schema_extra={"format": "date-time"},
         description="RFC3339: when the operator last read the ledger at the origin (refreshed "
-        "at least every 30 s; a loader polls the origin itself once this is older than 90 s).",
+        "at least every 30 s; a loader polls the origin itself once it has not moved for 90 s, "
+        "judged on the loader's own clock).",
     )
     pin: Identity | None = Field(
         default=None, description="The deployment's spec.pin (absent: it follows the head)."
@@ -660,6 +661,11 @@ class HeadHandoff(ApiModel):
         max_length=16,
         json_schema_extra={"items": _FREE_FORM},
         description="Upload hints of snapshots on their way (not admitted), newest last.",
+    )
+    hints_omitted: bool = Field(
+        default=False,
+        description="True when uploads were on their way but no hint fit the object: loaders "
+        "keep their early fetches and read hints at the origin only when they read the ledger.",
     )
 
 

@@ -42,7 +42,8 @@ LISTED_SNAPSHOTS: Final = 4
 #: Upload hints handed over (the newest).
 MAX_HINTS: Final = 4
 #: The largest `head.json` written: every watching loader receives the whole object on each
-#: change. Over it, listings go first, then hints (the loaders read those from the origin).
+#: change. Over it, listings go first, then hints, oldest first (`hints_omitted` once none fit:
+#: the loaders then keep their early fetches and read hints only when they read the ledger).
 MAX_BYTES: Final = 256 * 1024
 
 
@@ -64,6 +65,9 @@ class Handoff:
     hints: tuple[Hint, ...] = ()
     #: The deployment's `spec.pin` (None: it follows the head).
     pin: str | None = None
+    #: Uploads were on their way but no hint fit `MAX_BYTES`: `hints` says nothing about them
+    #: (a loader must not take the empty list as "nothing uploading").
+    hints_omitted: bool = False
 
     @property
     def head(self) -> LedgerEntry | None:
@@ -99,6 +103,7 @@ class Handoff:
                 identity: [_file_json(f) for f in files] for identity, files in self.files.items()
             },
             "hints": [json.loads(h.dumps()) for h in self.hints],
+            "hintsOmitted": self.hints_omitted,
         }
 
     def dumps(self) -> str:
@@ -143,7 +148,10 @@ class Handoff:
         pin = doc.get("pin")
         if pin is not None:
             validate_identity(pin)
-        return cls(ledger, sequence, since, entries, checked, files, hints, pin)
+        omitted = doc.get("hintsOmitted", False)
+        if not isinstance(omitted, bool):
+            raise LedgerError(f"{where}: hintsOmitted must be true or false")
+        return cls(ledger, sequence, since, entries, checked, files, hints, pin, omitted)
 
 
 def build_handoff(
@@ -159,7 +167,8 @@ def build_handoff(
     """The handoff of `document`: its newest `tail` entries (reaching back to the head), the
     `listings` of its newest `LISTED_SNAPSHOTS` admitted base snapshots among those given, the
     newest `MAX_HINTS` of `hints` the ledger has not admitted, and `pin`. Kept under
-    `max_bytes` by dropping the listings, then the hints."""
+    `max_bytes` by dropping the listings, then the hints oldest first (`hints_omitted` when
+    none fits)."""
     entries = document.entries
     start = max(0, len(entries) - max(1, tail))
     head = document.head
@@ -179,8 +188,8 @@ def build_handoff(
     )
     if len(result.dumps()) > max_bytes:
         result = replace(result, files={})
-    if len(result.dumps()) > max_bytes:
-        result = replace(result, hints=())
+    while result.hints and len(result.dumps()) > max_bytes:
+        result = replace(result, hints=result.hints[1:], hints_omitted=len(result.hints) == 1)
     return result
 
 

@@ -278,7 +278,8 @@ _OPTIONS: list[tuple[str, str, Any, Any, str]] = [
         "HOTLOAD_HEAD_STALE_SECONDS",
         float,
         90.0,
-        "with --deployment: a handoff checked longer ago than this means the operator is gone",
+        "with --deployment: a handoff whose checkedTime has not moved for this long (on the "
+        "loader's own clock) means the operator is gone",
     ),
     (
         "--log-level",

@@ -2,17 +2,22 @@
 deployment; its `spec` is a `Handoff` the operator writes after reading the ledger at the origin
 once for its whole cluster) and decide what the loader itself must ask the origin for.
 
-While the handoff is fresh (the watch runs and the operator's `checked` is younger than
-`--head-stale-seconds`) an update costs the origin no small request: the loader merges the handed
-entries into its copy of the ledger (`merge_handed`; the origin only when they do not reach back
-to its copy, or disagree with it), takes the snapshot folders' listings and the upload hints
-from the handoff (no LIST, no hint GET), and reads the pin object only when the handed `pin`
-(the deployment's spec.pin) differs from the pin it follows (at once, then backing off while the
-operator has not written the object yet). Its own poll of the origin is the safety net: every
-`max(--safety-poll-seconds, --poll-seconds)` jittered, and only while the watch is down, the
-handoff is missing or malformed, or `checked` is old (the operator is gone or cannot read the
-ledger). The first read at start-up is always the origin's. Without `--deployment` (the demo,
-plain processes) none of this runs and the loader polls the origin every `--poll-seconds`.
+While the handoff is fresh (the watch runs and this loader saw the operator's `checked` move
+less than `--head-stale-seconds` ago) an update costs the origin no small request: the loader
+merges the handed entries into its copy of the ledger (`merge_handed`; the origin only when they
+do not reach back to its copy, or disagree with it), takes the snapshot folders' listings and
+the upload hints from the handoff (no LIST, no hint GET; hints too large for the object are
+`hints_omitted`, and the loader keeps its early fetches until a read of the ledger lists them),
+and reads the pin object only when the handed `pin` (the deployment's spec.pin) differs from the
+pin it follows (at once, then backing off while the operator has not written the object yet).
+Its own poll of the origin is the safety net: every `max(--safety-poll-seconds, --poll-seconds)`
+jittered, and only while the watch is down, the handoff is missing or malformed, or `checked`
+has not moved for `--head-stale-seconds` (the operator is gone or cannot read the ledger).
+Freshness is judged by when this loader saw `checked` change, on its own monotonic clock, as
+leader election judges a lease by when it saw the lease renewed: the operator's wall clock and
+the loader's need not agree. The first read at start-up is always the origin's. Without
+`--deployment` (the demo, plain processes) none of this runs and the loader polls the origin
+every `--poll-seconds`.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from hotload.api.names import API_VERSION, HEAD_PLURAL, head_object_name
@@ -77,7 +81,6 @@ class HeadWatch:
         stale_seconds: float = 90.0,
         jitter: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
-        now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         """`ledger`: the ledger this loader follows (a handoff of another one is refused as
         malformed: the deployment and the loader disagree, and the origin decides)."""
@@ -92,7 +95,6 @@ class HeadWatch:
         self.stale_seconds = stale_seconds
         self.jitter = jitter
         self.clock = clock
-        self.now = now
         #: The handoff last read (None: none yet, deleted, or malformed).
         self.handoff: Handoff | None = None
         #: spec.pin as handed over (None: follow the head).
@@ -103,6 +105,8 @@ class HeadWatch:
         #: Set when anything but `checked` changed in the handoff (the loader steps at once).
         self.changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        #: When (`clock`) the handoff's `checked` was last seen to change.
+        self._checked_seen = float("-inf")
         self._safety_at = float("-inf")
         self._pin_at = float("-inf")
         self._pin_delay = poll_seconds
@@ -113,12 +117,12 @@ class HeadWatch:
     # --- what the loader asks ------------------------------------------------------------------
 
     def fresh(self) -> bool:
-        """Whether the operator's handoff can be trusted now: the watch runs and its `checked`
-        is younger than `stale_seconds`."""
+        """Whether the operator's handoff can be trusted now: the watch runs and this loader saw
+        its `checked` change less than `stale_seconds` ago."""
         handoff = self.handoff
         if not self.up or handoff is None or handoff.checked is None:
             return False
-        return (self.now() - handoff.checked).total_seconds() <= self.stale_seconds
+        return self.clock() - self._checked_seen <= self.stale_seconds
 
     def current(self) -> Handoff | None:
         """The handoff when it is fresh (None: the loader asks the origin itself)."""
@@ -136,9 +140,9 @@ class HeadWatch:
         if handoff is None:
             return OriginReads(ledger=False, pin=False, hints=None)
         handed = handoff if handoff.sequence != sequence else None
-        return OriginReads(
-            ledger=False, pin=self._pin_due(now, pin), hints=handoff.hints, handed=handed
-        )
+        # Hints that did not fit the handoff are unknown, not absent: no early fetch is dropped.
+        hints = None if handoff.hints_omitted else handoff.hints
+        return OriginReads(ledger=False, pin=self._pin_due(now, pin), hints=hints, handed=handed)
 
     def _pin_due(self, now: float, pin: str | None) -> bool:
         """Read the pin object when spec.pin differs from the pin followed: at once, then
@@ -223,6 +227,9 @@ class HeadWatch:
         )
         if moved:
             self.changed.set()
+        checked = handoff.checked if handoff is not None else None
+        if checked is not None and (self.handoff is None or checked != self.handoff.checked):
+            self._checked_seen = self.clock()
         self.handoff = handoff
         self.spec_pin = handoff.pin if handoff is not None else None
 

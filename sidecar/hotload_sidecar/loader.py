@@ -425,11 +425,22 @@ class Loader:
                 await self.reporter.event("Warning", "LedgerUnreachable", str(err))
             await self.board.set(ledger_reachable=False, message=f"ledger unreachable: {err}")
             return
-        now = format_time(utc_now())
+        # The origin was read: by this loader now, or (a merge alone) by the operator when it
+        # checked the handoff; the status names that read, never one that did not happen.
+        handed = reads.handed
+        read_at = (
+            handed.checked
+            if not (reads.ledger or reads.pin) and handed is not None and handed.checked
+            else utc_now()
+        )
         self.metrics.ledger_reachable.set(1)
         if pin_state is not None:
             await self.pins.changed(pin_state)
-        changes: dict[str, Any] = {"ledger_reachable": True, "last_poll_time": now, "pin": self.pin}
+        changes: dict[str, Any] = {
+            "ledger_reachable": True,
+            "last_poll_time": format_time(read_at),
+            "pin": self.pin,
+        }
         target = self.target()
         if target.identity is not None:
             changes["target_identity"] = target.identity

@@ -133,7 +133,8 @@ class ReplicaStatus:
     #: The last failure, kept until a later update succeeds, and why (`LoadFailureReasons`).
     last_error: str = ""
     failure_reason: str = ""
-    #: Whether the ledger answered the latest poll, and when it last did (RFC 3339).
+    #: Whether the ledger answered the latest read of the origin, and when that read was (RFC
+    #: 3339): this loader's own, or the operator's behind a handoff it merged (`checkedTime`).
     ledger_reachable: bool = True
     last_poll_time: str | None = None
     updated_time: str | None = None
