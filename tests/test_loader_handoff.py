@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,7 +26,14 @@ from typing import Any
 
 import pytest
 
-from hotload.api.names import API_VERSION, GROUP, HEAD_KIND, HEAD_PLURAL, head_object_name
+from hotload.api.names import (
+    ANNOTATION_SNAPSHOT,
+    API_VERSION,
+    GROUP,
+    HEAD_KIND,
+    HEAD_PLURAL,
+    head_object_name,
+)
 from hotload.bucket import MirroredBucket, open_bucket, open_mirrored
 from hotload.bucket.mirrors import TRACKED_SNAPSHOTS
 from hotload.errors import KubeNotFoundError
@@ -37,14 +45,16 @@ from hotload.ledger.ledger import ledger_key
 from hotload_sidecar.config import Settings
 from hotload_sidecar.engines import make_adapter
 from hotload_sidecar.head_watch import HeadWatch
+from hotload_sidecar.kube_report import KubernetesReporter
 from hotload_sidecar.loader import Loader
-from hotload_sidecar.status import LocalReporter
+from hotload_sidecar.status import LocalReporter, Reporter
 from support.cluster import install_crds
 from support.counting_proxy import CountingProxy, Served
 from support.fleet import Trainer
 from support.handoff_loaders import handoff_loader
 from support.kubeapi import KubeAPI
 from support.operator import eventually
+from support.pods import make_pod, read_pod
 from support.regional_cache import write_credentials
 from support.seaweedfs import BUCKET, SeaweedFS
 from support.snapshots import full, nudged, weights
@@ -357,10 +367,13 @@ async def test_a_mirrored_bucket_answers_a_known_folder_listing_from_memory(
     assert len(bucket._listings) == TRACKED_SNAPSHOTS
 
 
-def bare_loader(bucket_dir: Path, weights_dir: Path) -> tuple[Loader, Callable[[Handoff], None]]:
+def bare_loader(
+    bucket_dir: Path, weights_dir: Path, reporter: Reporter | None = None
+) -> tuple[Loader, Callable[[Handoff], None]]:
     """A loader of the ledger in the local bucket `bucket_dir` with a head watch that is given
     its HotLoadHead by hand (the returned callable), and no engine: its steps stop at the
-    engine's health check. The bucket counts its requests (`stats`)."""
+    engine's health check. The bucket counts its requests (`stats`); `reporter` defaults to a
+    `LocalReporter`."""
     heads = HeadWatch(
         KubeClient(KubeConfig(server="http://127.0.0.1:9")),  # never asked: taken by hand
         "ns",
@@ -375,7 +388,7 @@ def bare_loader(bucket_dir: Path, weights_dir: Path) -> tuple[Loader, Callable[[
         settings,
         ledger=Ledger(open_mirrored(open_bucket(str(bucket_dir)), []), LEDGER),
         adapter=make_adapter("reference", "http://127.0.0.1:9"),
-        reporter=LocalReporter(),
+        reporter=reporter or LocalReporter(),
         heads=heads,
     )
 
@@ -470,3 +483,40 @@ async def test_a_handoff_whose_hints_did_not_fit_keeps_the_early_fetches(tmp_pat
     finally:
         await replica.prefetcher.close()
         await replica.reporter.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_report_lost_in_an_api_outage_while_idle_lands_after_it(
+    tmp_path: Path, kube_emulator: KubeAPI
+) -> None:
+    """The head moves while the API server is away (on the emulator: a real one is not stopped
+    on demand), so the pod report of the new target fails; then nothing changes. The idle
+    loader's next step hands the status over again and the pod says the new target."""
+    bucket_dir = tmp_path / "bucket"
+    fulls = [full(tmp_path / "fulls" / f"f{i}", nudged(weights(0), i)) for i in range(2)]
+    trainer = Trainer(Ledger(open_bucket(str(bucket_dir)), LEDGER), fulls, tmp_path / "t", 1)
+    await asyncio.to_thread(trainer.publish, 0)
+    await make_pod(kube_emulator)
+    reporter = KubernetesReporter(
+        kube_emulator.client(retries=1, backoff=0.01), kube_emulator.namespace, "replica-0"
+    )
+    replica, take = bare_loader(bucket_dir, tmp_path / "w", reporter)
+
+    async def annotation() -> JSON:
+        pod = await read_pod(kube_emulator)
+        return dict(json.loads(pod["metadata"]["annotations"][ANNOTATION_SNAPSHOT]))
+
+    try:
+        await replica.step()  # start-up read of the origin: the target is step-000
+        assert (await annotation())["targetIdentity"] == "step-000"
+        await kube_emulator.stop()
+        await asyncio.to_thread(trainer.publish, 1)
+        take(await asyncio.to_thread(handoff_of, trainer))
+        await replica.step()  # merged: the report of step-001 as target is lost
+        assert replica.status.target_identity == "step-001"
+        await kube_emulator.start()
+        assert (await annotation())["targetIdentity"] == "step-000"
+        await replica.step()  # nothing moved since: the step hands the status over again
+        assert (await annotation())["targetIdentity"] == "step-001"
+    finally:
+        await reporter.aclose()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hotload.errors import HotloadError
-from hotload_sidecar.board import StatusBoard
+from hotload_sidecar.board import QUIET_SECONDS, StatusBoard
 from hotload_sidecar.materialize import BuildResult
 from hotload_sidecar.metrics import LoaderMetrics
 from hotload_sidecar.status import LoadTimings, LocalReporter, ReplicaStatus
@@ -137,3 +137,65 @@ async def test_a_build_not_resumed_changes_no_status_and_sends_no_event(tmp_path
     board, reporter = _board()
     await board.record_build(BuildResult("step-002", 3, tmp_path, "step-001"))
     assert (reporter.status.resumed_from, reporter.events) == (None, [])
+
+
+class _Recording(LocalReporter):
+    """A reporter that keeps every status it is handed, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reports: list[ReplicaStatus] = []
+
+    async def report(self, status: ReplicaStatus) -> None:
+        self.reports.append(status)
+        await super().report(status)
+
+
+@pytest.mark.asyncio
+async def test_scrub_progress_alone_is_reported_at_most_once_a_quiet_interval() -> None:
+    """A scrub moving on every step (its last pass, the engine's counters) while nothing else
+    changes: the reporter gets news once per `QUIET_SECONDS`, each time the newest pass, and
+    the counters alone never move `updatedTime`; any other change is reported at once."""
+    clock = [0.0]
+    reporter = _Recording()
+    board = StatusBoard(reporter, LoaderMetrics(), clock=lambda: clock[0])
+    await board.set(identity="step-001", sequence=2, state="idle", target=ENTRIES[1])
+    steps = 180
+    for second in range(1, steps + 1):  # one loader step a second
+        clock[0] = float(second)
+        await board.set(last_scrub={"passes": second}, engine_counters={"scrub_bytes": second})
+        await board.republish()
+    news = [s for i, s in enumerate(reporter.reports) if i == 0 or s != reporter.reports[i - 1]]
+    assert len(news) == 1 + steps // int(QUIET_SECONDS), [s.last_scrub for s in news]
+    assert [s.last_scrub for s in news[1:]] == [
+        {"passes": n} for n in range(int(QUIET_SECONDS), steps + 1, int(QUIET_SECONDS))
+    ]
+    assert board.status.engine_counters == {"scrub_bytes": steps}  # the local /status has it
+    stamped = board.status.updated_time
+    await board.set(engine_counters={"scrub_bytes": steps + 1})
+    assert board.status.updated_time == stamped  # counters are no news
+    clock[0] += 1
+    await board.set(target=ENTRIES[2])  # the head moved: at once
+    assert reporter.reports[-1].target_identity == ENTRIES[2].identity
+
+
+@pytest.mark.asyncio
+async def test_a_report_that_failed_is_handed_over_again_at_the_next_step() -> None:
+    """Level-triggered: a status whose report raised is handed to the reporter again by the
+    next `republish`, though nothing changed since."""
+
+    class _Flaky(_Recording):
+        down = True
+
+        async def report(self, status: ReplicaStatus) -> None:
+            if self.down:
+                raise HotloadError("the API server answered 503")
+            await super().report(status)
+
+    reporter = _Flaky()
+    board = StatusBoard(reporter, LoaderMetrics())
+    await board.set(identity="step-001", sequence=2, state="idle", target=ENTRIES[1])
+    assert reporter.reports == []
+    reporter.down = False
+    await board.republish()
+    assert [s.identity for s in reporter.reports] == ["step-001"]

@@ -1,6 +1,13 @@
 """The replica status a loader keeps: every change goes through `StatusBoard.set`, which fills
 in the `SnapshotLoaded` condition, updates the gauges and hands the status to the reporter.
 
+Reporting is level-triggered: the loader calls `StatusBoard.republish` every step, which hands
+the status to the reporter again, so a report lost while the API server was away lands once it
+is back (the reporter writes nothing when what it last wrote is still true). `updatedTime` moves
+only with news, and news that is only the engine's scrub progress (`last_scrub`, the counters)
+is sent at most once per `QUIET_SECONDS`: a scrub reading for hours costs one pod write a minute,
+not one a step.
+
 A patch prepared ahead (`ahead.PatchesAhead`: written while the engine takes the patch before it)
 is the next update already under way: while it begins at the snapshot the engine serves, a
 status that would say `idle` says `fetching` towards its target (`Ahead`)."""
@@ -10,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hotload.errors import HotloadError
@@ -64,6 +71,19 @@ class BehindClock:
         return self._clock() - self._pending[0][1] if self._pending else 0.0
 
 
+#: Seconds between reports whose only news is the engine's scrub progress.
+QUIET_SECONDS = 60.0
+
+
+def _news(before: ReplicaStatus, after: ReplicaStatus, *, scrub: bool = True) -> bool:
+    """Whether `after` says anything `before` did not (`updatedTime` and the engine's counters
+    aside; the scrub's last pass too when `scrub` is False)."""
+    ignored: dict[str, Any] = {"updated_time": None, "engine_counters": {}}
+    if not scrub:
+        ignored["last_scrub"] = None
+    return replace(before, **ignored) != replace(after, **ignored)
+
+
 @dataclass(frozen=True)
 class Ahead:
     """The next update's patch, prepared ahead: it patches `parent` and moves towards `target`
@@ -76,7 +96,13 @@ class Ahead:
 class StatusBoard:
     """One replica's status, published on every change; reporting never stops loading."""
 
-    def __init__(self, reporter: Reporter, metrics: LoaderMetrics) -> None:
+    def __init__(
+        self,
+        reporter: Reporter,
+        metrics: LoaderMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.reporter = reporter
         self.metrics = metrics
         self.status = ReplicaStatus()
@@ -89,6 +115,10 @@ class StatusBoard:
         self.engine_live = True
         self.behind = BehindClock()
         self.floor = ServingFloor()
+        self._clock = clock
+        #: The status the reporter last took without an error, and when (`clock`) it had news.
+        self._reported: ReplicaStatus | None = None
+        self._reported_at = float("-inf")
         # Read at each scrape: a loader stuck in a long fetch publishes nothing meanwhile.
         metrics.behind_seconds.set_function(self.behind.seconds)
 
@@ -155,14 +185,33 @@ class StatusBoard:
         """Publish `status` (default: the current one) with its condition filled in."""
         status = status or self.status
         ready, reason = condition(status, engine_live=self.engine_live)
-        status = status.evolve(ready=ready, reason=reason, updated_time=format_time(utc_now()))
+        status = status.evolve(ready=ready, reason=reason, updated_time=self.status.updated_time)
+        if status.updated_time is None or _news(self.status, status):
+            status = status.evolve(updated_time=format_time(utc_now()))
         self.status = status
         self.behind.observe(status.identity, status.target_identity)
         self.floor.observe(status.identity, status.sequence, status.target_identity)
         self.metrics.staleness.set(status.staleness)
         if status.sequence is not None:
             self.metrics.served_sequence.set(status.sequence)
+        await self._report()
+
+    async def republish(self) -> None:
+        """Hand the status to the reporter again (every loader step): a write that failed is
+        retried, and scrub progress held back is sent once `QUIET_SECONDS` passed."""
+        await self._report()
+
+    async def _report(self) -> None:
+        status, reported = self.status, self._reported
+        now = self._clock()
+        news = reported is None or _news(reported, status)
+        scrub_only = news and reported is not None and not _news(reported, status, scrub=False)
+        if scrub_only and now - self._reported_at < QUIET_SECONDS:
+            return  # only scrub progress: it waits for the quiet interval
         try:
             await self.reporter.report(status)
         except HotloadError as err:
             log.warning("report failed: %s", err)
+            return
+        if news:
+            self._reported, self._reported_at = status, now

@@ -22,9 +22,10 @@ Which path each update takes (a sparse patch, a full load, their fallbacks, the 
 resuming at start-up) is `UpdateFlow`'s (`updates.py`); the loader is its `Replica`.
 
 One `Loader` per replica. It owns the weights folder, talks to the engine only through an
-`EngineAdapter` and publishes a `ReplicaStatus` through a `Reporter` after every change. A
-failure never takes the served weights away: the engine keeps what it serves, `current` keeps
-pointing at it, and the status says why the replica is behind.
+`EngineAdapter` and publishes a `ReplicaStatus` through a `Reporter` after every change, and
+hands it over again every step (`board.py`: a lost report lands later). A failure never takes
+the served weights away: the engine keeps what it serves, `current` keeps pointing at it, and
+the status says why the replica is behind.
 """
 
 from __future__ import annotations
@@ -268,7 +269,14 @@ class Loader:
 
     async def step(self) -> None:
         """One poll: read the ledger (and pin) if changed, check the engine, move to the target
-        (the head, or the pin)."""
+        (the head, or the pin); the status is handed to the reporter again at the end (a report
+        lost while the API server was away lands once it is back)."""
+        try:
+            await self._step()
+        finally:
+            await self.board.republish()
+
+    async def _step(self) -> None:
         await self._poll()
         reads = self._reads
         if (
