@@ -448,6 +448,35 @@ async def test_a_handed_counter_that_went_back_ends_in_the_origins_ledger_error(
 
 
 @pytest.mark.asyncio
+async def test_following_the_ledger_beside_a_patch_takes_the_handed_listings(
+    tmp_path: Path,
+) -> None:
+    """While the engine takes a patch the loader follows the ledger (`refresh_ledger`, for the
+    patch it prepares ahead): a new head handed over then comes with its folder's listing, so
+    listing that folder for the patch prepared ahead costs the origin nothing."""
+    bucket_dir = tmp_path / "bucket"
+    fulls = [full(tmp_path / "fulls" / f"f{i}", nudged(weights(0), i)) for i in range(2)]
+    trainer = Trainer(Ledger(open_bucket(str(bucket_dir)), LEDGER), fulls, tmp_path / "t", 1)
+    await asyncio.to_thread(trainer.publish, 0)
+    replica, take = bare_loader(bucket_dir, tmp_path / "w")
+    bucket = replica.ledger.bucket
+    assert isinstance(bucket, MirroredBucket)
+    origin = bucket.stats.source("origin")
+    await replica._poll()  # start-up: the origin
+    await asyncio.to_thread(trainer.publish, 1)
+    handed = await asyncio.to_thread(handoff_of, trainer)
+    assert "step-001" in handed.files
+    take(handed)
+    asked = origin.requests
+    await replica.refresh_ledger()
+    assert replica.document is not None and replica.document.head is not None
+    assert replica.document.head.identity == "step-001"
+    listed = await bucket.list_async("step-001")
+    assert {i.key for i in listed} == {f"step-001/{f.name}" for f in handed.files["step-001"]}
+    assert origin.requests == asked  # neither the ledger nor the folder from the origin
+
+
+@pytest.mark.asyncio
 async def test_a_handoff_whose_hints_did_not_fit_keeps_the_early_fetches(tmp_path: Path) -> None:
     """An upload's hint too large for the HotLoadHead is omitted (`hintsOmitted`), not handed
     as "nothing uploading": the loader keeps the early fetch it started from the origin's hint

@@ -363,6 +363,8 @@ class Loader:
         if handoff is None or self.document is None:
             await self._sync_ledger(_LEDGER_ONLY)
             return
+        # The patch prepared ahead for the new head lists its folder: from the handoff too.
+        self._feed_listings()
         handed = handoff if handoff.sequence != self.document.sequence else None
         await self._sync_ledger(OriginReads(ledger=False, pin=False, hints=None, handed=handed))
 
