@@ -12,13 +12,17 @@ inference with 503 `engine_held` and the loader's reason.
 - real processes: a loader (`python -m hotload_sidecar`) following sparse deltas, a reference
   engine restarted on the snapshot `current` names without booting forward (as vLLM boots), and
   `hotload front` before it: a client through the front never gets an older answer, while the
-  engine itself, asked directly, does.
+  engine itself, asked directly, does;
+- the same restart while the loader is in a long full build (issue 48: its step looked at the
+  engine only before the build, and the gate stayed open): held within a second or two.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -32,9 +36,14 @@ from aiohttp.test_utils import TestServer
 from hotload.bucket import open_bucket
 from hotload.ledger import Ledger
 from hotload.router.front import EngineFront, FrontConfig, create_front_app
+from hotload_sidecar.engine_watch import WATCH_SECONDS, restarted_on
+from hotload_sidecar.engines import ServedSnapshot
 from hotload_sidecar.serving_gate import ServingFloor
+from hotload_sidecar.status import ReplicaStatus
+from support.counting_proxy import CountingProxy, Fault
 from support.fleet import PROMPT_IDS, Replica, Trainer, free_port, http_json, wait_for
 from support.fronts import start_front
+from support.seaweedfs import SeaweedFS
 from support.tiny_llm import build_tiny_llm, sparse_steps
 
 # --- the floor ----------------------------------------------------------------------------------
@@ -72,6 +81,36 @@ def test_a_restarted_engine_is_held_until_it_serves_what_the_replica_served() ->
     assert floor.sequence == 100
     unknown = floor.verdict(engine_live=True, served="booted", sequence=None)
     assert not unknown.serve and "booted" in unknown.reason
+
+
+_SERVING_2 = ReplicaStatus(identity="step-2", sequence=3, target_identity="step-3")
+
+
+@pytest.mark.parametrize(
+    ("served", "sequence", "status", "floor", "restarted"),
+    [
+        (None, None, _SERVING_2, 3, False),  # it cannot say: its liveness decides
+        ("step-2", 3, _SERVING_2, 3, False),  # what the status names
+        ("step-3", 4, _SERVING_2, 3, False),  # the target: the loader's own load landing
+        ("step-4", 5, _SERVING_2, 3, False),  # newer still (a chained load under way)
+        ("step-0", 1, _SERVING_2, 3, True),  # older: booted from an older `current`
+        ("gone", None, _SERVING_2, 3, True),  # not in the ledger any more
+        ("step-0", 1, _SERVING_2.evolve(target_identity="step-0"), 3, False),  # a pin, on purpose
+        ("step-0", 1, ReplicaStatus(), None, False),  # nothing served yet: no floor
+    ],
+)
+def test_an_engine_naming_older_weights_than_it_served_has_restarted(
+    served: str | None,
+    sequence: int | None,
+    status: ReplicaStatus,
+    floor: int | None,
+    restarted: bool,
+) -> None:
+    answer = ServedSnapshot(served, None) if served is not None else None
+    why = restarted_on(answer, sequence, status, floor)
+    assert (why is not None) == restarted, why
+    if why is not None:
+        assert served is not None and served in why and "step-2" in why
 
 
 def test_reaching_an_older_target_on_purpose_lowers_the_floor() -> None:
@@ -292,3 +331,76 @@ def test_a_client_of_the_front_never_sees_a_restarted_engine_go_back(
     assert answers and set(answers) == {f"tiny@{head}"}, sorted(set(answers))
     assert {m for code, m in seen if code != 200} <= {"engine_held", "engine_unavailable"}
     assert any(m == "engine_held" for _, m in seen), "the client never met the held engine"
+
+
+def test_an_engine_restarted_during_a_full_build_is_held_at_once(
+    tmp_path: Path, s3_env: SeaweedFS, env: dict[str, str], replicas: list[Replica]
+) -> None:
+    """Sparse steps 1 and 2 patched the engine (`current` still names step 0), then step 3 is a
+    full snapshot whose files the origin's door holds: the loader is in its full build when the
+    engine dies and boots again from step 0. The gate closes within a look or two of the
+    engine watch, while the build is still held; released, the build lands and the gate opens
+    on step 3."""
+    base = build_tiny_llm(tmp_path / "m", 0).snapshots[0]
+    fulls, _ = sparse_steps(base, tmp_path / "steps", 3, fraction=0.01, seed=5)
+    url = s3_env.url(f"t-{uuid.uuid4().hex[:12]}")
+    trainer = Trainer(Ledger(open_bucket(url), "policy"), fulls, tmp_path / "t", full_every=3)
+    trainer.publish(0)
+    release, building = threading.Event(), threading.Event()
+    full_files = f"{Trainer.identity(3)}/"
+
+    def hold(method: str, key: str) -> Fault | None:
+        if method != "GET" or full_files not in key:
+            return None
+        building.set()
+        return Fault(release=release)
+
+    with CountingProxy(s3_env.endpoint) as door:
+        door.fault = hold
+        r = Replica(
+            "r0",
+            tmp_path / "r0",
+            f"{url}/policy",
+            {**env, "AWS_ENDPOINT_URL": door.endpoint},
+            admin_port=free_port(),
+            boot_forward=False,
+        )
+        replicas.append(r)
+        r.start()
+        r.wait_serving(Trainer.identity(0), timeout=180)
+        for step in (1, 2):
+            trainer.publish(step)
+        r.wait_serving(Trainer.identity(2), timeout=120)
+        assert (r.weights / "current").resolve().name == Trainer.identity(0), "sparse: no fold"
+        assert http_json("GET", r.loader_url + "/serving")[0] == 200
+        trainer.publish(3)  # a full snapshot: the loader builds it, its files held at the door
+        wait_for("the door holding step 3's files", building.is_set, 60)
+
+        def building_step_3() -> bool:
+            doc = r.status()
+            return doc["target_identity"] == Trainer.identity(3) and doc["state"] != "idle"
+
+        wait_for("the loader in its full build of step 3", building_step_3, 60)
+        try:
+            r.kill_engine()
+            killed = time.monotonic()
+            wait_for(
+                "the gate holding the dead engine",
+                lambda: http_json("GET", r.loader_url + "/serving")[0] == 503,
+                60,
+            )
+            assert time.monotonic() - killed <= 3 * WATCH_SECONDS + 2, "held, but late"
+            r.start_engine()
+            old = f"tiny@{Trainer.identity(0)}"
+            wait_for(f"the engine answering from {old}", lambda: _direct_model(r) == old, 180)
+            code, held = http_json("GET", r.loader_url + "/serving")
+            assert code == 503 and Trainer.identity(2) in held["reason"], held
+            assert r.status()["state"] != "idle"  # still in the full build
+        finally:
+            release.set()
+        r.wait_serving(Trainer.identity(3), timeout=120)
+        wait_for(
+            "the gate open on step 3",
+            lambda: http_json("GET", r.loader_url + "/serving")[0] == 200,
+            30,
+        )

@@ -58,6 +58,7 @@ from hotload_sidecar.ahead import PatchesAhead
 from hotload_sidecar.board import StatusBoard
 from hotload_sidecar.chained import ChainedLoads
 from hotload_sidecar.config import Settings
+from hotload_sidecar.engine_watch import EngineWatch
 from hotload_sidecar.engines import EngineAdapter, ServedSnapshot
 from hotload_sidecar.full import FullLoads
 from hotload_sidecar.head_watch import EVERYTHING, HeadWatch, OriginReads
@@ -179,6 +180,10 @@ class Loader:
         )
         self.board = StatusBoard(reporter, self.metrics)
         self.scrubs = ScrubWatch(adapter, self.board, self.metrics, reporter)
+        #: The engine looked at every second, during long builds too (`engine_watch.py`).
+        self.engine_watch = EngineWatch(
+            adapter, self.board, sequence_of=self._sequence_of, down=self.engine_down
+        )
         self.probes = ProbeWatch(adapter, self.board, self.metrics, reporter)
         #: Set once `current` points at a verified snapshot (the /startup endpoint).
         self.started = asyncio.Event()
@@ -252,6 +257,7 @@ class Loader:
         if self.heads is not None:
             self.heads.start()
         await self._startup(stop)
+        self.engine_watch.start()
         try:
             while not stop.is_set():
                 await self.step()
@@ -260,6 +266,7 @@ class Loader:
                 else:
                     await sleep_or_stop(stop, self.interval())
         finally:
+            await self.engine_watch.close()
             if self.heads is not None:
                 await self.heads.close()
             await self.probes.close()
@@ -464,17 +471,31 @@ class Loader:
         up = health.live if self.board.engine_live else health.ready
         if up == self.board.engine_live:
             return
-        self.board.engine_live = up
         if not up:
-            self.board.floor.engine_down()
-            if self.adapters is not None:
-                self.adapters.engine_restarted()
-            log.warning("engine %s is down: %s", self.adapter.url, health.detail)
-            await self.reporter.event("Warning", REASON_ENGINE_DOWN, health.detail)
-            await self.board.publish()
+            await self.engine_down(health.detail)
             return
+        self.board.engine_live = True
         log.info("engine %s is back", self.adapter.url)
         await self._adopt_engine()
+
+    async def engine_down(self, detail: str) -> None:
+        """The engine stopped answering, or restarted on other weights (`EngineWatch`): the
+        serving gate holds it until the loader confirms what it serves, which the next step
+        does once it answers again; said in an Event and the status."""
+        if not self.board.engine_live:
+            return
+        self.board.engine_live = False
+        self.board.floor.engine_down()
+        if self.adapters is not None:
+            self.adapters.engine_restarted()
+        log.warning("engine %s is down: %s", self.adapter.url, detail)
+        await self.reporter.event("Warning", REASON_ENGINE_DOWN, detail)
+        await self.board.publish()
+
+    def _sequence_of(self, identity: str) -> int | None:
+        """`identity`'s sequence in the copy of the ledger (None: not there)."""
+        entry = self.document.find(identity) if self.document is not None else None
+        return entry.sequence if entry is not None else None
 
     async def _wait_engine(self, stop: asyncio.Event) -> None:
         deadline = time.monotonic() + self.settings.engine_wait_seconds

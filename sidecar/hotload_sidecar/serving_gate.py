@@ -10,7 +10,8 @@ front (vLLM, SGLang) also refuses callers that reach the port directly.
 The floor is the sequence of the last snapshot the engine served, raised by every snapshot it
 serves after it and lowered only when the loader reaches a lower target on purpose (a pin to
 an older snapshot, a rollback). It lives in the loader's memory: a loader that restarts knows
-none, and lets the engine answer until the engine serves something again.
+none, and lets the engine answer until the engine serves something again. The loader learns
+that the engine went down from its step and, during long work, from `engine_watch.py`.
 """
 
 from __future__ import annotations

@@ -66,11 +66,12 @@ class Served:
 
 @dataclass(frozen=True)
 class Fault:
-    """What the door does to one request: hold it `delay` seconds, then answer `status`
-    itself (None: forward it)."""
+    """What the door does to one request: hold it `delay` seconds (and until `release` is
+    set, when given), then answer `status` itself (None: forward it)."""
 
     delay: float = 0.0
     status: int | None = None
+    release: threading.Event | None = None
 
 
 def split_path(path: str) -> tuple[str, str]:
@@ -222,6 +223,8 @@ class CountingProxy:
         fault = self.fault(request.method, key) if self.fault is not None else None
         if fault is not None:
             await asyncio.sleep(fault.delay)
+            while fault.release is not None and not fault.release.is_set():
+                await asyncio.sleep(0.05)
             if fault.status is not None:
                 served = Served(
                     request.method, key, parts.query, fault.status, 0, len(body), at, agent
