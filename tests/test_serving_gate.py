@@ -20,6 +20,7 @@ inference with 503 `engine_held` and the loader's reason.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -36,10 +37,13 @@ from aiohttp.test_utils import TestServer
 from hotload.bucket import open_bucket
 from hotload.ledger import Ledger
 from hotload.router.front import EngineFront, FrontConfig, create_front_app
+from hotload_sidecar.config import Settings
 from hotload_sidecar.engine_watch import WATCH_SECONDS, restarted_on
-from hotload_sidecar.engines import ServedSnapshot
+from hotload_sidecar.engines import ServedSnapshot, make_adapter
+from hotload_sidecar.loader import Loader
 from hotload_sidecar.serving_gate import ServingFloor
-from hotload_sidecar.status import ReplicaStatus
+from hotload_sidecar.status import LocalReporter, ReplicaStatus
+from hotload_sidecar.weights import WeightsFolder
 from support.counting_proxy import CountingProxy, Fault
 from support.fleet import PROMPT_IDS, Replica, Trainer, free_port, http_json, wait_for
 from support.fronts import start_front
@@ -81,6 +85,43 @@ def test_a_restarted_engine_is_held_until_it_serves_what_the_replica_served() ->
     assert floor.sequence == 100
     unknown = floor.verdict(engine_live=True, served="booted", sequence=None)
     assert not unknown.serve and "booted" in unknown.reason
+
+
+def test_the_floor_survives_a_loader_restart_on_its_volume(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loader restarted (with its engine or not) knows the floor its previous run kept on the
+    volume, so it holds an engine it has not confirmed yet: the `Loader` wires its board to
+    the weights folder's `floor_path`. A floor file that cannot be read is ignored, said."""
+    bucket = tmp_path / "bucket"
+    settings = Settings(
+        ledger_url=f"{bucket}/policy", weights_dir=tmp_path / "w", engine_url="http://x"
+    )
+
+    def loader() -> Loader:
+        return Loader(
+            settings,
+            ledger=Ledger(open_bucket(str(bucket)), "policy"),
+            adapter=make_adapter("reference", "http://127.0.0.1:9"),
+            reporter=LocalReporter(),
+        )
+
+    first = loader()
+    assert first.board.floor.sequence is None
+    first.board.floor.observe("s72", 72, "s80")
+    first.board.floor.observe("s73", 73, "s80")
+    restarted = loader()
+    assert (restarted.board.floor.identity, restarted.board.floor.sequence) == ("s73", 73)
+    # Nothing confirmed yet (the status names nothing): held.
+    verdict = restarted.board.may_serve()
+    assert not verdict.serve and "s73 (sequence 73)" in verdict.reason
+    # A pin to an older target, reached on purpose, is kept as the lower floor.
+    restarted.board.floor.observe("s10", 10, "s10")
+    assert loader().board.floor.sequence == 10
+    WeightsFolder(tmp_path / "w").floor_path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="hotload_sidecar.serving_gate"):
+        assert loader().board.floor.sequence is None
+    assert any("ignoring the serving floor" in r.getMessage() for r in caplog.records)
 
 
 _SERVING_2 = ReplicaStatus(identity="step-2", sequence=3, target_identity="step-3")

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from hotload.errors import HotloadError
@@ -102,7 +103,9 @@ class StatusBoard:
         metrics: LoaderMetrics,
         *,
         clock: Callable[[], float] = time.monotonic,
+        floor_path: Path | None = None,
     ) -> None:
+        """`floor_path`: where the serving floor is kept across restarts (`serving_gate.py`)."""
         self.reporter = reporter
         self.metrics = metrics
         self.status = ReplicaStatus()
@@ -114,7 +117,7 @@ class StatusBoard:
         #: Whether the engine answered its last health check (the condition's first input).
         self.engine_live = True
         self.behind = BehindClock()
-        self.floor = ServingFloor()
+        self.floor = ServingFloor(floor_path)
         self._clock = clock
         #: The status the reporter last took without an error, and when (`clock`) it had news.
         self._reported: ReplicaStatus | None = None

@@ -178,7 +178,7 @@ class Loader:
             if settings.sparse_max_changed > 0 and adapter.sparse_loads
             else None
         )
-        self.board = StatusBoard(reporter, self.metrics)
+        self.board = StatusBoard(reporter, self.metrics, floor_path=self.weights.floor_path)
         self.scrubs = ScrubWatch(adapter, self.board, self.metrics, reporter)
         #: The engine looked at every second, during long builds too (`engine_watch.py`).
         self.engine_watch = EngineWatch(

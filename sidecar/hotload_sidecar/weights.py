@@ -61,6 +61,8 @@ class WeightsFolder:
         self.python_root = self.root / ENGINE_PYTHONPATH_DIR
         self.current_link = self.root / CURRENT
         self.adapters = self.root / ADAPTERS
+        #: The serving floor, kept across restarts (`serving_gate.py`).
+        self.floor_path = self.work / "floor.json"
 
     def prepare(self) -> None:
         """Create the layout and drop whatever an interrupted run left half-done."""
