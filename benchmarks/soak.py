@@ -255,7 +255,15 @@ def main() -> int:
             saved = pickle.load(f)  # a file this script wrote
         return report_run(saved["run"], saved["command"], args.out)
     command = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
-    with tempfile.TemporaryDirectory(prefix="hotload-soak-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="hotload-soak-", ignore_cleanup_errors=True) as tmp:
+        # Everything the run starts gets its temp files here, removed with it: operators and
+        # engines it SIGKILLs leave theirs (secrets, vLLM's sockets) where they were. A short
+        # path: unix socket paths must stay under 108 bytes.
+        run_tmp = Path(tmp) / "tmp"
+        run_tmp.mkdir()
+        run_tmp.chmod(0o1777)  # as /tmp is: processes run as other users too
+        os.environ["TMPDIR"] = str(run_tmp)
+        tempfile.tempdir = None
         cfg = SoakConfig(
             root=args.workdir or Path(tmp),
             steps=args.steps,
