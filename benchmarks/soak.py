@@ -259,10 +259,8 @@ def main() -> int:
         # Everything the run starts gets its temp files here, removed with it: operators and
         # engines it SIGKILLs leave theirs (secrets, vLLM's sockets) where they were. A short
         # path: unix socket paths must stay under 108 bytes.
-        run_tmp = Path(tmp) / "tmp"
-        run_tmp.mkdir()
-        run_tmp.chmod(0o1777)  # as /tmp is: processes run as other users too
-        os.environ["TMPDIR"] = str(run_tmp)
+        before = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = tmp
         tempfile.tempdir = None
         cfg = SoakConfig(
             root=args.workdir or Path(tmp),
@@ -277,7 +275,14 @@ def main() -> int:
             idle_seconds=args.idle_seconds,
             apiserver_outage_seconds=args.apiserver_outage_seconds,
         )
-        run = run_soak(cfg)
+        try:
+            run = run_soak(cfg)
+        finally:
+            if before is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = before
+            tempfile.tempdir = None
         if args.workdir is not None:
             with (args.workdir / "run.pickle").open("wb") as f:
                 pickle.dump({"run": run, "command": command}, f)

@@ -269,6 +269,10 @@ class _Recorder:
         self.history: list[ReplicaStatus] = []
         self.hook = hook
 
+    @property
+    def in_sync(self) -> bool:
+        return True
+
     async def report(self, status: ReplicaStatus) -> None:
         self.history.append(status)
         await self.local.report(status)

@@ -392,9 +392,10 @@ def _head_object(handoff: Handoff | None) -> JSON:
     return {"metadata": {"name": head_object_name("fleet")}, "spec": spec}
 
 
-def _watch(clock: list[float]) -> HeadWatch:
-    """The head watch of deployment "fleet" (ledger "policy") on the clock `clock[0]`, its
-    HotLoadHead given by hand: poll 2 s, safety 30 s, stale 90 s, no jitter."""
+def _watch(clock: list[float], wall: list[datetime] | None = None) -> HeadWatch:
+    """The head watch of deployment "fleet" (ledger "policy") on the clock `clock[0]` (and the
+    wall clock `wall[0]`, default the real one), its HotLoadHead given by hand: poll 2 s,
+    safety 30 s, stale 90 s, no jitter."""
     return HeadWatch(
         KubeClient(KubeConfig(server="http://127.0.0.1:9")),  # never asked here
         "ns",
@@ -405,6 +406,7 @@ def _watch(clock: list[float]) -> HeadWatch:
         stale_seconds=90,
         jitter=0,
         clock=lambda: clock[0],
+        now=(lambda: wall[0]) if wall is not None else (lambda: datetime.now(UTC)),
     )
 
 
@@ -415,7 +417,7 @@ def test_what_a_loader_asks_the_origin_for() -> None:
     doubling), everything on the safety net's schedule once it is stale, missing or refused;
     a heartbeat (`checked` alone) wakes nobody, a new head does."""
     clock, wall = [100.0], [datetime(2026, 1, 1, 12, 0, tzinfo=UTC)]
-    heads = _watch(clock)
+    heads = _watch(clock, wall)
     assert heads.name == head_object_name("fleet")
     document = LedgerDocument("policy", sequence=3, entries=(_entry("step-3", 3),))
     uploading = Hint("step-4", previous="step-3", updated_time=wall[0])
@@ -477,18 +479,24 @@ def test_what_a_loader_asks_the_origin_for() -> None:
     assert heads.handoff is None and heads.changed.is_set()
 
 
-@pytest.mark.parametrize("skew", [-60.0, 60.0, 3600.0])
-def test_a_loader_whose_clock_is_off_judges_the_handoff_by_what_it_saw(skew: float) -> None:
+@pytest.mark.parametrize(("skew", "at_first_sight"), [(-60.0, True), (60.0, True), (3600.0, False)])
+def test_a_loader_whose_clock_is_off_judges_the_handoff_by_what_it_saw(
+    skew: float, at_first_sight: bool
+) -> None:
     """Freshness is when this loader saw `checked` move, on its own clock, never the operator's
     wall clock against the loader's: a handoff checked `skew` seconds away from the loader's
-    wall clock is fresh while its heartbeat moves and stale `stale_seconds` after it stopped."""
+    wall clock is fresh while its heartbeat moves and stale `stale_seconds` after it stopped.
+    Only on first sight does the wall clock count: one checked longer ago than a stale handoff
+    (an operator gone, or a clock an hour off) waits for its next heartbeat."""
     clock = [1000.0]
     heads = _watch(clock)
     heads.up = True
     operator_now = datetime.now(UTC) - timedelta(seconds=skew)
     document = LedgerDocument("policy", sequence=3, entries=(_entry("step-3", 3),))
     heads._take(_head_object(build_handoff(document, checked=operator_now)))
-    assert heads.fresh() and heads.plan(3, None) == OriginReads(False, False, ())
+    assert heads.fresh() == at_first_sight
+    if at_first_sight:
+        assert heads.plan(3, None) == OriginReads(False, False, ())
     for beat in range(1, 6):  # the operator's heartbeat every 30 s keeps it fresh
         clock[0] += 30
         checked = operator_now + timedelta(seconds=30 * beat)

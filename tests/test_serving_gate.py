@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +35,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from hotload.bucket import open_bucket
+from hotload.errors import EngineUnavailableError
 from hotload.ledger import Ledger
 from hotload.router.front import EngineFront, FrontConfig, create_front_app
+from hotload_sidecar.board import StatusBoard
 from hotload_sidecar.config import Settings
-from hotload_sidecar.engine_watch import WATCH_SECONDS, restarted_on
+from hotload_sidecar.engine_watch import WATCH_SECONDS, EngineWatch, restarted_on
 from hotload_sidecar.engines import ServedSnapshot, make_adapter
 from hotload_sidecar.loader import Loader
+from hotload_sidecar.metrics import LoaderMetrics
 from hotload_sidecar.serving_gate import ServingFloor
 from hotload_sidecar.status import LocalReporter, ReplicaStatus
 from hotload_sidecar.weights import WeightsFolder
@@ -118,10 +121,74 @@ def test_the_floor_survives_a_loader_restart_on_its_volume(
     # A pin to an older target, reached on purpose, is kept as the lower floor.
     restarted.board.floor.observe("s10", 10, "s10")
     assert loader().board.floor.sequence == 10
+    other = Loader(
+        settings,
+        ledger=Ledger(open_bucket(str(bucket)), "another"),
+        adapter=make_adapter("reference", "http://127.0.0.1:9"),
+        reporter=LocalReporter(),
+    )
+    assert other.board.floor.sequence is None  # a volume reused for another ledger
     WeightsFolder(tmp_path / "w").floor_path.write_text("{not json")
     with caplog.at_level(logging.WARNING, logger="hotload_sidecar.serving_gate"):
         assert loader().board.floor.sequence is None
     assert any("ignoring the serving floor" in r.getMessage() for r in caplog.records)
+
+
+class _Engine:
+    """What the engine watch asks of an adapter: whether a load of the loader's runs (`busy`)
+    and what the engine serves; `during` runs inside the answer (the loader moving on)."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.serves: ServedSnapshot | EngineUnavailableError | None = None
+        self.asked = 0
+        self.during: Callable[[], None] | None = None
+
+    async def current(self) -> ServedSnapshot | None:
+        self.asked += 1
+        if self.during is not None:
+            self.during()
+        if isinstance(self.serves, EngineUnavailableError):
+            raise self.serves
+        return self.serves
+
+
+@pytest.mark.asyncio
+async def test_the_engine_watch_judges_only_what_the_engine_said_of_itself(
+    tmp_path: Path,
+) -> None:
+    """A look while a load of the loader's talks to the engine asks nothing; one during which
+    the status moved is dropped; an engine that does not answer is down; and before the loader
+    confirmed anything (a restarted loader with its floor), the gate judges the engine by what
+    the last look saw: the floor's snapshot serves, an older one is held."""
+    floor_path = tmp_path / "floor.json"
+    ServingFloor(floor_path, ledger="policy").observe("s73", 73, "s73")
+    board = StatusBoard(LocalReporter(), LoaderMetrics(), floor_path=floor_path, ledger="policy")
+    engine = _Engine()
+    sequences = {"s52": 52, "s73": 73}
+    watch = EngineWatch(
+        engine,  # type: ignore[arg-type]
+        board,
+        sequence_of=sequences.get,
+        down=lambda why: asyncio.sleep(0),
+    )
+    assert not board.may_serve().serve  # nothing seen, nothing confirmed: held
+    engine.serves = ServedSnapshot("s73", None)
+    assert await watch.look() is None and board.observed == ("s73", 73)
+    assert board.may_serve().serve  # it serves the floor
+    engine.serves = ServedSnapshot("s52", None)
+    assert await watch.look() is None  # nothing served yet: no restart to judge
+    assert not board.may_serve().serve and "s52" in board.may_serve().reason
+    await board.set(identity="s73", sequence=73, state="idle", target_identity="s80")
+    assert "s52" in (await watch.look() or "")  # confirmed s73, now it names s52
+    engine.busy, asked = True, engine.asked
+    assert await watch.look() is None and engine.asked == asked  # the loader's own load
+    engine.busy = False
+    engine.during = lambda: setattr(board, "status", board.status.evolve(identity="s80"))
+    assert await watch.look() is None  # the status moved during the look: dropped
+    engine.during = None
+    engine.serves = EngineUnavailableError("GET /hotload/v1/status failed", engine="x", url="u")
+    assert "failed" in (await watch.look() or "")
 
 
 _SERVING_2 = ReplicaStatus(identity="step-2", sequence=3, target_identity="step-3")

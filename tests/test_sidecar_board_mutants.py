@@ -145,6 +145,11 @@ class _Recording(LocalReporter):
     def __init__(self) -> None:
         super().__init__()
         self.reports: list[ReplicaStatus] = []
+        self.synced = True
+
+    @property
+    def in_sync(self) -> bool:
+        return self.synced
 
     async def report(self, status: ReplicaStatus) -> None:
         self.reports.append(status)
@@ -177,6 +182,11 @@ async def test_scrub_progress_alone_is_reported_at_most_once_a_quiet_interval() 
     clock[0] += 1
     await board.set(target=ENTRIES[2])  # the head moved: at once
     assert reporter.reports[-1].target_identity == ENTRIES[2].identity
+    # A reporter whose last write failed is never held back: the scrub's news goes at once.
+    reporter.synced = False
+    clock[0] += 1
+    await board.set(last_scrub={"passes": steps + 1})
+    assert reporter.reports[-1].last_scrub == {"passes": steps + 1}
 
 
 @pytest.mark.asyncio

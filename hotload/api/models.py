@@ -664,8 +664,9 @@ class HeadHandoff(ApiModel):
     )
     hints_omitted: bool = Field(
         default=False,
-        description="True when uploads were on their way but no hint fit the object: loaders "
-        "keep their early fetches and read hints at the origin only when they read the ledger.",
+        description="True when hints of uploads on their way did not fit the object (the "
+        "oldest were dropped): loaders keep their early fetches and read hints at the origin "
+        "only when they read the ledger.",
     )
 
 

@@ -42,8 +42,8 @@ LISTED_SNAPSHOTS: Final = 4
 #: Upload hints handed over (the newest).
 MAX_HINTS: Final = 4
 #: The largest `head.json` written: every watching loader receives the whole object on each
-#: change. Over it, listings go first, then hints, oldest first (`hints_omitted` once none fit:
-#: the loaders then keep their early fetches and read hints only when they read the ledger).
+#: change. Over it, listings go first, then hints, oldest first (`hints_omitted`: the loaders
+#: then keep their early fetches and read hints only when they read the ledger).
 MAX_BYTES: Final = 256 * 1024
 
 
@@ -65,8 +65,8 @@ class Handoff:
     hints: tuple[Hint, ...] = ()
     #: The deployment's `spec.pin` (None: it follows the head).
     pin: str | None = None
-    #: Uploads were on their way but no hint fit `MAX_BYTES`: `hints` says nothing about them
-    #: (a loader must not take the empty list as "nothing uploading").
+    #: Hints of uploads on their way did not fit `MAX_BYTES` (the oldest were dropped): `hints`
+    #: is not every upload, and a loader must not take a missing one as "no longer uploading".
     hints_omitted: bool = False
 
     @property
@@ -167,8 +167,8 @@ def build_handoff(
     """The handoff of `document`: its newest `tail` entries (reaching back to the head), the
     `listings` of its newest `LISTED_SNAPSHOTS` admitted base snapshots among those given, the
     newest `MAX_HINTS` of `hints` the ledger has not admitted, and `pin`. Kept under
-    `max_bytes` by dropping the listings, then the hints oldest first (`hints_omitted` when
-    none fits)."""
+    `max_bytes` by dropping the listings, then the hints oldest first (`hints_omitted` once
+    one is dropped)."""
     entries = document.entries
     start = max(0, len(entries) - max(1, tail))
     head = document.head
@@ -189,7 +189,7 @@ def build_handoff(
     if len(result.dumps()) > max_bytes:
         result = replace(result, files={})
     while result.hints and len(result.dumps()) > max_bytes:
-        result = replace(result, hints=result.hints[1:], hints_omitted=len(result.hints) == 1)
+        result = replace(result, hints=result.hints[1:], hints_omitted=True)
     return result
 
 

@@ -36,6 +36,10 @@ class _Fanout:
     def __init__(self, *reporters: Reporter) -> None:
         self.reporters = reporters
 
+    @property
+    def in_sync(self) -> bool:
+        return all(r.in_sync for r in self.reporters)
+
     async def report(self, status: object) -> None:
         for r in self.reporters:
             await r.report(status)  # type: ignore[arg-type]

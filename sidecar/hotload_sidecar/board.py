@@ -104,8 +104,10 @@ class StatusBoard:
         *,
         clock: Callable[[], float] = time.monotonic,
         floor_path: Path | None = None,
+        ledger: str = "",
     ) -> None:
-        """`floor_path`: where the serving floor is kept across restarts (`serving_gate.py`)."""
+        """`floor_path`: where the serving floor of `ledger` is kept across restarts
+        (`serving_gate.py`)."""
         self.reporter = reporter
         self.metrics = metrics
         self.status = ReplicaStatus()
@@ -117,7 +119,10 @@ class StatusBoard:
         #: Whether the engine answered its last health check (the condition's first input).
         self.engine_live = True
         self.behind = BehindClock()
-        self.floor = ServingFloor(floor_path)
+        self.floor = ServingFloor(floor_path, ledger=ledger)
+        #: What the engine said it serves at the engine watch's last look, with its sequence
+        #: (None: not known); the gate judges by it while the status names nothing yet.
+        self.observed: tuple[str, int | None] | None = None
         self._clock = clock
         #: The status the reporter last took without an error, and when (`clock`) it had news.
         self._reported: ReplicaStatus | None = None
@@ -165,10 +170,10 @@ class StatusBoard:
 
     def may_serve(self) -> Verdict:
         """Whether the engine may answer inference now (`serving_gate`)."""
-        status = self.status
-        return self.floor.verdict(
-            engine_live=self.engine_live, served=status.identity, sequence=status.sequence
-        )
+        served, sequence = self.status.identity, self.status.sequence
+        if served is None and self.observed is not None:
+            served, sequence = self.observed  # a restarted loader, before it confirmed it
+        return self.floor.verdict(engine_live=self.engine_live, served=served, sequence=sequence)
 
     async def failed(self, message: str, reason: str) -> None:
         """Publish a failed update: its message, kept as the last error, and why
@@ -209,7 +214,7 @@ class StatusBoard:
         now = self._clock()
         news = reported is None or _news(reported, status)
         scrub_only = news and reported is not None and not _news(reported, status, scrub=False)
-        if scrub_only and now - self._reported_at < QUIET_SECONDS:
+        if scrub_only and self.reporter.in_sync and now - self._reported_at < QUIET_SECONDS:
             return  # only scrub progress: it waits for the quiet interval
         try:
             await self.reporter.report(status)

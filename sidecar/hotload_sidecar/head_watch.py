@@ -15,7 +15,8 @@ jittered, and only while the watch is down, the handoff is missing or malformed,
 has not moved for `--head-stale-seconds` (the operator is gone or cannot read the ledger).
 Freshness is judged by when this loader saw `checked` change, on its own monotonic clock, as
 leader election judges a lease by when it saw the lease renewed: the operator's wall clock and
-the loader's need not agree. The first read at start-up is always the origin's. Without
+the loader's need not agree (the wall clock only keeps a handoff checked long ago from being
+trusted on first sight). The first read at start-up is always the origin's. Without
 `--deployment` (the demo, plain processes) none of this runs and the loader polls the origin
 every `--poll-seconds`.
 """
@@ -29,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from hotload.api.names import API_VERSION, HEAD_PLURAL, head_object_name
@@ -81,6 +83,7 @@ class HeadWatch:
         stale_seconds: float = 90.0,
         jitter: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         """`ledger`: the ledger this loader follows (a handoff of another one is refused as
         malformed: the deployment and the loader disagree, and the origin decides)."""
@@ -95,6 +98,8 @@ class HeadWatch:
         self.stale_seconds = stale_seconds
         self.jitter = jitter
         self.clock = clock
+        #: The wall clock, asked only on first sight of a handoff (see `_take`).
+        self.now = now
         #: The handoff last read (None: none yet, deleted, or malformed).
         self.handoff: Handoff | None = None
         #: spec.pin as handed over (None: follow the head).
@@ -229,7 +234,12 @@ class HeadWatch:
             self.changed.set()
         checked = handoff.checked if handoff is not None else None
         if checked is not None and (self.handoff is None or checked != self.handoff.checked):
-            self._checked_seen = self.clock()
+            # On first sight nothing was seen move: one checked longer ago than a stale handoff
+            # by the wall clock (an operator gone for an hour) waits for its next heartbeat.
+            # A clock off by less than that changes nothing, and the wall clock never ages one.
+            old = (self.now() - checked).total_seconds() > self.stale_seconds
+            if self.handoff is not None or not old:
+                self._checked_seen = self.clock()
         self.handoff = handoff
         self.spec_pin = handoff.pin if handoff is not None else None
 

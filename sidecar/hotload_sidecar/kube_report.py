@@ -132,25 +132,35 @@ class KubernetesReporter:
         self._written: dict[str, Any] | None = None
         self._condition: dict[str, Any] | None = None  # as on the pod, once known
         self._condition_known = False
+        self._in_sync = True
         self._events = EventRecorder(
             client, REPORTING_COMPONENT, pod, clock=self._clock, keep=keep_events
         )
+
+    @property
+    def in_sync(self) -> bool:
+        """Whether the pod says the last status reported (False after a failed write)."""
+        return self._in_sync
 
     async def report(self, status: ReplicaStatus) -> None:
         """Write the annotation, labels and condition in one request when any changed; log
         failures (the next report tries again)."""
         if not self._condition_known and not await self._read_condition():
+            self._in_sync = False
             return
         if self.region and status.region is None:
             status = status.evolve(region=self.region)
         patch = build_report_patch(status, self._clock(), self._condition)
         if patch == self._written:
+            self._in_sync = True
             return
         try:
             pod = await self._client.patch(self._pod_path + "/status", patch, "strategic")
         except KubeError as exc:
             log.warning("cannot report on pod %s/%s: %s", self.namespace, self.pod, exc)
+            self._in_sync = False
             return
+        self._in_sync = True
         self._written = patch
         self._condition = patch["status"]["conditions"][0]
         self._remember_pod(pod)

@@ -178,7 +178,9 @@ class Loader:
             if settings.sparse_max_changed > 0 and adapter.sparse_loads
             else None
         )
-        self.board = StatusBoard(reporter, self.metrics, floor_path=self.weights.floor_path)
+        self.board = StatusBoard(
+            reporter, self.metrics, floor_path=self.weights.floor_path, ledger=ledger.name
+        )
         self.scrubs = ScrubWatch(adapter, self.board, self.metrics, reporter)
         #: The engine looked at every second, during long builds too (`engine_watch.py`).
         self.engine_watch = EngineWatch(
@@ -256,8 +258,9 @@ class Loader:
         await self.board.publish()
         if self.heads is not None:
             self.heads.start()
-        await self._startup(stop)
         self.engine_watch.start()
+        await self._startup(stop)
+        self.engine_watch.judge()
         try:
             while not stop.is_set():
                 await self.step()

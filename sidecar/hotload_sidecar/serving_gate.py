@@ -37,8 +37,10 @@ class Verdict:
 class ServingFloor:
     """The oldest sequence the engine may answer from (None: no floor yet)."""
 
-    def __init__(self, path: Path | None = None) -> None:
-        """`path`: where the floor is kept across restarts (None: in memory only)."""
+    def __init__(self, path: Path | None = None, *, ledger: str = "") -> None:
+        """`path`: where the floor of `ledger` is kept across restarts (None: in memory only;
+        a kept floor of another ledger, a volume reused, is not taken)."""
+        self.ledger = ledger
         self.sequence: int | None = None
         self.identity: str | None = None
         #: The engine went down and the loader has not yet learnt what it serves since: the
@@ -65,6 +67,9 @@ class ServingFloor:
         ):
             log.warning("ignoring the serving floor in %s: no identity and sequence", path)
             return
+        if doc.get("ledger", "") != self.ledger:
+            log.info("ignoring the serving floor in %s: of ledger %r", path, doc.get("ledger"))
+            return
         self.identity, self.sequence = doc["identity"], doc["sequence"]
 
     def _keep(self) -> None:
@@ -75,7 +80,9 @@ class ServingFloor:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(self.path.name + ".tmp")
             with open(tmp, "w") as f:
-                json.dump({"identity": self.identity, "sequence": self.sequence}, f)
+                json.dump(
+                    {"ledger": self.ledger, "identity": self.identity, "sequence": self.sequence}, f
+                )
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)

@@ -257,6 +257,12 @@ class Reporter(Protocol):
     """Where a loader publishes its replica's status; implementations must not raise on
     transient API failures (log and retry on the next report) so reporting never stops loads."""
 
+    @property
+    def in_sync(self) -> bool:
+        """Whether the last status reported was written (False: a write failed and the next
+        report must try again, whatever it says)."""
+        ...
+
     async def report(self, status: ReplicaStatus) -> None:
         """Publish the latest status (idempotent: the same status twice changes nothing)."""
         ...
@@ -277,6 +283,11 @@ class LocalReporter:
         self.status = ReplicaStatus()
         self.events: list[dict[str, str]] = []
         self._keep = keep_events
+
+    @property
+    def in_sync(self) -> bool:
+        """Always: memory does not fail."""
+        return True
 
     async def report(self, status: ReplicaStatus) -> None:
         """Remember `status`."""

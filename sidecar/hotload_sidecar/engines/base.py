@@ -301,6 +301,12 @@ class EngineAdapter(ABC):
         # One load at a time: a second caller waits rather than interleaving engine calls.
         self._lock = asyncio.Lock()
 
+    @property
+    def busy(self) -> bool:
+        """Whether a load or patch of the loader's is talking to the engine now (what the engine
+        says meanwhile is of that work, not of a restart)."""
+        return self._lock.locked()
+
     @abstractmethod
     async def load(self, req: LoadRequest) -> LoadResult:
         """Load `req.path` and return once the engine serves it (confirmed); else raise."""
