@@ -121,6 +121,8 @@ class Published:
     done: float  # monotonic time the trainer answered
     attempts: int
     resumed: bool
+    #: When the ledger append landed (wall clock, Unix seconds; None: not reported).
+    landed: float | None = None
 
 
 @dataclass
@@ -580,6 +582,7 @@ class Soak:
             done=time.monotonic(),
             attempts=attempts,
             resumed=bool(answer.get("resumed")),
+            landed=float(answer["landed"]) if answer.get("landed") is not None else None,
         )
         self.run.published[step] = published
         return published

@@ -1008,7 +1008,9 @@ def _handoff(run: SoakRun, report: Report) -> None:
                     f"moments ({t1 - t0:.1f}s in all) while slow's bucket was slow"
                 )
         for p in run.published.values():
-            done = p.done + offset
+            # From the ledger append (the operator may hand the step over before the trainer's
+            # answer, which its checksums delay), else from that answer.
+            done = p.landed if p.landed is not None else p.done + offset
             if not a <= done < b:
                 continue
             after = next((t for t in heads if t > done), b)

@@ -168,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
                 handle = publisher.publish(state, step=step)
                 answer.update(ok=True, kind=handle.kind, resumed=False)
                 answer.update(full_bytes=handle.full_bytes, shipped_bytes=handle.shipped_bytes)
+                landed = handle.entry
+            # When the ledger append landed (its entry's time): the operator may hand the step
+            # over before this answer, which the checksums below delay.
+            if landed is not None:
+                answer["landed"] = landed.published_time.timestamp()
             answer["sha256"] = sha256s(state)
             answer["vllm_sha256"] = vllm_sha256s(state)
         except Exception as err:  # reported to the soak, which asks again
