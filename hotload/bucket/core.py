@@ -41,7 +41,7 @@ from hotload.bucket.objects import (
     check_key,
     run_sync,
 )
-from hotload.bucket.remote import RemoteStore, call_checked, split_token
+from hotload.bucket.remote import RemoteStore, call_checked, in_thread, split_token
 from hotload.bucket.retry import RetryPolicy, translate
 from hotload.bucket.url import BucketURL
 from hotload.errors import BucketError, ObjectNotFoundError
@@ -242,7 +242,7 @@ class Bucket:
                     key, tmp, size=size, etag=etag, progress=progress, semaphore=semaphore
                 )
             crash_point("download-write")  # the bytes are in the temp file, not yet renamed
-            await asyncio.to_thread(os.replace, tmp, target)
+            await in_thread(os.replace, tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -392,14 +392,16 @@ class Bucket:
         )
 
     async def _local(self, key: str, op: str, fn: Callable[[], T], *, write: bool = False) -> T:
-        # Local file calls run in a worker thread so they never stall the event loop. A write
+        # Local file calls run in a worker thread so they never stall the event loop, awaited
+        # to their end when the caller is cancelled (`in_thread`): a cancelled download's copy
+        # ran on into a folder its build had already removed, and left it behind. A write
         # passes the gate first (a folder write is one quick call: no retries to gate).
         try:
             if write and self.gate is not None:
                 what = f"{op} {self.url.rstrip('/')}/{key}"
                 async with self.gate.attempt(what, bounded=False):
-                    return await asyncio.to_thread(fn)
-            return await asyncio.to_thread(fn)
+                    return await in_thread(fn)
+            return await in_thread(fn)
         except BucketError:
             raise
         except Exception as exc:
