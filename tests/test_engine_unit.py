@@ -80,8 +80,12 @@ def test_completion_defaults_are_greedy_and_openai_like() -> None:
     [
         ({"prompt": "x", "n": 2}, "n"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
+        ({"prompt": "x", "include_routing_matrix": True}, "include_routing_matrix"),
+        ({"prompt": "x", "logprobs": 0, "include_routing_matrix": 1}, "include_routing_matrix"),
         ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
         ({"prompt": "x", "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
@@ -103,6 +107,28 @@ def test_completion_defaults_are_greedy_and_openai_like() -> None:
 def test_bad_completion_fields_are_named(body: dict[str, Any], param: str) -> None:
     err = api_error(parse, body)
     assert err.status == 400 and err.param == param and err.type == "invalid_request_error"
+
+
+def test_logprobs_echo_and_routes_are_parsed_per_endpoint() -> None:
+    """Completions take `logprobs` as the top-k; chat takes `logprobs: true` and
+    `top_logprobs`; routes ride on logprobs, echo is completions' only."""
+    req = parse({"prompt": "x", "logprobs": 3, "echo": True, "include_routing_matrix": True})
+    assert (req.logprobs, req.echo, req.routes) == (3, True, True)
+    assert parse({"prompt": "x", "logprobs": 0}).logprobs == 0
+    assert parse({"prompt": "x", "logprobs": False}).logprobs is None
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse({**chat, "logprobs": True}, "chat").logprobs == 0
+    assert parse({**chat, "logprobs": True, "top_logprobs": 5}, "chat").logprobs == 5
+    assert parse(chat, "chat").logprobs is None
+    for body, param in [
+        ({**chat, "top_logprobs": 2}, "top_logprobs"),
+        ({**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({**chat, "logprobs": 2}, "logprobs"),
+        ({**chat, "echo": True}, "echo"),
+        ({**chat, "include_routing_matrix": True}, "include_routing_matrix"),
+    ]:
+        err = api_error(lambda b: parse(b, "chat"), body)
+        assert err.status == 400 and err.param == param, body
 
 
 def test_chat_messages_are_checked() -> None:

@@ -7,8 +7,11 @@ model.safetensors.index.json, model.weight.spec.json, shards) on CPU or CUDA.
 HTTP API
     GET  /v1/models               {"data": [{"id": "<name>@<identity>", "root": name, ...}]}
     POST /v1/completions          prompt (string or token ids), max_tokens (16), temperature
-    POST /v1/chat/completions     (0 = greedy, the default), top_p, seed, stop, stream, n=1;
-                                  extensions: ignore_eos, return_token_ids
+    POST /v1/chat/completions     (0 = greedy, the default), top_p, seed, stop, stream, n=1,
+                                  logprobs (chat: logprobs + top_logprobs), echo (completions);
+                                  extensions: ignore_eos, return_token_ids, prompt_logprobs,
+                                  include_routing_matrix (each token's MoE routes,
+                                  docs/router-replay.md)
     POST /hotload/v1/load         {"path", "identity", "sequence", "mode": "async"|"sync",
                                   "cache_policy": "all"|"none"|"new_session"} -> 200
                                   {"identity", "sequence", "load_seconds", "pause_seconds", ...}
@@ -85,7 +88,8 @@ machine), `server` (`create_app`). torch and transformers are imported only by t
 that need them; the rest of `hotload` never imports this package.
 
 Limits: dense decoder-only models with full attention (tested with Llama; sliding-window and
-soft-capped attention fall back to fast numerics), n=1, no logprobs, no LoRA adapters.
+soft-capped attention fall back to fast numerics; mixtures of experts: Qwen3-MoE, Qwen2-MoE,
+Mixtral), n=1.
 """
 
 from __future__ import annotations

@@ -274,6 +274,11 @@ class Engine:
         if req.adapter is not None and not scheduler.has_adapter(req.adapter):
             raise self.unknown_model(str(req.adapter))
         check_constraint(req.constraint, scheduler.served)
+        if req.routes and runner.route_format is None:
+            why = runner.routes_refused or (
+                f"{runner.info.model_type} is not a mixture of experts: it has no router"
+            )
+            raise bad_request(f"include_routing_matrix: {why}", "include_routing_matrix")
         prompt_ids = codec.prompt_ids(req, runner.info.vocab_size)
         limit = runner.info.max_positions
         max_tokens = req.sampling.max_tokens
@@ -314,6 +319,9 @@ class Engine:
             constraint=req.constraint,
             prompt_logprobs=req.prompt_logprobs,
             adapter=req.adapter,
+            logprobs=req.logprobs,
+            echo=req.echo,
+            routes=req.routes,
         )
         scheduler.submit(job)
         return GenerationStream(job, queue, scheduler)

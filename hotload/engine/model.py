@@ -52,6 +52,7 @@ from hotload.engine.layout import (
 )
 from hotload.engine.lora import AdapterTable, set_rows
 from hotload.errors import SnapshotError, SnapshotValidationError, ValidationProblem
+from hotload.routes import RouteFormat, RoutesError, find_routers, route_format
 from hotload.snapshot import layout
 from hotload_patch.placement import Slot
 
@@ -163,6 +164,19 @@ class ModelRunner:
         #: LoRA adapters installed on top of the weights (chosen per request).
         self.lora = AdapterTable(model)
         self.groups: list[list[str]] = list(groups.values())
+        try:
+            routers = find_routers(model)
+            #: How this model's routes are laid out (None: no routers it can record).
+            self.route_format: RouteFormat | None = route_format(routers)
+            #: Why routes cannot be recorded ("" when they can, or the model is dense).
+            self.routes_refused = ""
+        except RoutesError as err:
+            routers, self.route_format, self.routes_refused = [], None, str(err)
+        #: The expert ids of the last forward that asked for them: [layers, rows, n, top_k].
+        self.last_routes: torch.Tensor | None = None
+        self._recording: list[torch.Tensor] | None = None
+        for router in routers:
+            router.register_forward_hook(self._record_route)
         self.info = ModelInfo(
             model_type=str(config.get("model_type", "?")),
             vocab_size=int(model.config.vocab_size),
@@ -326,6 +340,11 @@ class ModelRunner:
 
     # --- forward passes ----------------------------------------------------------------------
 
+    def _record_route(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        # Off (None) unless a forward asked: recording costs one small copy per layer.
+        if self._recording is not None:
+            self._recording.append(output[2].detach().to("cpu", torch.int32))
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -335,11 +354,13 @@ class ModelRunner:
         *,
         every_position: bool = False,
         adapters: Sequence[str | None] | None = None,
+        routes: bool = False,
     ) -> tuple[torch.Tensor, KVCache]:
         """Run `tokens` ([rows, n]) after `kv`; return fp32 logits and the new KV.
 
         The logits are the last position's ([rows, vocab]), or with `every_position` every
         position's ([rows, n, vocab]). `adapters` names each row's LoRA adapter (None: base).
+        With `routes`, `last_routes` holds the experts every MoE layer chose for each token.
         """
         from transformers import DynamicCache
 
@@ -352,6 +373,8 @@ class ModelRunner:
             cols = torch.arange(width, device=self.device)[None, :]
             mask = (cols >= torch.tensor(pads, device=self.device)[:, None]).long()
         set_rows(adapters)
+        self.last_routes = None
+        self._recording = [] if routes and self.route_format is not None else None
         try:
             with torch.inference_mode():
                 out = self.model(
@@ -362,8 +385,14 @@ class ModelRunner:
                     use_cache=True,
                     logits_to_keep=0 if every_position else 1,
                 )
+            if self._recording is not None:
+                rows, n = tokens.shape
+                self.last_routes = torch.stack(self._recording).reshape(
+                    len(self._recording), rows, n, -1
+                )
         finally:
             set_rows(None)
+            self._recording = None
         logits = out.logits.float() if every_position else out.logits[:, -1].float()
         layers: list[Any] = list(cache.layers)
         return logits, [(layer.keys, layer.values) for layer in layers]
@@ -376,18 +405,20 @@ class ModelRunner:
         *,
         every_position: bool = False,
         adapter: str | None = None,
+        routes: bool = False,
     ) -> tuple[torch.Tensor, KVCache]:
         """Prefill one sequence, reusing the first `reuse` positions of `prefix`; return logits.
 
         The logits are the last position's ([vocab]), or with `every_position` those of every
-        position computed here ([n - reuse, vocab]); `adapter` is its LoRA adapter, if any.
+        position computed here ([n - reuse, vocab]); `adapter` is its LoRA adapter, if any;
+        `routes`: see `forward`.
         """
         kv = crop(prefix, reuse) if prefix is not None and reuse > 0 else None
         start = reuse if kv is not None else 0
         ids = torch.tensor([list(tokens[start:])], dtype=torch.long, device=self.device)
         pos = torch.arange(start, len(tokens), device=self.device)[None, :]
         logits, new_kv = self.forward(
-            ids, pos, kv, [0], every_position=every_position, adapters=[adapter]
+            ids, pos, kv, [0], every_position=every_position, adapters=[adapter], routes=routes
         )
         return logits[0], new_kv
 
@@ -396,12 +427,15 @@ class ModelRunner:
         batch: BatchKV,
         tokens: Sequence[int],
         adapters: Sequence[str | None] | None = None,
+        routes: bool = False,
     ) -> torch.Tensor:
         """One decode step of the whole batch: feed each row's next token (row i with LoRA
-        adapter `adapters[i]`, if any); return [rows, vocab]."""
+        adapter `adapters[i]`, if any); return [rows, vocab]. `routes`: see `forward`."""
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)[:, None]
         pos = torch.tensor(batch.lengths(), dtype=torch.long, device=self.device)[:, None]
-        logits, batch.layers = self.forward(ids, pos, batch.layers, batch.pads, adapters=adapters)
+        logits, batch.layers = self.forward(
+            ids, pos, batch.layers, batch.pads, adapters=adapters, routes=routes
+        )
         return logits
 
 

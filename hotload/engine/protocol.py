@@ -171,6 +171,13 @@ class GenerationRequest:
     prompt_logprobs: int | None = None
     #: The LoRA adapter named as `model` (None: the base model).
     adapter: str | None = None
+    #: Logprobs of each generated token and its `logprobs` most likely alternatives (None:
+    #: not asked; completions' `logprobs`, chat's `logprobs` + `top_logprobs`).
+    logprobs: int | None = None
+    #: Completions' `echo`: the prompt's text (and, with `logprobs`, its tokens) first.
+    echo: bool = False
+    #: `include_routing_matrix`: each token's MoE routes on its logprobs entry.
+    routes: bool = False
 
     def model_name(self, served_name: str) -> str:
         """The name responses give the model: the adapter's, or the served model's."""
@@ -355,10 +362,18 @@ def parse_generation_request(
     best_of = _int(body, "best_of", minimum=1)
     if best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", "best_of")
-    if body.get("logprobs") not in (None, False, 0):
-        raise bad_request("logprobs are not supported by the reference engine", "logprobs")
-    if _bool(body, "echo"):
-        raise bad_request("echo is not supported by the reference engine", "echo")
+    logprobs = _logprobs(body, kind)
+    echo = _bool(body, "echo")
+    if echo and kind == "chat":
+        raise bad_request("echo is a /v1/completions option", "echo")
+    routes = _bool(body, "include_routing_matrix")
+    if routes and logprobs is None:
+        raise bad_request(
+            "include_routing_matrix needs logprobs (each token's routes are sent on its "
+            "logprobs entry): add "
+            + ('"logprobs": 0' if kind == "completion" else '"logprobs": true'),
+            "include_routing_matrix",
+        )
     prompt_logprobs = _int(body, "prompt_logprobs", minimum=0)
     if prompt_logprobs is not None and prompt_logprobs > MAX_PROMPT_LOGPROBS:
         raise bad_request(
@@ -402,7 +417,32 @@ def parse_generation_request(
         max_tokens_given=given,
         prompt_logprobs=prompt_logprobs,
         adapter=adapter,
+        logprobs=logprobs,
+        echo=echo,
+        routes=routes,
     )
+
+
+def _logprobs(body: Mapping[str, Any], kind: RequestKind) -> int | None:
+    """The top-k of generated tokens' logprobs (None: not asked): completions' `logprobs`
+    (an integer), chat's `logprobs` (true/false) with `top_logprobs` (an integer)."""
+    if kind == "chat":
+        asked = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", minimum=0)
+        if top is not None and not asked:
+            raise bad_request('top_logprobs needs "logprobs": true', "top_logprobs")
+        if top is not None and top > MAX_PROMPT_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be <= {MAX_PROMPT_LOGPROBS}, got {top}", "top_logprobs"
+            )
+        return (top or 0) if asked else None
+    value = body.get("logprobs")
+    if value is None or value is False:
+        return None
+    top = _int(body, "logprobs", minimum=0)
+    if top is not None and top > MAX_PROMPT_LOGPROBS:
+        raise bad_request(f"logprobs must be <= {MAX_PROMPT_LOGPROBS}, got {top}", "logprobs")
+    return top
 
 
 def parse_load_request(body: object, *, patch: bool = False) -> LoadRequest:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hotload.engine.protocol import SamplingParams
-from hotload.engine.responses import PromptLogprobs
+from hotload.engine.responses import PromptLogprobs, TokenScore
 
 
 def pick_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
@@ -56,3 +56,36 @@ def prompt_logprobs(
                 )
         out.append(entry)
     return out
+
+
+def token_score(
+    logits: torch.Tensor, token: int, top: int, piece: Callable[[int], str]
+) -> TokenScore:
+    """The logprobs entry of `token` chosen from one row of logits: its logprob (fp32
+    log-softmax of the raw logits, before temperature and top-p, as vLLM reports them) and
+    the `top` most likely tokens."""
+    row = torch.log_softmax(logits.float(), dim=-1).cpu()
+    return _score(row, token, top, piece)
+
+
+def prompt_scores(
+    logits: torch.Tensor, tokens: Sequence[int], top: int, piece: Callable[[int], str]
+) -> list[TokenScore]:
+    """The logprobs entries of a prompt's own tokens from its prefill's logits ([n, vocab],
+    row i predicts token i+1); the first has no logprob (nothing precedes it)."""
+    rows = torch.log_softmax(logits.float(), dim=-1).cpu()
+    first = TokenScore(int(tokens[0]), piece(int(tokens[0])), None)
+    return [first] + [
+        _score(rows[i - 1], int(tokens[i]), top, piece) for i in range(1, len(tokens))
+    ]
+
+
+def _score(row: torch.Tensor, token: int, top: int, piece: Callable[[int], str]) -> TokenScore:
+    alternatives: tuple[tuple[int, str, float], ...] = ()
+    if top > 0:
+        values, ids = torch.topk(row, top)
+        alternatives = tuple(
+            (tid, piece(tid), value)
+            for value, tid in zip(values.tolist(), ids.tolist(), strict=True)
+        )
+    return TokenScore(token, piece(token), float(row[token]), alternatives)

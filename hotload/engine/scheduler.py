@@ -28,7 +28,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -46,11 +46,12 @@ from hotload.engine.protocol import (
     VersionConstraint,
     snapshot_unavailable,
 )
-from hotload.engine.responses import Outcome, PromptLogprobs
-from hotload.engine.sampling import pick_token, prompt_logprobs
+from hotload.engine.responses import Outcome, PromptLogprobs, TokenScore
+from hotload.engine.sampling import pick_token, prompt_logprobs, prompt_scores, token_score
 from hotload.engine.sessions import SessionCache
 from hotload.engine.text import TextAssembler
 from hotload.engine.tokenizer import TextCodec
+from hotload.routes import encode_routes
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,18 @@ class TokenEvent:
 
     token_id: int
     text: str
+    served: ServedSnapshot
+    #: Its logprobs entry (None: not asked); with routes, sent once the token was fed.
+    score: TokenScore | None = None
+
+
+@dataclass(frozen=True)
+class PromptEvent:
+    """With `echo`: the prompt's text and, with logprobs, its tokens' entries, sent after the
+    prefill and before the first generated token."""
+
+    text: str
+    scores: list[TokenScore]
     served: ServedSnapshot
 
 
@@ -79,7 +92,7 @@ class ErrorEvent:
     error: ApiError
 
 
-Event = TokenEvent | DoneEvent | ErrorEvent
+Event = TokenEvent | PromptEvent | DoneEvent | ErrorEvent
 EventSink = Callable[[Event], None]
 
 
@@ -94,6 +107,9 @@ class Job:
     constraint: VersionConstraint = field(default_factory=VersionConstraint)
     prompt_logprobs: int | None = None  # top-k of vLLM's `prompt_logprobs`; None: not asked
     adapter: str | None = None  # the LoRA adapter the request named as its model
+    logprobs: int | None = None  # top-k of the generated tokens' logprobs; None: not asked
+    echo: bool = False  # the prompt's text (and its logprobs entries) first
+    routes: bool = False  # each token's routes on its logprobs entry
     cancelled: bool = False
 
 
@@ -110,6 +126,10 @@ class _Row:
     generated: list[int] = field(default_factory=list)
     finish: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    scores: list[TokenScore] | None = None
+    prompt_scores: list[TokenScore] | None = None
+    #: With routes: the last token, held until the pass that feeds it records its routes.
+    pending: TokenEvent | None = None
 
 
 @dataclass(eq=False)
@@ -338,7 +358,8 @@ class Scheduler:
         if reason is not None:  # checked again here: a swap may have happened while queued
             job.sink(ErrorEvent(snapshot_unavailable(reason, served)))
             return
-        wants_logprobs = job.prompt_logprobs is not None
+        echo_scores = job.echo and job.logprobs is not None
+        wants_logprobs = job.prompt_logprobs is not None or echo_scores
         # Prompt logprobs need every prompt position's logits: a cached prefix would skip some.
         hit = None if wants_logprobs else self.sessions.lookup(job.session, job.prompt_ids)
         if job.session is not None and not wants_logprobs:
@@ -353,12 +374,19 @@ class Scheduler:
                 reuse,
                 every_position=wants_logprobs,
                 adapter=job.adapter,
+                routes=job.routes and echo_scores,
             )
-            scored = None
+            scored, echoed = None, None
             if job.prompt_logprobs is not None:
                 scored = prompt_logprobs(
                     logits, job.prompt_ids, job.prompt_logprobs, self.codec.token_text
                 )
+            if echo_scores:
+                assert job.logprobs is not None
+                echoed = prompt_scores(logits, job.prompt_ids, job.logprobs, self.codec.piece)
+                if job.routes:
+                    echoed = self._routed(echoed, self.runner.last_routes, row=0, positions=True)
+            if wants_logprobs:
                 logits = logits[-1]
         except Exception as exc:
             log.exception("prefill failed")
@@ -378,7 +406,11 @@ class Scheduler:
             gen=gen,
             cached_tokens=reuse,
             prompt_logprobs=scored,
+            scores=[] if job.logprobs is not None else None,
+            prompt_scores=echoed,
         )
+        if job.echo:
+            job.sink(PromptEvent(self.codec.decode(job.prompt_ids), echoed or [], served))
         self._batch.add(kv)
         self._rows.append(row)
         self._take_token(row, logits, served)
@@ -392,19 +424,52 @@ class Scheduler:
             if not self._rows:
                 return
         served = self._served
+        routes = any(r.job.routes for r in self._rows)
         logits = self.runner.decode(
             self._batch,
             [r.generated[-1] for r in self._rows],
             [r.job.adapter for r in self._rows],
+            routes=routes,
         )
         self.steps += 1
         for i, row in enumerate(self._rows):
+            if row.pending is not None:
+                self._send(row, self.runner.last_routes, i)
             self._take_token(row, logits[i], served)
         self._retire()
+
+    def _routed(
+        self, scores: list[TokenScore], routes: torch.Tensor | None, *, row: int, positions: bool
+    ) -> list[TokenScore]:
+        """`scores` with the routes of `row` attached: `routes` is [layers, rows, n, top_k];
+        with `positions`, score j takes position j's, else the one score takes position 0's."""
+        fmt = self.runner.route_format
+        if routes is None or fmt is None:
+            return scores
+        out = []
+        for j, score in enumerate(scores):
+            ids = routes[:, row, j if positions else 0, :].reshape(-1).tolist()
+            out.append(replace(score, routes=encode_routes(ids, fmt)))
+        return out
+
+    def _send(self, row: _Row, routes: torch.Tensor | None, index: int) -> None:
+        """Send the token held for its routes, with those of batch row `index` (None: the
+        token was never fed, it ends the generation)."""
+        event, row.pending = row.pending, None
+        assert event is not None
+        if routes is not None and event.score is not None:
+            (score,) = self._routed([event.score], routes, row=index, positions=False)
+            event = replace(event, score=score)
+        if row.scores is not None and event.score is not None:
+            row.scores.append(event.score)
+        row.job.sink(event)
 
     def _take_token(self, row: _Row, logits: torch.Tensor, served: ServedSnapshot) -> None:
         params = row.job.sampling
         token = pick_token(logits, params, row.gen)
+        score = None
+        if row.job.logprobs is not None:
+            score = token_score(logits, token, row.job.logprobs, self.codec.piece)
         row.generated.append(token)
         row.last = served
         text = row.assembler.add(row.generated)
@@ -415,7 +480,9 @@ class Scheduler:
         elif len(row.generated) >= params.max_tokens or total >= self.runner.info.max_positions:
             row.finish = "length"
         self.metrics.tokens.labels("completion").inc()
-        row.job.sink(TokenEvent(token, text, served))
+        row.pending = TokenEvent(token, text, served, score)
+        if not row.job.routes:
+            self._send(row, None, 0)
 
     def _retire(self) -> None:
         keep: list[int] = []
@@ -425,6 +492,8 @@ class Scheduler:
             if row.finish is None:
                 keep.append(i)
                 continue
+            if row.pending is not None:
+                self._send(row, None, i)
             if row.job.session is not None:
                 # The KV covers the prompt and every generated token but the last (never fed).
                 fed = row.job.prompt_ids + row.generated[:-1]
@@ -442,6 +511,10 @@ class Scheduler:
                 cached_tokens=row.cached_tokens,
                 prompt_ids=list(row.job.prompt_ids),
                 prompt_logprobs=row.prompt_logprobs,
+                scores=row.scores,
+                prompt_scores=row.prompt_scores,
+                prompt_text=self.codec.decode(row.job.prompt_ids) if row.job.echo else "",
+                routes=self.runner.route_format if row.job.routes else None,
             )
             row.job.sink(DoneEvent(outcome, tail))
         if len(keep) != len(self._rows):

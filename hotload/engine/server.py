@@ -51,7 +51,7 @@ from hotload.engine.responses import (
     sse,
     stream_chunk,
 )
-from hotload.engine.scheduler import DoneEvent, ErrorEvent, TokenEvent
+from hotload.engine.scheduler import DoneEvent, ErrorEvent, PromptEvent, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +178,10 @@ async def _stream(
     engine: Engine,
     req: GenerationRequest,
     stream: GenerationStream,
-    first: TokenEvent | DoneEvent,
+    first: TokenEvent | PromptEvent | DoneEvent,
 ) -> web.StreamResponse:
     rid, created, name = new_id(req.kind), now(), req.model_name(engine.name)
-    opening = first.served if isinstance(first, TokenEvent) else first.outcome.start
+    opening = first.outcome.start if isinstance(first, DoneEvent) else first.served
     response = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
@@ -191,7 +191,7 @@ async def _stream(
         }
     )
     await response.prepare(request)
-    event: TokenEvent | DoneEvent | ErrorEvent = first
+    event: TokenEvent | PromptEvent | DoneEvent | ErrorEvent = first
     try:
         if req.kind == "chat":
             await response.write(
@@ -200,7 +200,20 @@ async def _stream(
         while True:
             if isinstance(event, TokenEvent):
                 chunk = stream_chunk(
-                    req, name, rid, created, event.served, text=event.text, token_id=event.token_id
+                    req,
+                    name,
+                    rid,
+                    created,
+                    event.served,
+                    text=event.text,
+                    token_id=event.token_id,
+                    scores=[event.score] if event.score is not None else [],
+                )
+                await response.write(sse(chunk))
+            elif isinstance(event, PromptEvent):
+                text = req.prompt if isinstance(req.prompt, str) else event.text
+                chunk = stream_chunk(
+                    req, name, rid, created, event.served, text=text, scores=event.scores
                 )
                 await response.write(sse(chunk))
             elif isinstance(event, DoneEvent):

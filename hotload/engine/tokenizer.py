@@ -45,6 +45,10 @@ class TextCodec:
         piece = self._tok.convert_ids_to_tokens(int(token_id))
         return piece if isinstance(piece, str) else ""
 
+    def piece(self, token_id: int) -> str:
+        """One token decoded on its own, special tokens included (a logprobs entry's text)."""
+        return str(self._tok.decode([int(token_id)], skip_special_tokens=False))
+
     def prompt_ids(self, req: GenerationRequest, vocab: int) -> list[int]:
         """A request's prompt as token ids; a bad request (ids outside the vocabulary of `vocab`
         tokens, an empty prompt) raises the 400 naming the field."""

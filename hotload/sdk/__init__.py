@@ -1,5 +1,6 @@
 """The trainer-facing side: publishing snapshots to a bucket, its ledger and the fleet."""
 
+from hotload.routes import RoutesError
 from hotload.sdk.numerics import (
     Divergence,
     NumericsError,
@@ -24,6 +25,7 @@ from hotload.sdk.publish import (
     upload_hinted_async,
 )
 from hotload.sdk.publisher import Publisher
+from hotload.sdk.replay import RolloutRoutes, replay_routes
 from hotload.sdk.shard_plan import ShardPlan, plan_shards
 from hotload.sdk.sharded import RankReport, ShardedPublisher
 
@@ -39,6 +41,8 @@ __all__ = [
     "RankReport",
     "ReadyReport",
     "ReplicaReport",
+    "RolloutRoutes",
+    "RoutesError",
     "ShardPlan",
     "ShardedPublishError",
     "ShardedPublisher",
@@ -49,5 +53,6 @@ __all__ = [
     "plan_shards",
     "publish_folder",
     "publish_folder_async",
+    "replay_routes",
     "upload_hinted_async",
 ]
