@@ -110,21 +110,14 @@ async def engine_rows(args: argparse.Namespace, folder: Path) -> tuple[list[str]
 
 def build_model(root: Path, args: argparse.Namespace) -> Path:
     """The benchmark's Qwen3-MoE as a hotload snapshot."""
-    from dataclasses import replace
-
     from hotload.snapshot import build_from_folder
     from support.families import FAMILIES, save_family
 
-    family = FAMILIES["qwen3-moe"]
-    family = replace(
-        family,
-        settings={
-            **family.settings,
-            "hidden_size": args.hidden,
-            "num_hidden_layers": args.layers,
-            "num_experts": args.experts,
-            "num_experts_per_tok": args.top_k,
-        },
+    family = FAMILIES["qwen3-moe"].sized(
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
     )
     folder = save_family(family, root / "hf", seed=1)
     return build_from_folder(folder, root / "snapshot").path
@@ -148,7 +141,11 @@ def main() -> None:
         folder = build_model(Path(tmp), args)
         rows, _ = asyncio.run(engine_rows(args, folder))
     commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
     ).stdout.strip()
     command = "python benchmarks/bench_routes.py " + " ".join(sys.argv[1:])
     body = "\n".join(

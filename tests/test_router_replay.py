@@ -323,3 +323,36 @@ async def test_the_front_and_the_router_pass_logprobs_and_routes_through_unchang
         assert answer["choices"][0]["logprobs"] == direct["choices"][0]["logprobs"]
         assert answer["hotload"] == direct["hotload"]
         assert RolloutRoutes.from_response(answer) == RolloutRoutes.from_response(direct)
+
+
+@pytest.mark.asyncio
+async def test_the_documented_grpo_step_runs_under_replay(moe_snapshot: Path) -> None:
+    """docs/router-replay.md's GRPO-style step, on two sampled completions of one prompt: the
+    ratio is computed through the engine's experts and the router gets a gradient."""
+    import torch
+
+    async with serve(moe_snapshot, IDENTITY, 7, dtype="float32") as client:
+        group = [await _rollout(client, seed=s) for s in (1, 2)]
+    model = _trainer_model(moe_snapshot)
+    trainer_identity = IDENTITY
+    advantages = [1.0, -1.0]
+    samples = [RolloutRoutes.from_response(r) for r in group]
+    served = {s.snapshot for s in samples}
+    assert served == {trainer_identity}, served
+    ratios = []
+    for sample, advantage in zip(samples, advantages, strict=True):
+        ids = torch.tensor([sample.token_ids])
+        start = sample.prompt_tokens
+        with replay_routes(model, sample, snapshot=trainer_identity):
+            logits = model(ids).logits[0, start - 1 : -1]
+        new = torch.log_softmax(logits.float(), -1).gather(-1, ids[0, start:, None])[:, 0]
+        old = torch.tensor(sample.logprobs[start:])
+        ratio = torch.exp(new - old)
+        loss = -torch.min(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage).mean()
+        loss.backward()
+        ratios.append(ratio.detach())
+    # Same weights, same experts: the engine's logprobs and the trainer's agree to float32
+    # rounding, so the importance ratio is 1.
+    assert all(torch.allclose(r, torch.ones_like(r), atol=1e-3) for r in ratios), ratios
+    gate = model.model.layers[0].mlp.gate.weight
+    assert gate.grad is not None and float(gate.grad.abs().sum()) > 0

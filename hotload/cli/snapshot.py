@@ -38,6 +38,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     b.add_argument("out", type=Path, help="snapshot folder to create (its name is the identity)")
     b.add_argument("--dtype", choices=["bf16"], help="cast floating-point weights to this dtype")
     b.add_argument("--max-shard-size", default="5GB", help="shard size limit (default: 5GB)")
+    b.add_argument(
+        "--fp8",
+        choices=["experts", "linear"],
+        help="write these weights as block FP8 (F8_E4M3 plus an F32 weight_scale_inv per "
+        "128x128 block) with the quantization_config: 'experts' the routed experts only, "
+        "'linear' every linear layer (router gates, norms, embeddings and lm_head stay as they "
+        "are); keep the same recipe for every snapshot of a run",
+    )
     _finish(b, _build, force=True)
 
     d = s.add_parser(
@@ -150,6 +158,7 @@ def _build(args: argparse.Namespace) -> int:
             cast="BF16" if args.dtype == "bf16" else None,
             overwrite=args.force,
             progress=advance,
+            fp8=args.fp8,
         )
     doc = {
         "path": str(written.path),

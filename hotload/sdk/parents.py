@@ -17,10 +17,11 @@ from typing import Any
 from hotload.arc import decode
 from hotload.arc.checksum import adler32
 from hotload.bucket import Bucket, download_snapshot_async
-from hotload.errors import ArcError, BucketError, LedgerError, SnapshotError
+from hotload.errors import ArcError, BucketError, HotloadError, LedgerError, SnapshotError
 from hotload.ledger import LedgerDocument, LedgerEntry
 from hotload.snapshot import Snapshot, describe_snapshot, layout, write_snapshot
 from hotload.snapshot.finite import check_finite
+from hotload.snapshot.fp8 import Fp8Recipe
 from hotload.snapshot.manifests import parse_weight_map
 from hotload.snapshot.safetensors_io import RawTensor
 
@@ -168,10 +169,17 @@ def full_copy(
     side_files_from: str | Path | None,
     cast: str | None,
     finite: bool = False,
+    fp8: Fp8Recipe | None = None,
 ) -> Path:
     """Write (or link, for a snapshot folder) the full snapshot of `weights` into the workdir;
-    with `finite`, a tensor holding NaN or Inf is refused (`NonFiniteWeightsError`)."""
+    with `finite`, a tensor holding NaN or Inf is refused (`NonFiniteWeightsError`); `fp8`:
+    that recipe's weights as block FP8 (`write_snapshot`)."""
     out = workdir / "full" / identity
+    if isinstance(weights, str | Path) and fp8 is not None:
+        raise HotloadError(
+            f"fp8={fp8!r} with a snapshot folder ({weights}): a folder is published as it is; "
+            f"write it with `hotload snapshot build --fp8 {fp8}`, or pass a state dict"
+        )
     if isinstance(weights, str | Path):
         src = Path(weights)
         if finite:
@@ -189,6 +197,7 @@ def full_copy(
         cast=cast,
         overwrite=True,
         finite=finite,
+        fp8=fp8,
     )
     return written.path
 

@@ -66,6 +66,7 @@ from hotload.sdk.publish import progress_bar, publish_folder_async, upload_hinte
 from hotload.sdk.published import first_difference
 from hotload.sdk.target import resolve_target
 from hotload.snapshot import describe_snapshot, validate_adapter
+from hotload.snapshot.fp8 import RECIPES, Fp8Recipe
 from hotload.snapshot.lora import add_checksums, write_adapter
 
 log = logging.getLogger("hotload.sdk.publisher")
@@ -91,7 +92,9 @@ class Publisher(PublisherCore):
     on). `retain=N`: after each successful publish, delete the snapshot folders nothing needs
     any more (`hotload ledger gc --keep N --apply`, see `retain_async`); the files of entries it
     drops from the ledger stay `retain_grace` longer (default 10 minutes), for loaders still
-    fetching them.
+    fetching them. `fp8="experts"` (or `"linear"`) writes that recipe's weights as block FP8
+    with their scales and the `quantization_config` (`hotload.snapshot.fp8`); keep it the same
+    for the whole run.
     """
 
     def __init__(
@@ -121,8 +124,11 @@ class Publisher(PublisherCore):
         retain_grace: timedelta = DEFAULT_GRACE,
         allow_nonfinite: bool = False,
         allow_step_back: bool = False,
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         check_cadence(full_every)
+        if fp8 is not None and fp8 not in RECIPES:
+            raise HotloadError(f"fp8={fp8!r}: use one of {', '.join(RECIPES)}, or None")
         check_side_files(config, side_files_from)
         target = resolve_target(
             bucket_url,
@@ -149,6 +155,8 @@ class Publisher(PublisherCore):
             retain_grace=retain_grace,
         )
         self.cast = cast
+        #: The FP8 recipe every snapshot is written with (None: as given).
+        self.fp8 = fp8
         self.side_files_from = side_files_from
         self.config = config
         self.threads = threads
@@ -366,6 +374,7 @@ class Publisher(PublisherCore):
             side_files_from=self.side_files_from,
             cast=self.cast,
             finite=not self.allow_nonfinite,
+            fp8=self.fp8,
         )
 
     def _remember(self, identity: str, full_dir: Path) -> None:

@@ -33,13 +33,15 @@ TokenRoutes = list[list[int]] | None
 
 @dataclass(frozen=True)
 class RolloutRoutes:
-    """One sample's tokens (prompt then completion) and each one's routes, from `snapshot`."""
+    """One sample's tokens (prompt then completion), each one's routes and the engine's
+    logprob of it (None for the first prompt token), from `snapshot`."""
 
     snapshot: str
     token_ids: list[int]
     routes: list[TokenRoutes]
     layout: RouteFormat
     prompt_tokens: int
+    logprobs: list[float | None]
 
     @classmethod
     def from_response(cls, body: Mapping[str, Any]) -> RolloutRoutes:
@@ -93,6 +95,7 @@ class RolloutRoutes:
             )
         token_ids: list[int] = []
         routes: list[TokenRoutes] = []
+        logprobs: list[float | None] = []
         for j, entry in enumerate(content):
             token_id = entry.get("token_id") if isinstance(entry, dict) else None
             if not isinstance(token_id, int):
@@ -107,7 +110,9 @@ class RolloutRoutes:
             except RoutesError as err:
                 raise RoutesError(f"logprobs.content[{j}]: {err}") from None
             token_ids.append(token_id)
-        return cls(str(start), token_ids, routes, layout, prompt_tokens)
+            value = entry.get("logprob")
+            logprobs.append(float(value) if isinstance(value, int | float) else None)
+        return cls(str(start), token_ids, routes, layout, prompt_tokens, logprobs)
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from hotload.errors import (
 )
 from hotload.snapshot import layout
 from hotload.snapshot.dtypes import CHANGE_FIX
+from hotload.snapshot.fp8 import fp8_problems
 from hotload.snapshot.lora import (
     AdapterConfig,
     adapter_weight_files,
@@ -167,6 +168,13 @@ def validate_snapshot(
     except SnapshotError as exc:
         problems.add(exc.path or root, exc.field, exc.message)
         config = None
+    if config is not None:
+        problems.items += fp8_problems(
+            config,
+            snap.tensor_map,
+            config_path=str(root / layout.CONFIG_FILE),
+            spec_path=str(spec_path),
+        )
     if config is not None and base_config is not None:
         problems.items += check_config(
             config,
@@ -276,6 +284,16 @@ def validate_transition(parent: str | Path | Snapshot, child: str | Path | Snaps
         elif pf != cf:
             problems.add(index, f"weight_map.{name}", f"moved from {pf} to {cf}")
     spec = c.path / layout.SPEC_FILE
+    recipes = [_quantization(s) for s in (p, c)]
+    if recipes[0] != recipes[1]:
+        problems.add(
+            c.path / layout.CONFIG_FILE,
+            "quantization_config",
+            f"changed from {json.dumps(recipes[0])} to {json.dumps(recipes[1])}: a delta keeps "
+            "its parent's quantization recipe. Publish with the parent's recipe (the same "
+            "Publisher(fp8=...) or `hotload snapshot build --fp8`), or publish a full snapshot to "
+            "change it (publish(..., full=True); `hotload publish --full`)",
+        )
     for name in sorted(set(p.tensor_map) & set(c.tensor_map)):
         ps, cs = p.tensor_map[name], c.tensor_map[name]
         if ps.dtype != cs.dtype:
@@ -293,6 +311,14 @@ def validate_transition(parent: str | Path | Snapshot, child: str | Path | Snaps
                 "shapes. " + CHANGE_FIX,
             )
     problems.raise_if_any()
+
+
+def _quantization(snap: Snapshot) -> Any:
+    """A snapshot's `quantization_config` (None: none, or no readable config.json)."""
+    try:
+        return snap.config.get("quantization_config")
+    except SnapshotError:
+        return None
 
 
 def validate_adapter(path: str | Path, *, base_model: str | None = None) -> Snapshot:

@@ -21,6 +21,7 @@ from hotload.errors import SnapshotError
 from hotload.snapshot import layout
 from hotload.snapshot.dtypes import NUMPY_TO_SAFETENSORS, TORCH_TO_SAFETENSORS
 from hotload.snapshot.finite import check_finite
+from hotload.snapshot.fp8 import Fp8Recipe, quantization_config, quantize_items
 from hotload.snapshot.manifests import parse_weight_map
 from hotload.snapshot.safetensors_io import RawTensor, iter_file, write_safetensors
 
@@ -274,12 +275,15 @@ def write_snapshot(
     overwrite: bool = False,
     progress: ProgressFn | None = None,
     finite: bool = False,
+    fp8: Fp8Recipe | None = None,
 ) -> WrittenSnapshot:
     """Write a full snapshot from a state dict or an iterator of (name, tensor).
 
     `config` is written as config.json; `side_files_from` copies config and tokenizer files
     from a model folder (an explicit `config` wins). With `finite`, a tensor holding NaN or Inf
-    is refused (`NonFiniteWeightsError`) and nothing is written.
+    is refused (`NonFiniteWeightsError`) and nothing is written. With `fp8`, that recipe's
+    weights are written as block FP8 with their scales, and config.json gets the
+    `quantization_config` (`hotload.snapshot.fp8`).
     """
     writer = SnapshotWriter(
         out_dir,
@@ -291,8 +295,38 @@ def write_snapshot(
     )
     try:
         write_side_files(writer.tmp_dir, side_files_from=side_files_from, config=config)
-        for name, tensor in _items(weights):
+        items: Iterable[tuple[str, Any]] = _items(weights)
+        kept: list[str] = []
+        done: list[str] = []
+        if fp8 is not None:
+            if not (writer.tmp_dir / layout.CONFIG_FILE).is_file():
+                raise SnapshotError(
+                    "an FP8 snapshot needs a config.json for its quantization_config: pass "
+                    "config= or side_files_from=",
+                    field="fp8",
+                )
+            if cast is not None:
+                raise SnapshotError(
+                    f"cast={cast!r} and fp8={fp8!r} together: the recipe's weights are FP8, "
+                    "cast the rest before publishing",
+                    field="fp8",
+                )
+            items = quantize_items(items, fp8, kept, done)
+        for name, tensor in items:
             writer.add(name, tensor)
+        if fp8 is not None and not done:
+            raise SnapshotError(
+                f"fp8={fp8!r} converted no tensor: the recipe takes 2-D weights named as in a "
+                "checkpoint (experts: ...experts.<N>.gate_proj/up_proj/down_proj.weight), not "
+                "stacked 3-D experts; publish the family's checkpoint names (Publisher does, "
+                "from a transformers state dict)",
+                field="fp8",
+            )
+        if fp8 is not None:
+            path = writer.tmp_dir / layout.CONFIG_FILE
+            doc = json.loads(path.read_text())
+            doc["quantization_config"] = quantization_config(fp8, kept)
+            path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         return writer.finish()
     except BaseException:
         writer.abort()
@@ -327,8 +361,10 @@ def build_from_folder(
     cast: str | None = None,
     overwrite: bool = False,
     progress: ProgressFn | None = None,
+    fp8: Fp8Recipe | None = None,
 ) -> WrittenSnapshot:
-    """Re-shard a Hugging Face model folder into a hotload snapshot (config and tokenizer kept)."""
+    """Re-shard a Hugging Face model folder into a hotload snapshot (config and tokenizer kept;
+    `fp8`: see `write_snapshot`)."""
     src = Path(src)
     if not (src / layout.CONFIG_FILE).is_file():
         raise SnapshotError("model folder has no config.json", path=str(src))
@@ -340,4 +376,5 @@ def build_from_folder(
         cast=cast,
         overwrite=overwrite,
         progress=progress,
+        fp8=fp8,
     )

@@ -16,7 +16,7 @@ CPU attention supports (16 it does not); the vocabulary is MiniLM's WordPiece (3
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,10 @@ class Family:
 
         cls = getattr(transformers, self.config_class)
         return cls(**{**TINY, **self.settings})
+
+    def sized(self, **settings: Any) -> Family:
+        """This family with `settings` over its own (a wider model for a benchmark)."""
+        return replace(self, settings={**self.settings, **settings})
 
     def model(self, seed: int) -> Any:
         """A randomly initialised model of the family (float32, seeded)."""

@@ -1,0 +1,360 @@
+"""Block-FP8 snapshots (issue 50, part 1): written deterministically by `hotload snapshot build
+--fp8` and `Publisher(fp8=...)`, refused at validation (what admission runs) when the guide's
+rules are broken, naming the tensor, and carried exactly by arc_v2 deltas.
+
+Expected values come from the inputs: the scales are recomputed here with numpy from the BF16
+weights (largest magnitude per 128x128 block over 448), the bytes of untouched blocks from the
+unmodified tensor, the rebuilt snapshots compared byte for byte with the ones written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hotload.arc import decode, encode
+from hotload.cli.main import run
+from hotload.errors import SnapshotValidationError
+from hotload.snapshot import Snapshot, build_from_folder, validate_snapshot, write_snapshot
+from hotload.snapshot.fp8 import dequantize, quantize
+from hotload.snapshot.safetensors_io import iter_file
+from hotload.snapshot.validate import validate_transition
+from support.families import FAMILIES, save_family
+
+EXPERT = "model.layers.0.mlp.experts.1.down_proj.weight"
+ATTENTION = "model.layers.0.self_attn.q_proj.weight"
+GATE = "model.layers.0.mlp.gate.weight"
+
+
+def _tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Every tensor of a snapshot folder: dtype, shape and bytes."""
+    out = {}
+    for shard in Snapshot(folder).shard_files:
+        for name, raw in iter_file(folder / shard):
+            out[name] = (raw.dtype, tuple(raw.shape), bytes(raw.data))
+    return out
+
+
+def _f32(dtype: str, shape: tuple[int, ...], data: bytes) -> np.ndarray:
+    if dtype == "BF16":
+        bits = np.frombuffer(data, "<u2").astype(np.uint32) << np.uint32(16)
+        return bits.view(np.float32).reshape(shape)
+    assert dtype == "F32"
+    return np.frombuffer(data, "<f4").reshape(shape)
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_family(FAMILIES["qwen3-moe"], tmp_path_factory.mktemp("moe") / "hf", seed=4)
+
+
+def test_quantizing_a_block_depends_on_that_block_alone() -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 260, generator=gen) * 0.02).to(torch.bfloat16)
+    values, scale = quantize(w)
+    assert values.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert tuple(scale.shape) == (math.ceil(300 / 128), math.ceil(260 / 128)) == (3, 3)
+    ref = w.float().numpy()
+    for i in range(3):
+        for j in range(3):
+            block = ref[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+            assert float(scale[i, j]) == pytest.approx(np.abs(block).max() / 448.0, rel=1e-6)
+    back = dequantize(values, scale).numpy()
+    # E4M3 keeps 3 mantissa bits: within half a step of 2**-3 relative, or the block's
+    # smallest subnormal step.
+    per_element = np.repeat(np.repeat(scale.numpy(), 128, 0), 128, 1)[:300, :260]
+    tolerance = np.maximum(np.abs(ref) * 2.0**-4, per_element * 2.0**-9)
+    assert np.all(np.abs(back - ref) <= tolerance * 1.0001)
+    # One element of block (1, 2) moves: only that block's bytes and scale may change.
+    moved = w.clone()
+    moved[200, 258] = moved[200, 258] * 40
+    values2, scale2 = quantize(moved)
+    a, b = values.view(torch.uint8).numpy(), values2.view(torch.uint8).numpy()
+    changed = np.argwhere(a != b)
+    assert len(changed) and all(r // 128 == 1 and c // 128 == 2 for r, c in changed)
+    assert [(i, j) for i in range(3) for j in range(3) if scale[i, j] != scale2[i, j]] == [(1, 2)]
+    again_values, again_scale = quantize(w)
+    assert torch.equal(again_values.view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(again_scale, scale)
+
+
+@pytest.mark.parametrize("recipe", ["experts", "linear"])
+def test_the_build_writes_the_recipe_and_its_quantization_config(
+    moe_folder: Path, tmp_path: Path, recipe: str
+) -> None:
+    out = tmp_path / f"fp8-{recipe}"
+    assert run(["snapshot", "build", str(moe_folder), str(out), "--fp8", recipe, "-o", "json"]) == 0
+    source = _tensors(_plain(moe_folder, tmp_path))
+    written = _tensors(out)
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    assert (qc["quant_method"], qc["fmt"], qc["weight_block_size"]) == ("fp8", "e4m3", [128, 128])
+    expected = {
+        n
+        for n in source
+        if ".experts." in n
+        or (recipe == "linear" and "self_attn" in n and n.endswith("_proj.weight"))
+    }
+    fp8 = {n for n, (d, _s, _b) in written.items() if d == "F8_E4M3"}
+    assert fp8 == expected and EXPERT in fp8 and GATE not in fp8
+    assert (ATTENTION in fp8) == (recipe == "linear")
+    for name in fp8:
+        rows, cols = source[name][1]
+        dtype, shape, _ = written[name + "_scale_inv"]
+        assert (dtype, shape) == ("F32", (math.ceil(rows / 128), math.ceil(cols / 128)))
+    # Everything else is byte for byte what the model folder held.
+    for name, value in source.items():
+        if name not in fp8:
+            assert written[name] == value, name
+    assert set(qc["modules_to_not_convert"]) >= {GATE.removesuffix(".weight"), "lm_head"}
+    validate_snapshot(out)
+
+
+def _plain(folder: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "plain"
+    if not out.exists():
+        build_from_folder(folder, out)
+    return out
+
+
+def _written(tmp_path: Path, name: str, tensors: dict[str, Any], qc: Any) -> Path:
+    """A snapshot of `tensors` whose config.json has quantization_config `qc` (None: none)."""
+    config: dict[str, Any] = {"model_type": "llama"}
+    if qc is not None:
+        config["quantization_config"] = qc
+    return write_snapshot(tmp_path / name, tensors, config=config).path
+
+
+QC = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+def _fp8_layer() -> dict[str, Any]:
+    import torch
+
+    w = torch.randn(256, 200) * 0.02
+    values, scale = quantize(w)
+    return {
+        "model.layers.0.mlp.experts.0.up_proj.weight": values,
+        "model.layers.0.mlp.experts.0.up_proj.weight_scale_inv": scale,
+        "model.layers.0.input_layernorm.weight": torch.ones(200),
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "field", "message"),
+    [
+        ("scale missing", "up_proj.weight_scale_inv", "cannot be dequantized without its scale"),
+        ("scale shape", "up_proj.weight_scale_inv", "needs F32[2, 2]"),
+        ("scale dtype", "up_proj.weight_scale_inv", "needs F32[2, 2]"),
+        ("nothing quantized", "tensor_map", "no tensor is F8_E4M3: nothing to dequantize"),
+        ("no config", "quantization_config", "missing: 1 tensors are block FP8 with scales"),
+        ("block size", "quantization_config.weight_block_size", "two positive integers"),
+        ("format", "quantization_config.fmt", "only e4m3"),
+        ("orphan scale", "norm.weight_scale_inv", "a scale without an F8_E4M3 weight"),
+    ],
+)
+def test_each_fp8_rule_refuses_its_bad_snapshot_naming_the_tensor(
+    tmp_path: Path, case: str, field: str, message: str
+) -> None:
+    import torch
+
+    tensors, qc = _fp8_layer(), dict(QC)
+    scale = "model.layers.0.mlp.experts.0.up_proj.weight_scale_inv"
+    if case == "scale missing":
+        del tensors[scale]
+    elif case == "scale shape":
+        tensors[scale] = torch.ones(2, 3)
+    elif case == "scale dtype":
+        tensors[scale] = tensors[scale].to(torch.bfloat16)
+    elif case == "nothing quantized":
+        tensors = {"model.layers.0.input_layernorm.weight": torch.ones(200)}
+    elif case == "no config":
+        qc = None
+    elif case == "block size":
+        qc["weight_block_size"] = [128]
+    elif case == "format":
+        qc["fmt"] = "e5m2"
+    elif case == "orphan scale":
+        tensors["model.layers.0.input_layernorm.weight_scale_inv"] = torch.ones(1, 2)
+    folder = _written(tmp_path, "bad", tensors, qc)
+    with pytest.raises(SnapshotValidationError) as info:
+        validate_snapshot(folder)
+    found = [p for p in info.value.problems if p.field is not None and p.field.endswith(field)]
+    assert found and message in found[0].message, info.value.problems
+    # The well-formed one passes.
+    validate_snapshot(_written(tmp_path, "good", _fp8_layer(), QC))
+
+
+def test_a_delta_keeps_its_parents_recipe_and_dtypes(moe_folder: Path, tmp_path: Path) -> None:
+    experts = tmp_path / "experts"
+    linear = tmp_path / "linear"
+    build_from_folder(moe_folder, experts, fp8="experts")
+    build_from_folder(moe_folder, linear, fp8="linear")
+    with pytest.raises(SnapshotValidationError) as info:
+        validate_transition(experts, linear)
+    fields = {p.field for p in info.value.problems}
+    assert "quantization_config" in fields
+    assert f"tensor_map.{ATTENTION}.dtype" in fields  # BF16 -> F8_E4M3
+    validate_transition(experts, experts)
+
+
+def test_fp8_deltas_rebuild_exactly_and_move_only_what_the_step_moved(
+    moe_folder: Path, tmp_path: Path
+) -> None:
+    """Step 1 moves one expert's weights; its FP8 delta rebuilds step 1 byte for byte, and no
+    other tensor's FP8 bytes or scales changed (quantizing is a function of the block)."""
+    from hotload.snapshot.fp8 import as_torch
+    from hotload.snapshot.writer import iter_model_folder
+
+    state = {n: as_torch(n, t).clone() for n, t in iter_model_folder(moe_folder)}
+    config = json.loads((moe_folder / "config.json").read_text())
+    step0 = write_snapshot(tmp_path / "s0", state, config=config, fp8="experts").path
+    moved = dict(state)
+    moved[EXPERT] = (state[EXPERT].float() * 1.5).to(state[EXPERT].dtype)
+    step1 = write_snapshot(tmp_path / "s1", moved, config=config, fp8="experts").path
+    delta = tmp_path / "d1"
+    encode(step0, step1, delta, parent_identity="s0", identity="s1")
+    validate_snapshot(delta)
+    rebuilt = tmp_path / "r1"
+    decode(step0, delta, rebuilt)
+    assert _tensors(rebuilt) == _tensors(step1)
+    before, after = _tensors(step0), _tensors(step1)
+    differ = sorted(n for n in after if after[n] != before[n])
+    assert differ == [EXPERT, EXPERT + "_scale_inv"]
+    shutil.rmtree(rebuilt)
+
+
+def _state(moe_folder: Path) -> dict[str, Any]:
+    from hotload.snapshot.fp8 import as_torch
+    from hotload.snapshot.writer import iter_model_folder
+
+    return {n: as_torch(n, t).clone() for n, t in iter_model_folder(moe_folder)}
+
+
+def test_the_publisher_writes_every_step_with_its_recipe(moe_folder: Path, tmp_path: Path) -> None:
+    """`Publisher(fp8="experts")`: a full FP8 snapshot, then a delta of the next step, both
+    valid FP8 snapshots in the bucket, the delta rebuilding the step's FP8 weights."""
+    from hotload.bucket import open_bucket
+    from hotload.ledger import Ledger
+    from hotload.sdk import Publisher
+
+    state = _state(moe_folder)
+    config = json.loads((moe_folder / "config.json").read_text())
+    bucket = tmp_path / "bucket"
+    publisher = Publisher(
+        str(bucket),
+        ledger="moe",
+        config=config,
+        workdir=tmp_path / "work",
+        fp8="experts",
+        progress=False,
+    )
+    publisher.publish(state, step=0)
+    moved = dict(state)
+    moved[EXPERT] = (state[EXPERT].float() * 1.5).to(state[EXPERT].dtype)
+    publisher.publish(moved, step=1)
+    entries = Ledger(open_bucket(str(bucket)), "moe").read().document.entries
+    assert [e.kind for e in entries] == ["full", "incremental"]
+    first, second = (bucket / e.identity for e in entries)
+    validate_snapshot(first)
+    validate_snapshot(second)
+    rebuilt = tmp_path / "rebuilt"
+    decode(first, second, rebuilt)
+    expected = write_snapshot(tmp_path / "expected", moved, config=config, fp8="experts").path
+    assert _tensors(rebuilt) == _tensors(expected)
+    assert _tensors(rebuilt)[EXPERT][0] == "F8_E4M3"
+    with pytest.raises(Exception, match="fp8='fp4'"):
+        Publisher(str(bucket), ledger="moe", fp8="fp4")  # type: ignore[arg-type]
+
+
+def test_operator_admission_takes_fp8_chains_and_refuses_a_recipe_change(
+    moe_folder: Path, tmp_path: Path
+) -> None:
+    """The operator's admission (`admit`, on a folder bucket) accepts an FP8 full snapshot and
+    its delta, refuses a delta that changes the recipe and a full snapshot missing a scale,
+    each naming the field or tensor."""
+    import asyncio
+
+    from hotload.api.models import HotLoadDeployment
+    from hotload.api.models import Snapshot as SnapshotCR
+    from hotload.bucket import open_bucket
+    from hotload.ledger import Ledger
+    from hotload_operator.admission import admit
+
+    bucket_dir = tmp_path / "bucket"
+    bucket = open_bucket(str(bucket_dir))
+    ledger = Ledger(bucket, "fleet")
+    hld = HotLoadDeployment.model_validate(
+        {
+            "metadata": {"name": "fleet", "namespace": "ml", "uid": "u-1", "generation": 1},
+            "spec": {
+                "bucket": {"url": f"file://{bucket_dir}"},
+                "engine": {"image": "registry.example/engine:1"},
+            },
+        }
+    )
+    state = _state(moe_folder)
+    config = json.loads((moe_folder / "config.json").read_text())
+    moved = dict(state)
+    moved[EXPERT] = (state[EXPERT].float() * 1.5).to(state[EXPERT].dtype)
+    s0 = write_snapshot(tmp_path / "f" / "step-000", state, config=config, fp8="experts").path
+    s1 = write_snapshot(tmp_path / "f" / "step-001", moved, config=config, fp8="experts").path
+
+    def submit(identity: str, folder: Path) -> Any:
+        shutil.copytree(folder, bucket_dir / identity)
+        cr = SnapshotCR.model_validate(
+            {"metadata": {"name": identity}, "spec": {"deployment": "fleet", "identity": identity}}
+        )
+        return asyncio.run(admit(cr, hld, bucket, ledger))
+
+    assert submit("step-000", s0).accepted
+    # The encoder refuses a recipe change; a delta whose config.json was edited afterwards
+    # reaches admission, which refuses it too.
+    other = tmp_path / "d" / "step-001x"
+    encode(s0, s1, other, parent_identity="step-000")
+    doc = json.loads((other / "config.json").read_text())
+    doc["quantization_config"]["hotload_recipe"] = "linear"
+    (other / "config.json").unlink()  # a hard link to step-001's own: replaced, not edited
+    (other / "config.json").write_text(json.dumps(doc))
+    changed = submit("step-001x", other)
+    assert not changed.accepted and "quantization_config: changed from" in changed.message
+    encode(s0, s1, tmp_path / "d" / "step-001", parent_identity="step-000")
+    delta = submit("step-001", tmp_path / "d" / "step-001")
+    assert delta.accepted and delta.entry is not None and delta.entry.kind == "incremental"
+    broken = dict(state)
+    broken_dir = write_snapshot(
+        tmp_path / "f" / "step-002", broken, config=config, fp8="experts"
+    ).path
+    scale = f"{EXPERT}_scale_inv"
+    _drop_tensor(broken_dir, scale)
+    refused = submit("step-002", broken_dir)
+    assert not refused.accepted and scale in refused.message
+    assert "cannot be dequantized without its scale" in refused.message
+
+
+def _drop_tensor(folder: Path, name: str) -> None:
+    """Remove tensor `name` from a snapshot folder (its shard rewritten, manifests updated)."""
+    from hotload.snapshot.safetensors_io import RawTensor, write_safetensors
+
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = index["weight_map"].pop(name)
+    index_path.write_text(json.dumps(index))
+    spec_path = folder / "model.weight.spec.json"
+    spec = json.loads(spec_path.read_text())
+    spec["tensor_map"].pop(name)
+    spec_path.write_text(json.dumps(spec))
+    kept = [
+        (n, RawTensor(raw.dtype, tuple(raw.shape), np.array(raw.data)))
+        for n, raw in iter_file(folder / shard)
+        if n != name
+    ]
+    write_safetensors(folder / shard, kept)
