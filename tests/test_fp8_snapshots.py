@@ -358,3 +358,26 @@ def _drop_tensor(folder: Path, name: str) -> None:
         if n != name
     ]
     write_safetensors(folder / shard, kept)
+
+
+@pytest.mark.asyncio
+async def test_the_reference_engine_refuses_fp8_by_name_and_keeps_serving(
+    moe_folder: Path, tmp_path: Path
+) -> None:
+    """Not served yet (docs/fp8.md): a hot load of an FP8 snapshot is a 422 that says so, the
+    old weights serving on; an engine started on one refuses to start, saying so."""
+    from hotload.engine.engine import Engine, EngineConfig
+    from hotload.errors import SnapshotError
+    from support.engines import complete, load, serve
+
+    plain = _plain(moe_folder, tmp_path)
+    fp8 = build_from_folder(moe_folder, tmp_path / "fp8", fp8="experts").path
+    async with serve(plain, "plain", 1, dtype="float32") as client:
+        status, body = await load(client, fp8, "fp8", 2)
+        after = await complete(client, [101, 2023], 2)
+    assert status == 422 and body["error"]["type"] == "snapshot_unusable"
+    assert "does not load FP8 snapshots yet" in body["error"]["message"]
+    assert after.status == 200 and after.hotload["identity_end"] == "plain"
+    engine = Engine(EngineConfig(model_path=fp8, name="tiny", identity="fp8", dtype="float32"))
+    with pytest.raises(SnapshotError, match="quantization_config: is a block-FP8 snapshot"):
+        await engine.start()

@@ -135,3 +135,29 @@ async def test_many_similar_events_share_one_combined_event(kube_api: KubeAPI) -
         assert len(after) == len(single) + 1 + 1 + 1
     finally:
         await reporter.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_loader_raises_the_count_of_the_event_it_wrote_before(
+    kube_api: KubeAPI,
+) -> None:
+    """A loader killed and started again (a new recorder, nothing remembered) that meets the
+    same failure raises the count of the Event its first life wrote, rather than writing a
+    second Event with the same message (seen three times on one pod in the 1,000-step soak);
+    the same holds for a create whose answer an API-server outage lost."""
+    pod = (await make_pod(kube_api))["metadata"]["name"]
+    now = [T0]
+    client = await loader_client(kube_api)
+    # A killed loader closes nothing: each life is a new reporter on the same credentials.
+    lives = [KubernetesReporter(client, kube_api.namespace, pod, clock=lambda: now[0])]
+    try:
+        for _ in range(3):
+            await lives[-1].event("Warning", "EngineUnavailable", "engine not ready: 503")
+            now[0] += timedelta(seconds=30)
+            lives.append(KubernetesReporter(client, kube_api.namespace, pod, clock=lambda: now[0]))
+        events = await pod_events(kube_api, pod)
+        assert [(e["reason"], e["count"]) for e in events] == [("EngineUnavailable", 3)]
+        assert events[0]["firstTimestamp"] == format_kube_time(T0)
+        assert events[0]["lastTimestamp"] == format_kube_time(T0 + timedelta(seconds=60))
+    finally:
+        await lives[0].aclose()

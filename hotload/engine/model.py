@@ -144,6 +144,20 @@ def _exact_supported(config: Any) -> str | None:
     return None
 
 
+def refuse_fp8(config: dict[str, Any], path: str | Path) -> None:
+    """Refuse a block-FP8 snapshot by name: this engine does not dequantize yet, and would
+    otherwise list every F8_E4M3 weight and scale as a mismatch."""
+    quantization = config.get("quantization_config")
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "fp8":
+        raise SnapshotError(
+            "is a block-FP8 snapshot (quantization_config fp8): the reference engine does not "
+            "load FP8 snapshots yet; serve a snapshot written without --fp8 / Publisher(fp8=), "
+            "or an engine that dequantizes FP8 (docs/fp8.md)",
+            path=str(path),
+            field="quantization_config",
+        )
+
+
 class ModelRunner:
     """The model, its forward passes and its weight swaps; used by one worker thread."""
 
@@ -208,6 +222,7 @@ class ModelRunner:
             raise SnapshotError(f"unknown numerics {numerics!r}", field="numerics")
         # `stage` below verifies everything; the model skeleton costs next to nothing before it.
         config_doc = Snapshot(path).config
+        refuse_fp8(config_doc, path)
         hf_config = AutoConfig.from_pretrained(str(path))
         why_not = _exact_supported(hf_config)
         exact = numerics == "exact" or (numerics == "auto" and dev.type == "cpu")
@@ -257,6 +272,7 @@ class ModelRunner:
         root = Path(path)
         verify(root)
         snap = Snapshot(root)
+        refuse_fp8(snap.config, root)
         if snap.kind != "full":
             raise SnapshotError(
                 f"is an {snap.kind} snapshot; the engine loads full snapshots only (the loader "

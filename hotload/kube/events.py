@@ -4,17 +4,23 @@ when it happens again, instead of a new Event per occurrence; and past `SIMILAR`
 messages for one (object, type, reason) within `SIMILAR_INTERVAL`, one Event "(combined from
 similar events): <the latest message>" whose count grows instead (a failure that names each
 step it failed on would otherwise leave an Event per step).
+
+Unlike client-go's, an Event's name is derived from what it says (`event_name`): a recorder
+that restarted (a loader killed and started again), or whose create was answered by a timeout
+after it landed (an API-server outage), finds the Event by its name (409 on the create) and
+raises its count instead of writing a second one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from hotload.errors import KubeError, KubeForbiddenError, KubeNotFoundError
+from hotload.errors import KubeConflictError, KubeError, KubeForbiddenError, KubeNotFoundError
 from hotload.kube.client import KubeClient, resource_path
 
 log = logging.getLogger("hotload.kube.events")
@@ -53,6 +59,14 @@ def involved_object(obj: JSON) -> JSON:
     return ref
 
 
+def event_name(involved: JSON, key: tuple[str, ...]) -> str:
+    """The name of the Event `key` (object, type, reason, message) records about `involved`:
+    the object's name and a digest of the key, the same for every recorder."""
+    name = str(involved.get("name") or "object")
+    digest = hashlib.sha256("\x1f".join(key).encode()).hexdigest()[:20]
+    return f"{name[: 252 - len(digest)]}.{digest}"
+
+
 def build_event(  # noqa: PLR0917 - the positional order mirrors the Event's fields
     involved: JSON,
     type_: EventType,
@@ -61,17 +75,20 @@ def build_event(  # noqa: PLR0917 - the positional order mirrors the Event's fie
     now: datetime,
     component: str,
     instance: str,
+    name: str | None = None,
 ) -> JSON:
-    """A core v1 Event about `involved` (an `involved_object` reference), with count 1."""
+    """A core v1 Event about `involved` (an `involved_object` reference), with count 1;
+    `name` defaults to the kubelet's form (the object's name and a nanosecond suffix)."""
     stamp = format_kube_time(now)
-    name = str(involved.get("name") or "object")
-    # Named like the kubelet's Events: the object's name and a unique nanosecond suffix.
-    suffix = f"{int(now.timestamp() * 1e9):x}"
+    if name is None:
+        base = str(involved.get("name") or "object")
+        suffix = f"{int(now.timestamp() * 1e9):x}"
+        name = f"{base[: 252 - len(suffix)]}.{suffix}"
     return {
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {
-            "name": f"{name[: 252 - len(suffix)]}.{suffix}",
+            "name": name,
             "namespace": involved.get("namespace") or "default",
         },
         "involvedObject": dict(involved),
@@ -137,7 +154,7 @@ class EventRecorder:
                 try:
                     written = await self._bump(previous, now, message)
                 except KubeNotFoundError:  # expired (Events live about an hour): start anew
-                    written = await self._create(involved, type_, reason, message, now)
+                    written = await self._create(involved, type_, reason, message, now, key=key)
                 except KubeForbiddenError:
                     # A Role that grants only `create` on events: one Event per occurrence.
                     self._can_patch = False
@@ -147,9 +164,9 @@ class EventRecorder:
                         involved.get("namespace"),
                         self.component,
                     )
-                    written = await self._create(involved, type_, reason, message, now)
+                    written = await self._create(involved, type_, reason, message, now, key=key)
             else:
-                written = await self._create(involved, type_, reason, message, now)
+                written = await self._create(involved, type_, reason, message, now, key=key)
         except KubeError as exc:
             log.warning(
                 "cannot record event %s on %s %s/%s: %s",
@@ -184,11 +201,33 @@ class EventRecorder:
         return False
 
     async def _create(
-        self, involved: JSON, type_: EventType, reason: str, message: str, now: datetime
+        self,
+        involved: JSON,
+        type_: EventType,
+        reason: str,
+        message: str,
+        now: datetime,
+        *,
+        key: tuple[str, ...],
     ) -> JSON:
-        body = build_event(involved, type_, reason, message, now, self.component, self.instance)
-        path = resource_path("v1", "events", body["metadata"]["namespace"])
-        return await self._client.create(path, body)
+        # Without patch rights every occurrence is an Event of its own, named as the kubelet's.
+        name = event_name(involved, key) if self._can_patch else None
+        body = build_event(
+            involved, type_, reason, message, now, self.component, self.instance, name
+        )
+        namespace = body["metadata"]["namespace"]
+        try:
+            return await self._client.create(resource_path("v1", "events", namespace), body)
+        except KubeConflictError:
+            if name is None:
+                raise
+            # Written before this recorder knew it (a restart, or a create whose answer was
+            # lost): the patch answers the Event as it is, whose count the next one raises.
+            path = resource_path("v1", "events", namespace, name)
+            current = await self._client.patch(
+                path, {"lastTimestamp": format_kube_time(now)}, "merge"
+            )
+            return await self._bump(current, now, message)
 
     async def _bump(self, previous: JSON, now: datetime, message: str) -> JSON:
         meta = previous["metadata"]
