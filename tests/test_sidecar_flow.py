@@ -651,3 +651,27 @@ async def test_a_patch_ahead_that_could_not_be_made_leaves_the_update_its_own_at
         last = s.reporter.status.last_load
         assert last is not None and (last.method, last.sparse_fallback) == ("full", "too_dense")
         assert scraped(s.loader.metrics)[("hotload_loader_patches_prepared_ahead_total", ())] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_failed_update_still_keeps_the_volume_to_its_snapshots(
+    fulls: list[Path], tmp_path: Path
+) -> None:
+    """The loader serves full snapshot step-001 (step-000 still kept: `--keep 2`); its deltas
+    are too dense to patch, and step-003's is corrupt in the bucket, so the full build of
+    step-003 fails, having committed step-002 on the way. The volume still holds the newest two snapshots
+    only: collecting is part of every update, not only of one that succeeded (the 1,000-step
+    soak held three full snapshots while its replicas failed behind a corrupted delta)."""
+    async with serving_step_0(fulls, tmp_path, sparse_max_changed=1e-9) as s:
+        await s.loader.flow.update(await s.publish(1, full=True))
+        weights = s.loader.weights
+        assert weights.local() == {"step-000", "step-001"} and weights.current() == "step-001"
+        await s.publish(2)
+        head = await s.publish(3)
+        flip_payload_byte(tmp_path / "bucket" / "step-003")
+        await s.loader.flow.update(head)
+        assert s.engine.served.identity == "step-001"
+        assert s.reporter.status.last_error  # the update failed, and says so
+        assert "step-002" in weights.local()  # the build got that far
+        assert len(weights.local()) <= s.loader.settings.keep
+        assert {"step-001", "step-002"} <= weights.local() and weights.current() == "step-001"

@@ -11,6 +11,8 @@ serves and what the volume holds, which path an update takes, and where each fal
                    served: collect, fold the deltas when they add up     ChainedLoads.collect
                  else (a full snapshot on the way, a rollback, nothing
                    known): wait for a compaction, build + load in full   FullLoads.build_and_load
+                   served or failed: collect (a failed build may have
+                   committed the steps before the one that failed)       ChainedLoads.collect
     scrub/probe  the served weights changed: build + load it in full     UpdateFlow.reload_served
     stop         the patch prepared ahead is removed                     PatchesAhead.drop
 
@@ -80,6 +82,10 @@ class UpdateFlow:
         await self.volume.settle()  # never build beside a compaction
         if await self.full.build_and_load(document, target, policy, fallback, started):
             self.chained.collect(target)
+        elif (served_entry := document.find(self.replica.status.identity or "")) is not None:
+            # A failed build may have committed the steps before the one that failed: the
+            # volume keeps its bound while the replica waits for the retry.
+            self.chained.collect(served_entry)
 
     async def reload_served(self, reason: str) -> bool:
         """Load the served snapshot in full again (a scrub or probe found its weights
