@@ -659,9 +659,10 @@ async def test_a_failed_update_still_keeps_the_volume_to_its_snapshots(
 ) -> None:
     """The loader serves full snapshot step-001 (step-000 still kept: `--keep 2`); its deltas
     are too dense to patch, and step-003's is corrupt in the bucket, so the full build of
-    step-003 fails, having committed step-002 on the way. The volume still holds the newest two snapshots
-    only: collecting is part of every update, not only of one that succeeded (the 1,000-step
-    soak held three full snapshots while its replicas failed behind a corrupted delta)."""
+    step-003 fails, having committed step-002 on the way. The volume still holds the newest
+    two snapshots only: collecting is part of every update, not only of one that succeeded
+    (the 1,000-step soak held three full snapshots while its replicas failed behind a
+    corrupted delta)."""
     async with serving_step_0(fulls, tmp_path, sparse_max_changed=1e-9) as s:
         await s.loader.flow.update(await s.publish(1, full=True))
         weights = s.loader.weights
