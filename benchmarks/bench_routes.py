@@ -9,8 +9,8 @@ engine builds (`responses.logprob_entry`), against the same routes as a JSON lis
 Engine: a tiny Qwen3-MoE (`tests/support/families.py`, widened by `--hidden`/`--experts`)
 served by `hotload serve`'s engine in this process behind its HTTP server; `--clients`
 concurrent greedy completions of `--tokens` tokens each, plain, with `logprobs: 0`, and with
-`logprobs: 0, echo, include_routing_matrix`, interleaved round by round so the machine's
-load falls on all three alike; tokens/s is the median over `--rounds`.
+`logprobs: 0, echo` (the prompt's entries too), and with `include_routing_matrix` as well,
+interleaved round by round so the machine's load falls on all of them alike; tokens/s is the median over `--rounds`.
 
     python benchmarks/bench_routes.py --out benchmarks/RESULTS-routes.md
 """
@@ -51,6 +51,7 @@ SHAPES = [
 MODES: dict[str, dict[str, Any]] = {
     "plain": {},
     "logprobs": {"logprobs": 0},
+    "logprobs + echo": {"logprobs": 0, "echo": True},
     "logprobs + echo + routes": {"logprobs": 0, "echo": True, "include_routing_matrix": True},
 }
 
@@ -133,7 +134,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
     parser.add_argument("--clients", type=int, default=4, help="concurrent requests per round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of the three modes")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the four modes")
     parser.add_argument("--out", type=Path, help="RESULTS file to write the run into")
     args = parser.parse_args()
     wire = wire_rows()
