@@ -152,8 +152,17 @@ def _fp8_layer() -> dict[str, Any]:
     ("case", "field", "message"),
     [
         ("scale missing", "up_proj.weight_scale_inv", "cannot be dequantized without its scale"),
-        ("scale shape", "up_proj.weight_scale_inv", "needs F32[2, 2]"),
-        ("scale dtype", "up_proj.weight_scale_inv", "needs F32[2, 2]"),
+        (
+            "scale shape",
+            "up_proj.weight_scale_inv",
+            "needs a float scale (F32, BF16 or F16) of shape [2, 2]",
+        ),
+        ("scale dtype", "up_proj.weight_scale_inv", "is I32[2, 2]"),
+        (
+            "per-tensor scale missing",
+            "up_proj.weight_scale",
+            "cannot be dequantized without its scale",
+        ),
         ("nothing quantized", "tensor_map", "no tensor is F8_E4M3: nothing to dequantize"),
         ("no config", "quantization_config", "missing: 1 tensors are block FP8 with scales"),
         ("block size", "quantization_config.weight_block_size", "two positive integers"),
@@ -173,7 +182,10 @@ def test_each_fp8_rule_refuses_its_bad_snapshot_naming_the_tensor(
     elif case == "scale shape":
         tensors[scale] = torch.ones(2, 3)
     elif case == "scale dtype":
-        tensors[scale] = tensors[scale].to(torch.bfloat16)
+        tensors[scale] = tensors[scale].to(torch.int32)
+    elif case == "per-tensor scale missing":
+        del tensors[scale]
+        del qc["weight_block_size"]
     elif case == "nothing quantized":
         tensors = {"model.layers.0.input_layernorm.weight": torch.ones(200)}
     elif case == "no config":
@@ -189,8 +201,15 @@ def test_each_fp8_rule_refuses_its_bad_snapshot_naming_the_tensor(
         validate_snapshot(folder)
     found = [p for p in info.value.problems if p.field is not None and p.field.endswith(field)]
     assert found and message in found[0].message, info.value.problems
-    # The well-formed one passes.
+    # The well-formed one passes, with F32 scales or, as Qwen's FP8 releases store them,
+    # BF16 ones; and per-tensor FP8 (no blocks) with each weight's `weight_scale`.
     validate_snapshot(_written(tmp_path, "good", _fp8_layer(), QC))
+    bf16 = {n: t.to(torch.bfloat16) if n == scale else t for n, t in _fp8_layer().items()}
+    validate_snapshot(_written(tmp_path, "good-bf16", bf16, QC))
+    per_tensor = {n: t for n, t in _fp8_layer().items() if n != scale}
+    per_tensor["model.layers.0.mlp.experts.0.up_proj.weight_scale"] = torch.ones(())
+    per_tensor_qc = {k: v for k, v in QC.items() if k != "weight_block_size"}
+    validate_snapshot(_written(tmp_path, "good-per-tensor", per_tensor, per_tensor_qc))
 
 
 def test_a_delta_keeps_its_parents_recipe_and_dtypes(moe_folder: Path, tmp_path: Path) -> None:

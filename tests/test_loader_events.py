@@ -29,9 +29,10 @@ def _plural(kind: str) -> str:
     ]
 
 
-async def loader_client(kube_api: KubeAPI) -> KubeClient:
+async def loader_client(kube_api: KubeAPI, *, patch_events: bool = True) -> KubeClient:
     """A client that authenticates as the loader's service account, bound to the Role the
-    operator builds for it (`build_loader_rbac`)."""
+    operator builds for it (`build_loader_rbac`); without `patch_events`, a Role that grants
+    only `create` on events (an operator older than that rule)."""
     ns = kube_api.namespace
     hld = HotLoadDeployment.model_validate(
         {
@@ -42,6 +43,11 @@ async def loader_client(kube_api: KubeAPI) -> KubeClient:
         }
     )
     objects = build_loader_rbac(hld)
+    if not patch_events:
+        for obj in objects:
+            for rule in obj.get("rules") or []:
+                if "events" in rule.get("resources", []):
+                    rule["verbs"] = [v for v in rule["verbs"] if v != "patch"]
     async with kube_api.client() as kube:
         for obj in objects:
             body = {**obj, "metadata": {"name": obj["metadata"]["name"]}}  # no owner in a test
@@ -159,5 +165,26 @@ async def test_a_restarted_loader_raises_the_count_of_the_event_it_wrote_before(
         assert [(e["reason"], e["count"]) for e in events] == [("EngineUnavailable", 3)]
         assert events[0]["firstTimestamp"] == format_kube_time(T0)
         assert events[0]["lastTimestamp"] == format_kube_time(T0 + timedelta(seconds=60))
+    finally:
+        await lives[0].aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_loader_without_patch_rights_still_records_every_event(
+    kube_api: KubeAPI,
+) -> None:
+    """Under a Role that grants only `create` on events, the Event a loader's earlier life
+    wrote cannot be raised: the repeat is an Event of its own, never dropped."""
+    pod = (await make_pod(kube_api))["metadata"]["name"]
+    now = [T0]
+    client = await loader_client(kube_api, patch_events=False)
+    lives = [KubernetesReporter(client, kube_api.namespace, pod, clock=lambda: now[0])]
+    try:
+        for _ in range(2):
+            await lives[-1].event("Warning", "EngineUnavailable", "engine not ready: 503")
+            now[0] += timedelta(seconds=30)
+            lives.append(KubernetesReporter(client, kube_api.namespace, pod, clock=lambda: now[0]))
+        events = await pod_events(kube_api, pod)
+        assert [(e["reason"], e["count"]) for e in events] == [("EngineUnavailable", 1)] * 2
     finally:
         await lives[0].aclose()

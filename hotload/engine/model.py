@@ -23,6 +23,8 @@ outputs equal only up to rounding across batch compositions.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import threading
 import time
@@ -144,10 +146,10 @@ def _exact_supported(config: Any) -> str | None:
     return None
 
 
-def refuse_fp8(config: dict[str, Any], path: str | Path) -> None:
+def refuse_fp8(config: object, path: str | Path) -> None:
     """Refuse a block-FP8 snapshot by name: this engine does not dequantize yet, and would
     otherwise list every F8_E4M3 weight and scale as a mismatch."""
-    quantization = config.get("quantization_config")
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
     if isinstance(quantization, dict) and quantization.get("quant_method") == "fp8":
         raise SnapshotError(
             "is a block-FP8 snapshot (quantization_config fp8): the reference engine does not "
@@ -270,9 +272,11 @@ class ModelRunner:
 
         started = time.perf_counter()
         root = Path(path)
+        with contextlib.suppress(OSError, ValueError):  # `verify` names a bad config.json
+            # Before `verify` reads every tensor: an FP8 snapshot is refused at once.
+            refuse_fp8(json.loads((root / layout.CONFIG_FILE).read_text()), root)
         verify(root)
         snap = Snapshot(root)
-        refuse_fp8(snap.config, root)
         if snap.kind != "full":
             raise SnapshotError(
                 f"is an {snap.kind} snapshot; the engine loads full snapshots only (the loader "

@@ -60,11 +60,12 @@ def involved_object(obj: JSON) -> JSON:
 
 
 def event_name(involved: JSON, key: tuple[str, ...]) -> str:
-    """The name of the Event `key` (object, type, reason, message) records about `involved`:
-    the object's name and a digest of the key, the same for every recorder."""
+    """The name of the Event `key` (component, object, type, reason, message) records about
+    `involved`: the object's name and a digest of the key, the same for every recorder."""
     name = str(involved.get("name") or "object")
     digest = hashlib.sha256("\x1f".join(key).encode()).hexdigest()[:20]
-    return f"{name[: 252 - len(digest)]}.{digest}"
+    # A DNS subdomain: the cut name must not end in a separator before the digest's dot.
+    return f"{name[: 252 - len(digest)].rstrip('.-')}.{digest}"
 
 
 def build_event(  # noqa: PLR0917 - the positional order mirrors the Event's fields
@@ -211,7 +212,7 @@ class EventRecorder:
         key: tuple[str, ...],
     ) -> JSON:
         # Without patch rights every occurrence is an Event of its own, named as the kubelet's.
-        name = event_name(involved, key) if self._can_patch else None
+        name = event_name(involved, (self.component, *key)) if self._can_patch else None
         body = build_event(
             involved, type_, reason, message, now, self.component, self.instance, name
         )
@@ -224,9 +225,14 @@ class EventRecorder:
             # Written before this recorder knew it (a restart, or a create whose answer was
             # lost): the patch answers the Event as it is, whose count the next one raises.
             path = resource_path("v1", "events", namespace, name)
-            current = await self._client.patch(
-                path, {"lastTimestamp": format_kube_time(now)}, "merge"
-            )
+            try:
+                current = await self._client.patch(
+                    path, {"lastTimestamp": format_kube_time(now)}, "merge"
+                )
+            except KubeForbiddenError:
+                # A Role that grants only `create`: from now on an Event per occurrence.
+                self._can_patch = False
+                return await self._create(involved, type_, reason, message, now, key=key)
             return await self._bump(current, now, message)
 
     async def _bump(self, previous: JSON, now: datetime, message: str) -> JSON:

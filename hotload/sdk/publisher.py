@@ -129,6 +129,11 @@ class Publisher(PublisherCore):
         check_cadence(full_every)
         if fp8 is not None and fp8 not in RECIPES:
             raise HotloadError(f"fp8={fp8!r}: use one of {', '.join(RECIPES)}, or None")
+        if fp8 is not None and cast is not None:
+            raise HotloadError(
+                f"cast={cast!r} and fp8={fp8!r} together: the recipe's weights are FP8; cast "
+                "the others before publishing"
+            )
         check_side_files(config, side_files_from)
         target = resolve_target(
             bucket_url,

@@ -95,7 +95,7 @@ class RolloutRoutes:
             )
         token_ids: list[int] = []
         routes: list[TokenRoutes] = []
-        logprobs: list[float | None] = []
+        values: list[float | None] = []
         for j, entry in enumerate(content):
             token_id = entry.get("token_id") if isinstance(entry, dict) else None
             if not isinstance(token_id, int):
@@ -111,8 +111,8 @@ class RolloutRoutes:
                 raise RoutesError(f"logprobs.content[{j}]: {err}") from None
             token_ids.append(token_id)
             value = entry.get("logprob")
-            logprobs.append(float(value) if isinstance(value, int | float) else None)
-        return cls(str(start), token_ids, routes, layout, prompt_tokens, logprobs)
+            values.append(float(value) if isinstance(value, int | float) else None)
+        return cls(str(start), token_ids, routes, layout, prompt_tokens, values)
 
 
 @contextmanager

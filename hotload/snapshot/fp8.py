@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -34,7 +35,8 @@ BLOCK = (128, 128)
 #: The largest finite float8_e4m3fn value.
 E4M3_MAX = 448.0
 FP8_DTYPE = "F8_E4M3"
-SCALE_DTYPE = "F32"
+#: Scale dtypes engines dequantize with (Qwen's FP8 releases store BF16 or F16 scales).
+SCALE_DTYPES = frozenset({"F32", "BF16", "F16"})
 SCALE_SUFFIX = "_scale_inv"
 
 #: A routed expert's projection in a checkpoint: Qwen3-MoE / DeepSeek / GLM
@@ -108,37 +110,47 @@ def quantize_items(
     if recipe not in RECIPES:
         raise SnapshotError(f"unknown FP8 recipe {recipe!r}: use one of {', '.join(RECIPES)}")
     for name, tensor in items:
-        t = as_torch(name, tensor)
-        shape = tuple(int(d) for d in t.shape)
+        # Decided on the shape: a tensor that passes through is never converted or copied.
+        shape = tuple(int(d) for d in tensor.shape)
         if not quantizes(recipe, name, shape):
             if len(shape) == 2 and name.endswith(".weight"):
                 kept.append(name.removesuffix(".weight"))
             yield name, tensor
             continue
-        if not t.is_floating_point():
-            raise SnapshotError(f"cannot quantize {name}: it is {t.dtype}", field=name)
-        values, scale = quantize(t)
+        values, scale = quantize(as_torch(name, tensor))
         done.append(name)
         yield name, values
         yield name + SCALE_SUFFIX, scale
 
 
 def as_torch(name: str, tensor: Any) -> Any:
-    """`tensor` as a torch tensor (a `RawTensor` read from a model folder is viewed, not
-    copied)."""
+    """`tensor` (a float weight to quantize) as a torch tensor; a `RawTensor` read from a
+    model folder is viewed, not copied. Another dtype raises `SnapshotError` naming it."""
     import torch
 
     from hotload.snapshot.safetensors_io import RawTensor
 
+    kinds = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     if isinstance(tensor, RawTensor):
-        kinds = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
         if tensor.dtype not in kinds:
-            # Not a float the recipe converts (ids, masks): it passes through as it is.
-            return torch.empty(tensor.shape, dtype=torch.uint8)
-        flat = torch.frombuffer(bytearray(tensor.data.tobytes()), dtype=kinds[tensor.dtype])
-        return flat.reshape(tensor.shape)
+            already = " (already FP8: build from the BF16 model)" if "F8" in tensor.dtype else ""
+            raise SnapshotError(
+                f"cannot quantize a {tensor.dtype} tensor{already}; the recipe converts "
+                f"{', '.join(kinds)} weights",
+                field=name,
+            )
+        with warnings.catch_warnings():  # a read-only memory map: it is only read here
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(tensor.data)
+        return flat.view(kinds[tensor.dtype]).reshape(tensor.shape)
     if not isinstance(tensor, torch.Tensor):
         tensor = torch.as_tensor(tensor)
+    if tensor.dtype not in kinds.values():
+        raise SnapshotError(
+            f"cannot quantize a {tensor.dtype} tensor; the recipe converts float32, bfloat16 "
+            "and float16 weights",
+            field=name,
+        )
     return tensor
 
 
@@ -179,6 +191,9 @@ def fp8_problems(
             )
         )
     block = qc.get("weight_block_size")
+    if block is None:
+        # Per-tensor FP8 (AutoFP8's `weight_scale`, no blocks): each weight needs its scale.
+        return problems + _per_tensor_problems(fp8, tensors, spec_path)
     if (
         not isinstance(block, list)
         or len(block) != 2
@@ -223,13 +238,13 @@ def fp8_problems(
             )
             continue
         want = scale_shape((int(shape[0]), int(shape[1])), (block[0], block[1]))
-        if scale.dtype != SCALE_DTYPE or tuple(scale.shape) != want:
+        if scale.dtype not in SCALE_DTYPES or tuple(scale.shape) != want:
             problems.append(
                 ValidationProblem(
                     spec_path,
                     field,
                     f"is {scale.dtype}{list(scale.shape)}; a {list(shape)} weight in blocks of "
-                    f"{block} needs F32{list(want)}",
+                    f"{block} needs a float scale (F32, BF16 or F16) of shape {list(want)}",
                 )
             )
     for name in sorted(n for n in tensors if n.endswith(SCALE_SUFFIX)):
@@ -240,6 +255,31 @@ def fp8_problems(
                     spec_path,
                     f"tensor_map.{name}",
                     f"a scale without an F8_E4M3 weight {weight}",
+                )
+            )
+    return problems
+
+
+def _per_tensor_problems(
+    fp8: list[str], tensors: Mapping[str, TensorSpec], spec_path: str
+) -> list[ValidationProblem]:
+    """Per-tensor FP8: every F8_E4M3 weight has a `weight_scale` or `weight_scale_inv`."""
+    problems = []
+    if not fp8:
+        problems.append(
+            ValidationProblem(
+                spec_path,
+                "tensor_map",
+                "quantization_config says fp8 but no tensor is F8_E4M3: nothing to dequantize",
+            )
+        )
+    for name in fp8:
+        if not any(name + suffix in tensors for suffix in (SCALE_SUFFIX, "_scale")):
+            problems.append(
+                ValidationProblem(
+                    spec_path,
+                    f"tensor_map.{name}_scale",
+                    f"missing: {name} is F8_E4M3 and cannot be dequantized without its scale",
                 )
             )
     return problems
