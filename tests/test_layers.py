@@ -56,6 +56,8 @@ ALLOWED: dict[str, set[str]] = {
     "hotload.logs": set(),
     "hotload.faults": set(),
     "hotload.process": set(),
+    # Router Replay's wire form and router discovery, shared by the engine and the SDK.
+    "hotload.routes": {"hotload.errors"},
     "hotload.api": BASE,
     # Only the delta container (checksums, the shard header): see FORMAT_MAY_USE.
     "hotload.snapshot": BASE | {"hotload.arc", ENGINE_SIDE},
@@ -64,11 +66,12 @@ ALLOWED: dict[str, set[str]] = {
     "hotload.bucket": BASE | {"hotload.snapshot", "hotload.arc"},
     "hotload.kube": BASE,
     "hotload.ledger": BASE | {"hotload.snapshot", "hotload.arc", "hotload.bucket"},
-    "hotload.engine": BASE | {"hotload.process", "hotload.snapshot", "hotload.arc", ENGINE_SIDE},
+    "hotload.engine": BASE
+    | {"hotload.process", "hotload.routes", "hotload.snapshot", "hotload.arc", ENGINE_SIDE},
     "hotload.router": BASE | {"hotload.api", "hotload.kube", "hotload.engine"},
     "hotload.sdk": BASE
     | {"hotload.api", "hotload.snapshot", "hotload.arc", "hotload.bucket", "hotload.kube"}
-    | {"hotload.ledger"},
+    | {"hotload.ledger", "hotload.routes"},
     "hotload.demo": BASE
     | {"hotload.snapshot", "hotload.arc", "hotload.bucket", "hotload.ledger", "hotload.sdk"},
     # Entry points: the CLI may use everything in `hotload`; nothing but them imports it.
