@@ -379,12 +379,169 @@ def _drop_tensor(folder: Path, name: str) -> None:
     write_safetensors(folder / shard, kept)
 
 
+def _dequantized(folder: Path) -> dict[str, Any]:
+    """Every tensor of snapshot `folder` as float32, FP8 weights times their block scales
+    (computed here from the file's bytes, as the FineGrainedFP8 layout defines it)."""
+    import torch
+
+    block = json.loads((folder / "config.json").read_text())["quantization_config"][
+        "weight_block_size"
+    ]
+    kinds = {"F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "BF16": torch.bfloat16}
+    raw = {
+        name: torch.frombuffer(bytearray(data), dtype=kinds[dtype]).reshape(shape)
+        for name, (dtype, shape, data) in _tensors(folder).items()
+    }
+    out = {}
+    for name, t in raw.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = raw.get(name + "_scale_inv")
+        if scale is None:
+            out[name] = t.to(torch.float32)
+            continue
+        rows, cols = t.shape
+        for r in range(0, rows, block[0]):
+            for c in range(0, cols, block[1]):
+                assert scale[r // block[0], c // block[1]] > 0
+        full = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        out[name] = t.to(torch.float32) * full[:rows, :cols]
+    return out
+
+
+def _stored_digests(folder: Path) -> dict[str, str]:
+    """sha256 of each FP8 weight's and scale's bytes in the snapshot's files."""
+    import hashlib
+
+    tensors = _tensors(folder)
+    fp8 = [n for n, (dtype, _, _) in tensors.items() if dtype == "F8_E4M3"]
+    names = fp8 + [n + "_scale_inv" for n in fp8]
+    return {f"{n} (stored)": hashlib.sha256(tensors[n][2]).hexdigest() for n in names}
+
+
+PROMPT = [101, 2023, 2003, 1037]
+
+
 @pytest.mark.asyncio
-async def test_the_reference_engine_refuses_fp8_by_name_and_keeps_serving(
+@pytest.mark.parametrize(("recipe", "dtype"), [("experts", "float32"), ("linear", "bfloat16")])
+async def test_the_reference_engine_serves_an_fp8_snapshot_as_its_dequantized_weights(
+    moe_folder: Path, tmp_path: Path, recipe: str, dtype: str
+) -> None:
+    """An engine started on an FP8 snapshot holds, bit for bit, the weights (and gives the
+    tokens and logprobs) of an engine started on the float32 snapshot of those weights
+    dequantized; it keeps the FP8 values and scales as the files store them."""
+    from support.engines import checksums, complete, serve
+
+    config = json.loads((moe_folder / "config.json").read_text())
+    fp8 = build_from_folder(moe_folder, tmp_path / "fp8", fp8=recipe).path  # type: ignore[arg-type]
+    plain = write_snapshot(tmp_path / "deq", _dequantized(fp8), config=config).path
+    answers, sums = [], []
+    for path in (fp8, plain):
+        async with serve(path, path.name, 1, dtype=dtype, numerics="fast") as client:
+            sums.append(await checksums(client))
+            answers.append(await complete(client, PROMPT, 6, logprobs=2))
+    stored = {n: d for n, d in sums[0].items() if n.endswith(" (stored)")}
+    assert stored == _stored_digests(fp8)
+    assert len(stored) >= 2 * (24 if recipe == "experts" else 32)
+    assert {n: d for n, d in sums[0].items() if n not in stored} == sums[1]
+    assert answers[0].status == answers[1].status == 200
+    assert answers[0].tokens == answers[1].tokens
+    # By token id: the float32 copy is written without the tokenizer, so it has no token text.
+    assert _numbers(answers[0].body["choices"][0]["logprobs"]["content"]) == _numbers(
+        answers[1].body["choices"][0]["logprobs"]["content"]
+    )
+
+
+def _numbers(content: list[dict[str, Any]]) -> list[Any]:
+    """Each position's (token id, logprob, its top alternatives' ids and logprobs)."""
+    return [
+        (c["token_id"], c["logprob"], [(t["token_id"], t["logprob"]) for t in c["top_logprobs"]])
+        for c in content
+    ]
+
+
+def _step(state: dict[str, Any], moved: list[str]) -> dict[str, Any]:
+    """The next training step: the first weight of `moved` grows by half (its scales move,
+    every element of the block recomputed), the others get their median-sized element halved
+    (an FP8 value moves; the block's largest, hence its scale, does not)."""
+    out = dict(state)
+    first, *others = moved
+    out[first] = (state[first].float() * 1.5).to(state[first].dtype)
+    for name in others:
+        w = state[name].float().clone()
+        order = w.abs().reshape(-1).argsort()
+        w.view(-1)[int(order[order.numel() // 2])] *= 0.5
+        out[name] = w.to(state[name].dtype)
+    return out
+
+
+async def _patch(client: Any, path: Path, identity: str, sequence: int, parent: str) -> Any:
+    body = {"path": str(path), "identity": identity, "sequence": sequence, "parent": parent}
+    resp = await client.post("/hotload/v1/patch", json=body)
+    return resp.status, await resp.json()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("recipe", "dtype"), [("experts", "float32"), ("linear", "bfloat16")])
+async def test_fp8_patches_give_the_bits_a_full_load_of_the_step_gives(
+    moe_folder: Path, tmp_path: Path, recipe: str, dtype: str
+) -> None:
+    """Two FP8 deltas patched in place (step 0 -> 1 -> 2: a weight whose scale moved, weights
+    whose FP8 values moved) leave the engine with the parameters and stored FP8 bytes a full
+    load of step 2 gives, and its answers; only the moved weights changed."""
+    from hotload.arc.patch import prepare_patch
+    from support.engines import checksums, complete, load, serve
+
+    config = json.loads((moe_folder / "config.json").read_text())
+    moves = [
+        [EXPERT, "model.layers.1.mlp.experts.2.up_proj.weight"],
+        ["model.layers.0.mlp.experts.3.gate_proj.weight", EXPERT],
+    ]
+    if recipe == "linear":
+        moves[0].append(ATTENTION)
+        moves[1].append("model.layers.1.self_attn.o_proj.weight")
+    states = [_state(moe_folder)]
+    for moved in moves:
+        states.append(_step(states[-1], moved))
+    fulls = [
+        write_snapshot(tmp_path / f"s{k}", s, config=config, fp8=recipe).path  # type: ignore[arg-type]
+        for k, s in enumerate(states)
+    ]
+    patches = []
+    for k in (1, 2):
+        delta = tmp_path / f"d{k}"
+        encode(fulls[k - 1], fulls[k], delta, parent_identity=f"s{k - 1}", identity=f"s{k}")
+        patches.append(prepare_patch(fulls[k - 1], delta, tmp_path / f"{k}.patch", threads=2))
+    async with serve(fulls[0], "s0", dtype=dtype, numerics="fast") as client:
+        start = await checksums(client)
+        for k, stats in enumerate(patches, start=1):
+            status, body = await _patch(client, stats.path, f"s{k}", k, f"s{k - 1}")
+            assert status == 200, body
+            assert body["identity"] == f"s{k}"
+        patched = await checksums(client)
+        after_patch = await complete(client, PROMPT, 6)
+        assert (await load(client, fulls[2], "s2-full", 3))[0] == 200
+        full = await checksums(client)
+        after_full = await complete(client, PROMPT, 6)
+    assert patched == full
+    assert {n: d for n, d in full.items() if n.endswith(" (stored)")} == _stored_digests(fulls[2])
+    # Exactly the FP8 bytes the two files differ in moved, and those are the moved weights'.
+    first, last = _stored_digests(fulls[0]), _stored_digests(fulls[2])
+    differ = {n for n in first if first[n] != last[n]}
+    assert {n for n in first if start[n] != patched[n]} == differ
+    touched = {n.removesuffix(" (stored)").removesuffix("_scale_inv") for n in differ}
+    assert touched == {n for step in moves for n in step}
+    assert start != patched
+    assert after_patch.tokens == after_full.tokens
+
+
+@pytest.mark.asyncio
+async def test_a_bf16_engine_refuses_an_fp8_snapshot_naming_the_dtype_and_keeps_serving(
     moe_folder: Path, tmp_path: Path
 ) -> None:
-    """Not served yet (docs/fp8.md): a hot load of an FP8 snapshot is a 422 that says so, the
-    old weights serving on; an engine started on one refuses to start, saying so."""
+    """The recipe cannot change under a running engine: a hot load of an FP8 snapshot into one
+    started on BF16 weights is a 422 naming a converted weight's dtype; the old weights serve
+    on. Per-tensor FP8 (no blocks) is refused at start, naming the field."""
     from hotload.engine.engine import Engine, EngineConfig
     from hotload.errors import SnapshotError
     from support.engines import complete, load, serve
@@ -394,9 +551,13 @@ async def test_the_reference_engine_refuses_fp8_by_name_and_keeps_serving(
     async with serve(plain, "plain", 1, dtype="float32") as client:
         status, body = await load(client, fp8, "fp8", 2)
         after = await complete(client, [101, 2023], 2)
-    assert status == 422 and body["error"]["type"] == "snapshot_unusable"
-    assert "does not load FP8 snapshots yet" in body["error"]["message"]
+    assert status == 422, body
+    assert "dtype F8_E4M3 differs from the BF16 the engine started with" in str(body)
     assert after.status == 200 and after.hotload["identity_end"] == "plain"
+    config_path = fp8 / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["quantization_config"]["weight_block_size"]
+    config_path.write_text(json.dumps(config))
     engine = Engine(EngineConfig(model_path=fp8, name="tiny", identity="fp8", dtype="float32"))
-    with pytest.raises(SnapshotError, match="quantization_config: is a block-FP8 snapshot"):
+    with pytest.raises(SnapshotError, match="weight_block_size: is per-tensor FP8"):
         await engine.start()

@@ -43,6 +43,7 @@ SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {
     "I16": torch.int16,
     "I8": torch.int8,
     "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn,  # block-FP8 weights (`hotload.engine.fp8`)
     "BOOL": torch.bool,
 }
 

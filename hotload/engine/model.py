@@ -46,6 +46,7 @@ from hotload.engine.exact import (
     register_exact_attention,
     set_row_pads,
 )
+from hotload.engine.fp8 import Fp8Store, fp8_block, fp8_weights, scale_of
 from hotload.engine.layout import (
     SAFETENSORS_TO_TORCH,
     WeightsMismatchError,
@@ -107,6 +108,8 @@ class StagedWeights:
     seconds: float
     #: Checkpoint tensors held as regions of a parameter (`hotload.engine.layout`).
     converted: dict[str, list[Slot]] = field(default_factory=dict)
+    #: A block-FP8 snapshot's weights and scales as stored (`hotload.engine.fp8`).
+    fp8: Fp8Store = field(default_factory=Fp8Store)
 
 
 @dataclass
@@ -146,18 +149,12 @@ def _exact_supported(config: Any) -> str | None:
     return None
 
 
-def refuse_fp8(config: object, path: str | Path) -> None:
-    """Refuse a block-FP8 snapshot by name: this engine does not dequantize yet, and would
-    otherwise list every F8_E4M3 weight and scale as a mismatch."""
-    quantization = config.get("quantization_config") if isinstance(config, dict) else None
-    if isinstance(quantization, dict) and quantization.get("quant_method") == "fp8":
-        raise SnapshotError(
-            "is a block-FP8 snapshot (quantization_config fp8): the reference engine does not "
-            "load FP8 snapshots yet; serve a snapshot written without --fp8 / Publisher(fp8=), "
-            "or an engine that dequantizes FP8 (docs/fp8.md)",
-            path=str(path),
-            field="quantization_config",
-        )
+@dataclass
+class _TensorMap:
+    """The part of a snapshot's tensor map that `check_tensors` compares with the model."""
+
+    path: Path
+    tensor_map: dict[str, Any]
 
 
 class ModelRunner:
@@ -177,6 +174,10 @@ class ModelRunner:
         self.targets: dict[str, torch.Tensor] = dict(state)
         #: Checkpoint tensors of the served snapshot held as regions of a parameter.
         self.converted: dict[str, list[Slot]] = {}
+        #: The served snapshot's FP8 weights and scales as stored (empty without FP8).
+        self.fp8 = Fp8Store()
+        #: Every checkpoint tensor as held, by checkpoint name (`checkpoint_tensors`).
+        self._held: tuple[dict[str, torch.Tensor], dict[str, list[Slot]]] = (self.targets, {})
         #: LoRA adapters installed on top of the weights (chosen per request).
         self.lora = AdapterTable(model)
         self.groups: list[list[str]] = list(groups.values())
@@ -224,8 +225,12 @@ class ModelRunner:
             raise SnapshotError(f"unknown numerics {numerics!r}", field="numerics")
         # `stage` below verifies everything; the model skeleton costs next to nothing before it.
         config_doc = Snapshot(path).config
-        refuse_fp8(config_doc, path)
+        fp8_block(config_doc, str(path))  # FP8 it cannot dequantize is refused before the build
         hf_config = AutoConfig.from_pretrained(str(path))
+        if hasattr(hf_config, "quantization_config"):
+            # The engine dequantizes FP8 itself (`hotload.engine.fp8`) and computes in `dtype`:
+            # the model is built plain, as from the BF16 checkpoint.
+            del hf_config.quantization_config
         why_not = _exact_supported(hf_config)
         exact = numerics == "exact" or (numerics == "auto" and dev.type == "cpu")
         if exact and why_not:
@@ -272,10 +277,11 @@ class ModelRunner:
 
         started = time.perf_counter()
         root = Path(path)
-        with contextlib.suppress(OSError, ValueError):  # `verify` names a bad config.json
-            # Before `verify` reads every tensor: an FP8 snapshot is refused at once.
-            refuse_fp8(json.loads((root / layout.CONFIG_FILE).read_text()), root)
-        verify(root)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            # Before `verify` reads every tensor: FP8 this engine cannot dequantize is refused
+            # at once (`verify` names a bad config.json).
+            fp8_block(json.loads((root / layout.CONFIG_FILE).read_text()), str(root))
+        verify(root)  # the FP8 rules included (`hotload.snapshot.fp8.fp8_problems`)
         snap = Snapshot(root)
         if snap.kind != "full":
             raise SnapshotError(
@@ -286,12 +292,41 @@ class ModelRunner:
         problems = check_config(snap.config, self.base_config, path=str(root / layout.CONFIG_FILE))
         if problems:
             raise SnapshotValidationError(problems)
-        placed = check_tensors(snap, self.model, self.targets, self.groups, self.base_dtypes)
+        block = fp8_block(snap.config, str(root / layout.CONFIG_FILE))
+        dtypes = {n: s.dtype for n, s in snap.tensor_map.items()}
+        quantized = fp8_weights(dtypes) if block is not None else set()
+        scales = {scale_of(n) for n in quantized}
+        # An FP8 weight fills its parameter (dequantized); its scale is no weight of the model.
+        model_map = _TensorMap(
+            snap.path, {n: s for n, s in snap.tensor_map.items() if n not in scales}
+        )
+        placed = check_tensors(model_map, self.model, self.targets, self.groups, self.base_dtypes)
         load_as, primary, converted = placed.load_as, placed.primary, placed.layout.converted
         tensors: dict[str, torch.Tensor] = {}
         aliases: list[tuple[str, str, torch.Tensor]] = []
+        fp8 = Fp8Store(block or Fp8Store().block)
         nbytes = 0
+
+        def place(name: str, shard: str, t: torch.Tensor) -> None:
+            dtype = self.targets[load_as[name]].dtype
+            t = t.to(device=self.device, dtype=dtype)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise SnapshotError(
+                    "tensor holds NaN or infinite values"
+                    + (" (dequantized with its scale)" if name in quantized else ""),
+                    path=str(root / shard),
+                    field=name,
+                )
+            if name in converted:
+                # A piece of a parameter (an expert of a stacked mixture of experts).
+                fill_converted(tensors, self.targets, converted[name], t)
+            elif name in primary:
+                tensors[load_as[name]] = t
+            else:
+                aliases.append((name, shard, t))
+
         with torch.no_grad():
+            shard_of: dict[str, str] = {}
             for shard in snap.shard_files:
                 with snap.open_shard(shard) as f:
                     for name in snap.tensors_of(shard):
@@ -299,22 +334,15 @@ class ModelRunner:
                         # One copy out of the memory map; `.to` is a no-op when dtypes match.
                         raw = torch.from_numpy(f.raw(name).copy())
                         t = raw.view(SAFETENSORS_TO_TORCH[info.dtype]).reshape(info.shape)
-                        dtype = self.targets[load_as[name]].dtype
-                        t = t.to(device=self.device, dtype=dtype)
-                        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                            raise SnapshotError(
-                                "tensor holds NaN or infinite values",
-                                path=str(root / shard),
-                                field=name,
-                            )
                         nbytes += info.nbytes
-                        if name in converted:
-                            # A piece of a parameter (an expert of a stacked mixture of experts).
-                            fill_converted(tensors, self.targets, converted[name], t)
-                        elif name in primary:
-                            tensors[load_as[name]] = t
+                        if name in quantized or name in scales:
+                            # Held as stored; computed with once its scale is in too (below).
+                            fp8.stored[name] = t.to(device=self.device)
+                            shard_of[name] = shard
                         else:
-                            aliases.append((name, shard, t))
+                            place(name, shard, t)
+            for name in sorted(quantized):
+                place(name, shard_of[name], fp8.dequantized(name, torch.float32))
             for name, shard, t in aliases:
                 # A second name of a tied weight (lm_head = embeddings) must hold the same values.
                 if not torch.equal(t, tensors[load_as[name]]):
@@ -328,9 +356,8 @@ class ModelRunner:
                             )
                         ]
                     )
-        dtypes = {n: s.dtype for n, s in snap.tensor_map.items()}
         seconds = time.perf_counter() - started
-        return StagedWeights(root, tensors, dtypes, nbytes, seconds, converted)
+        return StagedWeights(root, tensors, dtypes, nbytes, seconds, converted, fp8)
 
     def apply(self, staged: StagedWeights) -> None:
         """Point every parameter at its staged tensor (buffers are copied); O(tensors), no I/O."""
@@ -356,7 +383,23 @@ class ModelRunner:
         if self.base_dtypes is None:
             self.base_dtypes = dict(staged.dtypes)
         self.converted = staged.converted
+        self.fp8 = staged.fp8
+        stored = self.fp8.stored
+        self._held = (
+            {**{n: t for n, t in self.targets.items() if n not in stored}, **stored},
+            {n: slots for n, slots in self.converted.items() if n not in stored},
+        )
         staged.tensors = {}  # the model owns them now
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every checkpoint tensor the engine holds whole, by checkpoint name: the parameters,
+        with an FP8 snapshot's weights and scales as stored (what a patch writes and checksums
+        read; their parameters compute with them dequantized)."""
+        return self._held[0]
+
+    def checkpoint_regions(self) -> dict[str, list[Slot]]:
+        """The checkpoint tensors held as regions of a parameter (FP8 ones are held whole)."""
+        return self._held[1]
 
     # --- forward passes ----------------------------------------------------------------------
 

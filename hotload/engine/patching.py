@@ -56,8 +56,13 @@ class StagedPatch:
         return self.staged.nbytes
 
     def apply(self) -> None:
-        """Write the changed elements (at a pause point); on failure nothing changed."""
-        self.patches.patcher.apply()
+        """Write the changed elements (at a pause point); on failure nothing changed. An FP8
+        snapshot's parameters are then recomputed where the written values and scales move them."""
+        staged = self.patches.patcher.apply()
+        runner = self.patches.runner
+        if runner.fp8.stored:
+            written = ((w.param, w.index) for w in staged.writes)
+            runner.fp8.refresh(written, runner.targets, runner.converted)
 
 
 class EnginePatches:
@@ -72,7 +77,7 @@ class EnginePatches:
         scrub_period: float = DEFAULT_SCRUB_PERIOD,
     ):
         self.runner = runner
-        host = IdentityHost(lambda: runner.targets, lambda: runner.converted)
+        host = IdentityHost(runner.checkpoint_tensors, runner.checkpoint_regions)
         self.patcher = Patcher(
             host, initializer=initializer, scrub_rate=scrub_rate, scrub_period=scrub_period
         )
@@ -93,8 +98,12 @@ class EnginePatches:
         return {"scrub": self.patcher.scrub_state(), "counters": self.patcher.counters.to_json()}
 
     def checksums(self) -> dict[str, str]:
-        """sha256 of every state-dict tensor as held (tied names each listed)."""
-        return parameter_checksums(self.runner.targets)
+        """sha256 of every state-dict tensor as held (tied names each listed), and of an FP8
+        snapshot's weights and scales as stored (named `NAME (stored)`)."""
+        digests = parameter_checksums(self.runner.targets)
+        for name, digest in parameter_checksums(self.runner.fp8.stored).items():
+            digests[f"{name} (stored)"] = digest
+        return digests
 
     def close(self) -> None:
         """Stop the background thread."""
