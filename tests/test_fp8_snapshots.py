@@ -535,6 +535,56 @@ async def test_fp8_patches_give_the_bits_a_full_load_of_the_step_gives(
     assert after_patch.tokens == after_full.tokens
 
 
+NUMERICS_SEQUENCES = [[*PROMPT, 3231, 102], [101, 7592, 2088, 999, 1996, 4937, 2938, 2006]]
+
+
+def _own_token_logprobs(folder: Path) -> list[list[float]]:
+    """transformers' float32 logprob of each sequence's next token, position by position."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    out = []
+    for ids in NUMERICS_SEQUENCES:
+        with torch.inference_mode():
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+        out.append([float(lp[i, ids[i + 1]]) for i in range(len(ids) - 1)])
+    return out
+
+
+@pytest.mark.asyncio
+async def test_numerics_reports_the_divergence_of_fp8_serving_from_the_bf16_trainer(
+    moe_folder: Path, tmp_path: Path
+) -> None:
+    """`hotload numerics` with the trainer's BF16 model against an engine serving its FP8
+    snapshot reports the divergence the quantization makes (computed here with transformers:
+    the BF16 model against the F32 model of the FP8 weights dequantized), and next to none
+    with the FP8 snapshot itself as the reference (loaded dequantized; transformers alone
+    cannot load FP8 without an accelerator)."""
+    from hotload.sdk.numerics import numerics_check_async
+    from support.engines import serve
+
+    config = json.loads((moe_folder / "config.json").read_text())
+    fp8 = build_from_folder(moe_folder, tmp_path / "fp8", fp8="linear").path
+    plain = write_snapshot(tmp_path / "deq", _dequantized(fp8), config=config).path
+    trainer, served = _own_token_logprobs(moe_folder), _own_token_logprobs(plain)
+    pairs = zip(trainer, served, strict=True)
+    expected = max(abs(a - b) for s, t in pairs for a, b in zip(s, t, strict=True))
+    async with serve(fp8, "fp8", 1, dtype="float32", numerics="fast") as client:
+        url = str(client.make_url("")).rstrip("/")
+        against_bf16 = await numerics_check_async(moe_folder, [url], NUMERICS_SEQUENCES, top_k=5)
+        against_fp8 = await numerics_check_async(fp8, [url], NUMERICS_SEQUENCES, top_k=5)
+    [bf16_replica], [fp8_replica] = against_bf16.replicas, against_fp8.replicas
+    assert bf16_replica.error is None and fp8_replica.error is None
+    assert list(bf16_replica.snapshots) == ["fp8"]
+    reported = bf16_replica.divergence
+    assert expected > 1e-3  # FP8 moves the answers: a replica serving BF16 would fail below
+    assert reported.max_abs_diff == pytest.approx(expected, abs=1e-4)
+    assert reported.kl_max > 0
+    assert fp8_replica.divergence.max_abs_diff < 1e-4
+    assert fp8_replica.divergence.max_abs_diff < reported.max_abs_diff / 10
+
+
 @pytest.mark.asyncio
 async def test_a_bf16_engine_refuses_an_fp8_snapshot_naming_the_dtype_and_keeps_serving(
     moe_folder: Path, tmp_path: Path

@@ -30,7 +30,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "1 a replica could not be checked or a bound was exceeded, 2 bad usage.",
     )
     p.add_argument(
-        "--model", required=True, type=Path, metavar="DIR", help="the trainer's model folder"
+        "--model",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="the trainer's model folder; a block-FP8 snapshot is loaded dequantized (pass the "
+        "BF16 folder instead to measure what FP8 serving costs, docs/numerics.md)",
     )
     p.add_argument(
         "--replicas", required=True, metavar="URL,...", help="replica base URLs, comma-separated"

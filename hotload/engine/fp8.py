@@ -17,54 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from hotload.errors import SnapshotError
-from hotload.snapshot.fp8 import FP8_DTYPE, SCALE_SUFFIX, dequantize
+from hotload.snapshot.fp8 import SCALE_SUFFIX, dequantize, scale_of
 from hotload_patch.placement import Slot
 from hotload_patch.staging import region_view
-
-
-def fp8_block(config: Mapping[str, Any], path: str) -> tuple[int, int] | None:
-    """The block shape of a block-FP8 snapshot's `config` (None: not an FP8 snapshot); raises
-    `SnapshotError` naming `quantization_config` for FP8 this engine cannot dequantize."""
-    qc = config.get("quantization_config")
-    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
-        return None
-    block = qc.get("weight_block_size")
-    if block is None:
-        raise SnapshotError(
-            "is per-tensor FP8 (no weight_block_size): the reference engine dequantizes block "
-            'FP8 only; write the snapshot with hotload\'s recipes ("weight_block_size": '
-            "[128, 128], docs/fp8.md)",
-            path=path,
-            field="quantization_config.weight_block_size",
-        )
-    if (
-        not isinstance(block, list)
-        or len(block) != 2
-        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-    ):
-        raise SnapshotError(
-            f"{block!r}: must be two positive integers (rows, columns of a block)",
-            path=path,
-            field="quantization_config.weight_block_size",
-        )
-    return int(block[0]), int(block[1])
-
-
-def fp8_weights(tensor_dtypes: Mapping[str, str]) -> set[str]:
-    """The FP8 weights of a tensor map (name -> safetensors dtype): those with a scale."""
-    return {
-        n for n, d in tensor_dtypes.items() if d == FP8_DTYPE and n + SCALE_SUFFIX in tensor_dtypes
-    }
-
-
-def scale_of(weight: str) -> str:
-    """The name of FP8 weight `weight`'s block scales."""
-    return weight + SCALE_SUFFIX
 
 
 @dataclass

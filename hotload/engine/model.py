@@ -46,7 +46,7 @@ from hotload.engine.exact import (
     register_exact_attention,
     set_row_pads,
 )
-from hotload.engine.fp8 import Fp8Store, fp8_block, fp8_weights, scale_of
+from hotload.engine.fp8 import Fp8Store
 from hotload.engine.layout import (
     SAFETENSORS_TO_TORCH,
     WeightsMismatchError,
@@ -57,6 +57,7 @@ from hotload.engine.lora import AdapterTable, set_rows
 from hotload.errors import SnapshotError, SnapshotValidationError, ValidationProblem
 from hotload.routes import RouteFormat, RoutesError, find_routers, route_format
 from hotload.snapshot import layout
+from hotload.snapshot.fp8 import fp8_block, fp8_weights, scale_of
 from hotload_patch.placement import Slot
 
 log = logging.getLogger(__name__)

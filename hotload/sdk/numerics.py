@@ -254,6 +254,28 @@ def compare_position(
 # --- the trainer's side --------------------------------------------------------------------------
 
 
+def _load_model(path: Path, auto: Any) -> Any:
+    """The model folder `path` in float32; a block-FP8 snapshot is loaded dequantized
+    (`hotload.snapshot.fp8.dequantized_folder`), as the engines compute with it, since
+    transformers loads FP8 only on an accelerator."""
+    import json
+    import tempfile
+
+    import torch
+
+    from hotload.snapshot.fp8 import dequantized_folder, fp8_block
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+        fp8 = isinstance(config, dict) and fp8_block(config, str(path / "config.json")) is not None
+    except (OSError, ValueError) as err:
+        raise NumericsError(f"{path / 'config.json'}: {err}") from err
+    if not fp8:
+        return auto.from_pretrained(str(path), dtype=torch.float32)
+    with tempfile.TemporaryDirectory(prefix="hotload-fp8-") as tmp:
+        return auto.from_pretrained(str(dequantized_folder(path, Path(tmp))), dtype=torch.float32)
+
+
 def _trainer_logprobs(
     reference: Reference, sequences: Sequence[list[int]]
 ) -> tuple[str, list[LogProbs]]:
@@ -267,7 +289,7 @@ def _trainer_logprobs(
         path = Path(reference)
         if not (path / "config.json").is_file():
             raise NumericsError(f"{path}: not a model folder (no config.json)")
-        model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model: Any = _load_model(path, AutoModelForCausalLM)
         model.eval()
 
         def forward(ids: list[int]) -> Any:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from hotload.errors import SnapshotError, ValidationProblem
@@ -152,6 +154,99 @@ def as_torch(name: str, tensor: Any) -> Any:
             field=name,
         )
     return tensor
+
+
+def fp8_block(config: Mapping[str, Any], path: str) -> tuple[int, int] | None:
+    """The block shape of a block-FP8 snapshot's `config` (None: not an FP8 snapshot); raises
+    `SnapshotError` naming `quantization_config` for FP8 hotload cannot dequantize."""
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+        return None
+    block = qc.get("weight_block_size")
+    if block is None:
+        raise SnapshotError(
+            "is per-tensor FP8 (no weight_block_size): hotload dequantizes block "
+            'FP8 only; write the snapshot with hotload\'s recipes ("weight_block_size": '
+            "[128, 128], docs/fp8.md)",
+            path=path,
+            field="quantization_config.weight_block_size",
+        )
+    if (
+        not isinstance(block, list)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise SnapshotError(
+            f"{block!r}: must be two positive integers (rows, columns of a block)",
+            path=path,
+            field="quantization_config.weight_block_size",
+        )
+    return int(block[0]), int(block[1])
+
+
+def fp8_weights(tensor_dtypes: Mapping[str, str]) -> set[str]:
+    """The FP8 weights of a tensor map (name -> safetensors dtype): those with a scale."""
+    return {
+        n for n, d in tensor_dtypes.items() if d == FP8_DTYPE and n + SCALE_SUFFIX in tensor_dtypes
+    }
+
+
+def scale_of(weight: str) -> str:
+    """The name of FP8 weight `weight`'s block scales."""
+    return weight + SCALE_SUFFIX
+
+
+def dequantized_folder(src: Path, dest: Path) -> Path:
+    """Write model folder `src` to `dest` as a plain model (each FP8 weight times its block
+    scales in F32, the scales and `quantization_config` dropped, every other tensor and file as
+    stored), which transformers loads on any device: what an FP8-serving engine should compute.
+    Returns `dest`."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from hotload.snapshot.safetensors_io import RawTensor, iter_file, write_safetensors
+
+    config = json.loads((src / "config.json").read_text())
+    block = fp8_block(config, str(src / "config.json"))
+    if block is None:
+        raise SnapshotError("not an FP8 snapshot (no fp8 quantization_config)", path=str(src))
+    del config["quantization_config"]
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in src.iterdir():
+        # The tokenizer and generation config; the tensor files are rewritten below.
+        kept = extra.suffix in (".json", ".txt", ".model", ".jinja") and extra.is_file()
+        if kept and extra.name != "config.json" and not extra.name.endswith(".index.json"):
+            shutil.copyfile(extra, dest / extra.name)
+    kinds = {"F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32}
+    kinds |= {"BF16": torch.bfloat16, "F16": torch.float16}
+    weight_map: dict[str, str] = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors = dict(iter_file(shard))
+        out: list[tuple[str, RawTensor]] = []
+
+        def view(t: RawTensor) -> Any:
+            flat = torch.from_numpy(np.array(t.data))  # a copy: the memory map is read-only
+            return flat.view(kinds[t.dtype]).reshape(t.shape)
+
+        for name, stored in tensors.items():
+            scale = tensors.get(scale_of(name))
+            if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in tensors:
+                continue
+            if stored.dtype == FP8_DTYPE and scale is not None:
+                values = dequantize(view(stored), view(scale).float(), block).contiguous()
+                flat = values.view(torch.uint8).reshape(-1).numpy()
+                out.append((name, RawTensor("F32", stored.shape, flat)))
+            else:
+                out.append((name, stored))
+            weight_map[name] = shard.name
+        write_safetensors(dest / shard.name, out, {"format": "pt"})
+    if len(set(weight_map.values())) > 1:
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return dest
 
 
 def fp8_problems(
