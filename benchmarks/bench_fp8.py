@@ -16,6 +16,7 @@ the delta's bytes.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import platform
 import statistics
@@ -77,6 +78,7 @@ def run_chain(args: argparse.Namespace, root: Path, lr: float) -> dict[str, Any]
     gen = torch.Generator().manual_seed(2)
     forms = {"bf16": None, "fp8": args.recipe}
     previous: dict[str, Path] = {}
+    last: dict[str, tuple[Path, Path, Path]] = {}  # per form: the last step's parent, it, delta
     rows: dict[str, list[float]] = {}
     for step in range(args.steps + 1):
         if step:
@@ -98,8 +100,54 @@ def run_chain(args: argparse.Namespace, root: Path, lr: float) -> dict[str, Any]
                 decode(previous[form], delta, rebuilt)
                 assert _tensors(rebuilt) == _tensors(out), f"{form} step {step} not exact"
                 _measure(rows, form, previous[form], out, delta)
+                last[form] = (previous[form], out, delta)
             previous[form] = out
-    return {k: statistics.median(v) for k, v in rows.items()}
+    medians: dict[str, Any] = {k: statistics.median(v) for k, v in rows.items()}
+    if args.engine:
+        for form, paths in last.items():
+            update = asyncio.run(engine_update(*paths, root / f"engine-{form}-{lr}"))
+            medians[f"{form} engine"] = update
+    return medians
+
+
+async def engine_update(parent: Path, child: Path, delta: Path, work: Path) -> dict[str, float]:
+    """The reference engine on snapshot `parent` takes `delta` twice: as a sparse patch
+    (prepare the patch, then patch in place) and as a full reload (rebuild the snapshot, then
+    load it). Times from the delta on disk to serving, and the engine's pauses; the two end
+    states must hold the same bits (checked)."""
+    from hotload.arc.patch import prepare_patch
+    from support.engines import checksums, serve
+
+    work.mkdir(parents=True)
+    out: dict[str, float] = {}
+    # The chain's deltas name their snapshots "p" (parent) and "c" (child).
+    async with serve(parent, "p", 1, dtype="bfloat16", numerics="fast") as client:
+        started = time.perf_counter()
+        stats = prepare_patch(parent, delta, work / "step.patch", threads=2)
+        prepared = time.perf_counter()
+        body = {"path": str(stats.path), "identity": "c", "sequence": 2, "parent": "p"}
+        resp = await client.post("/hotload/v1/patch", json=body)
+        answer = await resp.json()
+        assert resp.status == 200, answer
+        out["sparse prepare s"] = prepared - started
+        out["sparse engine s"] = time.perf_counter() - prepared
+        out["sparse pause s"] = float(answer["pause_seconds"])
+        out["sparse total s"] = time.perf_counter() - started
+        patched = await checksums(client)
+        started = time.perf_counter()
+        decode(parent, delta, work / "rebuilt")
+        rebuilt = time.perf_counter()
+        body = {"path": str(work / "rebuilt"), "identity": "c-full", "sequence": 3}
+        resp = await client.post("/hotload/v1/load", json=body)
+        answer = await resp.json()
+        assert resp.status == 200, answer
+        out["full rebuild s"] = rebuilt - started
+        out["full engine s"] = time.perf_counter() - rebuilt
+        out["full pause s"] = float(answer["pause_seconds"])
+        out["full total s"] = time.perf_counter() - started
+        assert await checksums(client) == patched, "the patched engine differs from a full load"
+    assert _tensors(work / "rebuilt") == _tensors(child)
+    return out
 
 
 def _measure(
@@ -142,6 +190,12 @@ def main() -> None:
     parser.add_argument("--recipe", choices=["experts", "linear"], default="experts")
     parser.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
     parser.add_argument("--out", type=Path, help="RESULTS file to write the run into")
+    parser.add_argument(
+        "--no-engine",
+        dest="engine",
+        action="store_false",
+        help="skip the reference engine's sparse patch against its full reload of the last step",
+    )
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,6 +231,30 @@ def main() -> None:
             f"{r['fp8 delta bytes'] / r['bf16 delta bytes']:.2f} | "
             f"{r['bf16 full bytes'] / 1e6:.1f} / {r['fp8 full bytes'] / 1e6:.1f} MB |"
         )
+    if args.engine:
+        lines += [
+            "",
+            "The reference engine (`hotload serve`, bfloat16, in-process) on the snapshot of the "
+            "step before the last, in each form, taking the last step's delta: as a sparse patch "
+            "(`prepare_patch`, then `/hotload/v1/patch`) and as a full reload (the delta decoded "
+            "into a snapshot, then `/hotload/v1/load`). From the delta on disk to serving; pause: "
+            "how long the engine held generation. Both end states hold the same bits (checked).",
+            "",
+            "| lr | form | sparse: prepare + engine = total | sparse pause | full: rebuild + "
+            "engine = total | full pause | total sparse / full |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for lr, r in results.items():
+            for form in ("bf16", "fp8"):
+                e = r[f"{form} engine"]
+                lines.append(
+                    f"| {lr:g} | {form.upper()} | {e['sparse prepare s']:.2f} + "
+                    f"{e['sparse engine s']:.2f} = {e['sparse total s']:.2f} s | "
+                    f"{e['sparse pause s'] * 1000:.1f} ms | {e['full rebuild s']:.2f} + "
+                    f"{e['full engine s']:.2f} = {e['full total s']:.2f} s | "
+                    f"{e['full pause s'] * 1000:.1f} ms | "
+                    f"{e['sparse total s'] / e['full total s']:.2f} |"
+                )
     body = "\n".join(lines)
     print(body)
     print(json.dumps({str(k): v for k, v in results.items()}, indent=1))

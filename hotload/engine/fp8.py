@@ -5,10 +5,12 @@ F8_E4M3 values plus one `weight_scale_inv` per block. The engine computes in its
 each such weight's parameter holds `values * scale_inv` block by block, converted to that dtype
 (`hotload.snapshot.fp8.dequantize`, the one definition the writer and the tests use too). The
 values and scales themselves stay held as the snapshot stores them (`Fp8Store`): a sparse patch
-writes the changed FP8 elements and scales there, where the checksums are the checkpoint's own,
-and `Fp8Store.refresh` then recomputes only what those writes touch in the parameters (an element
-whose value moved; every element of a block whose scale moved). The same multiplication in the
-same order as a full load's, so a patched engine holds the bits a full load of the result gives.
+writes the changed FP8 elements and scales there, where the checksums are the checkpoint's own.
+While the patch stages (the old weights serving), `Fp8Store.plan` computes the parameter elements
+those writes move (an element whose value moved; every element of a block whose scale moved) from
+the values and scales the patch will leave; at the pause `Fp8Refresh.apply` only writes them. The
+same multiplication in the same order as a full load's, so a patched engine holds the bits a full
+load of the result gives. Work and memory follow the changed elements and blocks, not the model.
 
 Per-tensor FP8 (no `weight_block_size`) is refused by name: nothing here dequantizes it yet.
 """
@@ -44,58 +46,57 @@ class Fp8Store:
         weight_values: torch.Tensor = dequantize(values, scale, self.block)
         return weight_values.to(dtype)
 
-    def refresh(
+    def plan(
         self,
-        written: Iterable[tuple[str, torch.Tensor]],
+        writes: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
         targets: Mapping[str, torch.Tensor],
         converted: Mapping[str, list[Slot]],
-    ) -> int:
-        """Recompute the parameter elements that the writes (held name, flat positions written)
-        into FP8 values and scales move: an element per value written, a whole block per scale
-        written. `targets` and `converted` are the model's (`ModelRunner`). Returns the elements
-        recomputed."""
-        elements: dict[str, list[torch.Tensor]] = {}
-        blocks: dict[str, list[torch.Tensor]] = {}
-        for name, index in written:
-            if name not in self.stored:
-                continue
-            weight = name.removesuffix(SCALE_SUFFIX) if name.endswith(SCALE_SUFFIX) else name
+    ) -> Fp8Refresh:
+        """The parameter elements that a patch's writes (held name, flat positions, new values)
+        into FP8 values and scales move, with their new values; reads only, so it runs while the
+        old weights serve. `targets` and `converted` are the model's (`ModelRunner`)."""
+        values_in: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        scales_in: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for name, index, new in writes:
+            weight = name.removesuffix(SCALE_SUFFIX)
             if weight not in self.stored or scale_of(weight) not in self.stored:
-                continue
-            (blocks if name != weight else elements).setdefault(weight, []).append(index)
-        done = 0
+                continue  # not an FP8 weight or its scale: the patch writes the parameter itself
+            into = scales_in if name != weight else values_in
+            into.setdefault(weight, []).append((index.reshape(-1).long(), new.reshape(-1)))
+        refresh = Fp8Refresh()
         with torch.no_grad():
-            for weight in sorted(elements.keys() | blocks.keys()):
-                views = self._views(weight, targets, converted)
+            for weight in sorted(values_in.keys() | scales_in.keys()):
                 values, scale = self.stored[weight], self.stored[scale_of(weight)]
-                cols = values.shape[1]
-                for index in elements.get(weight, []):
-                    flat = index.to(values.device).long()
-                    rows, columns = flat // cols, flat % cols
-                    # As `dequantize` computes each element: float32 value times float32 scale.
-                    new = values[rows, columns].to(torch.float32) * scale[
-                        rows // self.block[0], columns // self.block[1]
-                    ].to(torch.float32)
-                    for view in views:
-                        view.index_put_((rows, columns), new.to(view.dtype))
-                    done += int(flat.numel())
-                for index in blocks.get(weight, []):
-                    for position in sorted({int(p) for p in index.reshape(-1).tolist()}):
-                        done += self._refresh_block(weight, position, scale.shape[1], views)
-        return done
+                dtype = self._views(weight, targets, converted)[0].dtype
+                new_scale, blocks = scale, torch.empty(0, dtype=torch.long, device=scale.device)
+                if weight in scales_in:
+                    blocks = torch.cat([i for i, _ in scales_in[weight]])
+                    new_scale = scale.clone()  # a block's share of the weight: small
+                    new_scale.view(-1)[blocks] = torch.cat([v for _, v in scales_in[weight]])
+                positions = [i for i, _ in values_in.get(weight, [])]
+                flat = torch.unique(torch.cat([*positions, self._block_elements(blocks, values)]))
+                # The values the patch leaves at those positions: as held, then the written ones.
+                moved = values.reshape(-1)[flat]
+                for index, new in values_in.get(weight, []):
+                    moved[torch.searchsorted(flat, index)] = new
+                rows, cols = flat // values.shape[1], flat % values.shape[1]
+                # As `dequantize` computes each element: float32 value times float32 scale.
+                scales = new_scale[rows // self.block[0], cols // self.block[1]]
+                result = (moved.to(torch.float32) * scales.to(torch.float32)).to(dtype)
+                refresh.writes.append((weight, rows, cols, result))
+        return refresh
 
-    def _refresh_block(
-        self, weight: str, position: int, blocks_per_row: int, views: list[torch.Tensor]
-    ) -> int:
-        """Recompute block `position` (flat, in the scales) of `weight` in every view."""
-        values, scale = self.stored[weight], self.stored[scale_of(weight)]
-        br, bc = divmod(position, blocks_per_row)
-        r0, c0 = br * self.block[0], bc * self.block[1]
-        r1, c1 = min(r0 + self.block[0], values.shape[0]), min(c0 + self.block[1], values.shape[1])
-        block = values[r0:r1, c0:c1].to(torch.float32) * scale[br, bc].to(torch.float32)
-        for view in views:
-            view[r0:r1, c0:c1].copy_(block.to(view.dtype))
-        return (r1 - r0) * (c1 - c0)
+    def _block_elements(self, blocks: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The flat positions in `values` of every element of the given blocks (flat positions
+        in the scales), clipped at the weight's edges."""
+        rows, cols = values.shape
+        per_row = -(-cols // self.block[1])
+        r = (blocks // per_row)[:, None, None] * self.block[0]
+        c = (blocks % per_row)[:, None, None] * self.block[1]
+        r = r + torch.arange(self.block[0], device=blocks.device)[None, :, None]
+        c = c + torch.arange(self.block[1], device=blocks.device)[None, None, :]
+        inside = (r < rows) & (c < cols)
+        return (r * cols + c)[inside]
 
     @staticmethod
     def _views(
@@ -106,3 +107,25 @@ class Fp8Store:
         if slots:
             return [region_view(targets[s.param], s.dst) for s in slots]
         return [targets[weight]]
+
+
+@dataclass
+class Fp8Refresh:
+    """What a patch moves in an FP8 snapshot's parameters, computed before the pause
+    (`Fp8Store.plan`): per FP8 weight, the positions (rows, columns) and their new values."""
+
+    writes: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def elements(self) -> int:
+        """The parameter elements it writes (per FP8 weight, before any second view of it)."""
+        return sum(int(rows.numel()) for _, rows, _, _ in self.writes)
+
+    def apply(
+        self, targets: Mapping[str, torch.Tensor], converted: Mapping[str, list[Slot]]
+    ) -> None:
+        """Write the new values where the model computes with each weight (at the pause)."""
+        with torch.no_grad():
+            for weight, rows, cols, values in self.writes:
+                for view in Fp8Store._views(weight, targets, converted):
+                    view.index_put_((rows, cols), values)

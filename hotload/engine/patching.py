@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hotload.engine.fp8 import Fp8Refresh
 from hotload.engine.model import ModelRunner
 from hotload_patch.checkpoint import checkpoint_specs
 from hotload_patch.placement import IdentityHost
@@ -39,6 +40,8 @@ class StagedPatch:
 
     staged: Staged
     patches: EnginePatches
+    #: An FP8 snapshot's parameter elements the patch moves (`hotload.engine.fp8`).
+    fp8: Fp8Refresh | None = None
 
     @property
     def seconds(self) -> float:
@@ -57,12 +60,10 @@ class StagedPatch:
 
     def apply(self) -> None:
         """Write the changed elements (at a pause point); on failure nothing changed. An FP8
-        snapshot's parameters are then recomputed where the written values and scales move them."""
-        staged = self.patches.patcher.apply()
-        runner = self.patches.runner
-        if runner.fp8.stored:
-            written = ((w.param, w.index) for w in staged.writes)
-            runner.fp8.refresh(written, runner.targets, runner.converted)
+        snapshot's parameters then take the elements its written values and scales move."""
+        self.patches.patcher.apply()
+        if self.fp8 is not None:
+            self.fp8.apply(self.patches.runner.targets, self.patches.runner.converted)
 
 
 class EnginePatches:
@@ -91,7 +92,11 @@ class EnginePatches:
         raises `PatchError` and changes nothing."""
         staged = self.patcher.stage(path, identity=identity, parent=parent).result()
         verify(staged.checks, self.patcher.served(), staged.deltas)
-        return StagedPatch(staged, self)
+        runner = self.runner
+        if not runner.fp8.stored:
+            return StagedPatch(staged, self)
+        writes = ((w.param, w.index, w.new) for w in staged.writes)
+        return StagedPatch(staged, self, runner.fp8.plan(writes, runner.targets, runner.converted))
 
     def report(self) -> dict[str, Any]:
         """The scrub's state and the counters (what checksums read, what patches wrote)."""
