@@ -611,3 +611,80 @@ async def test_a_bf16_engine_refuses_an_fp8_snapshot_naming_the_dtype_and_keeps_
     engine = Engine(EngineConfig(model_path=fp8, name="tiny", identity="fp8", dtype="float32"))
     with pytest.raises(SnapshotError, match="weight_block_size: is per-tensor FP8"):
         await engine.start()
+
+
+@pytest.mark.asyncio
+async def test_the_operator_admits_an_fp8_chain_on_the_api_server_and_refuses_bad_ones(
+    kube_api: Any, moe_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the running operator and the session's API server (the real one in CI): an FP8
+    full snapshot and its delta, uploaded and named by Snapshot objects, are accepted into the
+    ledger; a delta that changes the recipe and a full snapshot missing a scale are refused,
+    their conditions naming the field and the tensor, the ledger untouched."""
+    from hotload.bucket import open_bucket
+    from hotload.ledger import Ledger
+    from support.cluster import install_crds
+    from support.operator import (
+        condition,
+        eventually,
+        get_or_none,
+        hld_body,
+        hld_path,
+        running_operator,
+        snapshot_body,
+        snapshot_path,
+    )
+    from support.snapshots import upload
+
+    monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig))
+    ns = kube_api.namespace
+    bucket_dir = tmp_path / "bucket"
+    bucket_dir.mkdir()
+    state = _state(moe_folder)
+    config = json.loads((moe_folder / "config.json").read_text())
+    moved = _step(state, [EXPERT, "model.layers.1.mlp.experts.2.up_proj.weight"])
+    s0 = write_snapshot(tmp_path / "f" / "step-000", state, config=config, fp8="experts").path
+    s1_full = write_snapshot(tmp_path / "full" / "step-001", moved, config=config, fp8="experts")
+    s1 = tmp_path / "f" / "step-001"
+    encode(s0, s1_full.path, s1, parent_identity="step-000", identity="step-001")
+    recipe = tmp_path / "f" / "step-002"
+    encode(s0, s1_full.path, recipe, parent_identity="step-001", identity="step-002")
+    doc = json.loads((recipe / "config.json").read_text())
+    doc["quantization_config"]["hotload_recipe"] = "linear"
+    (recipe / "config.json").unlink()  # a hard link to step-001's own: replaced, not edited
+    (recipe / "config.json").write_text(json.dumps(doc))
+    unscaled = write_snapshot(tmp_path / "f" / "step-003", moved, config=config, fp8="experts")
+    scale = f"{EXPERT}_scale_inv"
+    _drop_tensor(unscaled.path, scale)
+
+    async def outcome(kube: Any, name: str) -> dict[str, Any]:
+        async def decided() -> dict[str, Any] | None:
+            obj = await get_or_none(kube, snapshot_path(ns, name))
+            return obj if obj and condition(obj, "Accepted") else None
+
+        obj = await eventually(f"{name} decided", decided)
+        return dict(obj["status"])
+
+    async with kube_api.client() as kube:
+        await install_crds(kube)
+        async with running_operator(kube_api):
+            await kube.create(hld_path(ns), hld_body("fleet", bucket_dir))
+            statuses = {}
+            for folder in (s0, s1, recipe, unscaled.path):
+                await upload(bucket_dir, folder)
+                await kube.create(snapshot_path(ns), snapshot_body(folder.name, "fleet"))
+                statuses[folder.name] = await outcome(kube, folder.name)
+    first, delta = statuses["step-000"], statuses["step-001"]
+    assert condition({"status": first}, "Accepted")["status"] == "True", first
+    assert first["kind"] == "full" and first["sequence"] == 1
+    assert condition({"status": delta}, "Accepted")["status"] == "True", delta
+    assert delta["kind"] == "incremental" and delta["sequence"] == 2
+    changed = condition({"status": statuses["step-002"]}, "Accepted")
+    assert changed["status"] == "False", changed
+    assert changed["reason"] == "InvalidSnapshot"
+    assert "quantization_config: changed from" in changed["message"]
+    missing = condition({"status": statuses["step-003"]}, "Accepted")
+    assert missing["status"] == "False" and missing["reason"] == "InvalidSnapshot"
+    assert scale in missing["message"] and "without its scale" in missing["message"]
+    head = (await Ledger(open_bucket(str(bucket_dir)), "fleet").read_async()).document
+    assert head.sequence == 2 and head.head is not None and head.head.identity == "step-001"
