@@ -28,6 +28,7 @@ NEEDS_AN_EXTRA = {
     "hotload.engine.batch",
     "hotload.engine.engine",
     "hotload.engine.exact",
+    "hotload.engine.fp8",
     "hotload.engine.sampling",
     "hotload.engine.staging",
     "hotload.engine.layout",
