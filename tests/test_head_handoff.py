@@ -534,3 +534,73 @@ async def test_handed_uploads_are_taken_without_reading_the_bucket(
     ops = [op for op, _ in calls.since(mark)]
     assert ("LIST", hints_prefix("fleet")) in calls.since(mark)
     assert (ops.count("LIST"), ops.count("GET")) == (1, 1), calls.since(mark)
+
+
+@pytest.mark.asyncio
+async def test_a_failing_ledger_backs_off_on_its_own_and_each_failure_is_counted(
+    kube_api: KubeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A ledger that cannot be read (its object is not JSON) is read again after a backoff that
+    doubles from the poll interval, each failure logged and counted in
+    `hotload_operator_work_failures_total{queue="head"}`; a healthy ledger beside it keeps its
+    own interval (its HotLoadHead's heartbeat goes on); once repaired, the failing one is
+    handed over too."""
+    import logging
+
+    from hotload.api.names import HEAD_PLURAL
+    from support.operator import running_operator
+
+    monkeypatch.setenv("KUBECONFIG", str(kube_api.kubeconfig))
+    caplog.set_level(logging.WARNING, logger="hotload_operator.workqueue")
+    ns = kube_api.namespace
+    bucket_dir = tmp_path / "bucket"
+    bucket = open_bucket(str(bucket_dir))
+    good, bad = Ledger(bucket, "good"), Ledger(bucket, "bad")
+    for ledger in (good, bad):
+        (bucket_dir / ledger.key).parent.mkdir(parents=True, exist_ok=True)
+    (bucket_dir / good.key).write_bytes(LedgerDocument("good").dumps())
+    (bucket_dir / bad.key).write_bytes(b"{not a ledger")
+    interval = 0.5
+
+    def heads_of(collection: JSON, name: str) -> JSON | None:
+        return next((o for o in collection["items"] if o["metadata"]["name"] == name), None)
+
+    async with kube_api.client() as kube:
+        await install_crds(kube)
+        heads = resource_path("hotload.dev/v1alpha1", HEAD_PLURAL, ns)
+        async with running_operator(
+            kube_api, head_poll_seconds=interval, head_heartbeat_seconds=1.0
+        ) as op:
+            await kube.create(hld_path(ns), hld_body("good", bucket_dir))
+            await kube.create(hld_path(ns), hld_body("bad", bucket_dir))
+            checked: set[str] = set()
+            loop = asyncio.get_running_loop()
+            until_ = loop.time() + 12
+            while loop.time() < until_:
+                found = heads_of(await kube.list(heads), head_object_name("good"))
+                if found is not None:
+                    checked.add(json.dumps(found.get("spec") or found.get("status")))
+                await asyncio.sleep(0.5)
+            failures = [
+                r
+                for r in caplog.records
+                if r.getMessage().startswith("head of ") and "bad" in r.getMessage()
+            ]
+            counted = op.ctx.metrics.work_failures.labels(queue="head")._value.get()
+            assert heads_of(await kube.list(heads), head_object_name("bad")) is None
+            # Repaired: handed over at its next retry (the backoff is at most 30 s).
+            (bucket_dir / bad.key).write_bytes(LedgerDocument("bad").dumps())
+
+            async def handed() -> JSON | None:
+                return heads_of(await kube.list(heads), head_object_name("bad"))
+
+            await eventually("the repaired ledger's HotLoadHead", handed, timeout=45)
+    assert len(failures) >= 3, [r.getMessage() for r in caplog.records]
+    assert counted >= len(failures)
+    assert all(f"({n} in a row)" in r.getMessage() for n, r in enumerate(failures, start=1))
+    gaps = [b.created - a.created for a, b in itertools.pairwise(failures)]
+    # Each retry waits out its backoff (a busy machine only makes it later): 0.5, 1, 2, 4 s ...
+    for n, gap in enumerate(gaps):
+        assert gap >= 0.9 * min(30.0, interval * 2**n), gaps
+    # The healthy ledger was read at its own interval meanwhile: its heartbeat went on.
+    assert len(checked) >= 3, checked

@@ -119,7 +119,7 @@ class OperatorMetrics:
         )
         self.work_failures = Counter(
             "hotload_operator_work_failures",
-            "Failed runs of the work queues (roll-up, poll, admission, history, gc), each "
+            "Failed runs of the work queues (roll-up, poll, admission, history, gc, head), each "
             "requeued with backoff; the log names each cause",
             ["queue"],
             registry=r,

@@ -19,12 +19,18 @@ uploads, for people) changes only when they do, written by the deployment's roll
 is one write of each object, an unchanged head one write of the HotLoadHead per heartbeat. A
 ledger that cannot be read leaves both alone (`checkedTime` ages), so the loaders fall back to
 the origin and say why. The writes pass the leader's fence like every other write (`fence.py`).
+
+Each ledger is its own key of a work queue (`WorkQueue`, name `head`): a read that fails or takes
+longer than `POLL_TIMEOUT_SECONDS` is retried after a backoff that doubles from the poll interval
+up to `MAX_BACKOFF_SECONDS` and is counted (`hotload_operator_work_failures_total{queue="head"}`),
+while every other ledger keeps its own interval; the timer only asks again for the ledgers that
+are neither queued, being read nor backing off.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -46,7 +52,7 @@ from hotload_operator.fence import NotLeadingError
 from hotload_operator.fleet import DeploymentRecord
 from hotload_operator.handoffs import HandoffWriter
 from hotload_operator.meta import ledger_url, name_of, namespace_of
-from hotload_operator.workqueue import wait_for_cancellable
+from hotload_operator.workqueue import WorkQueue, wait_for_cancellable
 
 log = logging.getLogger("hotload_operator")
 
@@ -59,6 +65,10 @@ HEARTBEAT_SECONDS = 30.0
 POLL_TIMEOUT_SECONDS = 30.0
 #: At most this many uploading identities are handed over (the newest).
 MAX_UPLOADING = 4
+#: Longest wait before a failing ledger is read again (its loaders read the origin meanwhile).
+MAX_BACKOFF_SECONDS = 30.0
+#: Ledgers read at once: slow ones hold a slot each, the others must still find one.
+MAX_CONCURRENT_READS = 256
 
 LedgerKey = tuple[str, str, str]
 JSON = dict[str, Any]
@@ -88,79 +98,88 @@ class HeadPoller:
     #: admitted), and when a LIST that failed was tried (not again before a heartbeat).
     _listings: dict[LedgerKey, dict[str, Listing]] = field(default_factory=dict)
     _unlisted: dict[LedgerKey, dict[str, datetime]] = field(default_factory=dict)
-    #: Per ledger: its read in progress (a slow one is not started again, nor waited for).
-    _inflight: dict[LedgerKey, asyncio.Task[None]] = field(default_factory=dict)
     poll_timeout: float = POLL_TIMEOUT_SECONDS
+    max_backoff: float = MAX_BACKOFF_SECONDS
     #: The HotLoadHeads' writer (set from `ctx` and `heartbeat`).
     handoffs: HandoffWriter = field(init=False)
+    #: One key per ledger (set from the settings above).
+    queue: WorkQueue[LedgerKey] = field(init=False)
+    #: The deployments following each ledger, as of the last `schedule`.
+    _groups: dict[LedgerKey, list[DeploymentRecord]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.handoffs = HandoffWriter(self.ctx, self.heartbeat)
+        self.queue = WorkQueue(
+            self._read,
+            window=0,
+            concurrency=MAX_CONCURRENT_READS,
+            name="head",
+            backoff=self.interval,
+            max_backoff=max(self.interval, self.max_backoff),
+        )
 
     async def run(self) -> None:
-        """Poll every ledger every `interval` seconds; forever (the runtime cancels it)."""
+        """Ask for a read of every ledger every `interval` seconds, and run the reads; forever
+        (the runtime cancels it)."""
         loop = asyncio.get_running_loop()
+        reads = asyncio.create_task(self.queue.run(), name="ledger head reads")
         try:
             while True:
                 began = loop.time()
-                await self.poll_once(wait=self.interval)
+                self.schedule()
                 # From start to start: a slow bucket must not stretch the interval loaders wait.
                 await asyncio.sleep(max(0.0, began + self.interval - loop.time()))
         finally:
-            for task in self._inflight.values():
-                task.cancel()
+            reads.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reads
 
-    async def poll_once(self, wait: float | None = None) -> None:
-        """Start a read of each distinct followed ledger that is not still being read, and wait
-        for them at most `wait` seconds (None: until they end): one slow bucket delays its own
-        deployments' handoffs, never another ledger's."""
+    def schedule(self) -> None:
+        """Ask for a read of each followed ledger that is neither queued, being read nor
+        backing off after a failure (the queue runs that one again itself); forget the
+        ledgers nobody follows any more."""
         groups: dict[LedgerKey, list[DeploymentRecord]] = {}
         for record in self.ctx.fleet().all_deployments():
             groups.setdefault(self.ctx.ledgers.key(record.hld), []).append(record)
-        for gone in [k for k in self._checked if k not in groups]:
-            del self._checked[gone]
+        for gone in [k for k in {*self._checked, *self._groups} if k not in groups]:
+            self._checked.pop(gone, None)
             self._hints.pop(gone, None)
             self._uploading_of.pop(gone, None)
             self._listings.pop(gone, None)
             self._unlisted.pop(gone, None)
+            self.queue.cancel(gone)
+        self._groups = groups
         self.handoffs.forget(
             {(namespace_of(r.hld), name_of(r.hld)) for records in groups.values() for r in records}
         )
-        started: list[asyncio.Task[None]] = []
-        for key, records in groups.items():
-            if key in self._inflight:
-                continue  # still reading: its deployments' checkedTime ages, as it should
-            task = asyncio.create_task(self._bounded(key, records), name=f"head poll {key}")
-            self._inflight[key] = task
-            task.add_done_callback(functools.partial(self._ended, key))
-            started.append(task)
-        if started:
-            await asyncio.wait(started, timeout=wait)
+        for key in groups:
+            if not self.queue.queued(key) and not self.queue.failing(key):
+                self.queue.request(key, 0)
 
-    def _ended(self, key: LedgerKey, _: asyncio.Task[None]) -> None:
-        self._inflight.pop(key, None)
-
-    async def _bounded(self, key: LedgerKey, records: Sequence[DeploymentRecord]) -> None:
-        """`_poll`, abandoned after `poll_timeout`; a failure is logged (the next poll tries
-        again): it must not stop the other ledgers' polls."""
+    async def _read(self, key: LedgerKey) -> None:
+        """The queue's work: `_poll` ledger `key`, abandoned after `poll_timeout`. A failure
+        raises, so that the queue retries it after its backoff and counts it."""
+        records = self._groups.get(key)
+        if not records:
+            return  # nobody follows it any more
+        url = ledger_url(records[0].hld)
         try:
             await wait_for_cancellable(self._poll(key, records), self.poll_timeout)
-        except TimeoutError:
-            log.warning(
-                "ledger %s: reading its head took longer than %.0fs; abandoned (its loaders "
-                "see checkedTime age and read the origin themselves)",
-                ledger_url(records[0].hld), self.poll_timeout,
-            )  # fmt: skip
-        except (HotloadError, NotLeadingError) as err:
-            log.warning("head poll of ledger %s failed: %s", ledger_url(records[0].hld), err)
-        except Exception:
-            log.exception("head poll of ledger %s failed", ledger_url(records[0].hld))
+        except TimeoutError as err:
+            raise LedgerError(
+                f"ledger {url}: reading its head took longer than {self.poll_timeout:.0f}s; "
+                "abandoned (its loaders see checkedTime age and read the origin themselves)"
+            ) from err
+        except NotLeadingError as err:
+            log.info("head poll of ledger %s stopped: %s", url, err)  # the new leader reads it
 
     async def _poll(self, key: LedgerKey, records: Sequence[DeploymentRecord]) -> None:
         hld = records[0].hld
         await self.ctx.ledgers.refresh(hld)
-        if self.ctx.ledgers.view(hld).problem is not None:
-            return  # checkedTime stays old: the loaders poll the origin and report the cause
+        problem = self.ctx.ledgers.view(hld).problem
+        if problem is not None:
+            # checkedTime stays old: the loaders poll the origin and report the cause.
+            raise LedgerError(f"ledger {ledger_url(hld)}: {problem.message}")
         checked = self._checked[key] = self.ctx.now()
         document = self.ctx.ledgers.view(hld).document
         self._uploading_of[key] = await self._uploading(key, hld, document)
@@ -224,7 +243,7 @@ class HeadPoller:
         nested = (self._hints, self._uploading_of, self._listings, self._unlisted)
         # A copy of each table first: the metrics server's thread reads this while the loop runs.
         inner = sum(len(v) for table in nested for v in list(table.values()))
-        return len(self._checked) + len(self._inflight) + inner + len(self.handoffs)
+        return len(self._checked) + len(self.queue) + inner + len(self.handoffs)
 
     async def _listed(
         self, key: LedgerKey, hld: HotLoadDeployment, document: LedgerDocument, now: datetime

@@ -184,8 +184,9 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         )
     # Before the client's first request: its connection pool is made with this class.
     kube.request_class = fenced_request_class(ctx.fence)
+    poller: heads.HeadPoller | None = None
     if settings.head_poll_seconds > 0:
-        ctx.heads = heads.HeadPoller(
+        ctx.heads = poller = heads.HeadPoller(
             ctx, interval=settings.head_poll_seconds, heartbeat=settings.head_heartbeat_seconds
         )
         # The poller reads every followed ledger this often (and a poll may take a while).
@@ -216,7 +217,10 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         name="admission",
     )
 
-    for queue in (ctx.rollups, ctx.polls, ctx.retention.queue, ctx.histories, ctx.admissions):
+    queues = [ctx.rollups, ctx.polls, ctx.retention.queue, ctx.histories, ctx.admissions]
+    if poller is not None:
+        queues.append(poller.queue)
+    for queue in queues:
         queue.on_failure = lambda name: ctx.metrics.work_failures.labels(queue=name).inc()
 
     def on_deployment(key: Key, old: DeploymentRecord | None, new: DeploymentRecord | None) -> None:

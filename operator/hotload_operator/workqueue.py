@@ -79,6 +79,10 @@ class WorkQueue(Generic[K]):
         self._again.pop(key, None)
         self._failures.pop(key, None)
 
+    def queued(self, key: K) -> bool:
+        """Whether `key` waits to run or runs now."""
+        return key in self._due or key in self._running
+
     def failing(self, key: K) -> int:
         """How many times in a row `key`'s work has failed (0: its last run succeeded)."""
         return self._failures.get(key, 0)
