@@ -217,7 +217,8 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         name="admission",
     )
 
-    queues = [ctx.rollups, ctx.polls, ctx.retention.queue, ctx.histories, ctx.admissions]
+    queues: list[WorkQueue[Any]] = [ctx.rollups, ctx.polls, ctx.retention.queue, ctx.histories]
+    queues.append(ctx.admissions)
     if poller is not None:
         queues.append(poller.queue)
     for queue in queues:
