@@ -176,6 +176,29 @@ def test_check_loadable_refuses_what_an_in_place_reload_cannot_take(
         check_loadable(str(full(tmp_path / "fewer", fewer)), str(snap_a))
 
 
+def test_check_loadable_refuses_a_change_of_quantization(tmp_path: Path) -> None:
+    """BF16 weights to a block-FP8 snapshot of them (or back, or another recipe): refused
+    before the engine pauses, naming quantization_config and both sides."""
+
+    from hotload.snapshot import build_from_folder
+    from support.families import FAMILIES, save_family
+
+    bf16 = save_family(FAMILIES["qwen3-moe"], tmp_path / "hf", seed=1)
+    experts = build_from_folder(bf16, tmp_path / "experts", fp8="experts").path
+    linear = build_from_folder(bf16, tmp_path / "linear", fp8="linear").path
+    check_loadable(str(experts), str(experts))
+    with pytest.raises(
+        HotloadError,
+        match=r"quantization_config: is fp8 \(recipe 'experts'\) "
+        r"and the engine runs unquantized weights",
+    ):
+        check_loadable(str(experts), str(bf16))
+    with pytest.raises(HotloadError, match=r"is unquantized and the engine runs fp8"):
+        check_loadable(str(bf16), str(experts))
+    with pytest.raises(HotloadError, match=r"recipe 'linear'.*runs fp8 \(recipe 'experts'\)"):
+        check_loadable(str(linear), str(experts))
+
+
 def test_check_loadable_refuses_a_delta(tmp_path: Path, snap_a: Path) -> None:
     from support.snapshots import delta, nudged
 

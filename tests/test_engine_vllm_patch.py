@@ -425,3 +425,30 @@ async def test_a_failed_probe_marks_the_replica_degraded_and_reloads_it_in_full(
         assert "hotload_loader_degraded 0.0" in metrics
     assert paused == ["step-001"]
     assert world.outputs()  # vLLM generates (not left paused)
+
+
+@pytest.mark.asyncio
+async def test_an_fp8_snapshot_is_refused_before_the_pause_and_the_weights_serve_on(
+    world: World, tmp_path: Path
+) -> None:
+    """vLLM builds its layers for one quantization at start, so a hot reload cannot change it:
+    a block-FP8 snapshot of the served model is refused before the engine pauses, naming
+    quantization_config and both sides; the weights, the answers and the version stay."""
+    from hotload.snapshot import build_from_folder
+    from hotload_sidecar.engines import EngineLoadError
+
+    fp8 = build_from_folder(world.fulls[0], tmp_path / "fp8", fp8="linear").path
+    async with world.adapter() as adapter:
+        await adapter.load(LoadRequest(str(world.fulls[0]), "step-0", 20, mode="sync"))
+        before = await adapter.parameter_checksums()
+        outputs = world.outputs()
+        with pytest.raises(EngineLoadError) as refused:
+            await adapter.load(LoadRequest(str(fp8), "step-0-fp8", 21, mode="sync"))
+        assert refused.value.step == "check", refused.value
+        assert (
+            "quantization_config: is fp8 (recipe 'linear') and the engine runs unquantized "
+            "weights" in str(refused.value)
+        )
+        assert await adapter.parameter_checksums() == before
+        assert world.outputs() == outputs
+        assert await adapter.current() == ServedSnapshot("step-0", 20)

@@ -54,6 +54,7 @@ def check_loadable(path: str, previous: str | None) -> None:
         raise SnapshotError("no safetensors weights", path=path)
     if previous is None or not Path(previous).is_dir():
         return
+    _same_quantization(folder, Path(previous))
     new, old = weight_specs(folder), weight_specs(previous)
     missing, extra = sorted(old.keys() - new.keys()), sorted(new.keys() - old.keys())
     if missing:
@@ -73,3 +74,33 @@ def check_loadable(path: str, previous: str | None) -> None:
                 path=path,
                 field=name,
             )
+
+
+def _quantization(folder: Path) -> str:
+    """How a model folder's weights are stored, in words: its `quantization_config`'s method
+    and recipe, or "unquantized"."""
+    import json
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "unknown"
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(qc, dict):
+        return "unquantized"
+    recipe = qc.get("hotload_recipe")
+    return f"{qc.get('quant_method')}" + (f" (recipe {recipe!r})" if recipe else "")
+
+
+def _same_quantization(folder: Path, previous: Path) -> None:
+    """Refuse a folder whose quantization differs from the loaded one's: an engine builds its
+    layers for one quantization at start, and an in-place reload cannot change it."""
+    new, old = _quantization(folder), _quantization(previous)
+    if "unknown" not in (new, old) and new != old:
+        raise SnapshotError(
+            f"is {new} and the engine runs {old} weights: an engine cannot change quantization "
+            "in a hot reload. Restart the engine on this snapshot, or publish with the "
+            "quantization the fleet started with (docs/fp8.md)",
+            path=str(folder / "config.json"),
+            field="quantization_config",
+        )
