@@ -172,14 +172,17 @@ class Engine:
         self.scheduler.start()
         self.metrics.set_served(served.identity, served.sequence)
         self.last_load_seconds = time.perf_counter() - started
+        fp8 = runner.fp8.weights
+        held = f", {len(fp8)} block-FP8 weights computed dequantized in {self.config.dtype}"
         log.info(
-            "serving %s@%s (sequence %d) on %s, %s numerics, batch-invariant: %s",
+            "serving %s@%s (sequence %d) on %s, %s numerics, batch-invariant: %s%s",
             self.name,
             served.identity,
             served.sequence,
             runner.device,
             runner.info.numerics,
             runner.info.batch_invariant,
+            held if fp8 else "",
         )
 
     async def close(self) -> None:
