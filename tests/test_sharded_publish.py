@@ -14,6 +14,7 @@ import faulthandler
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -107,7 +108,12 @@ def _sharded_model(frozen: int | None = None) -> Llama:
 def _group(rank: int, out: str) -> Iterator[None]:
     """This rank in a gloo group of `WORLD` (rendezvous in `out`); a crash of the process dumps
     its Python stack into `out/rank-N.err`, which `_spawn` shows. Every rank waits for the others
-    before the group is torn down, so none exits while a peer still talks to it."""
+    before the group is torn down, so none exits while a peer still talks to it. A rank whose
+    work and teardown succeeded leaves at once (`os._exit(0)`, its results already on disk),
+    skipping the interpreter's finalization: on a loaded machine a rank once died there with
+    SIGABRT and no Python frame ("terminate called without an active exception"), the sign of
+    gloo's worker threads meeting that finalization (pytorch/pytorch#179291), which is torch's
+    teardown, not what these tests check."""
     import torch.distributed as dist
 
     err = open(f"{out}/rank-{rank}.err", "w")  # noqa: SIM115 (open until the process ends)
@@ -121,6 +127,11 @@ def _group(rank: int, out: str) -> Iterator[None]:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    faulthandler.disable()
+    err.close()
+    os._exit(0)
 
 
 def _spawn(fn: Callable[..., None], out: Path, *args: Any) -> None:
