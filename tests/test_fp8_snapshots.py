@@ -688,3 +688,48 @@ async def test_the_operator_admits_an_fp8_chain_on_the_api_server_and_refuses_ba
     assert scale in missing["message"] and "without its scale" in missing["message"]
     head = (await Ledger(open_bucket(str(bucket_dir)), "fleet").read_async()).document
     assert head.sequence == 2 and head.head is not None and head.head.identity == "step-001"
+
+
+def test_a_loader_follows_an_fp8_run_with_patches_that_give_a_full_loads_bits(
+    moe_folder: Path, tmp_path: Path, env: dict[str, str], replicas: list[Any]
+) -> None:
+    """The product's path: a trainer publishes an FP8 run (a full snapshot, then two arc_v2
+    deltas) to a bucket; a real loader and reference engine (processes) follow its ledger. Each
+    delta is taken as a sparse patch, and the engine then holds, stored FP8 bytes included,
+    the checksums of an engine started on that step's full snapshot."""
+    import asyncio
+
+    from hotload.bucket import open_bucket
+    from hotload.ledger import Ledger
+    from support.engines import checksums, serve
+    from support.fleet import Replica, Trainer, free_port, http_json
+
+    config = json.loads((moe_folder / "config.json").read_text())
+    states = [_state(moe_folder)]
+    states.append(_step(states[-1], [EXPERT, "model.layers.1.mlp.experts.2.up_proj.weight"]))
+    states.append(_step(states[-1], ["model.layers.0.mlp.experts.3.gate_proj.weight", EXPERT]))
+    fulls = [
+        write_snapshot(tmp_path / f"full-{k}", s, config=config, fp8="experts").path
+        for k, s in enumerate(states)
+    ]
+    bucket = tmp_path / "bucket"
+    trainer = Trainer(Ledger(open_bucket(str(bucket)), "policy"), fulls, tmp_path / "t", 100)
+    trainer.publish(0)
+    r = Replica("r0", tmp_path / "r0", f"{bucket}/policy", env, admin_port=free_port())
+    replicas.append(r)
+    r.start()
+    r.wait_serving("step-000", timeout=180)
+    for k in (1, 2):
+        trainer.publish(k)
+        status = r.wait_serving(f"step-{k:03d}")
+        assert status["last_load"]["method"] == "sparse", status["last_load"]
+    code, body = http_json("GET", r.full_api_url + "/hotload/v1/checksums")
+    assert code == 200, body
+
+    async def full_load() -> dict[str, str]:
+        async with serve(fulls[2], "step-002") as client:
+            return await checksums(client)
+
+    served = dict(body["checksums"])
+    assert served == asyncio.run(full_load())
+    assert {n: d for n, d in served.items() if n.endswith(" (stored)")} == _stored_digests(fulls[2])
