@@ -535,6 +535,53 @@ async def test_fp8_patches_give_the_bits_a_full_load_of_the_step_gives(
     assert after_patch.tokens == after_full.tokens
 
 
+def test_the_dequantized_copy_holds_each_weight_times_its_scales_across_shards(
+    moe_folder: Path, tmp_path: Path
+) -> None:
+    """`dequantized_folder` of an FP8 snapshot with a weight's scales in another shard than the
+    weight holds every tensor dequantized as this test computes
+    it from the file's bytes, and no scale or quantization_config."""
+    import torch
+
+    from hotload.snapshot.fp8 import dequantized_folder
+    from hotload.snapshot.safetensors_io import RawTensor, write_safetensors
+
+    config = json.loads((moe_folder / "config.json").read_text())
+    fp8 = write_snapshot(tmp_path / "fp8", _state(moe_folder), config=config, fp8="experts").path
+    # As some published FP8 checkpoints are cut: one weight's scales in another shard.
+    index_path = fp8 / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    scale = f"{EXPERT}_scale_inv"
+    home = index["weight_map"][scale]
+    other = next(f for f in sorted(set(index["weight_map"].values())) if f != home)
+    held = {
+        shard: [
+            (n, RawTensor(t.dtype, tuple(t.shape), np.array(t.data)))
+            for n, t in iter_file(fp8 / shard)
+        ]
+        for shard in (home, other)
+    }
+    held[other] += [(n, t) for n, t in held[home] if n == scale]
+    held[home] = [(n, t) for n, t in held[home] if n != scale]
+    for shard, tensors in held.items():
+        write_safetensors(fp8 / shard, tensors)
+    index["weight_map"][scale] = other
+    index_path.write_text(json.dumps(index))
+    plain = dequantized_folder(fp8, tmp_path / "plain")
+    expected = _dequantized(fp8)
+    got = {
+        name: torch.frombuffer(
+            bytearray(data), dtype={"F32": torch.float32, "BF16": torch.bfloat16}[dtype]
+        )
+        .reshape(shape)
+        .to(torch.float32)
+        for name, (dtype, shape, data) in _tensors(plain).items()
+    }
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    assert "quantization_config" not in json.loads((plain / "config.json").read_text())
+
+
 NUMERICS_SEQUENCES = [[*PROMPT, 3231, 102], [101, 7592, 2088, 999, 1996, 4937, 2938, 2006]]
 
 

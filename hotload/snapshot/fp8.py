@@ -222,18 +222,20 @@ def dequantized_folder(src: Path, dest: Path) -> Path:
             shutil.copyfile(extra, dest / extra.name)
     kinds = {"F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32}
     kinds |= {"BF16": torch.bfloat16, "F16": torch.float16}
+
+    def view(t: RawTensor) -> Any:
+        flat = torch.from_numpy(np.array(t.data))  # a copy: the memory map is read-only
+        return flat.view(kinds[t.dtype]).reshape(t.shape)
+
+    shards = {shard: dict(iter_file(shard)) for shard in sorted(src.glob("*.safetensors"))}
+    # A weight's scales may lie in another shard than the weight (zero-copy views until read).
+    every = {name: t for tensors in shards.values() for name, t in tensors.items()}
     weight_map: dict[str, str] = {}
-    for shard in sorted(src.glob("*.safetensors")):
-        tensors = dict(iter_file(shard))
+    for shard, tensors in shards.items():
         out: list[tuple[str, RawTensor]] = []
-
-        def view(t: RawTensor) -> Any:
-            flat = torch.from_numpy(np.array(t.data))  # a copy: the memory map is read-only
-            return flat.view(kinds[t.dtype]).reshape(t.shape)
-
         for name, stored in tensors.items():
-            scale = tensors.get(scale_of(name))
-            if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in tensors:
+            scale = every.get(scale_of(name))
+            if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in every:
                 continue
             if stored.dtype == FP8_DTYPE and scale is not None:
                 values = dequantize(view(stored), view(scale).float(), block).contiguous()
