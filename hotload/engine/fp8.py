@@ -116,11 +116,6 @@ class Fp8Refresh:
 
     writes: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
-    @property
-    def elements(self) -> int:
-        """The parameter elements it writes (per FP8 weight, before any second view of it)."""
-        return sum(int(rows.numel()) for _, rows, _, _ in self.writes)
-
     def apply(
         self, targets: Mapping[str, torch.Tensor], converted: Mapping[str, list[Slot]]
     ) -> None:

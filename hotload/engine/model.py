@@ -305,7 +305,7 @@ class ModelRunner:
         load_as, primary, converted = placed.load_as, placed.primary, placed.layout.converted
         tensors: dict[str, torch.Tensor] = {}
         aliases: list[tuple[str, str, torch.Tensor]] = []
-        fp8 = Fp8Store(block or Fp8Store().block)
+        fp8 = Fp8Store(block) if block is not None else Fp8Store()
         nbytes = 0
 
         def place(name: str, shard: str, t: torch.Tensor) -> None:

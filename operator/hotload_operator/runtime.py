@@ -217,8 +217,13 @@ def build(settings: Settings, kube: KubeClient) -> Operator:
         name="admission",
     )
 
-    queues: list[WorkQueue[Any]] = [ctx.rollups, ctx.polls, ctx.retention.queue, ctx.histories]
-    queues.append(ctx.admissions)
+    queues: list[WorkQueue[Any]] = [
+        ctx.rollups,
+        ctx.polls,
+        ctx.retention.queue,
+        ctx.histories,
+        ctx.admissions,
+    ]
     if poller is not None:
         queues.append(poller.queue)
     for queue in queues:
